@@ -1,0 +1,48 @@
+"""kvferry: move paged, heterogeneous KV cache from a prefill worker to a decode worker.
+
+Every buffer owns its geometry and its index space; the planner validates before it plans; transports
+move bytes; the control plane leases pages and fails closed; digests prove what arrived.
+"""
+
+from .errors import (
+    HandshakeError,
+    IncompatiblePeer,
+    IntegrityError,
+    KVFerryError,
+    LayoutError,
+    LeaseError,
+    PeerLost,
+    PlanError,
+    RequestFailed,
+    TransferTimeout,
+    TransportError,
+)
+from .layout import Buffer, Layout, Pool, shape_difference
+from .memory import KVMemory, Region
+from .plan import Row, TransferPlan, plan_transfer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Buffer",
+    "HandshakeError",
+    "IncompatiblePeer",
+    "IntegrityError",
+    "KVFerryError",
+    "KVMemory",
+    "Layout",
+    "LayoutError",
+    "LeaseError",
+    "PeerLost",
+    "PlanError",
+    "Pool",
+    "Region",
+    "RequestFailed",
+    "Row",
+    "TransferPlan",
+    "TransferTimeout",
+    "TransportError",
+    "__version__",
+    "plan_transfer",
+    "shape_difference",
+]

@@ -1,0 +1,322 @@
+"""Typed KV layouts: buffers, pools and the layout that orders them.
+
+Layer 1 of kvferry (above ``errors``). A layout says *what* memory holds, never *where*: addresses belong
+to ``memory.KVMemory``. Every buffer owns its geometry (``page_bytes``) and its index space
+(``num_pages``); nothing here, or above, derives one buffer's slot count from another's.
+
+The manifest is the layout's wire form. It is versioned, and decoding treats its bytes as untrusted: every
+field is type-checked by ``msgspec`` and every value re-validated by the dataclasses below.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import msgspec
+
+from .errors import LayoutError
+
+__all__ = [
+    "MANIFEST_VERSION",
+    "Buffer",
+    "Layout",
+    "Pool",
+    "shape_difference",
+]
+
+# Bump when the manifest's fields or their meaning change; decoders refuse other versions.
+MANIFEST_VERSION = 1
+
+# Generous caps on untrusted manifests: far above any real model, far below what exhausts memory.
+MAX_POOLS = 1024
+MAX_BUFFERS = 1 << 16
+MAX_PAGE_BYTES = 1 << 40
+MAX_PAGES = 1 << 40
+MAX_NAME_LEN = 256
+
+
+def _check_name(what: str, name: object) -> None:
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN:
+        raise LayoutError(f"{what} name must be a non-empty string of at most {MAX_NAME_LEN} chars, got {name!r}")
+
+
+def _check_count(where: str, what: str, value: object, upper: int) -> None:
+    # bool is an int subclass; a True page size is always a bug upstream.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LayoutError(f"{where}: {what} must be an int, got {type(value).__name__} {value!r}")
+    if not 0 < value <= upper:
+        raise LayoutError(f"{where}: {what} must be in 1..{upper}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """One registered memory region of ``num_pages`` pages of ``page_bytes`` bytes each.
+
+    ``kind`` is a role tag (``kv``, ``k``, ``v``, ``index_k``, ``state``, ``aux``...), ``dtype`` the element
+    type as a string (``bf16``, ``fp8_e4m3``...). Both are compared at handshake: a decode side that reads
+    the bytes as another dtype must be refused before a byte moves.
+    """
+
+    name: str
+    page_bytes: int
+    num_pages: int
+    dtype: str = "uint8"
+    kind: str = "kv"
+    layer: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_name("buffer", self.name)
+        where = f"buffer {self.name!r}"
+        _check_count(where, "page_bytes", self.page_bytes, MAX_PAGE_BYTES)
+        _check_count(where, "num_pages", self.num_pages, MAX_PAGES)
+        for attr in ("dtype", "kind"):
+            value = getattr(self, attr)
+            if not isinstance(value, str) or not value or len(value) > MAX_NAME_LEN:
+                raise LayoutError(f"{where}: {attr} must be a non-empty string, got {value!r}")
+        if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int)
+                                       or self.layer < 0):
+            raise LayoutError(f"{where}: layer must be None or an int >= 0, got {self.layer!r}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.page_bytes * self.num_pages
+
+    def shape_key(self) -> tuple[object, ...]:
+        """Fields that must be equal on both sides of a transfer (capacity excluded)."""
+        return (self.name, self.page_bytes, self.dtype, self.kind, self.layer)
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """A page-index space: page ``i`` of the pool is page ``i`` of every buffer in it.
+
+    Buffers of one pool may differ in ``page_bytes`` and in ``num_pages``; a page index must be valid in
+    each of them. ``tokens_per_page`` is None for per-request state slots (Mamba state, for example).
+    """
+
+    name: str
+    buffers: tuple[Buffer, ...]
+    tokens_per_page: int | None = None
+
+    def __init__(self, name: str, buffers: Sequence[Buffer], tokens_per_page: int | None = None) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "buffers", tuple(buffers))
+        object.__setattr__(self, "tokens_per_page", tokens_per_page)
+        self._validate()
+
+    def _validate(self) -> None:
+        _check_name("pool", self.name)
+        if not self.buffers:
+            raise LayoutError(f"pool {self.name!r} has no buffers")
+        for buf in self.buffers:
+            if not isinstance(buf, Buffer):
+                raise LayoutError(f"pool {self.name!r}: expected Buffer, got {type(buf).__name__}")
+        if self.tokens_per_page is not None:
+            _check_count(f"pool {self.name!r}", "tokens_per_page", self.tokens_per_page, 1 << 30)
+
+    @property
+    def min_pages(self) -> int:
+        """Pages valid in every buffer of the pool: the bound a page index must stay under."""
+        return min(b.num_pages for b in self.buffers)
+
+    @property
+    def uniform_pages(self) -> bool:
+        return len({b.num_pages for b in self.buffers}) == 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The ordered pools of one worker's KV cache.
+
+    ``shape_fingerprint`` covers what must match between prefill and decode (pool names and token
+    granularity, buffer names, order, kinds, dtypes, layers, page sizes) and not what may differ
+    (capacities, addresses).
+    """
+
+    pools: tuple[Pool, ...]
+    _by_buffer: dict[str, Buffer] = field(init=False, repr=False, compare=False)
+    _by_pool: dict[str, Pool] = field(init=False, repr=False, compare=False)
+
+    def __init__(self, pools: Sequence[Pool]) -> None:
+        object.__setattr__(self, "pools", tuple(pools))
+        if not self.pools:
+            raise LayoutError("layout has no pools")
+        if len(self.pools) > MAX_POOLS:
+            raise LayoutError(f"layout has {len(self.pools)} pools, more than the limit {MAX_POOLS}")
+        by_pool: dict[str, Pool] = {}
+        by_buffer: dict[str, Buffer] = {}
+        for pool in self.pools:
+            if not isinstance(pool, Pool):
+                raise LayoutError(f"expected Pool, got {type(pool).__name__}")
+            if pool.name in by_pool:
+                raise LayoutError(f"duplicate pool name {pool.name!r}")
+            by_pool[pool.name] = pool
+            for buf in pool.buffers:
+                if buf.name in by_buffer:
+                    raise LayoutError(f"duplicate buffer name {buf.name!r} (in pool {pool.name!r})")
+                by_buffer[buf.name] = buf
+        if len(by_buffer) > MAX_BUFFERS:
+            raise LayoutError(f"layout has {len(by_buffer)} buffers, more than the limit {MAX_BUFFERS}")
+        object.__setattr__(self, "_by_pool", by_pool)
+        object.__setattr__(self, "_by_buffer", by_buffer)
+
+    # -- lookups ---------------------------------------------------------------------------------------
+    @cached_property
+    def buffers(self) -> tuple[Buffer, ...]:
+        """All buffers, pool by pool, in declaration order (the order of flat per-page lists)."""
+        return tuple(b for p in self.pools for b in p.buffers)
+
+    @cached_property
+    def pool_of(self) -> dict[str, str]:
+        """Buffer name -> its pool's name."""
+        return {b.name: p.name for p in self.pools for b in p.buffers}
+
+    def pool(self, name: str) -> Pool:
+        try:
+            return self._by_pool[name]
+        except KeyError:
+            raise LayoutError(f"no pool {name!r} in layout (pools: {sorted(self._by_pool)})") from None
+
+    def buffer(self, name: str) -> Buffer:
+        try:
+            return self._by_buffer[name]
+        except KeyError:
+            raise LayoutError(f"no buffer {name!r} in layout ({len(self._by_buffer)} buffers)") from None
+
+    def __iter__(self) -> Iterator[Pool]:
+        return iter(self.pools)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    # -- fingerprints ----------------------------------------------------------------------------------
+    def shape_key(self) -> tuple[object, ...]:
+        return tuple((p.name, p.tokens_per_page, tuple(b.shape_key() for b in p.buffers)) for p in self.pools)
+
+    @cached_property
+    def shape_fingerprint(self) -> str:
+        """Hex digest of the shape: equal for two layouts that may exchange KV."""
+        return _digest(self.shape_key())
+
+    @cached_property
+    def instance_fingerprint(self) -> str:
+        """Hex digest of shape plus capacities: equal only for identically sized layouts."""
+        caps = tuple(b.num_pages for b in self.buffers)
+        return _digest((self.shape_key(), caps))
+
+    # -- derived layouts -------------------------------------------------------------------------------
+    def with_capacities(self, num_pages: dict[str, int]) -> Layout:
+        """The same shape with some buffers' ``num_pages`` replaced (e.g. read off engine regions)."""
+        unknown = set(num_pages) - set(self._by_buffer)
+        if unknown:
+            raise LayoutError(f"with_capacities: no buffers named {sorted(unknown)}")
+        return Layout([
+            Pool(p.name, [_replace_pages(b, num_pages.get(b.name, b.num_pages)) for b in p.buffers],
+                 p.tokens_per_page)
+            for p in self.pools
+        ])
+
+    # -- manifest --------------------------------------------------------------------------------------
+    def to_manifest(self) -> bytes:
+        """Versioned, self-describing bytes; ``Layout.from_manifest`` round-trips them exactly."""
+        return _ENCODER.encode(_LayoutMsg(version=MANIFEST_VERSION, pools=self.to_wire()))
+
+    @classmethod
+    def from_manifest(cls, data: bytes) -> Layout:
+        """Decode untrusted manifest bytes; raises LayoutError on anything malformed or out of range."""
+        msg = _decode(data, _LayoutMsg)
+        _check_version(msg.version)
+        return cls.from_wire(msg.pools)
+
+    def to_wire(self) -> list[_PoolMsg]:
+        return [
+            _PoolMsg(p.name, p.tokens_per_page,
+                     [_BufferMsg(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer) for b in p.buffers])
+            for p in self.pools
+        ]
+
+    @classmethod
+    def from_wire(cls, pools: list[_PoolMsg]) -> Layout:
+        if len(pools) > MAX_POOLS or sum(len(p.buffers) for p in pools) > MAX_BUFFERS:
+            raise LayoutError("manifest: too many pools or buffers")
+        return cls([
+            Pool(p.name, [Buffer(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer) for b in p.buffers],
+                 p.tokens_per_page)
+            for p in pools
+        ])
+
+
+def _replace_pages(buf: Buffer, num_pages: int) -> Buffer:
+    return Buffer(buf.name, buf.page_bytes, num_pages, buf.dtype, buf.kind, buf.layer)
+
+
+def _digest(key: object) -> str:
+    # blake2b from the standard library: fingerprints are computed once per handshake, not per page.
+    return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
+
+
+def shape_difference(local: Layout, remote: Layout) -> str | None:
+    """The first difference in shape between two layouts, spelled out, or None when they match.
+
+    The message names the pool, the buffer, the field, and both values, so an operator can see at once
+    that, say, decode holds its indexer keys in bf16 while prefill sends fp8.
+    """
+    local_pools = [p.name for p in local.pools]
+    remote_pools = [p.name for p in remote.pools]
+    if local_pools != remote_pools:
+        return f"pool set differs: local {local_pools}, remote {remote_pools}"
+    for lp, rp in zip(local.pools, remote.pools):
+        if lp.tokens_per_page != rp.tokens_per_page:
+            return (f"pool {lp.name!r}: tokens_per_page differs: local {lp.tokens_per_page}, "
+                    f"remote {rp.tokens_per_page}")
+        if len(lp.buffers) != len(rp.buffers):
+            return (f"pool {lp.name!r}: buffer count differs: local {len(lp.buffers)}, remote {len(rp.buffers)}")
+        for lb, rb in zip(lp.buffers, rp.buffers):
+            for attr in ("name", "page_bytes", "dtype", "kind", "layer"):
+                lv, rv = getattr(lb, attr), getattr(rb, attr)
+                if lv != rv:
+                    return (f"pool {lp.name!r}, buffer {lb.name!r}: {attr} differs: "
+                            f"local {lv!r}, remote {rv!r}")
+    return None
+
+
+# -- wire structs --------------------------------------------------------------------------------------
+class _BufferMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    name: str
+    page_bytes: int
+    num_pages: int
+    dtype: str
+    kind: str
+    layer: int | None
+
+
+class _PoolMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    name: str
+    tokens_per_page: int | None
+    buffers: list[_BufferMsg]
+
+
+class _LayoutMsg(msgspec.Struct, forbid_unknown_fields=True):
+    version: int
+    pools: list[_PoolMsg]
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _decode(data: bytes, typ: type) -> object:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise LayoutError(f"manifest must be bytes, got {type(data).__name__}")
+    try:
+        return msgspec.msgpack.decode(data, type=typ)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise LayoutError(f"malformed manifest: {exc}") from exc
+
+
+def _check_version(version: int) -> None:
+    if version != MANIFEST_VERSION:
+        raise LayoutError(f"manifest version {version} is not supported (expected {MANIFEST_VERSION})")

@@ -1,0 +1,21 @@
+"""Transports: move a plan's rows into a peer's memory. ``nixl`` is imported only when used."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import TransferHandle, Transport, check_rows_in_regions
+from .local import LocalTransport
+
+__all__ = ["LocalTransport", "TransferHandle", "Transport", "check_rows_in_regions", "make_transport"]
+
+
+def make_transport(kind: str, **kwargs: Any) -> Transport:
+    """``"local"`` or ``"nixl"``; keyword arguments go to the transport's constructor."""
+    if kind == "local":
+        return LocalTransport(**kwargs)
+    if kind == "nixl":
+        from .nixl import NixlTransport
+
+        return NixlTransport(**kwargs)
+    raise ValueError(f"unknown transport {kind!r} (expected 'local' or 'nixl')")
