@@ -11,7 +11,7 @@ field is type-checked by ``msgspec`` and every value re-validated by the datacla
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -22,13 +22,17 @@ from .errors import LayoutError
 __all__ = [
     "MANIFEST_VERSION",
     "Buffer",
+    "HeadGeometry",
     "Layout",
     "Pool",
+    "model_difference",
     "shape_difference",
+    "tp_compatible",
 ]
 
 # Bump when the manifest's fields or their meaning change; decoders refuse other versions.
-MANIFEST_VERSION = 1
+# 2: buffers carry optional head geometry; layouts carry tp_size and tp_rank.
+MANIFEST_VERSION = 2
 
 # Generous caps on untrusted manifests: far above any real model, far below what exhausts memory.
 MAX_POOLS = 1024
@@ -36,6 +40,8 @@ MAX_BUFFERS = 1 << 16
 MAX_PAGE_BYTES = 1 << 40
 MAX_PAGES = 1 << 40
 MAX_NAME_LEN = 256
+MAX_TP_SIZE = 1 << 16
+HEAD_MAJORS = ("head", "token")
 
 
 def _check_name(what: str, name: object) -> None:
@@ -52,12 +58,59 @@ def _check_count(where: str, what: str, value: object, upper: int) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class HeadGeometry:
+    """How one page of a buffer is cut into attention heads, on this tensor-parallel rank.
+
+    A page holds ``tokens_per_page`` token rows (entries, for compressed pools) of ``num_heads`` heads of
+    ``head_bytes`` bytes each. ``major="head"`` stores it as ``[head][token][bytes]`` (each head's tokens
+    contiguous), ``major="token"`` as ``[token][head][bytes]``. A *sharded* buffer holds ``num_heads`` of
+    the model's ``num_heads x tp_size`` heads: rank ``r`` holds heads ``[r * num_heads, (r+1) * num_heads)``.
+    A *replicated* buffer (MLA latent, indexer keys, state slots) holds the same bytes on every rank.
+    """
+
+    num_heads: int
+    head_bytes: int
+    tokens_per_page: int
+    major: str = "head"
+    replicated: bool = False
+
+    def __post_init__(self) -> None:
+        where = "head geometry"
+        _check_count(where, "num_heads", self.num_heads, 1 << 20)
+        _check_count(where, "head_bytes", self.head_bytes, MAX_PAGE_BYTES)
+        _check_count(where, "tokens_per_page", self.tokens_per_page, 1 << 30)
+        if self.major not in HEAD_MAJORS:
+            raise LayoutError(f"{where}: major must be one of {HEAD_MAJORS}, got {self.major!r}")
+        if not isinstance(self.replicated, bool):
+            raise LayoutError(f"{where}: replicated must be a bool, got {self.replicated!r}")
+
+    @classmethod
+    def whole_page(cls, page_bytes: int) -> HeadGeometry:
+        """A replicated page with no head structure (state slots, aux buffers): always moved whole."""
+        return cls(1, page_bytes, 1, "head", True)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_heads * self.head_bytes * self.tokens_per_page
+
+    def key(self) -> tuple[object, ...]:
+        return (self.num_heads, self.head_bytes, self.tokens_per_page, self.major, self.replicated)
+
+    def model_key(self, tp_size: int) -> tuple[object, ...]:
+        """What must match across TP sizes: total heads when sharded, the rank's own heads when replicated."""
+        heads = self.num_heads if self.replicated else self.num_heads * tp_size
+        return (heads, self.head_bytes, self.tokens_per_page, self.major, self.replicated)
+
+
+@dataclass(frozen=True, slots=True)
 class Buffer:
     """One registered memory region of ``num_pages`` pages of ``page_bytes`` bytes each.
 
     ``kind`` is a role tag (``kv``, ``k``, ``v``, ``index_k``, ``state``, ``aux``...), ``dtype`` the element
     type as a string (``bf16``, ``fp8_e4m3``...). Both are compared at handshake: a decode side that reads
-    the bytes as another dtype must be refused before a byte moves.
+    the bytes as another dtype must be refused before a byte moves. ``heads`` (optional) says how a page is
+    cut into attention heads; it is what lets ``kvferry.tp`` move KV between different TP sizes, and when
+    given, ``page_bytes`` must equal ``heads.page_bytes``.
     """
 
     name: str
@@ -66,6 +119,7 @@ class Buffer:
     dtype: str = "uint8"
     kind: str = "kv"
     layer: int | None = None
+    heads: HeadGeometry | None = None
 
     def __post_init__(self) -> None:
         _check_name("buffer", self.name)
@@ -79,6 +133,17 @@ class Buffer:
         if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int)
                                        or self.layer < 0):
             raise LayoutError(f"{where}: layer must be None or an int >= 0, got {self.layer!r}")
+        self._check_heads(where)
+
+    def _check_heads(self, where: str) -> None:
+        if self.heads is None:
+            return
+        if not isinstance(self.heads, HeadGeometry):
+            raise LayoutError(f"{where}: heads must be a HeadGeometry or None, got {type(self.heads).__name__}")
+        if self.heads.page_bytes != self.page_bytes:
+            h = self.heads
+            raise LayoutError(f"{where}: page_bytes {self.page_bytes} != {h.num_heads} heads x {h.head_bytes} B "
+                              f"x {h.tokens_per_page} tokens = {h.page_bytes} declared by its head geometry")
 
     @property
     def nbytes(self) -> int:
@@ -86,7 +151,17 @@ class Buffer:
 
     def shape_key(self) -> tuple[object, ...]:
         """Fields that must be equal on both sides of a transfer (capacity excluded)."""
-        return (self.name, self.page_bytes, self.dtype, self.kind, self.layer)
+        base = (self.name, self.page_bytes, self.dtype, self.kind, self.layer)
+        # Appended only when declared, so layouts without head geometry keep their fingerprints.
+        return base if self.heads is None else (*base, self.heads.key())
+
+    def model_key(self, tp_size: int) -> tuple[object, ...]:
+        """Fields that must be equal between two TP sizes of one model (page_bytes of sharded buffers,
+        which scale with 1 / tp_size, excluded)."""
+        if self.heads is None:
+            return (self.name, self.page_bytes, self.dtype, self.kind, self.layer, None)
+        page = self.page_bytes if self.heads.replicated else None
+        return (self.name, page, self.dtype, self.kind, self.layer, self.heads.model_key(tp_size))
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,14 +209,26 @@ class Layout:
     ``shape_fingerprint`` covers what must match between prefill and decode (pool names and token
     granularity, buffer names, order, kinds, dtypes, layers, page sizes) and not what may differ
     (capacities, addresses).
+
+    ``tp_size``/``tp_rank`` place the layout in a tensor-parallel group (defaults: no TP). The shape
+    fingerprint is per rank: it includes ``tp_size`` and the per-rank head geometry, so equal shapes can be
+    copied rank to rank by ``plan_transfer``. ``model_fingerprint`` leaves TP out (it counts a sharded
+    buffer's heads over all ranks): equal model fingerprints mean ``kvferry.tp`` can plan between them.
     """
 
     pools: tuple[Pool, ...]
+    tp_size: int
+    tp_rank: int
     _by_buffer: dict[str, Buffer] = field(init=False, repr=False, compare=False)
     _by_pool: dict[str, Pool] = field(init=False, repr=False, compare=False)
 
-    def __init__(self, pools: Sequence[Pool]) -> None:
+    def __init__(self, pools: Sequence[Pool], tp_size: int = 1, tp_rank: int = 0) -> None:
         object.__setattr__(self, "pools", tuple(pools))
+        object.__setattr__(self, "tp_size", tp_size)
+        object.__setattr__(self, "tp_rank", tp_rank)
+        _check_count("layout", "tp_size", tp_size, MAX_TP_SIZE)
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+            raise LayoutError(f"layout: tp_rank must be an int in 0..{tp_size - 1}, got {tp_rank!r}")
         if not self.pools:
             raise LayoutError("layout has no pools")
         if len(self.pools) > MAX_POOLS:
@@ -195,7 +282,20 @@ class Layout:
 
     # -- fingerprints ----------------------------------------------------------------------------------
     def shape_key(self) -> tuple[object, ...]:
-        return tuple((p.name, p.tokens_per_page, tuple(b.shape_key() for b in p.buffers)) for p in self.pools)
+        pools = tuple((p.name, p.tokens_per_page, tuple(b.shape_key() for b in p.buffers)) for p in self.pools)
+        # tp_size only when set, so layouts without TP keep their fingerprints; tp_rank never (any two
+        # ranks of one TP group have one shape).
+        return pools if self.tp_size == 1 else (("tp_size", self.tp_size), *pools)
+
+    def model_key(self) -> tuple[object, ...]:
+        return tuple((p.name, p.tokens_per_page, tuple(b.model_key(self.tp_size) for b in p.buffers))
+                     for p in self.pools)
+
+    @cached_property
+    def model_fingerprint(self) -> str:
+        """Hex digest of the model's shape independent of TP size: equal for any two TP layouts of one
+        model whose KV ``kvferry.tp`` can move (see ``model_difference``)."""
+        return _digest(("model", self.model_key()))
 
     @cached_property
     def shape_fingerprint(self) -> str:
@@ -218,40 +318,55 @@ class Layout:
             Pool(p.name, [_replace_pages(b, num_pages.get(b.name, b.num_pages)) for b in p.buffers],
                  p.tokens_per_page)
             for p in self.pools
-        ])
+        ], self.tp_size, self.tp_rank)
 
     # -- manifest --------------------------------------------------------------------------------------
     def to_manifest(self) -> bytes:
         """Versioned, self-describing bytes; ``Layout.from_manifest`` round-trips them exactly."""
-        return _ENCODER.encode(_LayoutMsg(version=MANIFEST_VERSION, pools=self.to_wire()))
+        return _ENCODER.encode(_LayoutMsg(version=MANIFEST_VERSION, pools=self.to_wire(),
+                                          tp_size=self.tp_size, tp_rank=self.tp_rank))
 
     @classmethod
     def from_manifest(cls, data: bytes) -> Layout:
         """Decode untrusted manifest bytes; raises LayoutError on anything malformed or out of range."""
         msg = _decode(data, _LayoutMsg)
         _check_version(msg.version)
-        return cls.from_wire(msg.pools)
+        return cls.from_wire(msg.pools, msg.tp_size, msg.tp_rank)
 
     def to_wire(self) -> list[_PoolMsg]:
         return [
             _PoolMsg(p.name, p.tokens_per_page,
-                     [_BufferMsg(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer) for b in p.buffers])
+                     [_BufferMsg(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer, _heads_msg(b.heads))
+                      for b in p.buffers])
             for p in self.pools
         ]
 
     @classmethod
-    def from_wire(cls, pools: list[_PoolMsg]) -> Layout:
+    def from_wire(cls, pools: list[_PoolMsg], tp_size: int = 1, tp_rank: int = 0) -> Layout:
         if len(pools) > MAX_POOLS or sum(len(p.buffers) for p in pools) > MAX_BUFFERS:
             raise LayoutError("manifest: too many pools or buffers")
         return cls([
-            Pool(p.name, [Buffer(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer) for b in p.buffers],
+            Pool(p.name, [Buffer(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer, _heads_of(b.heads))
+                          for b in p.buffers],
                  p.tokens_per_page)
             for p in pools
-        ])
+        ], tp_size, tp_rank)
 
 
 def _replace_pages(buf: Buffer, num_pages: int) -> Buffer:
-    return Buffer(buf.name, buf.page_bytes, num_pages, buf.dtype, buf.kind, buf.layer)
+    return Buffer(buf.name, buf.page_bytes, num_pages, buf.dtype, buf.kind, buf.layer, buf.heads)
+
+
+def _heads_msg(heads: HeadGeometry | None) -> _HeadsMsg | None:
+    if heads is None:
+        return None
+    return _HeadsMsg(heads.num_heads, heads.head_bytes, heads.tokens_per_page, heads.major, heads.replicated)
+
+
+def _heads_of(msg: _HeadsMsg | None) -> HeadGeometry | None:
+    if msg is None:
+        return None
+    return HeadGeometry(msg.num_heads, msg.head_bytes, msg.tokens_per_page, msg.major, msg.replicated)
 
 
 def _digest(key: object) -> str:
@@ -265,6 +380,52 @@ def shape_difference(local: Layout, remote: Layout) -> str | None:
     The message names the pool, the buffer, the field, and both values, so an operator can see at once
     that, say, decode holds its indexer keys in bf16 while prefill sends fp8.
     """
+    if local.tp_size != remote.tp_size:
+        return (f"tp_size differs: local {local.tp_size}, remote {remote.tp_size} "
+                "(plan across TP sizes with kvferry.tp; model_difference says whether it can)")
+    return _first_difference(local, remote, _shape_attrs)
+
+
+def model_difference(local: Layout, remote: Layout) -> str | None:
+    """Like ``shape_difference``, but for two layouts of one model at possibly different TP sizes.
+
+    Sharded buffers must agree on total heads (``num_heads x tp_size``), head bytes, tokens per page and
+    major; replicated buffers on their whole geometry and page size. A buffer without head geometry can
+    only be moved between equal TP sizes (nothing says how to cut it).
+    """
+    return _first_difference(local, remote, lambda lb, rb: _model_attrs(lb, rb, local.tp_size, remote.tp_size))
+
+
+def tp_compatible(a: Layout, b: Layout) -> bool:
+    """True when ``kvferry.tp`` can move KV between ``a`` and ``b`` (same model, any TP sizes)."""
+    return model_difference(a, b) is None
+
+
+def _shape_attrs(lb: Buffer, rb: Buffer) -> Iterator[tuple[str, object, object]]:
+    for attr in ("name", "page_bytes", "dtype", "kind", "layer", "heads"):
+        yield attr, getattr(lb, attr), getattr(rb, attr)
+
+
+def _model_attrs(lb: Buffer, rb: Buffer, ltp: int, rtp: int) -> Iterator[tuple[str, object, object]]:
+    for attr in ("name", "dtype", "kind", "layer"):
+        yield attr, getattr(lb, attr), getattr(rb, attr)
+    lh, rh = lb.heads, rb.heads
+    if lh is None or rh is None:
+        yield "head geometry", lh, rh
+        # Nothing says how to cut such a buffer, so it can only go rank to rank.
+        yield "tp_size (the buffer has no head geometry to cut it by)", ltp, rtp
+        yield "page_bytes", lb.page_bytes, rb.page_bytes
+        return
+    for attr in ("replicated", "head_bytes", "tokens_per_page", "major"):
+        yield attr, getattr(lh, attr), getattr(rh, attr)
+    if lh.replicated:
+        yield "num_heads (replicated)", lh.num_heads, rh.num_heads
+    else:
+        yield "total heads (num_heads x tp_size)", lh.num_heads * ltp, rh.num_heads * rtp
+
+
+def _first_difference(local: Layout, remote: Layout, attrs: Callable[[Buffer, Buffer], Iterable[
+        tuple[str, object, object]]]) -> str | None:
     local_pools = [p.name for p in local.pools]
     remote_pools = [p.name for p in remote.pools]
     if local_pools != remote_pools:
@@ -276,8 +437,7 @@ def shape_difference(local: Layout, remote: Layout) -> str | None:
         if len(lp.buffers) != len(rp.buffers):
             return (f"pool {lp.name!r}: buffer count differs: local {len(lp.buffers)}, remote {len(rp.buffers)}")
         for lb, rb in zip(lp.buffers, rp.buffers):
-            for attr in ("name", "page_bytes", "dtype", "kind", "layer"):
-                lv, rv = getattr(lb, attr), getattr(rb, attr)
+            for attr, lv, rv in attrs(lb, rb):
                 if lv != rv:
                     return (f"pool {lp.name!r}, buffer {lb.name!r}: {attr} differs: "
                             f"local {lv!r}, remote {rv!r}")
@@ -285,6 +445,14 @@ def shape_difference(local: Layout, remote: Layout) -> str | None:
 
 
 # -- wire structs --------------------------------------------------------------------------------------
+class _HeadsMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    num_heads: int
+    head_bytes: int
+    tokens_per_page: int
+    major: str
+    replicated: bool
+
+
 class _BufferMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     name: str
     page_bytes: int
@@ -292,6 +460,7 @@ class _BufferMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     dtype: str
     kind: str
     layer: int | None
+    heads: _HeadsMsg | None = None
 
 
 class _PoolMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -303,6 +472,8 @@ class _PoolMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 class _LayoutMsg(msgspec.Struct, forbid_unknown_fields=True):
     version: int
     pools: list[_PoolMsg]
+    tp_size: int = 1
+    tp_rank: int = 0
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -13,6 +13,7 @@ once here, so planning does no per-buffer Python work.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -112,7 +113,8 @@ class KVMemory:
     def manifest(self) -> bytes:
         """Layout plus addresses, versioned; the peer decodes it with ``KVMemory.from_manifest``."""
         msg = _MemoryMsg(MANIFEST_VERSION, self.layout.to_wire(),
-                         [_RegionMsg(r.address, r.nbytes, r.device, r.device_id) for r in self.regions])
+                         [_RegionMsg(r.address, r.nbytes, r.device, r.device_id) for r in self.regions],
+                         self.layout.tp_size, self.layout.tp_rank)
         return msgspec.msgpack.encode(msg)
 
     @classmethod
@@ -122,7 +124,7 @@ class KVMemory:
         assert isinstance(msg, _MemoryMsg)
         if msg.version != MANIFEST_VERSION:
             raise LayoutError(f"manifest version {msg.version} is not supported (expected {MANIFEST_VERSION})")
-        layout = Layout.from_wire(msg.pools)
+        layout = Layout.from_wire(msg.pools, msg.tp_size, msg.tp_rank)
         if len(msg.regions) != len(layout.buffers):
             raise LayoutError(f"manifest: {len(layout.buffers)} buffers but {len(msg.regions)} regions")
         regions = [Region(b.name, r.address, r.nbytes, r.device, r.device_id)
@@ -247,7 +249,7 @@ def _check_disjoint(regions: Sequence[Region]) -> None:
         by_dev.setdefault((r.device, r.device_id), []).append(r)
     for group in by_dev.values():
         group = sorted(group, key=lambda r: r.address)
-        for a, b in zip(group, group[1:]):
+        for a, b in itertools.pairwise(group):
             if b.address < a.end:
                 raise LayoutError(f"buffers {a.buffer!r} and {b.buffer!r} overlap in memory "
                                   f"([{a.address:#x}, {a.end:#x}) and [{b.address:#x}, {b.end:#x}))")
@@ -287,3 +289,5 @@ class _MemoryMsg(msgspec.Struct, forbid_unknown_fields=True):
     version: int
     pools: list[_PoolMsg]
     regions: list[_RegionMsg]
+    tp_size: int = 1
+    tp_rank: int = 0

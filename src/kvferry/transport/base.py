@@ -22,7 +22,7 @@ from ..errors import TransferTimeout, TransportError
 from ..memory import KVMemory
 from ..plan import TransferPlan
 
-__all__ = ["Transport", "TransferHandle", "check_rows_in_regions"]
+__all__ = ["TransferHandle", "Transport", "check_rows_in_regions"]
 
 
 class TransferHandle(ABC):
