@@ -5,7 +5,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	.venv/bin/kvferry demo
+	.venv/bin/kvferry audit --preset deepseek_v4
 
 test: setup
 	.venv/bin/ruff check src tests bench
