@@ -17,7 +17,7 @@ from .errors import (
     TransferTimeout,
     TransportError,
 )
-from .layout import Buffer, Layout, Pool, shape_difference
+from .layout import Buffer, HeadGeometry, Layout, Pool, model_difference, shape_difference, tp_compatible
 from .memory import KVMemory, Region
 from .plan import Row, TransferPlan, plan_transfer
 
@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Buffer",
     "HandshakeError",
+    "HeadGeometry",
     "IncompatiblePeer",
     "IntegrityError",
     "KVFerryError",
@@ -43,6 +44,8 @@ __all__ = [
     "TransferTimeout",
     "TransportError",
     "__version__",
+    "model_difference",
     "plan_transfer",
     "shape_difference",
+    "tp_compatible",
 ]

@@ -22,7 +22,10 @@ from .errors import PlanError
 from .layout import shape_difference
 from .memory import KVMemory, PoolArrays
 
-__all__ = ["PoolPlan", "Row", "TransferPlan", "plan_transfer"]
+# The validation helpers are public so every planner (``plan_transfer``, ``tp.TPPlanner``) refuses the same
+# inputs with the same messages.
+__all__ = ["PoolPlan", "Row", "TransferPlan", "as_pages", "check_bounds", "check_unique", "coalesce_runs",
+           "plan_transfer"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -188,7 +191,7 @@ def _select_buffers(mem: KVMemory, buffers: Iterable[str] | None) -> np.ndarray 
     return np.array([_buffer_index(mem, n) for n in names], dtype=np.int64)
 
 
-def _as_pages(pool: str, side: str, value: Any) -> np.ndarray:
+def as_pages(pool: str, side: str, value: Any) -> np.ndarray:
     arr = np.asarray(value)
     if arr.ndim != 1:
         raise PlanError(f"pool {pool!r}: {side} pages must be a 1-D sequence, got shape {arr.shape}")
@@ -202,7 +205,7 @@ def _as_pages(pool: str, side: str, value: Any) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def _check_bounds(pool: str, side: str, pages: np.ndarray, arrays: PoolArrays, mem: KVMemory) -> None:
+def check_bounds(pool: str, side: str, pages: np.ndarray, arrays: PoolArrays, mem: KVMemory) -> None:
     lo, hi = int(pages.min()), int(pages.max())
     if lo >= 0 and hi < arrays.min_pages:
         return
@@ -215,7 +218,7 @@ def _check_bounds(pool: str, side: str, pages: np.ndarray, arrays: PoolArrays, m
                     f"(this buffer has {int(caps[b])} pages on the {side} side, valid 0..{int(caps[b]) - 1})")
 
 
-def _check_unique(pool: str, dst_pages: np.ndarray) -> None:
+def check_unique(pool: str, dst_pages: np.ndarray) -> None:
     srt = np.sort(dst_pages)
     dup = np.flatnonzero(srt[1:] == srt[:-1])
     if len(dup):
@@ -232,24 +235,24 @@ def _plan_pool(src: KVMemory, dst: KVMemory, pool: str, pair: Any,
         raw_src, raw_dst = pair
     except (TypeError, ValueError):
         raise PlanError(f"pool {pool!r}: expected (source pages, destination pages)") from None
-    s, d = _as_pages(pool, "source", raw_src), _as_pages(pool, "destination", raw_dst)
+    s, d = as_pages(pool, "source", raw_src), as_pages(pool, "destination", raw_dst)
     if len(s) != len(d):
         raise PlanError(f"pool {pool!r}: {len(s)} source pages but {len(d)} destination pages")
     sa, da = src.pool_arrays[pool], dst.pool_arrays[pool]
     if len(s) == 0:
         return None
-    _check_bounds(pool, "source", s, sa, src)
-    _check_bounds(pool, "destination", d, da, dst)
-    _check_unique(pool, d)
+    check_bounds(pool, "source", s, sa, src)
+    check_bounds(pool, "destination", d, da, dst)
+    check_unique(pool, d)
     keep = None if selected is None else np.isin(sa.buffer_ids, selected)
     if keep is not None and not keep.any():
         return None
-    run_src, run_dst, run_len = _coalesce(s, d)
+    run_src, run_dst, run_len = coalesce_runs(s, d)
     return PoolPlan(pool, _take(sa.buffer_ids, keep), _ro(s), _ro(d), run_src, run_dst, run_len,
                     _restrict(sa, keep), _restrict(da, keep))
 
 
-def _coalesce(s: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def coalesce_runs(s: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Joint runs: a run breaks wherever either side's page is not the previous page + 1."""
     brk = np.empty(len(s), dtype=bool)
     brk[0] = True

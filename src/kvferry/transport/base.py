@@ -90,7 +90,8 @@ class Transport(ABC):
         """Post the plan's rows as a write into ``peer``; ``notif`` reaches the peer after the last byte.
 
         ``plan.src_memory`` must be the memory registered here, ``plan.dst_memory`` the peer's (as decoded
-        from its manifest). Rows outside registered regions on either side are refused before posting.
+        from its manifest). A plan with rows outside registered regions on either side is refused here,
+        with ``TransportError``, before anything is posted; failures after posting surface from the handle.
         """
 
     @abstractmethod

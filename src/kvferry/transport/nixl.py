@@ -1,0 +1,448 @@
+"""NIXL transport: one ``nixl_agent`` with the UCX backend moves plan rows between processes or hosts.
+
+Layer 4 of kvferry (beside ``local``). ``nixl`` is imported at the first ``register`` call, never at module
+import, and ``torch`` only when the memory registered is CUDA memory.
+
+Choices, measured on a 2-core CPU-only host with nixl 1.5.1 (numbers in ``bench/RESULTS-transport.md``):
+
+* **Progress thread off** (``progress_thread=False``). The wrapper's thread spins a full core per agent;
+  with it on, 256 MiB host writes ran at ~6 GB/s instead of ~13 GB/s and 4 KiB notification latency had a
+  p90 of ~16 ms instead of ~40 us. The price: the *receiving* side must call ``get_notifications``
+  regularly (it drives UCX progress), or the first write to it never completes.
+* **UCX is left at its own defaults.** ``UCX_TLS`` unset picks ``cma`` for data and ``tcp`` for wire-up
+  between processes on one host, as fast as any explicit list we tried; pinning it would disable RDMA and
+  ``cuda_ipc`` on GPU machines. ``UCX_TLS=tcp`` is ~5x slower; lists without ``tcp`` (``shm``, ``cma``)
+  make backend creation fail (NIXL asks for peer-failure handling, which only ``tcp`` provides here).
+  ``UCX_RNDV_THRESH=inf``, ``UCX_RNDV_SCHEME=put_zcopy``, ``UCX_ZCOPY_THRESH=inf`` and
+  ``UCX_CMA_SEG_SIZE`` were each slower; ``UCX_PROTO_ENABLE=n`` breaks backend creation.
+* **Environment defaults**, set only when the variable is unset: ``NIXL_LOG_LEVEL=WARN`` (the Python
+  wrapper otherwise logs every agent and backend creation at INFO level to *stdout*, where a CLI's
+  ``--json`` output goes).
+* **Descriptors**: ``descriptors="dlist"`` (default) posts the plan's coalesced rows as a per-request
+  descriptor list; ``"prepped"`` indexes per-page lists prepared once per side (``prep_xfer_dlist`` +
+  ``make_prepped_xfer`` with ``plan.page_selectors()``). Throughput is the same (the copy dominates and
+  NIXL merges adjacent pages); dlist builds its handle faster for large requests, needs no per-peer state
+  proportional to the peer's whole pool, and cannot go stale. See the benchmark for the figures.
+
+Behaviour callers must know:
+
+* On one host (``cma``) the copy runs *inside* ``write`` (the GIL is released); ``write`` returns a handle
+  that is usually already done. A deadline therefore bounds the wait for completion and notification,
+  not the copy of a large request.
+* A write outside the peer's registered regions, as its manifest describes them, is refused with
+  ``TransportError`` before anything is posted. NIXL checks bounds too, but only against the metadata it
+  holds, which can be stale.
+* A dead peer surfaces as ``PeerLost`` from ``write``, ``poll`` or ``send_notification``. A connection
+  NIXL reports as disconnected stays poisoned, even when the peer is alive (for example after a write
+  into memory the peer had unmapped): ``remove_peer`` and ``add_peer`` again with fresh metadata.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import itertools
+import logging
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+
+from ..errors import PeerLost, TransportError
+from ..memory import KVMemory
+from ..plan import TransferPlan
+from .base import TransferHandle, Transport, check_rows_in_regions
+
+__all__ = ["ENV_DEFAULTS", "NixlHandle", "NixlTransport"]
+
+log = logging.getLogger(__name__)
+
+# Applied with os.environ.setdefault before nixl is first imported; a user's own setting always wins.
+ENV_DEFAULTS: dict[str, str] = {"NIXL_LOG_LEVEL": "WARN"}
+
+# Bump when _Metadata's fields or their meaning change.
+METADATA_VERSION = 1
+
+Descriptors = Literal["dlist", "prepped"]
+_COUNTER = itertools.count()
+_MEM_TYPE = {"cpu": "DRAM", "cuda": "VRAM"}
+
+
+class _Metadata(msgspec.Struct, forbid_unknown_fields=True):
+    version: int
+    agent: str
+    nixl: bytes       # nixl_agent.get_agent_metadata(): connection info and registered regions
+    manifest: bytes   # KVMemory.manifest(): what the peer's buffers are and where they live
+
+
+# -- loading nixl --------------------------------------------------------------------------------------
+def _load_nixl(need_cuda: bool) -> ModuleType:
+    """Return nixl's ``_api`` module, importing as little as possible.
+
+    ``import nixl`` picks the ``nixl_cuXX`` build matching the CUDA stack and, with a CPU-only torch
+    installed, imports torch to find out (~1.1 s and ~200 MiB RSS). For host memory in a process with no
+    CUDA library loaded we make the same choice without torch: the CUDA major read from torch's
+    ``version.py`` on disk, else the first build installed, in nixl's own order.
+    """
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    if "nixl._api" in sys.modules:
+        return sys.modules["nixl._api"]
+    cuda_loaded = any(m in sys.modules for m in ("torch", "cuda.bindings", "cupy"))
+    if need_cuda or cuda_loaded:
+        importlib.import_module("nixl")
+        return sys.modules["nixl._api"]
+    try:
+        return importlib.import_module(f"{_backend_package()}._api")
+    except ImportError as exc:
+        raise TransportError(f"the NIXL transport needs the 'nixl' package (pip install 'kvferry[nixl]'): "
+                             f"{exc}") from exc
+
+
+def _backend_package() -> str:
+    major = None
+    try:
+        from nixl_meta_utils import _torch_cuda_version_from_disk  # private: guarded below
+
+        version = _torch_cuda_version_from_disk()
+        major = int(version.split(".")[0]) if version else None
+    except (ImportError, AttributeError, ValueError):
+        pass
+    candidates = [f"nixl_cu{major}"] if major else ["nixl_cu13", "nixl_cu12", "nixl_rocm"]
+    for name in candidates:
+        if importlib.util.find_spec(name) is not None:
+            return name
+    raise ImportError(f"none of {candidates} is installed")
+
+
+# -- error translation: the one place NIXL's exceptions become kvferry's --------------------------------
+def _is_backend_error(exc: BaseException) -> bool:
+    # The bindings raise one class per status (nixlNotFoundError, nixlRemoteDisconnectError, ...) with no
+    # common base; they all live in the bindings module.
+    return type(exc).__module__.endswith("._bindings") and type(exc).__name__.startswith("nixl")
+
+
+def _translate(exc: BaseException | None, status: str, what: str, peer: str) -> TransportError:
+    name = type(exc).__name__ if exc is not None else status
+    if name == "nixlRemoteDisconnectError":
+        return PeerLost(f"{what}: peer {peer!r} disconnected (NIXL_ERR_REMOTE_DISCONNECT); the connection "
+                        f"stays unusable until remove_peer and add_peer with fresh metadata")
+    if name == "nixlNotFoundError":
+        return TransportError(f"{what}: NIXL found no registration or metadata for it on peer {peer!r} "
+                              f"(NIXL_ERR_NOT_FOUND): unknown peer, or memory not registered")
+    detail = f"{name}: {exc}" if exc is not None else f"status {status}"
+    return TransportError(f"{what}: NIXL failed ({detail}) with peer {peer!r}")
+
+
+@contextmanager
+def _nixl_errors(what: str, peer: str) -> Iterator[None]:
+    """Run a NIXL call; its backend errors leave as ``TransportError``/``PeerLost`` naming ``what``."""
+    try:
+        yield
+    except Exception as exc:
+        if not _is_backend_error(exc):
+            raise
+        raise _translate(exc, "", what, peer) from exc
+
+
+# -- handle --------------------------------------------------------------------------------------------
+class NixlHandle(TransferHandle):
+    """One posted NIXL write. ``poll`` drives this side's progress; see ``TransferHandle``."""
+
+    def __init__(self, transport: NixlTransport, xfer: Any, peer: str, label: str, done: bool) -> None:
+        self.peer = peer
+        self.label = label
+        self._transport = transport
+        self._xfer = xfer          # nixl_xfer_handle, or None for an empty plan
+        self._done = done
+        self._error: TransportError | None = None
+        self._released = False
+
+    def poll(self) -> bool:
+        if self._error is not None:
+            raise self._error
+        if self._done:
+            return True
+        if self._released:
+            raise TransportError(f"write {self.label!r} to peer {self.peer!r}: polled after release")
+        status = "ERR"
+        try:
+            with _nixl_errors(f"write {self.label!r}", self.peer):
+                status = self._transport._agent.check_xfer_state(self._xfer)
+        except TransportError as exc:
+            self._error = exc
+            raise
+        if status == "ERR":
+            self._error = _translate(None, status, f"write {self.label!r}", self.peer)
+            raise self._error
+        self._done = status == "DONE"
+        return self._done
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._transport._handles.discard(self)
+        if self._xfer is None:
+            return
+        try:
+            self._xfer.release()  # cancels a transfer still in flight where UCX can
+        except Exception as exc:
+            # NIXL keeps a handle it could not cancel and frees it when the agent goes; nothing the
+            # caller can do now, and raising from release() (often in a finally) would hide the cause.
+            log.warning("write %r to peer %r: NIXL could not release its handle: %s",
+                        self.label, self.peer, exc)
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "done" if self._done else "in flight"
+        return f"NixlHandle(peer={self.peer!r}, label={self.label!r}, {state})"
+
+
+# -- transport -----------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Peer:
+    name: str
+    memory: KVMemory                       # from the peer's manifest: addresses only
+    prepped: Any = None                    # nixl_prepped_dlist_handle over memory.page_descs(), lazily
+    mem_type: str = field(default="DRAM")
+
+
+class NixlTransport(Transport):
+    """``Transport`` over NIXL/UCX. Host memory registers as DRAM, CUDA memory as VRAM.
+
+    Driven from one thread. ``register`` must come first (it creates the agent); each side registers one
+    ``KVMemory`` whose regions are all host or all GPU memory.
+    """
+
+    name = "nixl"
+
+    def __init__(self, agent_name: str | None = None, *, descriptors: Descriptors = "dlist",
+                 progress_thread: bool = False, num_threads: int = 0) -> None:
+        if descriptors not in ("dlist", "prepped"):
+            raise ValueError(f"descriptors must be 'dlist' or 'prepped', got {descriptors!r}")
+        self._name = agent_name or f"kvferry-{socket.gethostname()}-{os.getpid()}-{next(_COUNTER)}"
+        self.descriptors: Descriptors = descriptors
+        self._progress_thread = progress_thread
+        self._num_threads = num_threads
+        self._agent: Any = None
+        self._memory: KVMemory | None = None
+        self._mem_type = "DRAM"
+        self._reg_descs: list[Any] = []
+        self._local_prepped: Any = None
+        self._metadata = b""
+        self._peers: dict[str, _Peer] = {}
+        self._handles: set[NixlHandle] = set()
+        self._closed = False
+
+    @property
+    def agent_name(self) -> str:
+        return self._name
+
+    # -- setup ---------------------------------------------------------------------------------------------
+    def register(self, memory: KVMemory) -> bytes:
+        """Create the agent, register ``memory``'s regions and return metadata for peers. Once per side."""
+        self._check_open()
+        if self._memory is not None:
+            if memory is self._memory:
+                return self._metadata
+            raise TransportError(f"transport {self._name!r} already has memory registered (once per side)")
+        if memory.remote:
+            raise TransportError("cannot register a peer's (remote) memory binding")
+        self._mem_type = _memory_type(memory, "local")
+        api = _load_nixl(need_cuda=self._mem_type == "VRAM")
+        with _nixl_errors(f"creating NIXL agent {self._name!r}", "-"):
+            config = api.nixl_agent_config(enable_prog_thread=self._progress_thread,
+                                           num_threads=self._num_threads, backends=["UCX"])
+            self._agent = api.nixl_agent(self._name, config)
+        if "UCX" not in self._agent.backends:
+            raise TransportError("NIXL's UCX plugin is not available: cannot move bytes")
+        with _nixl_errors(f"registering {len(memory.regions)} regions", "-"):
+            regs = [(r.address, r.nbytes, r.device_id, "") for r in memory.regions]
+            self._reg_descs.append(self._agent.register_memory(regs, self._mem_type))
+            meta = self._agent.get_agent_metadata()
+        self._memory = memory
+        self._metadata = msgspec.msgpack.encode(
+            _Metadata(METADATA_VERSION, self._name, bytes(meta), memory.manifest()))
+        return self._metadata
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata (replacing any earlier copy) and start connecting to it."""
+        self._check_open()
+        if self._agent is None:
+            raise TransportError("register memory before adding peers (register creates the NIXL agent)")
+        meta = _decode_metadata(metadata)
+        remote = KVMemory.from_manifest(meta.manifest)
+        if meta.agent in self._peers:
+            self.remove_peer(meta.agent)
+        with _nixl_errors("loading peer metadata", meta.agent):
+            loaded = self._agent.add_remote_agent(meta.nixl)
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != meta.agent:
+            raise TransportError(f"peer metadata names agent {meta.agent!r} but its NIXL part {loaded!r}")
+        self._peers[meta.agent] = _Peer(meta.agent, remote, mem_type=_memory_type(remote, "peer"))
+        return meta.agent
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget ``peer``: release its prepared list and drop NIXL's connection to it. Unknown: ignored."""
+        state = self._peers.pop(peer, None)
+        if state is None or self._agent is None:
+            return
+        if state.prepped is not None:
+            state.prepped.release()
+        try:
+            with _nixl_errors("removing peer", peer):
+                self._agent.remove_remote_agent(peer)
+        except TransportError as exc:
+            log.warning("%s", exc)  # the peer is forgotten either way
+
+    # -- data path -----------------------------------------------------------------------------------------
+    def write(self, plan: TransferPlan, peer: str, notif: bytes, label: str = "") -> NixlHandle:
+        """Post ``plan`` as one NIXL WRITE to ``peer`` with ``notif``; see ``Transport.write``.
+
+        Refuses (``TransportError``) before posting when the plan's memories are not this side's and the
+        peer's, or any row leaves a registered region. On one host the copy happens inside this call.
+        """
+        state = self._peer(peer)
+        what = f"write {label or bytes(notif)[:32]!r}"
+        self._check_plan(plan, state, label)
+        if plan.num_descriptors == 0:
+            self.send_notification(peer, notif)  # nothing to move; the peer still hears "done"
+            return self._track(NixlHandle(self, None, peer, label, done=True))
+        with _nixl_errors(what, peer):
+            xfer = self._make_xfer(plan, state, bytes(notif))
+        try:
+            with _nixl_errors(what, peer):
+                status = self._agent.transfer(xfer)
+        except TransportError:
+            xfer.release()
+            raise
+        if status == "ERR":
+            xfer.release()
+            raise _translate(None, status, what, peer)
+        return self._track(NixlHandle(self, xfer, peer, label, done=status == "DONE"))
+
+    def _make_xfer(self, plan: TransferPlan, state: _Peer, notif: bytes) -> Any:
+        agent = self._agent
+        if self.descriptors == "dlist":
+            src = agent.get_xfer_descs(plan.src_descs, self._mem_type)
+            dst = agent.get_xfer_descs(plan.dst_descs, state.mem_type)
+            return agent.initialize_xfer("WRITE", src, dst, state.name, notif)
+        src_idx, dst_idx = plan.page_selectors()
+        return agent.make_prepped_xfer("WRITE", self._local_list(), src_idx.astype(np.int32),
+                                       self._remote_list(state), dst_idx.astype(np.int32), notif)
+
+    def _local_list(self) -> Any:
+        # One descriptor per page of every local buffer, prepared once: make_prepped_xfer then costs
+        # ~0.02-0.08 us per page instead of a list built per request.
+        if self._local_prepped is None:
+            assert self._memory is not None
+            with _nixl_errors("preparing the local page list", "-"):
+                self._local_prepped = self._agent.prep_xfer_dlist(
+                    "NIXL_INIT_AGENT", self._memory.page_descs(), self._mem_type)
+        return self._local_prepped
+
+    def _remote_list(self, state: _Peer) -> Any:
+        if state.prepped is None:
+            state.prepped = self._agent.prep_xfer_dlist(state.name, state.memory.page_descs(), state.mem_type)
+        return state.prepped
+
+    def send_notification(self, peer: str, message: bytes) -> None:
+        self._peer(peer)
+        with _nixl_errors(f"notification {bytes(message)[:32]!r}", peer):
+            self._agent.send_notif(peer, bytes(message))
+
+    def get_notifications(self) -> list[tuple[str, bytes]]:
+        """Drain notifications as (peer, message) in arrival order per peer; drives UCX progress."""
+        if self._agent is None or self._closed:
+            return []
+        with _nixl_errors("reading notifications", "*"):
+            notifs = self._agent.get_new_notifs()
+        return [(_as_str(peer), bytes(msg)) for peer, msgs in notifs.items() for msg in msgs]
+
+    def close(self) -> None:
+        """Release handles, prepared lists, peers and registrations; then drop the agent. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in list(self._handles):
+            handle.release()
+        for peer in list(self._peers):
+            self.remove_peer(peer)
+        if self._agent is not None:
+            self._release_local()
+        self._agent = None
+
+    def _release_local(self) -> None:
+        try:
+            if self._local_prepped is not None:
+                self._local_prepped.release()
+            for descs in self._reg_descs:
+                self._agent.deregister_memory(descs)
+        except Exception as exc:
+            log.warning("closing NIXL agent %r: %s", self._name, exc)
+        self._reg_descs.clear()
+
+    # -- checks ----------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError(f"transport {self._name!r} is closed")
+
+    def _peer(self, peer: str) -> _Peer:
+        self._check_open()
+        state = self._peers.get(peer)
+        if state is None:
+            raise TransportError(f"unknown peer {peer!r} (add_peer first; known: {sorted(self._peers)})")
+        return state
+
+    def _check_plan(self, plan: TransferPlan, state: _Peer, label: str) -> None:
+        if self._memory is None:
+            raise TransportError("register memory before writing")
+        if not _same_binding(plan.src_memory, self._memory):
+            raise TransportError(f"write {label!r}: the plan's source is not this transport's memory")
+        if not _same_binding(plan.dst_memory, state.memory):
+            raise TransportError(f"write {label!r}: the plan's destination is not peer {state.name!r}'s "
+                                 f"memory as its metadata describes it (stale manifest?)")
+        check_rows_in_regions(plan.src_descs, self._memory, "source", state.name, label)
+        check_rows_in_regions(plan.dst_descs, state.memory, "destination", state.name, label)
+
+    def _track(self, handle: NixlHandle) -> NixlHandle:
+        self._handles.add(handle)
+        return handle
+
+    def __repr__(self) -> str:
+        return (f"NixlTransport({self._name!r}, descriptors={self.descriptors!r}, "
+                f"peers={sorted(self._peers)}, closed={self._closed})")
+
+
+def _decode_metadata(data: bytes) -> _Metadata:
+    try:
+        meta = msgspec.msgpack.decode(data, type=_Metadata)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise TransportError(f"malformed NIXL peer metadata: {exc}") from exc
+    if meta.version != METADATA_VERSION:
+        raise TransportError(f"peer {meta.agent!r} sent NIXL metadata version {meta.version}, "
+                             f"expected {METADATA_VERSION}")
+    return meta
+
+
+def _memory_type(memory: KVMemory, side: str) -> str:
+    # One NIXL descriptor list carries one memory type, so one side's buffers must share it.
+    kinds = {r.device for r in memory.regions}
+    if len(kinds) != 1:
+        raise TransportError(f"{side} memory mixes {sorted(kinds)} regions; NIXL needs one kind per side")
+    return _MEM_TYPE[kinds.pop()]
+
+
+def _same_binding(a: KVMemory, b: KVMemory) -> bool:
+    return a is b or a.regions == b.regions
+
+
+def _as_str(name: str | bytes) -> str:
+    return name.decode() if isinstance(name, bytes) else name

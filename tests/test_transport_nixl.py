@@ -1,0 +1,347 @@
+"""NixlTransport between two OS processes: bytes, concurrency, failures, parity with LocalTransport.
+
+This process plays prefill (it writes); ``nixl_peer.serve`` runs decode in a spawned process and drives
+progress. Every test that moves bytes reads the whole decode memory back and compares it with what it must
+be: the planned pages carry the source bytes, every other byte is what the peer was filled with.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvferry import (
+    Buffer,
+    KVMemory,
+    Layout,
+    PeerLost,
+    Pool,
+    TransferPlan,
+    TransferTimeout,
+    TransportError,
+    plan_transfer,
+)
+from kvferry.transport.local import LocalTransport
+from kvferry.transport.nixl import NixlTransport
+
+sys.path.insert(0, str(Path(__file__).parent))
+from nixl_peer import PeerProcess, fill, pattern, start_peer
+
+# find_spec, not importorskip: importing the `nixl` meta package would import torch into this process.
+pytestmark = [pytest.mark.nixl,
+              pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")]
+
+SRC_SEED, DST_SEED = 11, 22
+PageSpec = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+# -- layouts and plans ---------------------------------------------------------------------------------
+def layouts() -> tuple[Layout, Layout]:
+    """Three pools; page sizes differ inside pools, capacities differ inside pools and between sides."""
+    def build(kv: int, idx: int, c128: int, slots: int) -> Layout:
+        return Layout([
+            Pool("c4", [
+                Buffer("c4.kv.L0", 4 * 584, kv, "fp8_e4m3", "kv", 0),
+                Buffer("c4.idx.L0", 4 * 256, idx, "bf16", "index_k", 0),
+                Buffer("c4.kv.L1", 4 * 584, kv, "fp8_e4m3", "kv", 1),
+                Buffer("c4.idx.L1", 4 * 256, idx, "bf16", "index_k", 1),
+            ], tokens_per_page=256),
+            Pool("c128", [Buffer("c128.kv.L0", 2 * 584, c128, "fp8_e4m3", "kv", 0)], tokens_per_page=256),
+            Pool("state", [Buffer("state.ssm", 8192, slots, "fp32", "state"),
+                           Buffer("state.conv", 1536, slots + 2, "bf16", "state")]),
+        ])
+    return build(40, 24, 16, 6), build(56, 30, 20, 9)
+
+
+def pick_pages(rng: np.random.Generator, n: int, src_cap: int, dst_free: list[int]) -> tuple[np.ndarray, ...]:
+    """``n`` source pages (runs and singles) and ``n`` unused destination pages, consumed from ``dst_free``."""
+    start = int(rng.integers(0, src_cap - n + 1))
+    src = np.arange(start, start + n)
+    src[n // 2:] = rng.choice(src_cap, n - n // 2, replace=False)  # second half scattered
+    dst = np.array(dst_free[:n])
+    del dst_free[:n]
+    return src, dst
+
+
+def make_requests(src: KVMemory, dst: KVMemory, count: int, seed: int = 0) -> list[PageSpec]:
+    """``count`` requests with pairwise disjoint destination pages (they may be in flight together)."""
+    rng = np.random.default_rng(seed)
+    free = {p.name: list(rng.permutation(dst.layout.pool(p.name).min_pages)) for p in dst.layout.pools}
+    sizes = {"c4": 4, "c128": 3, "state": 1}
+    out = []
+    for _ in range(count):
+        out.append({pool: pick_pages(rng, n, src.layout.pool(pool).min_pages, free[pool])
+                    for pool, n in sizes.items()})
+    return out
+
+
+def expected_memory(dst_layout: Layout, src: KVMemory, plans: list[TransferPlan]) -> dict[str, np.ndarray]:
+    """Decode memory after ``plans``: the fill pattern, with each planned page replaced (numpy, no plan rows)."""
+    out = {b.name: pattern(b.num_pages, b.page_bytes, DST_SEED, i) for i, b in enumerate(dst_layout.buffers)}
+    for plan in plans:
+        for pp in plan.pools:
+            for gid in pp.buffer_ids:
+                name = dst_layout.buffers[int(gid)].name
+                out[name][pp.dst_pages] = src.array(name)[pp.src_pages]
+    return out
+
+
+def assert_memory(actual: dict[str, bytes | np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    for name, want in expected.items():
+        got = np.frombuffer(actual[name], dtype=np.uint8).reshape(want.shape) \
+            if isinstance(actual[name], bytes) else actual[name]
+        if not np.array_equal(got, want):
+            pages = np.flatnonzero((got != want).any(axis=1))
+            raise AssertionError(f"buffer {name!r}: {len(pages)} pages differ, first {pages[:8].tolist()}")
+
+
+# -- fixtures ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[NixlTransport, KVMemory, PeerProcess]]:
+    """This process's transport (prefill memory registered) connected both ways to a decode peer."""
+    src_layout, dst_layout = layouts()
+    src = KVMemory.allocate(src_layout)
+    fill(src, SRC_SEED)
+    transport = NixlTransport()
+    meta = transport.register(src)
+    peer = start_peer(dst_layout.to_manifest(), DST_SEED)
+    try:
+        assert transport.add_peer(peer.metadata) == peer.name
+        peer.call("add_peer", meta)
+        yield transport, src, peer
+    finally:
+        peer.stop()
+        transport.close()
+
+
+def remote_view(transport: NixlTransport, peer: PeerProcess) -> KVMemory:
+    return transport._peers[peer.name].memory
+
+
+def write_all(transport: NixlTransport, peer: PeerProcess, plans: list[TransferPlan], tag: str) -> None:
+    """Post every plan before waiting on any (several requests in flight), then wait for all notifications."""
+    handles = [transport.write(plan, peer.name, f"{tag}:{i}".encode(), label=f"{tag}:{i}")
+               for i, plan in enumerate(plans)]
+    for handle in handles:
+        handle.wait(10.0)
+        handle.release()
+    missing = peer.call("wait_notifs", [f"{tag}:{i}".encode() for i in range(len(plans))], 10.0)
+    assert missing == [], f"notifications never arrived: {missing}"
+
+
+# -- bytes ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("descriptors", ["dlist", "prepped"])
+def test_heterogeneous_requests_in_flight(pair, descriptors: str) -> None:
+    transport, src, peer = pair
+    transport.descriptors = descriptors  # type: ignore[assignment]
+    peer.call("fill", DST_SEED)
+    dst = remote_view(transport, peer)
+    plans = [plan_transfer(src, dst, pages) for pages in make_requests(src, dst, 5, seed=3)]
+    # layer by layer: a plan restricted to some buffers moves only those
+    layer_pages = make_requests(src, dst, 6, seed=3)[5]
+    plans.append(plan_transfer(src, dst, layer_pages, buffers=["c4.kv.L1", "c4.idx.L1", "state.conv"]))
+    write_all(transport, peer, plans, descriptors)
+    assert_memory(peer.call("dump"), expected_memory(dst.layout, src, plans))
+    assert [p for p, _ in peer.call("take_notifs")] == [transport.agent_name] * len(plans)
+
+
+def test_parity_with_local_transport(pair) -> None:
+    """Same plans, same starting bytes: LocalTransport's destination equals NixlTransport's, byte for byte."""
+    transport, src, peer = pair
+    transport.descriptors = "dlist"
+    peer.call("fill", DST_SEED)
+    dst_remote = remote_view(transport, peer)
+    replica = KVMemory.allocate(dst_remote.layout)
+    fill(replica, DST_SEED)
+    requests = make_requests(src, dst_remote, 4, seed=9)
+    with LocalTransport() as local_src, LocalTransport() as local_dst:
+        local_src.register(src)
+        local_src.add_peer(local_dst.register(replica))
+        for pages in requests:
+            with local_src.write(plan_transfer(src, replica, pages), local_dst.agent_name, b"x") as h:
+                h.wait(1.0)
+    plans = [plan_transfer(src, dst_remote, pages) for pages in requests]
+    write_all(transport, peer, plans, "parity")
+    actual = peer.call("dump")
+    assert_memory(actual, {b.name: replica.array(b.name) for b in replica.layout.buffers})
+    assert_memory(actual, expected_memory(replica.layout, src, plans))
+
+
+def test_empty_plan_still_notifies(pair) -> None:
+    transport, src, peer = pair
+    plan = plan_transfer(src, remote_view(transport, peer), {})
+    with transport.write(plan, peer.name, b"empty") as handle:
+        assert handle.poll()
+    assert peer.call("wait_notifs", [b"empty"], 5.0) == []
+
+
+def test_notifications_both_ways(pair) -> None:
+    transport, _, peer = pair
+    transport.send_notification(peer.name, b"ping")
+    assert peer.call("wait_notifs", [b"ping"], 5.0) == []
+    peer.call("send", transport.agent_name, b"pong")
+    deadline = time.monotonic() + 5
+    got: list[tuple[str, bytes]] = []
+    while (peer.name, b"pong") not in got and time.monotonic() < deadline:
+        got += transport.get_notifications()
+    assert (peer.name, b"pong") in got
+
+
+# -- refusals and failures -----------------------------------------------------------------------------
+def test_plan_for_other_memory_is_refused(pair) -> None:
+    transport, src, peer = pair
+    other = KVMemory.allocate(remote_view(transport, peer).layout)  # right shape, wrong addresses
+    plan = plan_transfer(src, other, make_requests(src, other, 1)[0])
+    with pytest.raises(TransportError, match="destination is not peer"):
+        transport.write(plan, peer.name, b"never")
+    with pytest.raises(TransportError, match="unknown peer"):
+        transport.write(plan, "nobody", b"never")
+
+
+def test_remote_region_not_registered(pair) -> None:
+    """Metadata whose manifest claims memory the peer never registered: NIXL refuses, we stay usable."""
+    import msgspec
+
+    from kvferry.transport.nixl import _Metadata
+
+    transport, src, peer = pair
+    real = remote_view(transport, peer)
+    meta = msgspec.msgpack.decode(peer.metadata, type=_Metadata)
+    shifted = KVMemory.from_pointers(real.layout, [r.address + (1 << 40) for r in real.regions],
+                                     [r.nbytes for r in real.regions],
+                                     [b.page_bytes for b in real.layout.buffers])
+    forged = msgspec.msgpack.encode(_Metadata(meta.version, meta.agent, meta.nixl, shifted.manifest()))
+    transport.add_peer(forged)
+    try:
+        fake = remote_view(transport, peer)
+        plan = plan_transfer(src, fake, make_requests(src, fake, 1)[0])
+        with pytest.raises(TransportError, match=r"NIXL_ERR_NOT_FOUND.*|no registration") as info:
+            transport.write(plan, peer.name, b"never", label="forged")
+        assert peer.name in str(info.value) and "forged" in str(info.value)
+    finally:
+        transport.add_peer(peer.metadata)
+    _round_trip(transport, src, peer, "after-forged")
+
+
+def _round_trip(transport: NixlTransport, src: KVMemory, peer: PeerProcess, tag: str) -> None:
+    """One verified write: proves the transport (and the connection to ``peer``) still works."""
+    peer.call("fill", DST_SEED)
+    dst = remote_view(transport, peer)
+    plan = plan_transfer(src, dst, make_requests(src, dst, 1, seed=len(tag))[0])
+    write_all(transport, peer, [plan], tag)
+    assert_memory(peer.call("dump"), expected_memory(dst.layout, src, [plan]))
+
+
+def test_deadline_expires_then_recovers() -> None:
+    """A receiver that drives no progress: the first write cannot finish, wait() raises TransferTimeout."""
+    src_layout, dst_layout = layouts()
+    src = KVMemory.allocate(src_layout)
+    fill(src, SRC_SEED)
+    peer = start_peer(dst_layout.to_manifest(), DST_SEED, pause_after_setup=1.5)
+    with NixlTransport() as transport:
+        transport.register(src)
+        transport.add_peer(peer.metadata)
+        try:
+            dst = remote_view(transport, peer)
+            pages = make_requests(src, dst, 1, seed=5)[0]
+            handle = transport.write(plan_transfer(src, dst, pages), peer.name, b"late", label="late")
+            with pytest.raises(TransferTimeout, match="late"):
+                handle.wait(0.2)
+            handle.release()
+            handle.release()  # idempotent
+            peer.call("add_peer", transport.register(src), timeout=10)  # returns once the peer woke up
+            _round_trip(transport, src, peer, "after-deadline")
+        finally:
+            peer.stop()
+
+
+def big_layout() -> Layout:
+    return Layout([Pool("p", [Buffer("p.kv", 4096, 16384)])])  # 64 MiB of 4 KiB pages
+
+
+@pytest.mark.slow
+def test_peer_exits_mid_transfer() -> None:
+    """SIGKILL the peer while a 16k-descriptor write is in progress: PeerLost, then a new peer works."""
+    src = KVMemory.allocate(big_layout())
+    fill(src, SRC_SEED)
+    with NixlTransport() as transport:
+        meta = transport.register(src)
+        peer = start_peer(big_layout().to_manifest(), DST_SEED)
+        transport.add_peer(peer.metadata)
+        dst = remote_view(transport, peer)
+        scattered = np.random.default_rng(0).permutation(16384)
+        plan = plan_transfer(src, dst, {"p": (np.arange(16384), scattered)})
+        _kill_during_writes(transport, plan, peer)
+        with pytest.raises(PeerLost):
+            transport.send_notification(peer.name, b"anyone?")
+        transport.remove_peer(peer.name)
+        peer.stop()
+
+        fresh = start_peer(big_layout().to_manifest(), DST_SEED)
+        try:
+            transport.add_peer(fresh.metadata)
+            fresh.call("add_peer", meta)
+            dst = remote_view(transport, fresh)
+            plan = plan_transfer(src, dst, {"p": (np.arange(0, 4096, 2), scattered[:2048])})
+            write_all(transport, fresh, [plan], "after-kill")
+            assert_memory(fresh.call("dump"), {"p.kv": _apply(pattern(16384, 4096, DST_SEED, 0), src, plan)})
+        finally:
+            fresh.stop()
+
+
+def _kill_during_writes(transport: NixlTransport, plan: TransferPlan, peer: PeerProcess) -> None:
+    killer = threading.Timer(0.03, lambda: os.kill(peer.process.pid, 9))
+    killer.start()
+    deadline = time.monotonic() + 20
+    try:
+        with pytest.raises(PeerLost, match=peer.name):
+            while time.monotonic() < deadline:  # the kill lands during one of these writes
+                with transport.write(plan, peer.name, b"big", label="big") as handle:
+                    handle.wait(10.0)
+    finally:
+        killer.cancel()
+        peer.process.join(5)
+
+
+def _apply(before: np.ndarray, src: KVMemory, plan: TransferPlan) -> np.ndarray:
+    for pp in plan.pools:
+        before[pp.dst_pages] = src.array("p.kv")[pp.src_pages]
+    return before
+
+
+# -- API edges -----------------------------------------------------------------------------------------
+def test_setup_errors() -> None:
+    src_layout, _ = layouts()
+    src = KVMemory.allocate(src_layout)
+    transport = NixlTransport()
+    with pytest.raises(TransportError, match="register memory before"):
+        transport.add_peer(b"")
+    meta = transport.register(src)
+    assert transport.register(src) == meta
+    with pytest.raises(TransportError, match="already has memory"):
+        transport.register(KVMemory.allocate(src_layout))
+    with pytest.raises(TransportError, match="malformed"):
+        transport.add_peer(b"\x00garbage")
+    with pytest.raises(TransportError, match="remote"):
+        NixlTransport().register(KVMemory.from_manifest(src.manifest()))
+    transport.close()
+    transport.close()
+    with pytest.raises(TransportError, match="closed"):
+        transport.send_notification("x", b"")
+
+
+def test_import_is_lazy_and_host_memory_needs_no_torch(pair) -> None:
+    code = ("import sys, kvferry.transport.nixl; "
+            "assert not {'nixl', 'torch'} & set(sys.modules), sorted({'nixl', 'torch'} & set(sys.modules))")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    _, _, peer = pair
+    assert peer.call("modules") == []  # a registered host-memory peer loaded neither nixl's meta package nor torch
