@@ -34,6 +34,7 @@ COMMANDS: tuple[str, ...] = (
     "kvferry.cli:add_presets_parser",
     "kvferry.cli:add_audit_parser",
     "kvferry.cli:add_sizing_parser",
+    "kvferry.commands.diagnose_cmd:add_diff_parser",
 )
 
 DEFAULT_BUDGET = "4GiB"

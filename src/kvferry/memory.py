@@ -146,6 +146,14 @@ class KVMemory:
         """True when any region is GPU memory."""
         return any(r.device != "cpu" for r in self.regions)
 
+    def owner(self, buffer_name: str) -> Any:
+        """The array or tensor this buffer was bound from (None for raw pointers and peers' memory).
+
+        The way to reach GPU memory: a CUDA tensor cannot be viewed as a numpy array.
+        """
+        self.region(buffer_name)
+        return self._owners.get(buffer_name)
+
     def array(self, buffer_name: str) -> np.ndarray:
         """A writable ``(num_pages, page_bytes)`` uint8 view of a local host buffer."""
         region = self.region(buffer_name)
