@@ -5,7 +5,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	.venv/bin/kvferry audit --preset deepseek_v4
+	.venv/bin/kvferry demo
 
 test: setup
 	.venv/bin/ruff check src tests bench

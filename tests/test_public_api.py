@@ -5,6 +5,8 @@ FOUNDATION = {
     "Buffer", "Pool", "Layout", "KVMemory", "Region", "TransferPlan", "Row", "plan_transfer",
     "shape_difference", "KVFerryError", "LayoutError", "PlanError", "HandshakeError", "IncompatiblePeer",
     "LeaseError", "TransportError", "TransferTimeout", "PeerLost", "RequestFailed", "IntegrityError",
+    "HeadGeometry", "model_difference", "tp_compatible",
+    "PrefillEndpoint", "DecodeEndpoint", "RequestState", "EndpointOptions", "PROTOCOL_VERSION",
 }
 
 
@@ -21,3 +23,13 @@ def test_errors_form_one_hierarchy() -> None:
     assert issubclass(kvferry.IncompatiblePeer, kvferry.HandshakeError)
     assert issubclass(kvferry.TransferTimeout, kvferry.TransportError)
     assert issubclass(kvferry.PeerLost, kvferry.TransportError)
+
+
+def test_import_stays_light() -> None:
+    """The planner and CLI must not pay for zmq, nixl or torch at import time."""
+    import subprocess
+    import sys
+
+    code = "import sys, kvferry; print(sorted(m for m in ('zmq', 'nixl', 'torch') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -23,8 +23,23 @@ from .plan import Row, TransferPlan, plan_transfer
 
 __version__ = "0.1.0"
 
+# The endpoints import zmq; resolve them on first use so ``import kvferry`` (planner, CLI) stays light.
+_LAZY = {"PrefillEndpoint": "control", "DecodeEndpoint": "control", "RequestState": "control",
+         "EndpointOptions": "control", "PROTOCOL_VERSION": "control"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'kvferry' has no attribute {name!r}")
+
 __all__ = [
+    "PROTOCOL_VERSION",
     "Buffer",
+    "DecodeEndpoint",
+    "EndpointOptions",
     "HandshakeError",
     "HeadGeometry",
     "IncompatiblePeer",
@@ -37,8 +52,10 @@ __all__ = [
     "PeerLost",
     "PlanError",
     "Pool",
+    "PrefillEndpoint",
     "Region",
     "RequestFailed",
+    "RequestState",
     "Row",
     "TransferPlan",
     "TransferTimeout",

@@ -27,13 +27,15 @@ from .layout import Layout
 from .presets import DEFAULT_PRESET, PRESETS, describe_presets, get_preset, preset_knobs
 
 __all__ = ["COMMANDS", "add_layout_arguments", "build_parser", "emit_json", "layout_from_args", "main",
-           "parse_size"]
+           "parse_knob", "parse_size"]
 
 # "module:function" entries, each adding one subcommand; imported when the parser is built.
 COMMANDS: tuple[str, ...] = (
     "kvferry.cli:add_presets_parser",
     "kvferry.cli:add_audit_parser",
     "kvferry.cli:add_sizing_parser",
+    "kvferry.commands.demo_cmd:add_parser",
+    "kvferry.commands.stress_cmd:add_parser",
     "kvferry.commands.diagnose_cmd:add_diff_parser",
 )
 
@@ -99,7 +101,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _knob(text: str) -> tuple[str, object]:
+def parse_knob(text: str) -> tuple[str, object]:
     name, sep, raw = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
@@ -124,7 +126,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
                                f"(default: {DEFAULT_BUDGET} when --pages is not given)")
     group.add_argument("--indexer-dtype", choices=("fp8", "bf16"),
                        help="indexer-key dtype (deepseek_v32, deepseek_v4, token_salad only)")
-    group.add_argument("--knob", type=_knob, action="append", default=[], metavar="NAME=VALUE",
+    group.add_argument("--knob", type=parse_knob, action="append", default=[], metavar="NAME=VALUE",
                        help="any other preset knob, e.g. num_layers=8 (repeatable; "
                             "`kvferry presets` lists them)")
 

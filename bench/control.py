@@ -1,0 +1,281 @@
+"""Control-plane benchmark: many small requests between two processes, against the raw transport.
+
+Prefill runs in a spawned process (this file with ``--role prefill``), decode in this one; both over
+NIXL. Every request moves 16 pages (12 of a main pool with per-layer KV and bf16 indexer-key buffers of
+different page sizes and capacities, 4 of a compressed pool), decode keeping ``--in-flight`` requests
+outstanding and reusing its pages as requests finish (so every announce goes through the lease table).
+
+* ``raw``: decode sends "go i" as a NIXL notification; prefill plans and posts request i's write with a
+  notification; decode times "go" -> notification. The transport alone, same bytes, same window.
+* ``control digest=<mode>``: ``DecodeEndpoint.announce`` -> ``DONE`` (``timing()``), with prefill
+  calling ``PrefillEndpoint.send`` up to a window ahead. Handshake, ZMQ messages, leases, states,
+  coverage checks, digests (per ``--digests``) and the decode's verdict back to prefill included.
+
+Usage: ``python bench/control.py [--quick] [--requests N] [--in-flight N] [--digests off,sampled]
+[--repeats N] [--json]``. Clocks: latencies are measured in this process only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import subprocess
+import sys
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from kvferry import Buffer, KVMemory, Layout, Pool, plan_transfer
+
+LAYERS = 4
+MAIN_PER_REQ, C4_PER_REQ = 12, 4
+CAPS = {"prefill": (1000, 900, 300), "decode": (800, 780, 270)}
+
+
+def build_layout(side: str) -> Layout:
+    kv, idx, c4 = CAPS[side]
+    main = [b for layer in range(LAYERS) for b in (
+        Buffer(f"main.kv.L{layer}", 4096, kv, "fp8_e4m3", "kv", layer),
+        Buffer(f"main.idx.L{layer}", 1024, idx, "bf16", "index_k", layer))]
+    comp = [Buffer(f"c4.kv.L{layer}", 2048, c4, "fp8_e4m3", "kv", layer) for layer in range(LAYERS)]
+    return Layout([Pool("main", main, tokens_per_page=64), Pool("c4", comp, tokens_per_page=256)])
+
+
+def memory(side: str) -> KVMemory:
+    mem = KVMemory.allocate(build_layout(side))
+    rng = np.random.default_rng(1 if side == "prefill" else 2)
+    for buf in mem.layout.buffers:
+        arr = mem.array(buf.name)
+        arr[...] = rng.integers(0, 256, size=arr.shape, dtype=np.uint8)
+    return mem
+
+
+@functools.cache
+def src_pages(i: int) -> dict[str, np.ndarray]:
+    """Request ``i``'s prefill pages (cached: the workload, not its generation, is what is measured)."""
+    rng = np.random.default_rng(i)
+    kv, idx, c4 = CAPS["prefill"]
+    return {"main": rng.choice(min(kv, idx), MAIN_PER_REQ, replace=False), "c4": rng.choice(c4, C4_PER_REQ, False)}
+
+
+@functools.cache
+def dst_pages(slot: int, in_flight: int) -> dict[str, np.ndarray]:
+    """Slot ``slot``'s decode pages: fixed per slot, reused by every request that gets the slot."""
+    kv, idx, c4 = CAPS["decode"]
+    main = np.random.default_rng(10).permutation(min(kv, idx))[: in_flight * MAIN_PER_REQ]
+    comp = np.random.default_rng(11).permutation(c4)[: in_flight * C4_PER_REQ]
+    return {"main": main[slot * MAIN_PER_REQ:(slot + 1) * MAIN_PER_REQ],
+            "c4": comp[slot * C4_PER_REQ:(slot + 1) * C4_PER_REQ]}
+
+
+def warm_pages(n: int, in_flight: int) -> None:
+    for i in range(n):
+        src_pages(i)
+    for slot in range(in_flight):
+        dst_pages(slot, in_flight)
+
+
+# -- prefill process ---------------------------------------------------------------------------------------
+def _say(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def prefill_control(args: argparse.Namespace) -> None:
+    from kvferry.control import PrefillEndpoint
+
+    with PrefillEndpoint(memory("prefill"), "nixl", digest_mode=args.digest) as ep:
+        _say({"address": ep.address})
+        json.loads(sys.stdin.readline())                  # "start": decode is connected
+        backlog: deque[str] = deque()
+        for i in range(args.requests):
+            ep.send(f"b{i}", src_pages(i))
+            backlog.append(f"b{i}")
+            while len(backlog) > args.in_flight + 32:     # run a little ahead of decode, as engines do
+                ep.wait(backlog.popleft(), 60)
+        while backlog:
+            ep.wait(backlog.popleft(), 60)
+        _say({"done": True})
+        sys.stdin.readline()
+
+
+def prefill_raw(args: argparse.Namespace) -> None:
+    from kvferry.transport.nixl import NixlTransport
+
+    src = memory("prefill")
+    with NixlTransport() as transport:
+        _say({"meta": transport.register(src).hex()})
+        peer_info = json.loads(sys.stdin.readline())
+        peer = transport.add_peer(bytes.fromhex(peer_info["meta"]))
+        dst = KVMemory.from_manifest(bytes.fromhex(peer_info["manifest"]))
+        handles: list[Any] = []
+        served = 0
+        while served < args.requests or handles:
+            for _, msg in transport.get_notifications():
+                i, slot = (int(x) for x in msg.split()[1:])
+                src_i, dst_i = src_pages(i), dst_pages(slot, args.in_flight)
+                pages = {p: (src_i[p], dst_i[p]) for p in ("main", "c4")}
+                handles.append(transport.write(plan_transfer(src, dst, pages), peer, f"done {i}".encode()))
+                served += 1
+            handles = [h for h in handles if not _settled(h)]
+            time.sleep(50e-6)
+        _say({"done": True})
+        sys.stdin.readline()
+
+
+def _settled(handle: Any) -> bool:
+    if handle.poll():
+        handle.release()
+        return True
+    return False
+
+
+# -- decode (this process) ---------------------------------------------------------------------------------
+def spawn(args: argparse.Namespace, mode: str, digest: str = "off") -> subprocess.Popen[str]:
+    cmd = [sys.executable, __file__, "--role", "prefill", "--mode", mode, "--digest", digest,
+           "--requests", str(args.requests), "--in-flight", str(args.in_flight)]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _read(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    assert proc.stdout is not None
+    while True:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"prefill process exited with {proc.wait()}")
+        if line.startswith("{"):
+            return json.loads(line)
+
+
+def _write(proc: subprocess.Popen[str], obj: dict[str, Any]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(obj) + "\n")
+    proc.stdin.flush()
+
+
+def run_raw(args: argparse.Namespace) -> dict[str, Any]:
+    from kvferry.transport.nixl import NixlTransport
+
+    dst = memory("decode")
+    proc = spawn(args, "raw")
+    with NixlTransport() as transport:
+        meta = transport.register(dst)
+        peer = transport.add_peer(bytes.fromhex(_read(proc)["meta"]))
+        _write(proc, {"meta": meta.hex(), "manifest": dst.manifest().hex()})
+        sent: dict[int, tuple[float, int]] = {}
+        lat: list[float] = []
+        nxt = 0
+        t0 = time.monotonic()
+        for slot in range(min(args.in_flight, args.requests)):
+            sent[nxt] = (time.monotonic(), slot)
+            transport.send_notification(peer, f"go {nxt} {slot}".encode())
+            nxt += 1
+        while len(lat) < args.requests:
+            for _, msg in transport.get_notifications():
+                i = int(msg.split()[1])
+                start, slot = sent.pop(i)
+                lat.append(time.monotonic() - start)
+                if nxt < args.requests:
+                    sent[nxt] = (time.monotonic(), slot)
+                    transport.send_notification(peer, f"go {nxt} {slot}".encode())
+                    nxt += 1
+            time.sleep(50e-6)
+        wall = time.monotonic() - t0
+        _read(proc)
+        _write(proc, {"exit": True})
+    proc.wait(30)
+    return _summary("raw transport", lat, wall, args.requests)
+
+
+def run_control(args: argparse.Namespace, digest: str) -> dict[str, Any]:
+    from kvferry.control import DecodeEndpoint
+
+    proc = spawn(args, "control", digest)
+    with DecodeEndpoint(memory("decode"), "nixl", digest_mode=digest) as decode:
+        decode.connect(_read(proc)["address"])
+        _write(proc, {"start": True})
+        lat: list[float] = []
+        free = deque(range(args.in_flight))
+        live: deque[tuple[str, int]] = deque()
+        nxt = 0
+        t0 = time.monotonic()
+        while len(lat) < args.requests:
+            while free and nxt < args.requests:
+                slot = free.popleft()
+                decode.announce(f"b{nxt}", dst_pages(slot, args.in_flight))
+                live.append((f"b{nxt}", slot))
+                nxt += 1
+            decode.wait(live[0][0], 60)
+            for rid, slot in list(live):
+                start, end = decode.timing(rid)
+                if end is not None:
+                    decode.wait(rid, 0)               # raises if it failed: a failure is never counted
+                    lat.append(end - start)
+                    live.remove((rid, slot))
+                    free.append(slot)
+        wall = time.monotonic() - t0
+        _read(proc)
+        _write(proc, {"exit": True})
+        counters = decode.counters()
+    proc.wait(30)
+    out = _summary(f"control digest={digest}", lat, wall, args.requests)
+    out["decode_counters"] = counters
+    return out
+
+
+def _summary(name: str, lat: list[float], wall: float, n: int) -> dict[str, Any]:
+    arr = np.array(lat) * 1e6
+    return {"name": name, "requests": n, "requests_per_s": n / wall,
+            "p50_us": float(np.percentile(arr, 50)), "p99_us": float(np.percentile(arr, 99)),
+            "mean_us": float(arr.mean())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--role", default="decode", choices=["decode", "prefill"])
+    ap.add_argument("--mode", default="control", choices=["control", "raw"])
+    ap.add_argument("--digest", default="off")
+    ap.add_argument("--digests", default="off,sampled", help="digest modes to run the control plane with")
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--in-flight", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each kind; medians reported")
+    ap.add_argument("--quick", action="store_true", help="200 requests, one repeat")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.repeats = 200, 1
+    warm_pages(args.requests, args.in_flight)
+    if args.role == "prefill":
+        (prefill_raw if args.mode == "raw" else prefill_control)(args)
+        return
+    # Runs interleaved, repeated, medians reported: on a shared 2-core machine one run is noise.
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(args.repeats):
+        for r in [run_raw(args)] + [run_control(args, d) for d in args.digests.split(",")]:
+            runs.setdefault(r["name"], []).append(r)
+    results = [{"name": name, "repeats": len(rs),
+                **{k: float(np.median([r[k] for r in rs])) for k in ("requests_per_s", "p50_us", "p99_us")}}
+               for name, rs in runs.items()]
+    base = results[0]["p50_us"]
+    for r in results:
+        r["p50_vs_raw"] = r["p50_us"] / base - 1.0
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    layout = build_layout("decode")
+    nbytes = sum(b.page_bytes for b in layout.pool("main").buffers) * MAIN_PER_REQ + \
+        sum(b.page_bytes for b in layout.pool("c4").buffers) * C4_PER_REQ
+    print(f"{args.requests} requests x {MAIN_PER_REQ + C4_PER_REQ} pages ({nbytes} bytes), "
+          f"{args.in_flight} in flight")
+    print(f"medians of {args.repeats} interleaved runs")
+    print(f"{'run':<24}{'req/s':>10}{'p50 us':>10}{'p99 us':>10}{'p50 vs raw':>12}")
+    for r in results:
+        print(f"{r['name']:<24}{r['requests_per_s']:>10.0f}{r['p50_us']:>10.0f}{r['p99_us']:>10.0f}"
+              f"{r['p50_vs_raw'] * 100:>11.0f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,367 @@
+"""What prefill and decode endpoints share: options, the progress thread, waiting, counters.
+
+Part of the control plane (layer 5, above ``transport`` and ``integrity``). Each endpoint runs exactly
+one progress thread. It alone touches the ZMQ sockets and the transport (neither is thread-safe; NIXL
+also needs the receiving side to call ``get_notifications`` regularly, which this thread does). Public
+methods may be called from any thread: they take the endpoint's lock, change request records, queue
+what must be sent, and wake the thread. ``wait`` blocks on a condition the thread signals.
+
+The thread polls ZMQ with a timeout when nothing is in flight, and spins with a short sleep while a
+write or a notification is outstanding (NIXL notifications wake no file descriptor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from ..errors import KVFerryError, RequestFailed, TransferTimeout
+from ..memory import KVMemory
+from ..transport import Transport, make_transport
+from .states import TERMINAL, RequestState, advance
+
+__all__ = ["DIGEST_MODES", "EndpointOptions"]
+
+log = logging.getLogger("kvferry.control")
+
+# Weakest to strongest; the stronger of the two sides' modes is used for a connection.
+DIGEST_MODES = ("off", "sampled", "full")
+
+# Terminal records kept so poll/wait can still answer after the fact; the oldest are forgotten first.
+MAX_FINISHED = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointOptions:
+    """Deadlines and limits. Every wait the endpoint does is bounded by one of these (seconds).
+
+    * ``heartbeat_interval``: how often each side tells the other it is alive.
+    * ``peer_timeout``: silence after which the peer is declared dead and its requests fail (``PeerLost``).
+    * ``request_timeout``: a request not done by then fails on this side (``TransferTimeout``).
+    * ``lease_grace``: after the writer is known dead, how long decode still keeps its pages leased (a
+      write posted just before the death may still be landing).
+    * ``handshake_timeout``: default bound of ``DecodeEndpoint.connect`` and of a half-open handshake.
+    * ``busy_poll``: sleep between progress iterations while something is in flight.
+    * ``max_message_bytes``: ZMQ drops peers that send larger messages.
+    """
+
+    heartbeat_interval: float = 0.5
+    peer_timeout: float = 5.0
+    request_timeout: float = 60.0
+    lease_grace: float = 5.0
+    handshake_timeout: float = 10.0
+    busy_poll: float = 50e-6
+    max_message_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval", "peer_timeout", "request_timeout", "lease_grace",
+                     "handshake_timeout", "busy_poll"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"EndpointOptions.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.peer_timeout <= self.heartbeat_interval:
+            raise ValueError("peer_timeout must exceed heartbeat_interval, or live peers look dead")
+
+
+def check_digest_mode(mode: Any) -> str:
+    """The mode's string value; imports ``kvferry.integrity`` when digests are on (it must exist)."""
+    value = getattr(mode, "value", mode)
+    if value not in DIGEST_MODES:
+        raise ValueError(f"digest_mode must be one of {DIGEST_MODES}, got {mode!r}")
+    if value != "off":
+        integrity_module()
+    return str(value)
+
+
+def auth_mac(secret: bytes, role: bytes, nonce_a: bytes, nonce_b: bytes, hello: bytes) -> bytes:
+    """HMAC-SHA256 binding a role, both nonces and the exact Hello bytes (so the manifest cannot be swapped)."""
+    msg = b"kvferry-auth/" + role + b"\0" + nonce_a + nonce_b + hashlib.sha256(hello).digest()
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def as_secret(secret: str | bytes | None) -> bytes | None:
+    if secret is None:
+        return None
+    out = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if not out:
+        raise ValueError("an empty secret would authenticate anyone: pass None for no secret")
+    return out
+
+
+def stronger(a: str, b: str) -> str:
+    return a if DIGEST_MODES.index(a) >= DIGEST_MODES.index(b) else b
+
+
+def integrity_module() -> Any:
+    """``kvferry.integrity``, imported on first use (it sits beside ``transport`` in the layering)."""
+    from .. import integrity
+
+    return integrity
+
+
+class RequestRecord:
+    """Fields both sides keep per request. Mutated only under the endpoint's lock."""
+
+    __slots__ = ("deadline", "ended_at", "error", "request_id", "started_at", "state")
+
+    def __init__(self, request_id: str, state: RequestState, deadline: float) -> None:
+        self.request_id = request_id
+        self.state = state
+        self.deadline = deadline
+        self.error: KVFerryError | None = None
+        self.started_at = time.monotonic()
+        self.ended_at: float | None = None
+
+    @property
+    def is_live(self) -> bool:
+        return self.state not in TERMINAL
+
+
+class EndpointBase:
+    """Progress thread, lock, request lookup, ``wait``/``poll``. Subclasses implement the protocol."""
+
+    _role = "endpoint"
+
+    def __init__(self, memory: KVMemory, transport: str | Transport, *, digest_mode: Any,
+                 options: EndpointOptions | None) -> None:
+        if memory.remote:
+            raise ValueError("an endpoint needs this process's own memory, not a peer's manifest")
+        self.memory = memory
+        self.options = options or EndpointOptions()
+        self.digest_mode = check_digest_mode(digest_mode)
+        self._owns_transport = isinstance(transport, str)
+        self.transport: Transport = make_transport(transport) if isinstance(transport, str) else transport
+        self.transport_metadata = self.transport.register(memory)
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._records: OrderedDict[str, RequestRecord] = OrderedDict()   # newest incarnation per id
+        self._calls: list[Callable[[], None]] = []                      # run on the progress thread
+        self._changed = False
+        self._closing = False
+        self._close_deadline = 0.0
+        self._crashed: BaseException | None = None
+        self.num_bad_messages = 0
+        self._ctx = zmq.Context()
+        self._poller = zmq.Poller()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._thread = threading.Thread(target=self._run, name=f"kvferry-{self._role}", daemon=True)
+
+    # -- public: any thread ----------------------------------------------------------------------------
+    def poll(self, request_id: str) -> RequestState:
+        """Non-blocking: the request's state. ``KeyError`` for an id this endpoint does not know."""
+        with self._lock:
+            return self._record(request_id).state
+
+    def timing(self, request_id: str) -> tuple[float, float | None]:
+        """Non-blocking: ``time.monotonic()`` when this side learned of the request and when it ended
+        (None while live). For latency metrics."""
+        with self._lock:
+            rec = self._record(request_id)
+            return rec.started_at, rec.ended_at
+
+    def failure(self, request_id: str) -> KVFerryError | None:
+        """Non-blocking: why the request failed (None unless it is ``FAILED``)."""
+        with self._lock:
+            return self._record(request_id).error
+
+    def wait(self, request_id: str, timeout: float) -> None:
+        """Block until the request is ``DONE`` (returns) or ``FAILED`` (raises ``RequestFailed``, its
+        ``__cause__`` the specific error: ``PeerLost``, ``TransferTimeout``, ``IntegrityError``...).
+
+        Raises ``TransferTimeout`` when ``timeout`` seconds pass first; the request itself goes on (its own
+        deadline is ``options.request_timeout``). ``KeyError`` for an unknown id.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                rec = self._record(request_id)
+                if rec.state is RequestState.DONE:
+                    return
+                if rec.state is RequestState.FAILED:
+                    err = rec.error
+                    reason = str(err) if err is not None else "failed"
+                    raise RequestFailed(request_id, reason) from err
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeout(f"{self._role}: request {request_id!r} still {rec.state.value} "
+                                          f"after waiting {timeout:.3f} s")
+                self._cond.wait(left)
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests not yet DONE or FAILED on this side (a leak check: 0 when idle)."""
+        with self._lock:
+            return sum(1 for r in self._records.values() if r.is_live)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Fail what is live, let the peer settle, say goodbye, stop the thread. Idempotent, blocking."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._close_deadline = time.monotonic() + timeout
+        self._wake()
+        self._thread.join(timeout + 2.0)
+        if self._owns_transport:
+            self.transport.close()
+        self._ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers for subclasses ------------------------------------------------------------------------
+    def _record(self, request_id: str) -> RequestRecord:
+        rec = self._records.get(request_id)
+        if rec is None:
+            raise KeyError(f"{self._role}: unknown request {request_id!r}")
+        return rec
+
+    def _check_open(self) -> None:
+        if self._crashed is not None:
+            raise RuntimeError(f"{self._role} progress thread crashed: {self._crashed!r}")
+        if self._closing:
+            raise RuntimeError(f"{self._role} endpoint is closed")
+
+    def _remember(self, rec: RequestRecord) -> None:
+        self._records[rec.request_id] = rec
+        self._records.move_to_end(rec.request_id)
+        while len(self._records) > MAX_FINISHED:
+            oldest = next(iter(self._records.values()))
+            if oldest.is_live:
+                break
+            self._records.popitem(last=False)
+
+    def _set_state(self, rec: RequestRecord, state: RequestState) -> None:
+        rec.state = advance(rec.state, state, rec.request_id)
+        if state in TERMINAL:  # only endings wake waiters: waking them on every step costs the GIL
+            rec.ended_at = time.monotonic()
+            self._changed = True
+
+    def _fail(self, rec: RequestRecord, error: KVFerryError) -> bool:
+        """Fail a live request (first reason wins); False when it had already ended."""
+        if not rec.is_live:
+            return False
+        rec.error = error
+        self._set_state(rec, RequestState.FAILED)
+        return True
+
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the progress thread (under the lock); callers hold the lock."""
+        self._calls.append(fn)
+        self._wake()
+
+    def _wake(self) -> None:
+        # A full pipe means the thread wakes anyway; a closed one means we are shutting down.
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    def _new_socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
+        # No send high-water mark: control messages are small and must not be dropped; a dead peer's
+        # queue is bounded by peer_timeout, after which its socket is closed.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        return sock
+
+    # -- the progress thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if self._closing and self._shutdown_step():
+                        break
+                self._step()
+        except BaseException as exc:  # fail closed: a dead progress thread fails every request
+            log.exception("%s progress thread crashed", self._role)
+            with self._cond:
+                self._crashed = exc
+                for rec in self._records.values():
+                    self._fail(rec, KVFerryError(f"{self._role} progress thread crashed: {exc!r}"))
+                self._cond.notify_all()
+        finally:
+            self._close_sockets()
+
+    def _step(self) -> None:
+        with self._lock:
+            busy = self._is_busy() or bool(self._calls)
+            timeout_ms = 0 if busy else self._idle_timeout_ms()
+        events = dict(self._poller.poll(timeout_ms))
+        with self._cond:
+            if events.pop(self._wake_r, None):
+                self._drain_wake()
+            calls, self._calls = self._calls, []
+            for fn in calls:
+                fn()
+            for sock in events:
+                self._drain_socket(sock)
+            self._pump()
+            self._tick(time.monotonic())
+            if self._changed:
+                self._changed = False
+                self._cond.notify_all()
+        if busy and not events:
+            time.sleep(self.options.busy_poll)
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _drain_socket(self, sock: Any) -> None:
+        for _ in range(256):  # bounded, so one chatty peer cannot starve the rest of the loop
+            if sock.closed:   # a message just handled closed it (a peer said Bye)
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            try:
+                self._on_frames(sock, frames)
+            except KVFerryError as exc:
+                self.num_bad_messages += 1
+                log.debug("%s: dropped a message: %s", self._role, exc)
+
+    def _idle_timeout_ms(self) -> int:
+        # Wake often enough for heartbeats and deadlines; never sleep past half a heartbeat.
+        return max(1, int(self.options.heartbeat_interval * 1000 / 4))
+
+    # -- protocol hooks (run on the progress thread, under the lock) -----------------------------------
+    def _is_busy(self) -> bool:
+        raise NotImplementedError
+
+    def _on_frames(self, sock: Any, frames: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def _pump(self) -> None:
+        raise NotImplementedError
+
+    def _tick(self, now: float) -> None:
+        raise NotImplementedError
+
+    def _shutdown_step(self) -> bool:
+        """Advance shutdown; True once the thread may exit."""
+        raise NotImplementedError
+
+    def _close_sockets(self) -> None:
+        raise NotImplementedError

@@ -1,0 +1,125 @@
+"""Destination-page leases: which request owns which decode pages, until no write to them can land.
+
+Part of the control plane (layer 5). Decode leases its pages to a request when it announces it; the
+lease ends only when the endpoint knows nothing more can be written there (every write confirmed done,
+the writer confirmed its handles settled, or the writer is known dead and its deadline passed). Reusing a
+page while a write to it is still in flight is the bug this table exists to make impossible: ``acquire``
+refuses, before anything moves, pages that are out of range, repeated, or held by a live lease.
+
+Not thread-safe on its own: the endpoint calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import LeaseError
+from ..layout import Layout, Pool
+
+__all__ = ["FREE", "LeaseTable", "as_page_array"]
+
+FREE = -1
+
+
+def as_page_array(pool: str, value: Any) -> np.ndarray:
+    """``value`` as a fresh 1-D int64 array, or ``LeaseError`` naming the pool."""
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise LeaseError(f"pool {pool!r}: pages must be a 1-D sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise LeaseError(f"pool {pool!r}: pages must be integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
+        raise LeaseError(f"pool {pool!r}: page {int(arr.max())} is out of range")
+    return arr.astype(np.int64)  # a copy: the lease must not alias the caller's list
+
+
+def check_pages(pool: Pool, pages: np.ndarray, err: type[Exception] = LeaseError, *, unique: bool = True) -> None:
+    """Refuse pages outside any buffer of ``pool`` (and repeated pages when ``unique``), naming the buffer,
+    the page and the bound."""
+    if len(pages) == 0:
+        return
+    lo, hi = int(pages.min()), int(pages.max())
+    if lo < 0:
+        raise err(f"pool {pool.name!r}: page {lo} is negative")
+    if hi >= pool.min_pages:
+        buf = next(b for b in pool.buffers if b.num_pages <= hi)
+        raise err(f"pool {pool.name!r}, buffer {buf.name!r}: page {hi} is out of range "
+                  f"(this buffer has {buf.num_pages} pages, valid 0..{buf.num_pages - 1})")
+    if not unique:
+        return
+    srt = np.sort(pages)
+    dup = np.flatnonzero(srt[1:] == srt[:-1])
+    if len(dup):
+        raise err(f"pool {pool.name!r}: page {int(srt[dup[0]])} appears more than once")
+
+
+class LeaseTable:
+    """Per pool, the lease id owning each page (``FREE`` when none). One lease per request incarnation."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        # Sized by the pool's smallest buffer: a page must be valid in every buffer of its pool.
+        self._owner = {p.name: np.full(p.min_pages, FREE, dtype=np.int64) for p in layout.pools}
+        self._leases: dict[int, tuple[str, dict[str, np.ndarray]]] = {}
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    @property
+    def num_leased_pages(self) -> int:
+        return sum(len(p) for _, pages in self._leases.values() for p in pages.values())
+
+    def holds(self, lease_id: int) -> bool:
+        return lease_id in self._leases
+
+    def acquire(self, lease_id: int, request_id: str, pages: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Lease ``pages`` (pool -> page list) to ``lease_id``; all or nothing.
+
+        Returns the validated int64 page arrays. Raises ``LeaseError`` naming the pool, buffer, page and the
+        request holding it, when a pool is unknown, a page is out of range or repeated, a page is held by
+        another live lease, or no page is given at all.
+        """
+        if lease_id in self._leases:
+            raise LeaseError(f"lease {lease_id} already exists")
+        checked = self._validate(request_id, pages)
+        for pool_name, arr in checked.items():
+            owners = self._owner[pool_name][arr]
+            busy = np.flatnonzero(owners != FREE)
+            if len(busy):
+                page, holder = int(arr[busy[0]]), int(owners[busy[0]])
+                raise LeaseError(f"request {request_id!r}: pool {pool_name!r} page {page} is leased to live "
+                                 f"request {self._leases[holder][0]!r} (a write to it may still land)")
+        for pool_name, arr in checked.items():
+            self._owner[pool_name][arr] = lease_id
+        self._leases[lease_id] = (request_id, checked)
+        return checked
+
+    def release(self, lease_id: int) -> None:
+        """End a lease. The caller guarantees no write to its pages can still land. Unknown ids: ignored."""
+        entry = self._leases.pop(lease_id, None)
+        if entry is None:
+            return
+        for pool_name, arr in entry[1].items():
+            self._owner[pool_name][arr] = FREE
+
+    def _validate(self, request_id: str, pages: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        if not isinstance(pages, Mapping) or not pages:
+            raise LeaseError(f"request {request_id!r}: pages must be a non-empty mapping pool -> pages")
+        checked: dict[str, np.ndarray] = {}
+        for pool_name, value in pages.items():
+            if pool_name not in self._owner:
+                raise LeaseError(f"request {request_id!r}: no pool {pool_name!r} in layout "
+                                 f"(pools: {list(self._owner)})")
+            arr = as_page_array(pool_name, value)
+            check_pages(self.layout.pool(pool_name), arr)
+            if len(arr):
+                checked[pool_name] = arr
+        if not checked:
+            raise LeaseError(f"request {request_id!r}: no pages to lease")
+        return checked

@@ -1,0 +1,257 @@
+"""The control plane's wire protocol: typed, versioned msgspec messages over ZMQ (and NIXL notifications).
+
+Part of the control plane (layer 5). Every message is an ``Envelope`` ``[version, kind, body]``; decoding
+takes two steps: the envelope first (so a peer speaking another protocol version is answered with a
+``Reject`` it can still read), then the body, typed by ``kind``. Everything received is untrusted: msgspec
+checks types and the size caps below; manifests are re-validated by ``KVMemory.from_manifest``; page lists
+by the lease table and the planner.
+
+Flow (decode D, prefill P)::
+
+    D -> P  Hello (manifest, transport metadata, nonce)      P -> D  Challenge (nonce), if P has a secret
+    D -> P  Auth (HMAC over both nonces and the Hello)       P -> D  Welcome (manifest, metadata, proof) | Reject
+    D -> P  Announce (request, generation, pages)            P -> D  Ack | Fail
+    NIXL    Chunk (request, generation, chunk, last, digests), delivered after the chunk's write landed
+    D -> P  Result (ok or not, after digests verified)       either  Abort / Fail (settled: no write can land)
+    either  Heartbeat, Bye
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+import numpy as np
+
+from ..errors import (
+    HandshakeError,
+    IntegrityError,
+    KVFerryError,
+    LeaseError,
+    PeerLost,
+    PlanError,
+    TransferTimeout,
+    TransportError,
+)
+
+__all__ = [
+    "KINDS",
+    "PROTOCOL_VERSION",
+    "Abort",
+    "Ack",
+    "Announce",
+    "Auth",
+    "Bye",
+    "Challenge",
+    "Chunk",
+    "Envelope",
+    "Fail",
+    "Heartbeat",
+    "Hello",
+    "ProtocolError",
+    "Reject",
+    "Result",
+    "Welcome",
+    "decode",
+    "decode_pages",
+    "encode",
+    "encode_pages",
+    "error_from_wire",
+    "error_kind",
+]
+
+# Bump when any message's fields, their meaning, or the flow above changes. Peers with another version are
+# refused at the handshake; Envelope and Reject keep their shape across versions so the refusal is readable.
+PROTOCOL_VERSION = 1
+
+# Caps on untrusted input, far above real use and far below what exhausts memory.
+MAX_ID_LEN = 256
+MAX_REASON_LEN = 4096
+MAX_BLOB = 48 << 20          # manifests and transport metadata of the largest layouts fit easily
+MAX_POOLS = 1024
+MAX_PAGES_BYTES = 8 << 20    # one million int64 pages per pool per request
+
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
+Reason = Annotated[str, msgspec.Meta(max_length=MAX_REASON_LEN)]
+Blob = Annotated[bytes, msgspec.Meta(max_length=MAX_BLOB)]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
+Mac = Annotated[bytes, msgspec.Meta(max_length=64)]
+Gen = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
+PageBytes = Annotated[bytes, msgspec.Meta(max_length=MAX_PAGES_BYTES)]
+Pages = Annotated[dict[Annotated[str, msgspec.Meta(max_length=256)], PageBytes], msgspec.Meta(max_length=MAX_POOLS)]
+
+
+class ProtocolError(HandshakeError):
+    """A message that cannot be decoded, has the wrong version, or breaks the flow."""
+
+
+class _Msg(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class Envelope(_Msg):
+    """Stable across versions: ``[version, kind, body]``."""
+
+    version: int
+    kind: str
+    body: msgspec.Raw
+
+
+class Hello(_Msg):
+    session: Id                 # fresh per decode connection: a restarted decode is a new session
+    manifest: Blob              # KVMemory.manifest() of decode's memory
+    transport: Id               # transport name ("nixl", "local"); both sides must use the same
+    transport_meta: Blob        # Transport.register() output
+    nonce: Nonce
+    digest_mode: Id             # the strongest digest mode wins between the two sides
+    heartbeat_interval: Seconds
+
+
+class Challenge(_Msg):
+    nonce: Nonce
+
+
+class Auth(_Msg):
+    mac: Mac
+
+
+class Welcome(_Msg):
+    session: Id
+    manifest: Blob
+    transport_meta: Blob
+    proof: Mac                  # empty without a secret; else HMAC proving prefill knows it too
+    heartbeat_interval: Seconds
+    digest_mode: Id
+
+
+class Reject(_Msg):
+    """Stable across versions (one string field), so any version can read why it was refused."""
+
+    reason: Reason
+
+
+class Announce(_Msg):
+    request_id: Id
+    generation: Gen
+    pages: Pages                # pool -> little-endian int64 destination pages (the lease)
+
+
+class Ack(_Msg):
+    request_id: Id
+    generation: Gen
+
+
+class Abort(_Msg):
+    request_id: Id
+    generation: Gen
+    reason: Reason
+
+
+class Fail(_Msg):
+    """The sender failed the request; ``settled``: it has no write to decode's pages that can still land."""
+
+    request_id: Id
+    generation: Gen
+    reason: Reason
+    error: Id                   # one of ERROR_KINDS: which exception the waiter's failure carries
+    settled: bool
+
+
+class Result(_Msg):
+    """Decode's verdict after the last chunk: prefill reports DONE only on ``ok``."""
+
+    request_id: Id
+    generation: Gen
+    ok: bool
+    reason: Reason
+
+
+class Chunk(_Msg):
+    """Sent as the NIXL notification of a chunk's write: it arrives only after the chunk's bytes."""
+
+    request_id: Id
+    generation: Gen
+    chunk: Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)]
+    last: bool
+    num_chunks: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]   # total, meaningful on the last chunk
+    digests: Blob
+
+
+class Heartbeat(_Msg):
+    pass
+
+
+class Bye(_Msg):
+    reason: Reason
+
+
+KINDS: dict[str, type[_Msg]] = {
+    "hello": Hello, "challenge": Challenge, "auth": Auth, "welcome": Welcome, "reject": Reject,
+    "announce": Announce, "ack": Ack, "abort": Abort, "fail": Fail, "result": Result, "chunk": Chunk,
+    "heartbeat": Heartbeat, "bye": Bye,
+}
+_KIND_OF = {cls: kind for kind, cls in KINDS.items()}
+_DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in KINDS.items()}
+_ENVELOPE = msgspec.msgpack.Decoder(Envelope)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(msg: _Msg, *, version: int = PROTOCOL_VERSION) -> bytes:
+    """One message as envelope bytes."""
+    return _ENCODER.encode(Envelope(version, _KIND_OF[type(msg)], msgspec.Raw(_ENCODER.encode(msg))))
+
+
+def decode(data: bytes | memoryview) -> _Msg:
+    """Envelope first, then body. Raises ``ProtocolError``; a version mismatch names both versions.
+
+    A ``Reject`` of any version is decoded, so a peer can always say why it refused us.
+    """
+    try:
+        env = _ENVELOPE.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed envelope: {exc}") from exc
+    decoder = _DECODERS.get(env.kind)
+    if decoder is None:
+        raise ProtocolError(f"unknown message kind {env.kind[:64]!r}")
+    if env.version != PROTOCOL_VERSION and env.kind != "reject":
+        raise ProtocolError(f"protocol version {env.version} is not supported (this side speaks "
+                            f"{PROTOCOL_VERSION})")
+    try:
+        return decoder.decode(env.body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed {env.kind!r} message: {exc}") from exc
+
+
+def encode_pages(pages: dict[str, np.ndarray]) -> dict[str, bytes]:
+    return {pool: np.ascontiguousarray(arr, dtype="<i8").tobytes() for pool, arr in pages.items()}
+
+
+def decode_pages(pages: dict[str, bytes]) -> dict[str, np.ndarray]:
+    """Page lists from the wire as int64 arrays; ``ProtocolError`` when a list is not whole int64s."""
+    out: dict[str, np.ndarray] = {}
+    for pool, raw in pages.items():
+        if len(raw) % 8:
+            raise ProtocolError(f"pool {pool!r}: page list of {len(raw)} bytes is not a whole number of int64")
+        out[pool] = np.frombuffer(raw, dtype="<i8").astype(np.int64)
+    return out
+
+
+# Which exception a request failure carries across the wire; anything else travels as "error".
+ERROR_KINDS: dict[str, type[KVFerryError]] = {
+    "peer_lost": PeerLost, "timeout": TransferTimeout, "transport": TransportError,
+    "integrity": IntegrityError, "lease": LeaseError, "plan": PlanError, "error": KVFerryError,
+}
+
+
+def error_kind(exc: BaseException) -> str:
+    """The wire name of ``exc``'s most specific known class."""
+    for name, cls in ERROR_KINDS.items():
+        if isinstance(exc, cls):
+            return name
+    return "error"
+
+
+def error_from_wire(kind: str, reason: str, peer: str) -> KVFerryError:
+    """The exception a failure reported by ``peer`` is raised as on this side."""
+    return ERROR_KINDS.get(kind, KVFerryError)(f"{peer}: {reason}")

@@ -1,0 +1,194 @@
+"""Control plane between two OS processes over NIXL: bulk traffic, peers killed mid-transfer, restarts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvferry import KVMemory, PeerLost
+from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
+from kvferry.errors import RequestFailed
+
+from .control_peer import announce, fill, make_layout, run_prefill, snapshot, verify, wait_all, workload
+
+pytest.importorskip("nixl")
+pytest.importorskip("kvferry.transport.nixl")
+pytestmark = pytest.mark.nixl
+
+PEER = Path(__file__).with_name("control_peer.py")
+TIMEOUTS = {"heartbeat_interval": 0.2, "peer_timeout": 1.0, "lease_grace": 1.0, "request_timeout": 30.0}
+OPTS = EndpointOptions(**TIMEOUTS)
+SEED = 7
+
+
+class Peer:
+    """An endpoint in a child process, driven by JSON lines (see tests/control_peer.py)."""
+
+    def __init__(self, role: str, **cfg: Any) -> None:
+        cfg = {"options": TIMEOUTS, "seed": SEED, **cfg}
+        env = {**os.environ, "PYTHONPATH": str(PEER.parent.parent / "src")}
+        self.proc = subprocess.Popen([sys.executable, str(PEER), role, json.dumps(cfg)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.address = self._next(30)["address"]
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                self._lines.put(line)
+        self._lines.put("")
+
+    def _next(self, timeout: float) -> dict[str, Any]:
+        line = self._lines.get(timeout=timeout)
+        if not line:
+            raise AssertionError(f"peer exited with {self.proc.wait(5)}")
+        return json.loads(line)
+
+    def __call__(self, op: str, timeout: float = 30, **args: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._next(timeout)
+        assert "error" not in reply, reply
+        return reply
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(AssertionError, queue.Empty, BrokenPipeError):
+                self("exit", timeout=10)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def peers() -> Iterator[list[Peer]]:
+    started: list[Peer] = []
+    yield started
+    for peer in started:
+        peer.close()
+
+
+def _decode() -> tuple[DecodeEndpoint, dict[str, Any]]:
+    dst = KVMemory.allocate(make_layout("decode"))
+    fill(dst, 999)
+    return DecodeEndpoint(dst, "nixl", options=OPTS), snapshot(dst)
+
+
+def _idle(ep: Any) -> bool:
+    c = ep.counters()
+    return c["live_requests"] == c["live_leases"] == c["live_handles"] == 0
+
+
+def _count(ep: Any, reqs: list[Any], state: RequestState) -> int:
+    """Requests in ``state`` (an id prefill has not heard of yet counts as not in it)."""
+    n = 0
+    for r in reqs:
+        with contextlib.suppress(KeyError):
+            n += ep.poll(r.rid) is state
+    return n
+
+
+def _until(pred: Any, timeout: float) -> float:
+    t0 = time.monotonic()
+    while not pred():
+        assert time.monotonic() - t0 < timeout, "condition not reached in time"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def test_many_requests_between_processes(peers: list[Peer]) -> None:
+    prefill = Peer("prefill", digest_mode="full")
+    peers.append(prefill)
+    decode, before = _decode()
+    with decode:
+        decode.connect(prefill.address)
+        reqs = workload(64, seed=21)
+        announce(decode, reqs[:32])
+        prefill("serve", n=64, seed=21)
+        announce(decode, reqs[32:])
+        assert set(wait_all(decode, [r.rid for r in reqs], 30).values()) == {"done"}
+        assert set(prefill("wait_all")["results"].values()) == {"done"}
+        verify(decode.memory, SEED, reqs, before)
+        _until(lambda: _idle(decode), 5)
+        assert prefill("counters")["counters"]["live_handles"] == 0
+
+
+def test_decode_killed_mid_transfer(peers: list[Peer]) -> None:
+    src = KVMemory.allocate(make_layout("prefill"))
+    fill(src, SEED)
+    with PrefillEndpoint(src, "nixl", options=OPTS) as prefill:
+        doomed = Peer("decode")
+        peers.append(doomed)
+        doomed("connect", address=prefill.address)
+        doomed("announce", n=24, seed=22)
+        reqs = workload(24, seed=22)
+        run_prefill(prefill, reqs, hold_last=True)       # first chunks land; the last ones are held
+        _until(lambda: _count(prefill, reqs, RequestState.TRANSFERRING) == 16, 5)   # chunked + layered ones
+        doomed.kill()
+        t0 = time.monotonic()
+        results = wait_all(prefill, [r.rid for r in reqs], 10)
+        assert all(v.startswith("PeerLost") for v in results.values()), results
+        assert time.monotonic() - t0 < OPTS.peer_timeout + 1.0
+        _until(lambda: _idle(prefill), 5)
+        # Prefill keeps serving: a new decode process gets all its bytes.
+        fresh = Peer("decode")
+        peers.append(fresh)
+        fresh("connect", address=prefill.address)
+        fresh("announce", n=16, seed=23, prefix="f")
+        run_prefill(prefill, workload(16, seed=23, prefix="f"))
+        assert set(fresh("wait_all")["results"].values()) == {"done"}
+        fresh("verify")
+        _until(lambda: _idle(prefill), 5)
+        assert len(prefill.peers) == 1                   # the dead session is gone
+
+
+def test_prefill_killed_mid_transfer_then_restarted(peers: list[Peer]) -> None:
+    first = Peer("prefill")
+    peers.append(first)
+    decode, before = _decode()
+    with decode:
+        decode.connect(first.address)
+        reqs = workload(24, seed=24)
+        announce(decode, reqs)
+        first("serve", n=24, seed=24, hold_last=True)
+        _until(lambda: any(decode.poll(r.rid) is RequestState.TRANSFERRING for r in reqs), 5)
+        first.kill()
+        t0 = time.monotonic()
+        for r in reqs:
+            with pytest.raises(RequestFailed) as info:
+                decode.wait(r.rid, 10)
+            assert isinstance(info.value.__cause__, PeerLost)
+        failed_after = time.monotonic() - t0
+        assert failed_after < OPTS.peer_timeout + 1.0
+        assert decode.num_live_leases == 24              # a write may still be landing: pages kept...
+        held = _until(lambda: decode.num_live_leases == 0, 5)
+        assert failed_after + held >= OPTS.lease_grace * 0.9  # ...until the grace after the death passed
+        second = Peer("prefill")
+        peers.append(second)
+        decode.connect(second.address)
+        again = workload(24, seed=24, prefix="again")
+        announce(decode, again)
+        second("serve", n=24, seed=24, prefix="again")
+        assert set(wait_all(decode, [r.rid for r in again], 30).values()) == {"done"}
+        verify(decode.memory, SEED, again, before)
+        _until(lambda: _idle(decode), 5)

@@ -1,0 +1,257 @@
+"""Wire protocol, states and leases in isolation; raw and random messages against live endpoints."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from kvferry import IncompatiblePeer, KVMemory, LeaseError, PeerLost
+from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState, wire
+from kvferry.control.leases import LeaseTable
+from kvferry.control.states import TERMINAL, TRANSITIONS, advance, can_advance
+from kvferry.errors import RequestFailed
+
+from .control_peer import fill, make_layout, run_prefill, workload
+
+OPTS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, lease_grace=0.5)
+
+
+# -- pure units ----------------------------------------------------------------------------------------------
+def test_states_only_move_forward() -> None:
+    for state in TERMINAL:
+        assert not TRANSITIONS[state]
+    assert not can_advance(RequestState.BOOTSTRAPPING, RequestState.DONE)
+    assert not can_advance(RequestState.WAITING_FOR_INPUT, RequestState.DONE)
+    with pytest.raises(RuntimeError, match="illegal state transition failed -> done"):
+        advance(RequestState.FAILED, RequestState.DONE, "r")
+
+
+def test_messages_round_trip_and_versions_are_checked() -> None:
+    msg = wire.Announce("r1", 7, wire.encode_pages({"main": np.array([3, 1, 2])}))
+    back = wire.decode(wire.encode(msg))
+    assert back == msg
+    assert wire.decode_pages(back.pages)["main"].tolist() == [3, 1, 2]
+    with pytest.raises(wire.ProtocolError, match="protocol version 2 is not supported"):
+        wire.decode(wire.encode(msg, version=2))
+    reject = wire.decode(wire.encode(wire.Reject("go away"), version=99))  # readable across versions
+    assert isinstance(reject, wire.Reject)
+    with pytest.raises(wire.ProtocolError, match="malformed 'announce'"):
+        wire.decode(msgspec.msgpack.encode([wire.PROTOCOL_VERSION, "announce", [1, 2]]))
+    with pytest.raises(wire.ProtocolError, match="whole number of int64"):
+        wire.decode_pages({"main": b"\x00" * 7})
+
+
+def test_lease_table_is_all_or_nothing() -> None:
+    table = LeaseTable(make_layout("decode"))
+    table.acquire(1, "a", {"main": [1, 2], "c4": [0]})
+    with pytest.raises(LeaseError, match="page 2 is leased to live request 'a'"):
+        table.acquire(2, "b", {"c4": [1], "main": [2, 3]})
+    assert table.num_leases == 1 and table.num_leased_pages == 3   # b's c4 page was not taken
+    table.release(1)
+    table.acquire(2, "b", {"c4": [1], "main": [2, 3]})
+    assert table.num_leased_pages == 3
+
+
+# -- raw peers ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def prefill() -> Iterator[PrefillEndpoint]:
+    src = KVMemory.allocate(make_layout("prefill"))
+    fill(src, 7)
+    with PrefillEndpoint(src, "local", options=OPTS) as ep:
+        yield ep
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+def _dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 2000)
+    sock.connect(address)
+    return sock
+
+
+def _serves(prefill: PrefillEndpoint, rid: str) -> None:
+    """A real decode still completes a request against ``prefill``, bytes checked."""
+    dst = KVMemory.allocate(make_layout("decode"))
+    with DecodeEndpoint(dst, "local", options=OPTS) as decode:
+        decode.connect(prefill.address, timeout=5)
+        req = workload(1, seed=11, prefix=rid)[0]
+        decode.announce(req.rid, req.dst)
+        run_prefill(prefill, [req])
+        decode.wait(req.rid, 5)
+        for buf in dst.layout.pools[0].buffers:
+            assert np.array_equal(dst.array(buf.name)[req.dst["main"]],
+                                  prefill.memory.array(buf.name)[req.src["main"]])
+
+
+def test_wrong_protocol_version_gets_a_readable_reject(prefill: PrefillEndpoint, ctx: zmq.Context) -> None:
+    sock = _dealer(ctx, prefill.address)
+    hello = wire.Hello("s" * 8, b"", "local", b"", b"n" * 16, "off", 1.0)
+    sock.send(wire.encode(hello, version=wire.PROTOCOL_VERSION + 1))
+    reply = wire.decode(sock.recv())
+    assert isinstance(reply, wire.Reject)
+    assert f"protocol version {wire.PROTOCOL_VERSION + 1} is not supported" in reply.reason
+    _serves(prefill, "after-version")
+
+
+def test_malformed_manifest_is_rejected(prefill: PrefillEndpoint, ctx: zmq.Context) -> None:
+    sock = _dealer(ctx, prefill.address)
+    sock.send(wire.encode(wire.Hello("s" * 8, b"\x93garbage", "local", b"", b"n" * 16, "off", 1.0)))
+    reply = wire.decode(sock.recv())
+    assert isinstance(reply, wire.Reject) and "malformed manifest" in reply.reason
+
+
+_BLOBS = st.one_of(
+    st.binary(max_size=256),
+    st.builds(lambda k, b: msgspec.msgpack.encode([wire.PROTOCOL_VERSION, k, b]),
+              st.sampled_from(sorted(wire.KINDS)), st.binary(max_size=64)),
+    st.builds(lambda k, v: msgspec.msgpack.encode([wire.PROTOCOL_VERSION, k, v]),
+              st.sampled_from(sorted(wire.KINDS)),
+              st.lists(st.one_of(st.integers(-2**63, 2**64 - 1), st.text(max_size=8), st.binary(max_size=8), st.none(),
+                                 st.booleans(), st.dictionaries(st.text(max_size=4), st.binary(max_size=16))),
+                       max_size=8)),
+)
+
+
+@given(st.lists(_BLOBS, min_size=1, max_size=5))
+def test_random_messages_do_not_hurt_prefill(prefill_for_fuzz: tuple[PrefillEndpoint, zmq.Socket],
+                                             blobs: list[bytes]) -> None:
+    ep, sock = prefill_for_fuzz
+    for blob in blobs:
+        sock.send_multipart([blob] if len(blob) % 3 else [blob, b"extra"])
+    assert ep.counters()["live_requests"] == 0
+
+
+@pytest.fixture(scope="module")
+def prefill_for_fuzz() -> Iterator[tuple[PrefillEndpoint, zmq.Socket]]:
+    src = KVMemory.allocate(make_layout("prefill"))
+    fill(src, 7)
+    ctx = zmq.Context()
+    with PrefillEndpoint(src, "local", options=OPTS) as ep:
+        yield ep, _dealer(ctx, ep.address)
+        time.sleep(0.1)
+        assert ep.num_bad_messages > 0
+        _serves(ep, "after-fuzz")           # still alive and correct
+    ctx.destroy(linger=0)
+
+
+# -- a fake prefill: handshake by hand, then misbehave ---------------------------------------------------------
+class FakePrefill:
+    """A ROUTER speaking just enough protocol to be accepted, then doing whatever the test says."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.mem = KVMemory.allocate(make_layout("prefill"))
+        from kvferry.transport import LocalTransport
+
+        self.transport = LocalTransport()
+        self.meta = self.transport.register(self.mem)
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, 3000)
+        self.sock.bind("tcp://127.0.0.1:0")
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.identity = b""
+
+    def recv(self) -> Any:
+        self.identity, data = self.sock.recv_multipart()
+        return wire.decode(data)
+
+    def send(self, msg: Any, version: int = wire.PROTOCOL_VERSION) -> None:
+        self.sock.send_multipart([self.identity, wire.encode(msg, version=version)])
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.send_multipart([self.identity, data])
+
+    def welcome(self) -> None:
+        assert isinstance(self.recv(), wire.Hello)
+        self.send(wire.Welcome("fake", self.mem.manifest(), self.meta, b"", 1.0, "off"))
+
+
+def _connect_async(decode: DecodeEndpoint, address: str) -> Any:
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    return pool.submit(decode.connect, address, 3.0)
+
+
+def test_prefill_speaking_another_version_is_refused(ctx: zmq.Context) -> None:
+    fake = FakePrefill(ctx)
+    with DecodeEndpoint(KVMemory.allocate(make_layout("decode")), "local", options=OPTS) as decode:
+        fut = _connect_async(decode, fake.address)
+        assert isinstance(fake.recv(), wire.Hello)
+        fake.send(wire.Challenge(b"n" * 32), version=wire.PROTOCOL_VERSION + 5)
+        with pytest.raises(IncompatiblePeer, match="protocol version"):
+            fut.result(5)
+    fake.transport.close()
+
+
+def test_silent_prefill_fails_requests_and_keeps_leases_for_the_grace(ctx: zmq.Context) -> None:
+    fake = FakePrefill(ctx)
+    with DecodeEndpoint(KVMemory.allocate(make_layout("decode")), "local", options=OPTS,
+                        digest_mode="off") as decode:
+        fut = _connect_async(decode, fake.address)
+        fake.welcome()
+        fut.result(5)
+        decode.announce("r", {"main": [1, 2]})
+        assert isinstance(fake.recv(), wire.Announce)
+        t0 = time.monotonic()
+        with pytest.raises(RequestFailed) as info:       # no heartbeat from the fake: dead in peer_timeout
+            decode.wait("r", 5)
+        took = time.monotonic() - t0
+        assert isinstance(info.value.__cause__, PeerLost)
+        assert OPTS.peer_timeout * 0.8 < took < OPTS.peer_timeout + 0.5
+        assert decode.num_live_leases == 1               # a write posted before the death may still land
+        time.sleep(OPTS.lease_grace + 0.2)
+        assert decode.num_live_leases == 0
+    fake.transport.close()
+
+
+@given(st.lists(_BLOBS, min_size=1, max_size=6))
+def test_random_messages_do_not_hurt_decode(decode_for_fuzz: tuple[DecodeEndpoint, FakePrefill],
+                                            blobs: list[bytes]) -> None:
+    decode, fake = decode_for_fuzz
+    # A well-formed Bye is not an attack: the peer has legitimately said goodbye, and decode drops it.
+    assume(not any(_is_valid(blob, wire.Bye) for blob in blobs))
+    for blob in blobs:
+        fake.send_raw(blob)
+        fake.send(wire.Heartbeat())
+    assert decode.peers == [fake.address]
+
+
+def _is_valid(blob: bytes, kind: type) -> bool:
+    try:
+        return isinstance(wire.decode(blob), kind)
+    except wire.ProtocolError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def decode_for_fuzz() -> Iterator[tuple[DecodeEndpoint, FakePrefill]]:
+    ctx = zmq.Context()
+    fake = FakePrefill(ctx)
+    opts = EndpointOptions(heartbeat_interval=0.1, peer_timeout=30.0)
+    decode = DecodeEndpoint(KVMemory.allocate(make_layout("decode")), "local", options=opts, digest_mode="off")
+    fut = _connect_async(decode, fake.address)
+    fake.welcome()
+    fut.result(5)
+    yield decode, fake
+    decode.announce("still-alive", {"main": [1]})   # the progress thread survived
+    assert decode.poll("still-alive") is RequestState.BOOTSTRAPPING
+    assert decode.num_bad_messages > 0
+    decode.close(timeout=0.1)                        # the fake never settles the lease: do not wait for it
+    fake.transport.close()
+    ctx.destroy(linger=0)
