@@ -27,7 +27,7 @@ from .layout import Layout
 from .presets import DEFAULT_PRESET, PRESETS, describe_presets, get_preset, preset_knobs
 
 __all__ = ["COMMANDS", "add_layout_arguments", "build_parser", "emit_json", "layout_from_args", "main",
-           "parse_knob", "parse_size"]
+           "parse_knob", "parse_size", "positive_int"]
 
 # "module:function" entries, each adding one subcommand; imported when the parser is built.
 COMMANDS: tuple[str, ...] = (
@@ -91,7 +91,7 @@ def parse_size(text: str) -> int:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -119,7 +119,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preset", default=DEFAULT_PRESET, metavar="NAME",
                        help=f"model preset, one of: {', '.join(PRESETS)} (default: {DEFAULT_PRESET})")
     capacity = group.add_mutually_exclusive_group()
-    capacity.add_argument("--pages", type=_positive_int, metavar="N",
+    capacity.add_argument("--pages", type=positive_int, metavar="N",
                           help="pages in the preset's main pool (other pools derive theirs)")
     capacity.add_argument("--budget", type=parse_size, metavar="SIZE",
                           help=f"memory budget, e.g. 4GiB or 500MB: the largest capacity that fits "
@@ -262,7 +262,7 @@ def add_sizing_parser(subparsers: argparse._SubParsersAction) -> None:
         "sizing", help="pages and bytes a request of N tokens needs in each pool",
         description="Bytes per token per pool, and the pages and bytes one request of --tokens tokens needs "
                     "in each pool (state pools: one slot), with how many such requests the capacity holds.")
-    p.add_argument("--tokens", type=_positive_int, required=True, metavar="N", help="tokens in the request")
+    p.add_argument("--tokens", type=positive_int, required=True, metavar="N", help="tokens in the request")
     add_layout_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(handler=_run_sizing)

@@ -191,16 +191,17 @@ def _select_buffers(mem: KVMemory, buffers: Iterable[str] | None) -> np.ndarray 
     return np.array([_buffer_index(mem, n) for n in names], dtype=np.int64)
 
 
-def as_pages(pool: str, side: str, value: Any) -> np.ndarray:
+def as_pages(pool: str, side: str, value: Any, err: type[Exception] = PlanError) -> np.ndarray:
+    """``value`` as a fresh 1-D int64 page array, or ``err`` naming the pool and side."""
     arr = np.asarray(value)
     if arr.ndim != 1:
-        raise PlanError(f"pool {pool!r}: {side} pages must be a 1-D sequence, got shape {arr.shape}")
+        raise err(f"pool {pool!r}: {side} pages must be a 1-D sequence, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if not np.issubdtype(arr.dtype, np.integer):
-        raise PlanError(f"pool {pool!r}: {side} pages must be integers, got dtype {arr.dtype}")
+        raise err(f"pool {pool!r}: {side} pages must be integers, got dtype {arr.dtype}")
     if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
-        raise PlanError(f"pool {pool!r}: {side} page {int(arr.max())} is out of range")
+        raise err(f"pool {pool!r}: {side} page {int(arr.max())} is out of range")
     # A copy: the plan freezes its page arrays and must not freeze (or alias) the caller's.
     return arr.astype(np.int64)
 

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..audit import buffer_role
+from ..cli import parse_knob, parse_size, positive_int
 from ..presets import DEFAULT_PRESET, PRESETS
 from ..runner import DEFAULT_BUDGET, ProgressFn, WorkloadConfig, WorkloadResult
 from ..sim import WorkloadSpec
@@ -44,21 +45,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def add_workload_arguments(p: argparse.ArgumentParser, *, sessions: int, turns: int, timeout: float) -> None:
     """The arguments ``stress`` and ``demo`` share, with per-command defaults for the size."""
     w = p.add_argument_group("workload")
-    w.add_argument("--sessions", type=_positive, default=sessions, help=f"concurrent sessions (default {sessions})")
-    w.add_argument("--turns", type=_positive, default=turns, help=f"turns per session (default {turns})")
-    w.add_argument("--first-tokens", type=_positive, default=_SPEC.first_tokens, metavar="N",
+    w.add_argument("--sessions", type=positive_int, default=sessions, help=f"concurrent sessions (default {sessions})")
+    w.add_argument("--turns", type=positive_int, default=turns, help=f"turns per session (default {turns})")
+    w.add_argument("--first-tokens", type=positive_int, default=_SPEC.first_tokens, metavar="N",
                    help=f"median first-prompt length (default {_SPEC.first_tokens})")
-    w.add_argument("--turn-tokens", type=_positive, default=_SPEC.turn_tokens, metavar="N",
+    w.add_argument("--turn-tokens", type=positive_int, default=_SPEC.turn_tokens, metavar="N",
                    help=f"median tokens each turn adds (default {_SPEC.turn_tokens})")
-    w.add_argument("--max-tokens", type=_positive, default=_SPEC.max_tokens, metavar="N",
+    w.add_argument("--max-tokens", type=positive_int, default=_SPEC.max_tokens, metavar="N",
                    help=f"context limit (default {_SPEC.max_tokens})")
     w.add_argument("--seed", type=int, default=0, help="seed of the schedule, prompt lengths and bytes")
     lay = p.add_argument_group("layout")
     lay.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS),
                      help=f"model preset (default {DEFAULT_PRESET})")
     size = lay.add_mutually_exclusive_group()
-    size.add_argument("--pages", type=_positive, metavar="N", help="pages in the preset's main pool, per side")
-    size.add_argument("--budget", type=_size, metavar="SIZE",
+    size.add_argument("--pages", type=positive_int, metavar="N", help="pages in the preset's main pool, per side")
+    size.add_argument("--budget", type=parse_size, metavar="SIZE",
                       help=f"memory per side, e.g. 1GiB (default {DEFAULT_BUDGET >> 20}MiB)")
     lay.add_argument("--knob", type=parse_knob, action="append", default=[], metavar="NAME=VALUE",
                      help="a preset knob, e.g. num_layers=8 (repeatable)")
@@ -226,28 +227,6 @@ def _human(num_bytes: float) -> str:
 
 
 # -- argument types --------------------------------------------------------------------------------------
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _size(text: str) -> int:
-    from ..cli import parse_size
-
-    return parse_size(text)
-
-
-def parse_knob(text: str) -> tuple[str, object]:
-    from ..cli import parse_knob as knob
-
-    return knob(text)
-
-
 def _inject(text: str) -> str | None:
     """Validate ``--inject`` while parsing (a typo must not cost a whole run); None for ``none``."""
     from ..faults import FaultKind, FaultSpec, FaultSpecError

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import LeaseError
 from ..layout import Layout, Pool
+from ..plan import as_pages
 
 __all__ = ["FREE", "LeaseTable", "as_page_array"]
 
@@ -25,17 +26,8 @@ FREE = -1
 
 
 def as_page_array(pool: str, value: Any) -> np.ndarray:
-    """``value`` as a fresh 1-D int64 array, or ``LeaseError`` naming the pool."""
-    arr = np.asarray(value)
-    if arr.ndim != 1:
-        raise LeaseError(f"pool {pool!r}: pages must be a 1-D sequence, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise LeaseError(f"pool {pool!r}: pages must be integers, got dtype {arr.dtype}")
-    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
-        raise LeaseError(f"pool {pool!r}: page {int(arr.max())} is out of range")
-    return arr.astype(np.int64)  # a copy: the lease must not alias the caller's list
+    """``value`` as a fresh 1-D int64 array (the lease must not alias the caller's list), or ``LeaseError``."""
+    return as_pages(pool, "destination", value, err=LeaseError)
 
 
 def check_pages(pool: Pool, pages: np.ndarray, err: type[Exception] = LeaseError, *, unique: bool = True) -> None:
