@@ -37,6 +37,7 @@ COMMANDS: tuple[str, ...] = (
     "kvferry.commands.demo_cmd:add_parser",
     "kvferry.commands.stress_cmd:add_parser",
     "kvferry.commands.diagnose_cmd:add_diff_parser",
+    "kvferry.commands.bench_cmd:add_bench_parser",
 )
 
 DEFAULT_BUDGET = "4GiB"

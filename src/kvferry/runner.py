@@ -131,6 +131,7 @@ class WorkloadResult:
     first_failure: str | None
     layout: dict[str, Any]
     error: str | None = None
+    latencies_ms: tuple[float, ...] = ()  # per request, announce to verified; left out of to_dict
 
     @property
     def ok(self) -> bool:
@@ -138,8 +139,10 @@ class WorkloadResult:
                 and self.requests == self.requests_expected)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready, with ``ok`` included."""
-        return {**asdict(self), "ok": self.ok}
+        """JSON-ready, with ``ok`` included (per-request latencies stay on the object: thousands of them)."""
+        out = asdict(self)
+        del out["latencies_ms"]
+        return {**out, "ok": self.ok}
 
 
 ProgressFn = Callable[[int, int], None]
@@ -199,6 +202,7 @@ def _result(config: WorkloadConfig, layout: Layout, reports: _Reports, wall_s: f
         p50_ms=float(dec.get("p50_ms", 0.0)), p99_ms=float(dec.get("p99_ms", 0.0)),
         failures=dict(dec.get("failures", {})), first_failure=dec.get("first_failure"),
         layout=layout_summary(layout), error=reports.error,
+        latencies_ms=tuple(float(x) for x in dec.get("latencies_ms", ())),
     )
 
 
@@ -290,7 +294,11 @@ class _Supervisor:
                 if worker.conn in ready:
                     self._receive(worker)
                 elif not worker.alive() and getattr(self.reports, worker.side) is None:
-                    self.reports.error = self.reports.error or worker.describe_exit()
+                    # It may have sent its result and exited between wait() and alive(): read first.
+                    if worker.conn.poll():
+                        self._receive(worker)
+                    else:
+                        self.reports.error = self.reports.error or worker.describe_exit()
 
     def _have_all(self) -> bool:
         return self.reports.decode is not None and self.reports.prefill is not None
@@ -562,6 +570,7 @@ class _DecodeStats:
             "first_failure": self.first_failure,
             "p50_ms": float(np.percentile(lat, 50)) if len(lat) else 0.0,
             "p99_ms": float(np.percentile(lat, 99)) if len(lat) else 0.0,
+            "latencies_ms": lat.tolist(),
         }
 
 

@@ -245,6 +245,12 @@ class NixlTransport(Transport):
     def agent_name(self) -> str:
         return self._name
 
+    @property
+    def agent(self) -> Any:
+        """The underlying ``nixl_agent`` (None before ``register``), for baselines and diagnostics that
+        post raw NIXL transfers beside kvferry's. Transfers posted on it bypass kvferry's checks."""
+        return self._agent
+
     # -- setup ---------------------------------------------------------------------------------------------
     def register(self, memory: KVMemory) -> bytes:
         """Create the agent, register ``memory``'s regions and return metadata for peers. Once per side."""
