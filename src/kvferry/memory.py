@@ -13,6 +13,7 @@ once here, so planning does no per-buffer Python work.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -170,7 +171,22 @@ class KVMemory:
             flat = np.ctypeslib.as_array((ctypes.c_uint8 * region.nbytes).from_address(region.address))
         return flat.reshape(buf.num_pages, buf.page_bytes)
 
-    # -- planner support -------------------------------------------------------------------------------
+    # -- planner and transport support -----------------------------------------------------------------
+    @cached_property
+    def binding_fingerprint(self) -> str:
+        """Hex digest of layout shape, capacities and every region: equal only for the same binding."""
+        key = (self.layout.instance_fingerprint,
+               tuple((r.address, r.nbytes, r.device, r.device_id) for r in self.regions))
+        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
+
+    @cached_property
+    def region_bounds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(starts, ends, device_ids)`` uint64 arrays sorted by start: for vectorised bounds checks."""
+        regs = sorted(self.regions, key=lambda r: r.address)
+        return (_ro(np.array([r.address for r in regs], dtype=np.uint64)),
+                _ro(np.array([r.end for r in regs], dtype=np.uint64)),
+                _ro(np.array([r.device_id for r in regs], dtype=np.uint64)))
+
     @cached_property
     def buffer_index(self) -> dict[str, int]:
         """Buffer name -> its index in ``layout.buffers``."""

@@ -127,18 +127,18 @@ def check_rows_in_regions(descs: np.ndarray, memory: KVMemory, side: str, peer: 
         return
     # Device address spaces do not overlap in practice (CUDA uses one virtual address space per process
     # for host and all GPUs), so one sorted list serves all devices; the device id is checked as well.
-    regs = sorted(memory.regions, key=lambda r: r.address)
-    key_start = np.array([r.address for r in regs], dtype=np.uint64)
-    key_end = np.array([r.end for r in regs], dtype=np.uint64)
-    key_dev = np.array([r.device_id for r in regs], dtype=np.uint64)
+    key_start, key_end, key_dev = memory.region_bounds
     addr, length, dev = descs[:, 0], descs[:, 1], descs[:, 2]
     # Regions are disjoint (KVMemory checks), so the only candidate is the last region starting at or
     # below the row's address.
     idx = np.searchsorted(key_start, addr, side="right").astype(np.int64) - 1
     ok = idx >= 0
-    idx_c = np.clip(idx, 0, len(regs) - 1)
+    idx_c = np.clip(idx, 0, len(key_start) - 1)
+    end = key_end[idx_c]
     ok &= key_dev[idx_c] == dev
-    ok &= addr + length <= key_end[idx_c]
+    ok &= addr < end
+    # ``length <= end - addr`` rather than ``addr + length <= end``: the sum can wrap around 2**64.
+    ok &= length <= np.where(addr < end, end - addr, 0)
     ok &= length > 0
     if not ok.all():
         bad = int(np.flatnonzero(~ok)[0])

@@ -127,7 +127,7 @@ class LocalTransport(Transport):
     def _check(self, plan: TransferPlan, peer: str, label: str) -> None:
         if self._memory is None:
             raise TransportError("register memory before writing")
-        if plan.src_memory is not self._memory and plan.src_memory.regions != self._memory.regions:
+        if plan.src_memory.binding_fingerprint != self._memory.binding_fingerprint:
             raise TransportError(f"write {label!r}: the plan's source is not this transport's memory")
         check_rows_in_regions(plan.src_descs, self._memory, "source", peer, label)
         check_rows_in_regions(plan.dst_descs, self._peers[peer], "destination", peer, label)

@@ -447,7 +447,7 @@ def _memory_type(memory: KVMemory, side: str) -> str:
 
 
 def _same_binding(a: KVMemory, b: KVMemory) -> bool:
-    return a is b or a.regions == b.regions
+    return a is b or a.binding_fingerprint == b.binding_fingerprint
 
 
 def _as_str(name: str | bytes) -> str:
