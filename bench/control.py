@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ import numpy as np
 from kvferry import Buffer, KVMemory, Layout, Pool, plan_transfer
 
 LAYERS = 4
+METRICS = ("requests_per_s", "p50_us", "p99_us", "prefill_cpu_us", "decode_cpu_us")
 MAIN_PER_REQ, C4_PER_REQ = 12, 4
 CAPS = {"prefill": (1000, 900, 300), "decode": (800, 780, 270)}
 
@@ -79,6 +81,12 @@ def warm_pages(n: int, in_flight: int) -> None:
 
 
 # -- prefill process ---------------------------------------------------------------------------------------
+def cpu_s() -> float:
+    """User + system CPU seconds of this process, all threads (CPU per request is the figure to cut)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def _say(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
     sys.stdout.flush()
@@ -90,6 +98,7 @@ def prefill_control(args: argparse.Namespace) -> None:
     with PrefillEndpoint(memory("prefill"), "nixl", digest_mode=args.digest) as ep:
         _say({"address": ep.address})
         json.loads(sys.stdin.readline())                  # "start": decode is connected
+        cpu0 = cpu_s()
         backlog: deque[str] = deque()
         for i in range(args.requests):
             ep.send(f"b{i}", src_pages(i))
@@ -98,7 +107,7 @@ def prefill_control(args: argparse.Namespace) -> None:
                 ep.wait(backlog.popleft(), 60)
         while backlog:
             ep.wait(backlog.popleft(), 60)
-        _say({"done": True})
+        _say({"done": True, "cpu_s": cpu_s() - cpu0})
         sys.stdin.readline()
 
 
@@ -113,6 +122,7 @@ def prefill_raw(args: argparse.Namespace) -> None:
         dst = KVMemory.from_manifest(bytes.fromhex(peer_info["manifest"]))
         handles: list[Any] = []
         served = 0
+        cpu0 = cpu_s()
         while served < args.requests or handles:
             for _, msg in transport.get_notifications():
                 i, slot = (int(x) for x in msg.split()[1:])
@@ -122,7 +132,7 @@ def prefill_raw(args: argparse.Namespace) -> None:
                 served += 1
             handles = [h for h in handles if not _settled(h)]
             time.sleep(50e-6)
-        _say({"done": True})
+        _say({"done": True, "cpu_s": cpu_s() - cpu0})
         sys.stdin.readline()
 
 
@@ -168,7 +178,7 @@ def run_raw(args: argparse.Namespace) -> dict[str, Any]:
         sent: dict[int, tuple[float, int]] = {}
         lat: list[float] = []
         nxt = 0
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), cpu_s()
         for slot in range(min(args.in_flight, args.requests)):
             sent[nxt] = (time.monotonic(), slot)
             transport.send_notification(peer, f"go {nxt} {slot}".encode())
@@ -183,11 +193,11 @@ def run_raw(args: argparse.Namespace) -> dict[str, Any]:
                     transport.send_notification(peer, f"go {nxt} {slot}".encode())
                     nxt += 1
             time.sleep(50e-6)
-        wall = time.monotonic() - t0
-        _read(proc)
+        wall, cpu = time.monotonic() - t0, cpu_s() - cpu0
+        prefill_cpu = _read(proc)["cpu_s"]
         _write(proc, {"exit": True})
     proc.wait(30)
-    return _summary("raw transport", lat, wall, args.requests)
+    return _summary("raw transport", lat, wall, args.requests, prefill_cpu, cpu)
 
 
 def run_control(args: argparse.Namespace, digest: str) -> dict[str, Any]:
@@ -201,7 +211,7 @@ def run_control(args: argparse.Namespace, digest: str) -> dict[str, Any]:
         free = deque(range(args.in_flight))
         live: deque[tuple[str, int]] = deque()
         nxt = 0
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), cpu_s()
         while len(lat) < args.requests:
             while free and nxt < args.requests:
                 slot = free.popleft()
@@ -216,21 +226,23 @@ def run_control(args: argparse.Namespace, digest: str) -> dict[str, Any]:
                     lat.append(end - start)
                     live.remove((rid, slot))
                     free.append(slot)
-        wall = time.monotonic() - t0
-        _read(proc)
+        wall, cpu = time.monotonic() - t0, cpu_s() - cpu0
+        prefill_cpu = _read(proc)["cpu_s"]
         _write(proc, {"exit": True})
         counters = decode.counters()
     proc.wait(30)
-    out = _summary(f"control digest={digest}", lat, wall, args.requests)
+    out = _summary(f"control digest={digest}", lat, wall, args.requests, prefill_cpu, cpu)
     out["decode_counters"] = counters
     return out
 
 
-def _summary(name: str, lat: list[float], wall: float, n: int) -> dict[str, Any]:
+def _summary(name: str, lat: list[float], wall: float, n: int, prefill_cpu: float,
+             decode_cpu: float) -> dict[str, Any]:
     arr = np.array(lat) * 1e6
     return {"name": name, "requests": n, "requests_per_s": n / wall,
             "p50_us": float(np.percentile(arr, 50)), "p99_us": float(np.percentile(arr, 99)),
-            "mean_us": float(arr.mean())}
+            "mean_us": float(arr.mean()), "prefill_cpu_us": prefill_cpu / n * 1e6,
+            "decode_cpu_us": decode_cpu / n * 1e6}
 
 
 def main() -> None:
@@ -257,7 +269,7 @@ def main() -> None:
         for r in [run_raw(args)] + [run_control(args, d) for d in args.digests.split(",")]:
             runs.setdefault(r["name"], []).append(r)
     results = [{"name": name, "repeats": len(rs),
-                **{k: float(np.median([r[k] for r in rs])) for k in ("requests_per_s", "p50_us", "p99_us")}}
+                **{k: float(np.median([r[k] for r in rs])) for k in METRICS}}
                for name, rs in runs.items()]
     base = results[0]["p50_us"]
     for r in results:
@@ -271,10 +283,11 @@ def main() -> None:
     print(f"{args.requests} requests x {MAIN_PER_REQ + C4_PER_REQ} pages ({nbytes} bytes), "
           f"{args.in_flight} in flight")
     print(f"medians of {args.repeats} interleaved runs")
-    print(f"{'run':<24}{'req/s':>10}{'p50 us':>10}{'p99 us':>10}{'p50 vs raw':>12}")
+    print(f"{'run':<24}{'req/s':>10}{'p50 us':>10}{'p99 us':>10}{'p50 vs raw':>12}"
+          f"{'prefill CPU us/req':>20}{'decode CPU us/req':>19}")
     for r in results:
         print(f"{r['name']:<24}{r['requests_per_s']:>10.0f}{r['p50_us']:>10.0f}{r['p99_us']:>10.0f}"
-              f"{r['p50_vs_raw'] * 100:>11.0f}%")
+              f"{r['p50_vs_raw'] * 100:>11.0f}%{r['prefill_cpu_us']:>20.0f}{r['decode_cpu_us']:>19.0f}")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,24 @@ Digest variants (full mode; the first is what ``kvferry.integrity`` ships):
 Also timed: ``local+full_overlapped``, the local write with the full digest computed in a second thread
 while it runs (prefill may digest while its write is in flight: digests only read source pages).
 
-    .venv/bin/python bench/integrity.py [--pool-pages 768] [--repeat 3] [--json out.json]
+Pipelined (``--chunks K``, full mode): the request split into K chunks of pages, each its own write, as the
+control plane sends chunked prefill. The writer is NIXL (two agents in this process, UCX cma: the copy runs
+inside ``transfer()`` with the GIL released, as between two processes) or ``LocalTransport`` when NIXL is
+missing. Timed, all with the same K writes:
+  pipe_write        the K writes alone (the baseline the added time is measured against)
+  pipe_serial       digest, write, verify per chunk in series (what a digest costs without overlap)
+  pipe_prefill      the caller hashes chunk i+1 while a writer thread writes chunk i (PrefillEndpoint.send)
+  pipe_decode       chunk i is verified while chunk i+1 is written (decode verifies per chunk notification)
+  pipe_both         both at once: hashing, writing and verifying threads (in one process they share a GIL,
+                    unlike real prefill and decode processes)
+
+    .venv/bin/python bench/integrity.py [--pool-pages 768] [--repeat 3] [--chunks 8] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -93,6 +105,97 @@ def write_with_full_digest(plan: TransferPlan, prefill: LocalTransport, peer: st
     pending.result()
 
 
+# -- pipelined chunks (full mode) ----------------------------------------------------------------------------
+def nixl_writer(src: KVMemory, dst: KVMemory) -> tuple[Callable[[TransferPlan], None], list] | None:
+    """A blocking write through two in-process NIXL agents, or None when NIXL is unavailable."""
+    try:
+        from kvferry.transport.nixl import NixlTransport
+
+        a, b = NixlTransport(), NixlTransport()
+        meta_a, meta_b = a.register(src), b.register(dst)
+    except Exception:  # no nixl wheel: fall back to LocalTransport
+        return None
+    peer = a.add_peer(meta_b)
+    b.add_peer(meta_a)
+
+    def write(plan: TransferPlan) -> None:
+        handle = a.write(plan, peer, b"c")
+        while not handle.poll():
+            b.get_notifications()   # the receiving agent must drive progress (NIXL-NOTES)
+        handle.release()
+        b.get_notifications()
+    return write, [a, b]
+
+
+def pipe_write(chunks: list[TransferPlan], write: Callable[[TransferPlan], None]) -> None:
+    for c in chunks:
+        write(c)
+
+
+def pipe_serial(chunks: list[TransferPlan], write: Callable[[TransferPlan], None], dst: KVMemory) -> None:
+    for c in chunks:
+        d = digest_plan(c, "full")
+        write(c)
+        verify_digests(dst, d)
+
+
+def pipe_prefill(chunks: list[TransferPlan], write: Callable[[TransferPlan], None],
+                 writer: ThreadPoolExecutor) -> None:
+    """Hash on this thread, write on the writer thread: hashing chunk i+1 overlaps writing chunk i."""
+    posted = []
+    for c in chunks:
+        digest_plan(c, "full")                  # the notification of chunk i carries its digests
+        posted.append(writer.submit(write, c))
+    for f in posted:
+        f.result()
+
+
+def pipe_decode(chunks: list[TransferPlan], digests: list, write: Callable[[TransferPlan], None],
+                writer: ThreadPoolExecutor, dst: KVMemory) -> None:
+    """Writes land one after another on the writer thread; each chunk is verified as soon as it landed."""
+    landed = [writer.submit(write, c) for c in chunks]
+    for f, d in zip(landed, digests):
+        f.result()
+        verify_digests(dst, d)
+
+
+def pipe_both(chunks: list[TransferPlan], write: Callable[[TransferPlan], None], writer: ThreadPoolExecutor,
+              verifier: ThreadPoolExecutor, dst: KVMemory) -> None:
+    def write_then_verify(c: TransferPlan, d: object) -> object:
+        write(c)
+        return verifier.submit(verify_digests, dst, d)
+    posted = [writer.submit(write_then_verify, c, digest_plan(c, "full")) for c in chunks]
+    for f in posted:
+        f.result().result()
+
+
+def pipeline(src: KVMemory, dst: KVMemory, s: np.ndarray, d: np.ndarray, num_chunks: int,
+             repeat: int, fallback: Callable[[TransferPlan], None]) -> dict:
+    bounds = np.linspace(0, len(s), num_chunks + 1).astype(int)
+    chunks = [plan_transfer(src, dst, {"kv": (s[a:b], d[a:b])}) for a, b in itertools.pairwise(bounds.tolist())]
+    made = nixl_writer(src, dst)
+    write, owned = made if made is not None else (fallback, [])
+    t: dict[str, float] = {}
+    with ThreadPoolExecutor(1) as writer, ThreadPoolExecutor(1) as verifier:
+        pipe_write(chunks, write)
+        digests = [digest_plan(c, "full") for c in chunks]
+        runs = {"pipe_write": lambda: pipe_write(chunks, write),
+                "pipe_serial": lambda: pipe_serial(chunks, write, dst),
+                "pipe_prefill": lambda: pipe_prefill(chunks, write, writer),
+                "pipe_decode": lambda: pipe_decode(chunks, digests, write, writer, dst),
+                "pipe_both": lambda: pipe_both(chunks, write, writer, verifier, dst)}
+        samples: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(repeat):   # interleaved: load from other jobs hits every variant alike
+            for name, fn in runs.items():
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - t0)
+        t = {k: statistics.median(v) for k, v in samples.items()}
+    for transport in owned:
+        transport.close()
+    return {"writer": "nixl" if made is not None else "local", "chunks": num_chunks, "seconds": t}
+
+
 # -- digest variants (full mode) ---------------------------------------------------------------------------
 def _pairs(plan: TransferPlan) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     pp = plan.pools[0]
@@ -126,7 +229,7 @@ def variant_threads2(work: list, pool: ThreadPoolExecutor) -> list[int]:
 
 
 # -- run ---------------------------------------------------------------------------------------------------
-def run(pool_pages: int = 768, pages: int = 512, repeat: int = 3, seed: int = 0) -> dict:
+def run(pool_pages: int = 768, pages: int = 512, repeat: int = 3, seed: int = 0, chunks: int = 8) -> dict:
     lay = layout(pool_pages)
     src, dst = KVMemory.allocate(lay), KVMemory.allocate(lay)
     rng = np.random.default_rng(seed)
@@ -157,11 +260,12 @@ def run(pool_pages: int = 768, pages: int = 512, repeat: int = 3, seed: int = 0)
         for name, fn in variants.items():
             assert fn(work) == reference, name  # every variant hashes the same pages in the same order
             t[f"variant_{name}"] = median_s(lambda _, fn=fn: fn(work), repeat)
+    pipe = pipeline(src, dst, s, d, chunks, repeat, lambda c: local_write(c, prefill, peer))
     prefill.close()
     decode.close()
     return {"bytes": plan.nbytes, "rows": plan.num_descriptors, "pages": pages, "pool_pages": pool_pages,
             "digests_full": len(full), "digests_sampled": len(digest_plan(plan, "sampled")),
-            "seconds": t}
+            "seconds": t, "pipeline": pipe}
 
 
 def report(res: dict) -> Table:
@@ -176,15 +280,30 @@ def report(res: dict) -> Table:
     return table
 
 
+def report_pipeline(res: dict) -> Table:
+    pipe, nbytes = res["pipeline"], res["bytes"]
+    t, base = pipe["seconds"], pipe["seconds"]["pipe_write"]
+    table = Table(title=f"Full digests overlapped with {pipe['chunks']} chunked {pipe['writer']} writes: "
+                        "wall time added to the writes alone")
+    for col in ("what", "seconds", "GB/s", "added s", "added % of writes"):
+        table.add_column(col, justify="left" if col == "what" else "right")
+    for name, sec in t.items():
+        table.add_row(name, f"{sec:.4f}", f"{nbytes / sec / 1e9:.2f}", f"{sec - base:+.4f}",
+                      f"{100 * (sec - base) / base:+.1f}")
+    return table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pool-pages", type=int, default=768)
     ap.add_argument("--pages", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--chunks", type=int, default=8, help="chunks of the pipelined runs")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
-    res = run(args.pool_pages, args.pages, args.repeat)
+    res = run(args.pool_pages, args.pages, args.repeat, chunks=args.chunks)
     Console().print(report(res))
+    Console().print(report_pipeline(res))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=2)

@@ -13,6 +13,7 @@ from kvferry.integrity import (
     PageMismatch,
     PageMismatchError,
     _DigestsMsg,
+    digest_pages,
     digest_plan,
     verify_digests,
 )
@@ -170,3 +171,17 @@ def test_bad_mode_and_sample_count_are_refused(moved) -> None:
         digest_plan(plan, "most")
     with pytest.raises(IntegrityError, match="samples_per_buffer"):
         digest_plan(plan, "sampled", samples_per_buffer=0)
+
+
+@pytest.mark.parametrize("buffers", [None, ["c4.kv.L0", "c4.idx.L0"], ["state.ssm", "c128.kv.L1"]])
+@pytest.mark.parametrize("mode", ["off", "sampled", "full"])
+def test_digest_pages_keyed_equals_digest_plan(moved, mode: str, buffers: list[str] | None) -> None:
+    """What prefill hashes in send(), before decode's pages are known, is what digest_plan gives."""
+    src, dst, _ = moved
+    for seed in range(3):
+        plan = plan_transfer(src, dst, PAGES, buffers=buffers)
+        early = digest_pages(src, {p: np.array(s) for p, (s, _) in PAGES.items()}, mode, seed=seed,
+                             buffers=buffers)
+        keyed = early.keyed({p: np.array(d) for p, (_, d) in PAGES.items()})
+        assert keyed.to_bytes() == digest_plan(plan, mode, seed=seed).to_bytes()
+        verify_digests(dst, keyed)

@@ -8,11 +8,14 @@ plan it is about to post (or has posted) and sends the ``PageDigests`` with its 
 digest.
 
 Digests are keyed by buffer and *destination* page, so decode checks its own pages without knowing the
-source page numbers. The hash is xxh3-64 (python-xxhash): one call per page, since a page is the unit a
-mismatch must name and the library has no batched API. Measured alternatives (bench/RESULTS-integrity.md):
-a Python loop over numpy row views costs ~0.15 us per page on top of the hash, less than gathering pages
-into a block first (a copy of every byte); threads do not help, because python-xxhash holds the GIL for
-inputs under 64 KiB and pages are smaller.
+source page numbers. ``digest_pages`` hashes source pages before the destination is known (prefill's
+``send``) and ``SourceDigests.keyed`` names the destination pages later; ``digest_plan`` is the two in one.
+The hash is xxh3-64 (python-xxhash): one call per page, since a page is the unit a mismatch must name and
+the library has no batched API. Both sides pick the pages to hash with numpy across all buffers at once and
+hash them in one loop over slices of a flat view per buffer (built once per binding): no Python work per
+buffer, which was most of a sampled digest's cost. Measured alternatives (bench/RESULTS-integrity.md):
+gathering pages into a block first is slower (a copy of every byte); threads do not help, because
+python-xxhash holds the GIL for inputs under 64 KiB and pages are smaller.
 
 Modes: ``off`` (nothing), ``sampled`` (``samples_per_buffer`` pages per buffer, chosen independently per
 buffer from the plan's pages with ``seed``, so different buffers cover different pages) and ``full``.
@@ -20,7 +23,8 @@ buffer from the plan's pages with ``seed``, so different buffers cover different
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated
@@ -40,6 +44,8 @@ __all__ = [
     "PageDigests",
     "PageMismatch",
     "PageMismatchError",
+    "SourceDigests",
+    "digest_pages",
     "digest_plan",
     "hash_pages",
     "verify_digests",
@@ -199,40 +205,172 @@ def digest_plan(plan: TransferPlan, mode: DigestMode | str, *, seed: int = 0,
 
     Called on the prefill side once the source pages hold the request's final KV (before or after the
     write is posted: it only reads). Blocking; cost measured in bench/RESULTS-integrity.md. CUDA regions
-    are read by copying the chosen pages to host through torch (see ``read_pages``).
+    are read by copying the chosen pages to host through torch (see ``read_pages``). Equal to
+    ``digest_pages`` over the plan's source pages, keyed by its destination pages.
     """
+    cells = [(pp.pool, pp.buffer_ids, pp.src_pages) for pp in plan.pools]
+    source = _digest_cells(plan.src_memory, cells, mode, seed, samples_per_buffer)
+    return source.keyed({pp.pool: pp.dst_pages for pp in plan.pools})
+
+
+def digest_pages(memory: KVMemory, pages: Mapping[str, np.ndarray], mode: DigestMode | str, *,
+                 seed: int | np.random.Generator = 0, samples_per_buffer: int = 2,
+                 buffers: Iterable[str] | None = None) -> SourceDigests:
+    """Digest source pages (pool -> validated int64 pages) before their destination pages are known.
+
+    Covers exactly the cells ``plan_transfer(memory, peer, {pool: (pages[pool], dst)}, buffers)`` writes,
+    in the same order, and with the same int ``seed`` samples as ``digest_plan`` on that plan does;
+    ``SourceDigests.keyed`` then names the destination pages. Lets prefill hash on the thread that calls
+    ``send`` (the pages are final then) rather than on its progress thread. Blocking.
+    """
+    keep = None if buffers is None else [memory.buffer_index[n] for n in buffers]
+    cells = []
+    for pool, src in pages.items():
+        ids = memory.pool_arrays[pool].buffer_ids
+        ids = ids if keep is None else ids[np.isin(ids, keep)]
+        if len(src) and len(ids):  # the planner leaves such pools out of the plan too
+            cells.append((pool, ids, np.asarray(src, dtype=np.int64)))
+    return _digest_cells(memory, cells, mode, seed, samples_per_buffer)
+
+
+@dataclass(frozen=True, eq=False)
+class SourceDigests:
+    """Digests keyed by position: entry i hashes position ``positions[i]`` of the page list of pool
+    ``pool_names[pool_ids[i]]`` in buffer ``buffer_names[buffer_ids[i]]``. From ``digest_pages``."""
+
+    mode: DigestMode
+    buffer_names: tuple[str, ...]
+    buffer_ids: np.ndarray   # uint32 [N]
+    pool_names: tuple[str, ...]
+    pool_ids: np.ndarray     # int64 [N]: index into pool_names
+    positions: np.ndarray    # int64 [N]: index into that pool's page list
+    digests: np.ndarray      # uint64 [N]
+    shape: str = ""
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+    def keyed(self, dst_pages: Mapping[str, np.ndarray]) -> PageDigests:
+        """The ``PageDigests`` decode checks: position i of pool p is destination page ``dst_pages[p][i]``."""
+        if not self.pool_names:
+            return PageDigests.empty(self.mode, self.shape)
+        lists = [np.asarray(dst_pages[p], dtype=np.int64) for p in self.pool_names]
+        starts = np.cumsum([0] + [len(x) for x in lists[:-1]])
+        pages = np.concatenate(lists)[starts[self.pool_ids] + self.positions]
+        return PageDigests(self.mode, self.buffer_names, self.buffer_ids, _ro(pages), self.digests, self.shape)
+
+
+_Cells = Sequence[tuple[str, np.ndarray, np.ndarray]]   # per pool: (name, buffer ids into layout.buffers, pages)
+
+
+def _digest_cells(memory: KVMemory, cells: _Cells, mode: DigestMode | str, seed: int | np.random.Generator,
+                  k: int) -> SourceDigests:
+    """Choose the pages to hash (every one, or ``k`` per buffer), then hash them all in one pass."""
     mode = DigestMode.parse(mode)
-    shape = plan.src_memory.layout.shape_fingerprint
-    if mode is DigestMode.OFF:
-        return PageDigests.empty(mode, shape)
-    if samples_per_buffer < 1:
-        raise IntegrityError(f"samples_per_buffer must be >= 1, got {samples_per_buffer}")
-    rng = np.random.default_rng(seed % (1 << 64))  # any int: request ids may hash negative
-    layout_bufs = plan.src_memory.layout.buffers
-    names, ids, pages, digests = [], [], [], []
-    for pp in plan.pools:
-        chosen = _choose(rng, len(pp.buffer_ids), len(pp.src_pages), mode, samples_per_buffer)
-        for b, gid in enumerate(pp.buffer_ids.tolist()):
-            sel = chosen[b]
-            ids.append(np.full(len(sel), len(names), dtype=np.uint32))
-            names.append(layout_bufs[gid].name)
-            pages.append(pp.dst_pages[sel])
-            digests.append(hash_pages(plan.src_memory, names[-1], pp.src_pages[sel]))
-    if not names:
-        return PageDigests.empty(mode, shape)
-    return PageDigests(mode, tuple(names), _ro(np.concatenate(ids)), _ro(np.concatenate(pages)),
-                       _ro(np.concatenate(digests)), shape)
+    shape = memory.layout.shape_fingerprint
+    if mode is not DigestMode.OFF and k < 1:
+        raise IntegrityError(f"samples_per_buffer must be >= 1, got {k}")
+    if mode is DigestMode.OFF or not cells:
+        return SourceDigests(mode, (), *_empty_entries(), shape=shape)
+    rng = _rng(seed) if mode is DigestMode.SAMPLED else None
+    local, gids, pools, pos, src = [], [], [], [], []
+    for p, (_, ids, pages) in enumerate(cells):
+        chosen = _choose(rng, len(ids), len(pages), mode, k)   # [buffers of the pool, picks]: positions
+        first = sum(len(c[1]) for c in cells[:p])               # plan-wide number of the pool's first buffer
+        local.append(np.repeat(np.arange(first, first + len(ids), dtype=np.uint32), chosen.shape[1]))
+        gids.append(np.repeat(ids, chosen.shape[1]))
+        pools.append(np.full(chosen.size, p, dtype=np.int64))
+        pos.append(chosen.ravel())
+        src.append(pages[chosen].ravel())
+    bufs = memory.layout.buffers
+    names = tuple(bufs[g].name for c in cells for g in c[1].tolist())
+    digests = _hash_cells(memory, np.concatenate(gids), np.concatenate(src))
+    return SourceDigests(mode, names, _ro(np.concatenate(local)), tuple(c[0] for c in cells),
+                         _ro(np.concatenate(pools)), _ro(np.concatenate(pos)), _ro(digests), shape)
 
 
-def _choose(rng: np.random.Generator, num_buffers: int, num_pages: int, mode: DigestMode,
+def _rng(seed: int | np.random.Generator) -> np.random.Generator:
+    if isinstance(seed, np.random.Generator):
+        return seed
+    return np.random.default_rng(seed % (1 << 64))  # any int: request ids may hash negative
+
+
+def _empty_entries() -> tuple[np.ndarray, tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]:
+    z = _ro(np.zeros(0, np.int64))
+    return _ro(np.zeros(0, np.uint32)), (), z, z, _ro(np.zeros(0, np.uint64))
+
+
+def _choose(rng: np.random.Generator | None, num_buffers: int, num_pages: int, mode: DigestMode,
             k: int) -> np.ndarray:
     """Indices into the pool's page list, one row per buffer: all of them, or ``k`` drawn per buffer."""
     if mode is DigestMode.FULL or num_pages <= k:
         return np.broadcast_to(np.arange(num_pages), (num_buffers, num_pages))
+    assert rng is not None
     # k smallest of uniform keys = k pages without replacement, independently for each buffer; sorted
     # so the hashes read memory in page order.
     keys = rng.random((num_buffers, num_pages))
     return np.sort(np.argpartition(keys, k - 1, axis=1)[:, :k], axis=1)
+
+
+# -- hashing -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _HashIndex:
+    """Per binding, built once: what hashing a (buffer, page) cell needs, without per-buffer lookups."""
+
+    by_name: dict[str, int]              # buffer name -> index into layout.buffers
+    num_pages: np.ndarray                # int64 [buffers]
+    page_bytes: np.ndarray               # int64 [buffers]
+    views: tuple[memoryview | None, ...]  # flat bytes of each host buffer; None: GPU or not readable here
+    all_host: bool                       # every view present: the fast path needs no per-call check
+
+
+_INDEXES: weakref.WeakKeyDictionary[KVMemory, _HashIndex] = weakref.WeakKeyDictionary()
+
+
+def _hash_index(memory: KVMemory) -> _HashIndex:
+    index = _INDEXES.get(memory)
+    if index is None:
+        bufs = memory.layout.buffers
+        views = tuple(_host_view(memory, b.name) for b in bufs)
+        index = _HashIndex({b.name: i for i, b in enumerate(bufs)},
+                           _ro(np.array([b.num_pages for b in bufs], dtype=np.int64)),
+                           _ro(np.array([b.page_bytes for b in bufs], dtype=np.int64)), views,
+                           all(v is not None for v in views))
+        _INDEXES[memory] = index   # a race builds it twice, harmlessly
+    return index
+
+
+def _host_view(memory: KVMemory, name: str) -> memoryview | None:
+    if memory.remote or memory.region(name).device != "cpu":
+        return None
+    return memoryview(memory.array(name).reshape(-1))
+
+
+def _hash_cells(memory: KVMemory, gids: np.ndarray, pages: np.ndarray) -> np.ndarray:
+    """xxh3-64 of page ``pages[i]`` of buffer ``gids[i]`` (indices into layout.buffers), as uint64.
+
+    Pages must be in range (a memoryview slice past the end is short, not an error). Host buffers are
+    hashed in one loop over slices of one flat view per buffer (no per-buffer Python work: that was most
+    of a sampled digest's cost); GPU buffers go through ``hash_pages`` buffer by buffer.
+    """
+    index = _hash_index(memory)
+    views = index.views
+    if not index.all_host and any(views[g] is None for g in np.unique(gids).tolist()):
+        return _hash_cells_by_buffer(memory, gids, pages)
+    pb = index.page_bytes[gids]
+    fn, seed = xxhash.xxh3_64_intdigest, _HASH_SEED
+    out = [fn(views[g][o:o + n], seed)  # type: ignore[index]
+           for g, o, n in zip(gids.tolist(), (pages * pb).tolist(), pb.tolist())]
+    return np.array(out, dtype=np.uint64)
+
+
+def _hash_cells_by_buffer(memory: KVMemory, gids: np.ndarray, pages: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(gids), dtype=np.uint64)
+    bufs = memory.layout.buffers
+    for g in np.unique(gids).tolist():
+        at = np.flatnonzero(gids == g)
+        out[at] = hash_pages(memory, bufs[g].name, pages[at])
+    return out
 
 
 def hash_pages(memory: KVMemory, buffer: str, pages: np.ndarray) -> np.ndarray:
@@ -284,31 +422,42 @@ def verify_digests(memory: KVMemory, digests: PageDigests) -> None:
     if digests.shape and digests.shape != layout.shape_fingerprint:
         raise IntegrityError(f"page digests are for layout shape {digests.shape}, this side has "
                              f"{layout.shape_fingerprint}")
-    order = np.argsort(digests.buffer_ids, kind="stable")
-    bounds = np.flatnonzero(np.diff(digests.buffer_ids[order])) + 1
-    mismatches: list[PageMismatch] = []
-    for group in np.split(order, bounds):
-        name = digests.buffer_names[int(digests.buffer_ids[group[0]])]
-        mismatches += _verify_buffer(memory, name, digests.pages[group], digests.digests[group])
-    if mismatches:
-        raise PageMismatchError(mismatches, len(digests), digests.mode)
+    gids = _local_buffer_ids(memory, digests)
+    _check_page_range(memory, digests, gids)
+    actual = _hash_cells(memory, gids, digests.pages)
+    bad = np.flatnonzero(actual != digests.digests)
+    if len(bad):
+        bad = bad[np.argsort(digests.buffer_ids[bad], kind="stable")]  # buffer by buffer, as listed
+        raise PageMismatchError([_mismatch(memory, digests, int(i), int(actual[i])) for i in bad.tolist()],
+                                len(digests), digests.mode)
 
 
-def _verify_buffer(memory: KVMemory, name: str, pages: np.ndarray, expected: np.ndarray) -> list[PageMismatch]:
-    layout = memory.layout
-    try:
-        buf = layout.buffer(name)
-    except LayoutError:
-        raise IntegrityError(f"page digests name buffer {name!r}, which this layout does not have") from None
-    lo, hi = int(pages.min()), int(pages.max())
-    if lo < 0 or hi >= buf.num_pages:
-        raise IntegrityError(f"page digests name page {lo if lo < 0 else hi} of buffer {name!r}, which has "
-                             f"{buf.num_pages} pages on this side")
-    actual = hash_pages(memory, name, pages)
-    bad = np.flatnonzero(actual != expected)
-    pool = layout.pool_of[name]
-    return [PageMismatch(pool, name, buf.layer, int(pages[i]), int(expected[i]), int(actual[i]))
-            for i in bad.tolist()]
+def _local_buffer_ids(memory: KVMemory, digests: PageDigests) -> np.ndarray:
+    """Each entry's buffer as an index into this side's ``layout.buffers``; unknown names refused."""
+    by_name = _hash_index(memory).by_name
+    table = np.array([by_name.get(n, -1) for n in digests.buffer_names], dtype=np.int64)
+    gids = table[digests.buffer_ids]
+    if (gids < 0).any():
+        name = digests.buffer_names[int(digests.buffer_ids[np.argmax(gids < 0)])]
+        raise IntegrityError(f"page digests name buffer {name!r}, which this layout does not have")
+    return gids
+
+
+def _check_page_range(memory: KVMemory, digests: PageDigests, gids: np.ndarray) -> None:
+    pages = digests.pages
+    caps = _hash_index(memory).num_pages[gids]
+    bad = (pages < 0) | (pages >= caps)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise IntegrityError(f"page digests name page {int(pages[i])} of buffer "
+                             f"{digests.buffer_names[int(digests.buffer_ids[i])]!r}, which has {int(caps[i])} "
+                             "pages on this side")
+
+
+def _mismatch(memory: KVMemory, digests: PageDigests, i: int, actual: int) -> PageMismatch:
+    name = digests.buffer_names[int(digests.buffer_ids[i])]
+    return PageMismatch(memory.layout.pool_of[name], name, memory.layout.buffer(name).layer,
+                        int(digests.pages[i]), int(digests.digests[i]), actual)
 
 
 # -- wire struct -------------------------------------------------------------------------------------------
