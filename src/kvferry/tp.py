@@ -25,8 +25,8 @@ pair per pool serves every rank pair.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -39,6 +39,8 @@ from .memory import KVMemory
 from .plan import PagesArg, as_pages, check_bounds, check_unique, coalesce_runs
 
 __all__ = [
+    "PageSlice",
+    "PlannedPool",
     "SliceRow",
     "TPPlan",
     "TPPlanner",
@@ -110,9 +112,10 @@ def _shard_buffer(buf: Buffer, tp_size: int) -> Buffer:
 
 # -- per-pair geometry, built once -----------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class _Slice:
+class PageSlice:
     """What one buffer contributes to one pair's rows: ``num_tokens`` rows per page of ``nbytes`` each, at
-    ``page * page_bytes + token * token_stride + offset`` on each side."""
+    ``page * page_bytes + token * token_stride + offset`` on each side. Also what a page digest of a
+    cross-TP write covers (``kvferry.tp_digests``): those rows, concatenated."""
 
     buffer_id: int
     num_tokens: int
@@ -124,9 +127,9 @@ class _Slice:
     whole: bool = False  # the whole page on both sides
 
 
-def _slice_of(sb: Buffer, db: Buffer, gid: int, r: int, d: int, ptp: int, dtp: int) -> _Slice | None:
+def _slice_of(sb: Buffer, db: Buffer, gid: int, r: int, d: int, ptp: int, dtp: int) -> PageSlice | None:
     """The part of buffer ``sb`` (prefill rank ``r``) that decode rank ``d`` needs, or None."""
-    whole = _Slice(gid, 1, sb.page_bytes, 0, 0, 0, 0, whole=True)
+    whole = PageSlice(gid, 1, sb.page_bytes, 0, 0, 0, 0, whole=True)
     sh, dh = sb.heads, db.heads
     if sh is None or dh is None:  # only between equal TP sizes (model_difference), rank to rank
         return whole if r == d else None
@@ -140,8 +143,8 @@ def _slice_of(sb: Buffer, db: Buffer, gid: int, r: int, d: int, ptp: int, dtp: i
         return whole  # the whole page on both sides: rows merge across page runs
     if sh.major == "head":
         t = sh.tokens_per_page
-        return _Slice(gid, 1, shared * t * hb, hs * t * hb, hd * t * hb, 0, 0)
-    return _Slice(gid, sh.tokens_per_page, shared * hb, hs * hb, hd * hb, sh.num_heads * hb, dh.num_heads * hb)
+        return PageSlice(gid, 1, shared * t * hb, hs * t * hb, hd * t * hb, 0, 0)
+    return PageSlice(gid, sh.tokens_per_page, shared * hb, hs * hb, hd * hb, sh.num_heads * hb, dh.num_heads * hb)
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,7 +165,7 @@ class _PoolGeometry:
     whole: np.ndarray         # bool: the slice is the whole page on both sides
 
     @classmethod
-    def build(cls, slices: list[_Slice], src: KVMemory, dst: KVMemory) -> _PoolGeometry:
+    def build(cls, slices: list[PageSlice], src: KVMemory, dst: KVMemory) -> _PoolGeometry:
         ids = np.array([s.buffer_id for s in slices], dtype=np.int64)
 
         def col(attr: str) -> np.ndarray:
@@ -198,12 +201,15 @@ class TPPlanner:
         s, d = src.layout, dst.layout
         self.src_rank, self.dst_rank = s.tp_rank, d.tp_rank
         self._pools: dict[str, _PoolGeometry] = {}
+        # buffer name -> its slice, for the buffers this pair writes (digests and coverage use it)
+        self.slices: dict[str, PageSlice] = {}
         ids = src.buffer_index
         # One pass over buffers per pair, at setup: geometry is per buffer, pages come later.
         for sp, dp in zip(s.pools, d.pools):
             slices = [_slice_of(sb, db, ids[sb.name], s.tp_rank, d.tp_rank, s.tp_size, d.tp_size)
                       for sb, db in zip(sp.buffers, dp.buffers)]
             kept = [x for x in slices if x is not None]
+            self.slices.update({b.name: x for b, x in zip(sp.buffers, slices) if x is not None})
             if kept:
                 self._pools[sp.name] = _PoolGeometry.build(kept, src, dst)
 
@@ -220,7 +226,7 @@ class TPPlanner:
         ``buffers`` restricts the plan to those buffers (layer-by-layer sends).
         """
         selected = None if buffers is None else self._buffer_ids(buffers)
-        parts = []
+        parts, moved = [], []
         for pool, pair in pages.items():
             s, d = self._validate(pool, pair)
             geo = self._pools.get(pool)
@@ -230,7 +236,9 @@ class TPPlanner:
                 geo = geo.select(np.isin(geo.buffer_ids, selected))
             if len(geo.buffer_ids):
                 parts.append(_rows(geo, s, d))
-        return TPPlan.from_parts(self.src, self.dst, parts)
+                names = self.src.layout.buffers
+                moved.append(PlannedPool(pool, s, d, tuple(names[i].name for i in geo.buffer_ids.tolist())))
+        return TPPlan.from_parts(self.src, self.dst, parts, tuple(moved), self.slices)
 
     def _validate(self, pool: str, pair: object) -> tuple[np.ndarray, np.ndarray]:
         if pool not in self.src.pool_arrays:
@@ -330,10 +338,23 @@ class SliceRow:
 
 
 @dataclass(frozen=True, eq=False)
+class PlannedPool:
+    """What a ``TPPlan`` moves in one pool: aligned source and destination pages, and the buffers (by
+    name, layout order) whose slices of those pages it writes."""
+
+    pool: str
+    src_pages: np.ndarray     # int64
+    dst_pages: np.ndarray     # int64
+    buffers: tuple[str, ...]
+
+
+@dataclass(frozen=True, eq=False)
 class TPPlan:
     """An executable transfer between two ranks: row i of ``src_descs`` is copied to row i of ``dst_descs``.
 
     The same surface as ``TransferPlan`` as far as transports go; built from explicit descriptor arrays.
+    ``pool_pages`` and ``slices`` say which (buffer, page) slices the rows cover, for digests
+    (``kvferry.tp_digests.digest_tp_plan``) without tracing rows back.
     """
 
     src_memory: KVMemory
@@ -341,16 +362,20 @@ class TPPlan:
     src_descs: np.ndarray     # uint64 [N, 3] (addr, len, dev), read-only
     dst_descs: np.ndarray
     row_buffer_ids: np.ndarray  # int64 [N]: index into Layout.buffers of each row's buffer
+    pool_pages: tuple[PlannedPool, ...] = ()
+    slices: Mapping[str, PageSlice] = field(default_factory=dict)  # the planner's: buffer -> its slice
 
     @classmethod
-    def from_parts(cls, src: KVMemory, dst: KVMemory, parts: Sequence[_Rows]) -> TPPlan:
+    def from_parts(cls, src: KVMemory, dst: KVMemory, parts: Sequence[_Rows],
+                   pool_pages: tuple[PlannedPool, ...] = (), slices: Mapping[str, PageSlice] | None = None,
+                   ) -> TPPlan:
         if not parts:
             empty = np.zeros((0, 3), dtype=_U64)
             parts = [(empty, empty, np.zeros(0, dtype=np.int64))]
         arrays = _concat(parts)
         for a in arrays:
             a.flags.writeable = False
-        return cls(src, dst, *arrays)
+        return cls(src, dst, *arrays, pool_pages, slices or {})
 
     @property
     def src_rank(self) -> int:

@@ -15,7 +15,7 @@ import hmac
 import itertools
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,8 +32,9 @@ from ..errors import (
     TransferTimeout,
     TransportError,
 )
-from ..layout import shape_difference
+from ..layout import model_difference, shape_difference
 from ..memory import KVMemory
+from ..tp import PageSlice, TPPlanner, source_ranks
 from ..transport import Transport
 from . import wire
 from .endpoints import EndpointBase, EndpointOptions, RequestRecord, as_secret, auth_mac, integrity_module
@@ -61,24 +62,48 @@ class _Link:
         self.agent = ""
         self.digest_mode = "off"
         self.last_seen = self.last_sent = time.monotonic()
+        # The prefill's place in its TP group (from its manifest); ``expect``: what connect_all asked for.
+        self.rank, self.tp_size = 0, 1
+        self.expect: tuple[int, int] | None = None
+        # Across TP sizes: buffer -> the slice of each page this prefill rank writes here (digest checks).
+        self.slices: dict[str, PageSlice] | None = None
+
+
+class _Part:
+    """One prefill rank's share of a request on this decode rank. ``settled``: no write of it can land."""
+
+    __slots__ = ("chunks_seen", "link", "num_chunks", "release_at", "settled", "told")
+
+    def __init__(self, link: _Link) -> None:
+        self.link = link
+        self.chunks_seen: set[int] = set()
+        self.num_chunks: int | None = None
+        self.settled = False
+        self.told = False   # that prefill knows the request ended: it failed it, or we sent Abort/Result
+        self.release_at: float | None = None   # set when the writer died: settled then
+
+    @property
+    def is_complete(self) -> bool:
+        """Every chunk's notification arrived (the transport delivers it after the chunk's bytes)."""
+        return self.num_chunks is not None and len(self.chunks_seen) >= self.num_chunks
 
 
 class _DReq(RequestRecord):
-    __slots__ = ("chunks_seen", "generation", "link", "num_chunks", "pages", "release_at")
+    """A request on this decode rank: one lease, one part per prefill rank it needs (one at equal TP)."""
 
-    def __init__(self, request_id: str, deadline: float, generation: int, link: _Link,
+    __slots__ = ("generation", "pages", "parts")
+
+    def __init__(self, request_id: str, deadline: float, generation: int, links: list[_Link],
                  pages: dict[str, np.ndarray]) -> None:
         super().__init__(request_id, S.BOOTSTRAPPING, deadline)
         self.generation = generation
-        self.link = link
         self.pages = pages
-        self.chunks_seen: set[int] = set()
-        self.num_chunks: int | None = None
-        self.release_at: float | None = None   # set when the writer died: lease ends then
+        self.parts = {link: _Part(link) for link in links}
 
 
 class DecodeEndpoint(EndpointBase):
-    """Decode side of kvferry. Construct, ``connect`` to prefill, then ``announce`` requests and ``wait``.
+    """Decode side of kvferry. Construct, ``connect`` to prefill (``connect_all`` to the ranks of a prefill
+    TP group when this side runs another TP size), then ``announce`` requests and ``wait``.
 
     ``transport`` is ``"nixl"``, ``"local"`` or a ``Transport`` (registered here with ``memory``; closed on
     ``close`` only when created here). ``secret`` (optional) must match prefill's. ``digest_mode``
@@ -113,49 +138,61 @@ class DecodeEndpoint(EndpointBase):
         timeout = self.options.handshake_timeout if timeout is None else timeout
         with self._cond:
             self._check_open()
-            old = self._links.get(address)
-            if old is not None and old.state == "established":
-                return address
-            link = _Link(address, time.monotonic() + timeout)
-            self._links[address] = link
-            self._call_soon(lambda: self._open_link(link))
-            while link.state == "connecting":
-                self._cond.wait(max(0.0, link.deadline - time.monotonic()) + 0.05)
-            if link.state != "established":
-                assert link.error is not None
-                raise link.error
+            self._await_links([self._start_link(address, timeout, None)])
             return address
 
-    def announce(self, request_id: str, pages: Mapping[str, Any], *, peer: str | None = None) -> None:
+    def connect_all(self, addresses: Sequence[str], timeout: float | None = None) -> list[str]:
+        """Blocking: connect to the prefill ranks this decode rank needs, out of a whole prefill TP group.
+
+        ``addresses[r]`` is prefill rank ``r``'s address, for all ``P`` ranks. Handshakes (in parallel)
+        only with ``source_ranks(this rank, P, this TP size)`` and returns their addresses in rank order:
+        announce with ``peer=`` that list (or no ``peer`` when connected to this group only). Each peer
+        must say it is rank ``r`` of ``P``, else ``IncompatiblePeer``; errors as for ``connect`` (the first
+        failure is raised; ranks already connected stay connected).
+        """
+        timeout = self.options.handshake_timeout if timeout is None else timeout
+        local = self.memory.layout
+        need = source_ranks(local.tp_rank, len(addresses), local.tp_size)
+        chosen = [addresses[r] for r in need]
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f"prefill addresses repeat: {list(addresses)} (one per rank, in rank order)")
+        with self._cond:
+            self._check_open()
+            self._await_links([self._start_link(addresses[r], timeout, (r, len(addresses))) for r in need])
+        return chosen
+
+    def announce(self, request_id: str, pages: Mapping[str, Any], *,
+                 peer: str | Sequence[str] | None = None) -> None:
         """Non-blocking: lease ``pages`` (pool -> destination pages) to ``request_id`` and tell prefill.
 
         Raises ``LeaseError`` before anything moves when a page is out of range, repeated, or held by a
-        live lease, or the id is already live; ``PeerLost`` when not connected. ``peer`` names the prefill
-        (its address), needed only when connected to several.
+        live lease, or the id is already live; ``PeerLost`` when not connected to every prefill rank the
+        request needs. ``peer`` names the prefill (its address), or across TP sizes the prefill ranks (as
+        ``connect_all`` returned them); needed only when connected to more than that. The request is DONE
+        only when every one of those ranks' writes landed and verified.
         """
         with self._lock:
             self._check_open()
-            link = self._pick_link(peer)
+            links = self._pick_links(peer)
             old = self._records.get(request_id)
             if old is not None and old.is_live:
                 raise LeaseError(f"request {request_id!r} is already live ({old.state.value})")
             gen = next(self._generations)
             leased = self._leases.acquire(gen, request_id, pages)
-            rec = _DReq(request_id, time.monotonic() + self.options.request_timeout, gen, link, leased)
+            rec = _DReq(request_id, time.monotonic() + self.options.request_timeout, gen, links, leased)
             self._remember(rec)
             self._by_gen[gen] = rec
             msg = wire.Announce(request_id, gen, wire.encode_pages(leased))
-            self._call_soon(lambda: self._send(link, msg))
+            self._call_soon(lambda: self._send_each(links, msg))
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
-        """Non-blocking: fail the request now and tell prefill. Its pages stay leased until prefill
-        confirms no write can land (or is known dead). No-op for a request already ended."""
+        """Non-blocking: fail the request now and tell every prefill rank writing it. Its pages stay leased
+        until each confirms no write can land (or is known dead). No-op for a request already ended."""
         with self._lock:
             rec = self._record(request_id)
             assert isinstance(rec, _DReq)
             if self._fail(rec, KVFerryError(f"aborted by decode: {reason}")):
-                msg = wire.Abort(request_id, rec.generation, reason[:wire.MAX_REASON_LEN])
-                self._call_soon(lambda: self._send(rec.link, msg))
+                self._call_soon(lambda: self._abort_parts(rec, reason))
 
     @property
     def peers(self) -> list[str]:
@@ -189,6 +226,30 @@ class DecodeEndpoint(EndpointBase):
                     "live_leases": self._leases.num_leases, "leased_pages": self._leases.num_leased_pages,
                     "live_handles": 0, "peers": len(self.peers), "bad_messages": self.num_bad_messages,
                     "stray_notifications": self.num_stray_notifications}
+
+    # -- connecting (caller's thread, under the lock) ---------------------------------------------------
+    def _start_link(self, address: str, timeout: float, expect: tuple[int, int] | None) -> _Link:
+        """The established link to ``address``, or a fresh one whose handshake the progress thread starts."""
+        old = self._links.get(address)
+        if old is not None and old.state == "established":
+            if expect is not None and (old.rank, old.tp_size) != expect:
+                raise IncompatiblePeer(f"prefill {address} is rank {old.rank} of TP {old.tp_size}, "
+                                       f"expected rank {expect[0]} of TP {expect[1]}")
+            return old
+        link = _Link(address, time.monotonic() + timeout)
+        link.expect = expect
+        self._links[address] = link
+        self._call_soon(lambda: self._open_link(link))
+        return link
+
+    def _await_links(self, links: list[_Link]) -> None:
+        """Wait (releasing the lock) until every handshake ended; raise the first failure."""
+        for link in links:
+            while link.state == "connecting":
+                self._cond.wait(max(0.0, link.deadline - time.monotonic()) + 0.05)
+        for link in links:
+            if link.state != "established":
+                raise link.error or PeerLost(f"prefill {link.address} went away during the handshake")
 
     # -- handshake (progress thread) -------------------------------------------------------------------
     def _open_link(self, link: _Link) -> None:
@@ -244,9 +305,28 @@ class DecodeEndpoint(EndpointBase):
             remote = KVMemory.from_manifest(msg.manifest)
         except LayoutError as exc:
             return HandshakeError(f"prefill {link.address} sent a bad manifest: {exc}")
-        diff = shape_difference(self.memory.layout, remote.layout)
+        problem = self._check_ranks(link, remote)
+        if problem is not None:
+            return IncompatiblePeer(f"prefill {link.address} has an incompatible layout: {problem}")
+        return None
+
+    def _check_ranks(self, link: _Link, remote: KVMemory) -> str | None:
+        """Equal TP sizes: the shapes must match; different: one model (the link then keeps the slices that
+        prefill rank writes here, to check its digests). Either way this rank must need that prefill rank."""
+        local, other = self.memory.layout, remote.layout
+        cross = local.tp_size != other.tp_size
+        diff = model_difference(local, other) if cross else shape_difference(local, other)
         if diff is not None:
-            return IncompatiblePeer(f"prefill {link.address} has an incompatible layout: {diff}")
+            return diff
+        if link.expect is not None and (other.tp_rank, other.tp_size) != link.expect:
+            return (f"it is rank {other.tp_rank} of TP {other.tp_size}, expected rank {link.expect[0]} of TP "
+                    f"{link.expect[1]} (is the address list in rank order, and complete?)")
+        need = source_ranks(local.tp_rank, other.tp_size, local.tp_size)
+        if other.tp_rank not in need:
+            return (f"decode rank {local.tp_rank} of TP {local.tp_size} needs prefill ranks {list(need)} of TP "
+                    f"{other.tp_size}, not rank {other.tp_rank}")
+        link.rank, link.tp_size = other.tp_rank, other.tp_size
+        link.slices = TPPlanner(remote, self.memory).slices if cross else None
         return None
 
     def _link_failed(self, link: _Link, error: KVFerryError) -> None:
@@ -293,17 +373,43 @@ class DecodeEndpoint(EndpointBase):
         rec = self._lookup(link, msg.request_id, msg.generation)
         if rec is None:
             return
-        self._fail(rec, wire.error_from_wire(msg.error, msg.reason, f"prefill {link.address}"))
-        if msg.settled:  # prefill has no write to these pages that can still land
-            self._end_lease(rec)
+        part = rec.parts[link]
+        part.told = True  # it failed the request itself: no Abort owed
+        self._fail_req(rec, wire.error_from_wire(msg.error, msg.reason, f"prefill {link.address}"),
+                       f"prefill rank {link.rank} ({link.address}) failed it")
+        if msg.settled:  # this prefill has no write to these pages that can still land
+            # Its chunk notifications sent before this message may still wait in the transport (ZMQ is
+            # read first): take them now, or they would count as writes landing with no lease.
+            self._pump()
+            self._settle(rec, part)
 
     def _lookup(self, link: _Link, request_id: str, generation: int) -> _DReq | None:
         """The record a message from ``link`` is about, or None (an ended request: a late Ack or a
         repeated Fail is normal)."""
         rec = self._by_gen.get(generation)
-        if rec is None or rec.link is not link or rec.request_id != request_id:
+        if rec is None or link not in rec.parts or rec.request_id != request_id:
             return None
         return rec
+
+    def _fail_req(self, rec: _DReq, error: KVFerryError, reason: str) -> None:
+        """Fail a live request and tell every prefill rank writing it that does not know yet to stop
+        (each answers with a settled Fail, which ends its part of the lease)."""
+        if self._fail(rec, error):
+            self._abort_parts(rec, reason)
+
+    def _abort_parts(self, rec: _DReq, reason: str) -> None:
+        msg = wire.Abort(rec.request_id, rec.generation, reason[:wire.MAX_REASON_LEN])
+        for part in rec.parts.values():
+            # A rank whose part completed is told too: it waits for our verdict, and would time out.
+            if not part.told and part.link.state == "established":
+                part.told = True
+                self._send(part.link, msg)
+
+    def _settle(self, rec: _DReq, part: _Part) -> None:
+        """``part`` can write no more; the lease ends once every part of the request is settled."""
+        part.settled = True
+        if all(p.settled for p in rec.parts.values()):
+            self._end_lease(rec)
 
     def _end_lease(self, rec: _DReq) -> None:
         self._leases.release(rec.generation)
@@ -330,22 +436,32 @@ class DecodeEndpoint(EndpointBase):
             # since the leak checks must see it.
             self.num_stray_notifications += 1
             return
-        if msg.chunk in rec.chunks_seen:
+        part = rec.parts[link]
+        if msg.chunk in part.chunks_seen:
             return
-        rec.chunks_seen.add(msg.chunk)
+        part.chunks_seen.add(msg.chunk)
         if msg.last:
-            rec.num_chunks = msg.num_chunks
+            part.num_chunks = msg.num_chunks
         if not rec.is_live:
-            return  # failed while writes were in flight: the lease waits for prefill's settled Fail
+            # Failed while writes were in flight: this rank's part of the lease waits for its settled
+            # Fail, or for its last notification (then every write of it has landed).
+            if part.is_complete and max(part.chunks_seen) < (part.num_chunks or 0):
+                self._settle(rec, part)
+            return
         error = self._verify(link, msg)
         if error is not None:
-            self._fail(rec, error)
-            self._send(link, wire.Result(rec.request_id, rec.generation, False, str(error)[:wire.MAX_REASON_LEN]))
+            self._reject_part(rec, part, error)
             return
         if rec.state is not S.TRANSFERRING:
             self._set_state(rec, S.TRANSFERRING)
-        if rec.num_chunks is not None and len(rec.chunks_seen) >= rec.num_chunks:
-            self._complete(link, rec)
+        if part.is_complete:
+            self._part_complete(rec, part)
+
+    def _reject_part(self, rec: _DReq, part: _Part, error: KVFerryError) -> None:
+        """This rank's bytes did not check out: fail the request, tell it (Result), abort the others."""
+        part.told = True
+        self._fail_req(rec, error, f"prefill rank {part.link.rank} ({part.link.address}) sent bad bytes")
+        self._send(part.link, wire.Result(rec.request_id, rec.generation, False, str(error)[:wire.MAX_REASON_LEN]))
 
     def _verify(self, link: _Link, msg: wire.Chunk) -> KVFerryError | None:
         if not msg.digests:
@@ -355,7 +471,13 @@ class DecodeEndpoint(EndpointBase):
                                   f"decode requires {self.digest_mode!r}")
         try:
             integrity = integrity_module()
-            integrity.verify_digests(self.memory, integrity.PageDigests.from_bytes(msg.digests))
+            digests = integrity.PageDigests.from_bytes(msg.digests)
+            if link.slices is None:
+                integrity.verify_digests(self.memory, digests)
+            else:  # across TP: the digests cover the slices this prefill rank writes here
+                from ..tp_digests import verify_tp_digests
+
+                verify_tp_digests(self.memory, digests, link.slices)
         except KVFerryError as exc:
             return exc if isinstance(exc, IntegrityError) else IntegrityError(str(exc))
         except ImportError as exc:
@@ -364,17 +486,21 @@ class DecodeEndpoint(EndpointBase):
             return IntegrityError(f"malformed digests from prefill {link.address}: {exc!r}")
         return None
 
-    def _complete(self, link: _Link, rec: _DReq) -> None:
-        assert rec.num_chunks is not None
-        if max(rec.chunks_seen) >= rec.num_chunks:
-            err = IntegrityError(f"prefill {link.address} sent chunk {max(rec.chunks_seen)} of "
-                                 f"{rec.num_chunks} for request {rec.request_id!r}")
-            self._fail(rec, err)
-            self._send(link, wire.Result(rec.request_id, rec.generation, False, str(err)))
+    def _part_complete(self, rec: _DReq, part: _Part) -> None:
+        """Every chunk of one rank arrived and verified; the request is DONE once every rank's has."""
+        assert part.num_chunks is not None
+        if max(part.chunks_seen) >= part.num_chunks:
+            self._reject_part(rec, part, IntegrityError(
+                f"prefill {part.link.address} sent chunk {max(part.chunks_seen)} of {part.num_chunks} for "
+                f"request {rec.request_id!r}"))
+            return
+        part.settled = True  # every write of this rank has landed
+        if not all(p.is_complete for p in rec.parts.values()):
             return
         self._set_state(rec, S.DONE)
         self._end_lease(rec)  # every chunk's notification arrived, so every write has landed
-        self._send(link, wire.Result(rec.request_id, rec.generation, True, ""))
+        for p in rec.parts.values():
+            self._send(p.link, wire.Result(rec.request_id, rec.generation, True, ""))
 
     # -- timers (progress thread) ----------------------------------------------------------------------
     def _is_busy(self) -> bool:
@@ -402,22 +528,24 @@ class DecodeEndpoint(EndpointBase):
     def _tick_requests(self, now: float) -> None:
         for rec in list(self._by_gen.values()):
             if rec.is_live and now > rec.deadline:
-                self._fail(rec, TransferTimeout(f"request {rec.request_id!r} not done within "
-                                                f"{self.options.request_timeout} s"))
-                self._send(rec.link, wire.Abort(rec.request_id, rec.generation, "decode deadline passed"))
-            elif rec.release_at is not None and now >= rec.release_at:
-                self._end_lease(rec)
+                self._fail_req(rec, TransferTimeout(f"request {rec.request_id!r} not done within "
+                                                    f"{self.options.request_timeout} s"), "decode deadline passed")
+            for part in list(rec.parts.values()):
+                if not part.settled and part.release_at is not None and now >= part.release_at:
+                    self._settle(rec, part)
 
     def _link_dead(self, link: _Link, error: KVFerryError) -> None:
-        """Fail the link's requests; keep their leases ``lease_grace`` longer (writes may be landing)."""
+        """Fail the requests the link writes (and abort them on the other ranks writing them); keep each
+        one's lease ``lease_grace`` longer (a write of the dead rank may still be landing)."""
         if link.state != "established":
             return
         link.state = "dead"
         release_at = time.monotonic() + self.options.lease_grace
-        for rec in self._by_gen.values():
-            if rec.link is link:
-                self._fail(rec, error)
-                rec.release_at = release_at
+        for rec in list(self._by_gen.values()):
+            part = rec.parts.get(link)
+            if part is not None and not part.settled:
+                self._fail_req(rec, error, f"prefill rank {link.rank} ({link.address}) is lost")
+                part.release_at = release_at
         self._close_link(link)
         self._by_agent.pop(link.agent, None)
         with contextlib.suppress(TransportError):  # the peer is gone either way
@@ -425,18 +553,50 @@ class DecodeEndpoint(EndpointBase):
         self._changed = True
 
     # -- sockets (progress thread) ---------------------------------------------------------------------
-    def _pick_link(self, peer: str | None) -> _Link:
+    def _pick_links(self, peer: str | Sequence[str] | None) -> list[_Link]:
+        """The prefill ranks a request goes to: ``peer``'s, or all live ones when they are one TP group's
+        needed ranks (one prefill at equal TP). Exactly ``source_ranks`` of that group, or an error."""
         live = [link for link in self._links.values() if link.state == "established"]
         if peer is None:
-            if len(live) == 1:
-                return live[0]
             if not live:
                 raise PeerLost("decode is not connected to any prefill")
-            raise ValueError(f"connected to {len(live)} prefills: pass peer= (one of {[x.address for x in live]})")
-        link = self._links.get(peer)
+            one_group = len({x.tp_size for x in live}) == 1 and len({x.rank for x in live}) == len(live)
+            if not one_group:  # e.g. two prefill instances: which one is the caller's choice
+                raise ValueError(f"connected to {len(live)} prefills: pass peer= (one of "
+                                 f"{[x.address for x in live]}, or a list of one TP group's ranks)")
+            links = live
+        else:
+            links = [self._live_link(name) for name in ([peer] if isinstance(peer, str) else peer)]
+        self._check_sources(links)
+        return links
+
+    def _live_link(self, address: str) -> _Link:
+        link = self._links.get(address)
         if link is None or link.state != "established":
-            raise PeerLost(f"not connected to prefill {peer!r}")
+            raise PeerLost(f"not connected to prefill {address!r}")
         return link
+
+    def _check_sources(self, links: list[_Link]) -> None:
+        """``links`` must be exactly the prefill ranks this decode rank needs: one missing would leave its
+        heads unwritten, yet every other rank's part would complete."""
+        sizes = {x.tp_size for x in links}
+        if len(sizes) != 1:
+            raise ValueError(f"peers {[x.address for x in links]} belong to prefill TP groups of sizes {sorted(sizes)}")
+        ptp, local = sizes.pop(), self.memory.layout
+        need = list(source_ranks(local.tp_rank, ptp, local.tp_size))
+        ranks = sorted(x.rank for x in links)
+        if ranks == need:
+            return
+        missing = sorted(set(need) - set(ranks))
+        if missing and len(set(ranks)) == len(ranks):
+            raise PeerLost(f"decode rank {local.tp_rank} of TP {local.tp_size} needs prefill ranks {need} of TP "
+                           f"{ptp}; not connected to rank(s) {missing}")
+        raise ValueError(f"peers {[x.address for x in links]} are prefill ranks {ranks} of TP {ptp}; decode rank "
+                         f"{local.tp_rank} of TP {local.tp_size} needs exactly ranks {need}")
+
+    def _send_each(self, links: list[_Link], msg: Any) -> None:
+        for link in links:
+            self._send(link, msg)
 
     def _send(self, link: _Link, msg: Any) -> None:
         self._send_raw(link, wire.encode(msg))
@@ -457,9 +617,9 @@ class DecodeEndpoint(EndpointBase):
 
     def _shutdown_step(self) -> bool:
         for rec in self._by_gen.values():
-            if self._fail(rec, KVFerryError("decode endpoint closing")):
-                self._send(rec.link, wire.Abort(rec.request_id, rec.generation, "decode closing"))
-        waiting = any(r.link.state == "established" for r in self._by_gen.values())
+            self._fail_req(rec, KVFerryError("decode endpoint closing"), "decode closing")
+        waiting = any(p.link.state == "established" and not p.settled
+                      for r in self._by_gen.values() for p in r.parts.values())
         if waiting and time.monotonic() < self._close_deadline:
             return False
         for link in self._links.values():

@@ -32,9 +32,10 @@ from ..errors import (
     TransferTimeout,
     TransportError,
 )
-from ..layout import shape_difference
+from ..layout import Pool, model_difference, shape_difference
 from ..memory import KVMemory
 from ..plan import TransferPlan, plan_transfer
+from ..tp import TPPlan, TPPlanner, source_ranks
 from ..transport import TransferHandle, Transport
 from . import wire
 from .endpoints import (
@@ -68,24 +69,46 @@ class _Session:
         self.remote: KVMemory | None = None
         self.agent = ""
         self.digest_mode = "off"
+        # Set at the handshake when decode runs another TP size: plans (and digests) are per head slice.
+        self.planner: TPPlanner | None = None
+        self._writes: dict[str, np.ndarray] = {}
         self.last_seen = self.last_sent = time.monotonic()
 
     @property
     def label(self) -> str:
         return f"decode {self.hello.session[:12]}"
 
+    @property
+    def decode_rank(self) -> int:
+        return 0 if self.remote is None else self.remote.layout.tp_rank
+
+    def writes(self, pool: Pool) -> np.ndarray:
+        """Bool per buffer of ``pool``: whether this prefill rank writes it to this decode rank (all, at
+        equal TP; across TP a rank skips replicated buffers another rank sends)."""
+        if self.planner is None:
+            return np.ones(len(pool.buffers), dtype=bool)
+        mask = self._writes.get(pool.name)
+        if mask is None:  # once per pool and session: no per-buffer Python work per chunk
+            mask = self._writes[pool.name] = np.array([b.name in self.planner.slices for b in pool.buffers])
+        return mask
+
 
 class _ChunkSpec:
-    __slots__ = ("buffers", "last", "offsets", "src")
+    __slots__ = ("buffers", "digests", "last", "offsets", "src")
 
     def __init__(self, src: dict[str, np.ndarray], offsets: dict[str, int], last: bool,
                  buffers: tuple[str, ...] | None) -> None:
         self.src, self.offsets, self.last, self.buffers = src, offsets, last, buffers
+        self.digests: Any = None   # integrity.SourceDigests hashed by send(), keyed once decode's pages are known
 
 
 class _PReq(RequestRecord):
-    __slots__ = ("coverage", "decode_ok", "dst", "fail_sent", "generation", "handles", "last_posted",
-                 "last_queued", "next_chunk", "pending", "session")
+    """One request towards one decode rank. When decode runs more TP ranks than prefill, several decode
+    ranks need this rank's heads of one request: the first record (the one ``send``/``wait`` see) leads a
+    ``group`` of one record per decode rank, each with its own session, lease and writes."""
+
+    __slots__ = ("coverage", "decode_ok", "dst", "expected", "fail_sent", "generation", "group", "handles",
+                 "history", "last_posted", "last_queued", "next_chunk", "pending", "session")
 
     def __init__(self, request_id: str, state: RequestState, deadline: float) -> None:
         super().__init__(request_id, state, deadline)
@@ -97,6 +120,13 @@ class _PReq(RequestRecord):
         self.handles: list[TransferHandle] = []
         self.next_chunk = 0
         self.last_queued = self.last_posted = self.decode_ok = self.fail_sent = False
+        self.group: list[_PReq] = [self]              # shared by the group's records; the leader first
+        self.expected = 1                             # decode ranks this request goes to (set at bind)
+        self.history: list[_ChunkSpec] | None = []    # every chunk so far, for decode ranks still to come
+
+    @property
+    def leader(self) -> _PReq:
+        return self.group[0]
 
 
 class PrefillEndpoint(EndpointBase):
@@ -124,6 +154,7 @@ class PrefillEndpoint(EndpointBase):
         self._active: set[_PReq] = set()
         self._dirty: set[_PReq] = set()
         self._next_deadline_check = 0.0
+        self._digest_rng = np.random.default_rng()  # sampling for send()'s digests
         self._thread.start()
 
     # -- public API: any thread ------------------------------------------------------------------------
@@ -136,8 +167,13 @@ class PrefillEndpoint(EndpointBase):
         calls restrict ``buffers``. Writes start once decode has announced the request. Raises
         ``PlanError`` for pages outside this side's buffers or unknown pools/buffers, ``RequestFailed``
         if the request already failed, ``ValueError`` after the last chunk.
+
+        With digests on, the chunk's source pages are hashed here, on the caller's thread and outside
+        the endpoint's lock (sampled: tens of microseconds; full: one read pass over the chunk's bytes),
+        so the progress thread only posts writes, and hashing chunk N+1 overlaps the write of chunk N.
         """
         spec = self._make_spec(pages, offset, last, buffers)
+        spec.digests = self._source_digests(spec)
         with self._lock:
             self._check_open()
             rec = self._records.get(request_id)
@@ -150,9 +186,7 @@ class PrefillEndpoint(EndpointBase):
                 raise RequestFailed(request_id, str(rec.error)) from rec.error
             if rec.last_queued:
                 raise ValueError(f"request {request_id!r}: the last chunk was already sent")
-            rec.pending.append(spec)
-            rec.last_queued = last
-            self._call_soon(lambda: self._post_ready(rec))
+            self._queue(rec, spec)
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Non-blocking: fail the request and stop writing it. Decode hears of it (and frees its pages)
@@ -201,12 +235,60 @@ class PrefillEndpoint(EndpointBase):
                 raise PlanError(f"no buffer {name!r} in layout")
         return _ChunkSpec(src, offsets, bool(last), names)
 
+    def _source_digests(self, spec: _ChunkSpec) -> Any:
+        """The chunk's source digests in this side's mode (None when off); keyed at posting time.
+
+        Sampling draws from one endpoint generator (numpy's generators lock themselves, so callers on
+        several threads are safe): a fresh choice per chunk, without seeding a generator per call."""
+        if self.digest_mode == "off":
+            return None
+        integrity = integrity_module()
+        return integrity.digest_pages(self.memory, spec.src, self.digest_mode, seed=self._digest_rng,
+                                      buffers=spec.buffers)
+
     def _new_request(self, request_id: str, state: RequestState) -> _PReq:
         rec = _PReq(request_id, state, time.monotonic() + self.options.request_timeout)
         self._remember(rec)
         self._active.add(rec)
         self._changed = True
         return rec
+
+    def _queue(self, rec: _PReq, spec: _ChunkSpec) -> None:
+        """Queue a chunk for every decode rank of the request, and keep it for those not yet announced."""
+        if rec.history is not None:
+            rec.history.append(spec)
+        rec.last_queued = spec.last
+        for member in rec.group:
+            member.pending.append(spec)
+            member.last_queued = spec.last
+            self._call_soon(lambda m=member: self._post_ready(m))
+
+    def _join(self, leader: _PReq, session: _Session, generation: int, dst: dict[str, np.ndarray]) -> None:
+        """Another decode rank announced a request this rank already serves (decode TP > prefill TP): a
+        record of its own, given every chunk queued so far; the leader is DONE only once all are."""
+        rec = _PReq(leader.request_id, S.WAITING_FOR_INPUT, leader.deadline)
+        rec.group = leader.group
+        rec.group.append(rec)
+        rec.pending.extend(leader.history or ())
+        rec.last_queued = leader.last_queued
+        self._active.add(rec)
+        self._bind(rec, session, generation, dst)
+        if len(rec.group) >= leader.expected:
+            leader.history = None  # every decode rank has its copy of the queue
+
+    def _num_decode_ranks(self, session: _Session) -> int:
+        """How many of ``session``'s decode TP group need this rank's heads of a request: 1 at equal TP
+        or when decode runs fewer ranks, ``D / P`` when it runs more (each announces it here)."""
+        if session.planner is None or session.remote is None:
+            return 1
+        local, dtp = self.memory.layout, session.remote.layout.tp_size
+        return sum(local.tp_rank in source_ranks(d, local.tp_size, dtp) for d in range(dtp))
+
+    def _can_join(self, leader: _PReq, session: _Session) -> bool:
+        """A live request may take one record per decode rank that needs this rank, up to ``expected``."""
+        ranks = {m.session.decode_rank for m in leader.group if m.session is not None}
+        return (session.planner is not None and leader.is_live and len(leader.group) < leader.expected
+                and session.decode_rank not in ranks)
 
     # -- posting writes (progress thread) --------------------------------------------------------------
     def _post_ready(self, rec: _PReq) -> None:
@@ -224,14 +306,14 @@ class PrefillEndpoint(EndpointBase):
         assert session is not None and session.remote is not None
         pairs = {pool: (src, self._dst_slice(rec, pool, spec.offsets[pool], len(src)))
                  for pool, src in spec.src.items()}
-        plan = plan_transfer(self.memory, session.remote, pairs, buffers=spec.buffers)
+        plan = self._plan(session, pairs, spec.buffers)
         self._cover(rec, spec)
         if spec.last:
             self._check_covered(rec)
         index = rec.next_chunk
         rec.next_chunk += 1
-        chunk = wire.Chunk(rec.request_id, rec.generation, index, spec.last,
-                           rec.next_chunk if spec.last else 0, self._digests(plan, session, rec, index))
+        chunk = wire.Chunk(rec.request_id, rec.generation, index, spec.last, rec.next_chunk if spec.last else 0,
+                           self._chunk_digests(spec, pairs, plan, session, rec, index))
         handle = self.transport.write(plan, session.agent, wire.encode(chunk), label=f"{rec.request_id}#{index}")
         rec.handles.append(handle)
         self._dirty.add(rec)
@@ -248,11 +330,24 @@ class PrefillEndpoint(EndpointBase):
                             f"{offset}..{offset + count - 1} but decode leased {len(dst)} pages")
         return dst[offset:offset + count]
 
+    def _plan(self, session: _Session, pairs: dict[str, tuple[np.ndarray, np.ndarray]],
+              buffers: tuple[str, ...] | None) -> TransferPlan | TPPlan:
+        """Whole pages at equal TP; across TP, this rank's head slices through the session's planner."""
+        assert session.remote is not None
+        if session.planner is not None:
+            return session.planner.plan(pairs, buffers)
+        return plan_transfer(self.memory, session.remote, pairs, buffers=buffers)
+
     def _cover(self, rec: _PReq, spec: _ChunkSpec) -> None:
-        """Mark the (buffer, destination page) cells this chunk writes; a cell written twice is refused."""
+        """Mark the (buffer, destination page) cells this chunk writes; a cell written twice is refused.
+
+        Across TP a cell is this rank's slice of the page: other ranks' slices are theirs to check, and
+        buffers this rank does not write to this decode rank were marked written at ``_bind``."""
+        assert rec.session is not None
         for pool_name, src in spec.src.items():
             cov = rec.coverage[pool_name]
-            mask = self._buffer_mask(pool_name, spec.buffers)
+            pool = self.memory.layout.pool(pool_name)
+            mask = self._buffer_mask(pool_name, spec.buffers) & rec.session.writes(pool)
             cells = cov[mask, spec.offsets[pool_name]:spec.offsets[pool_name] + len(src)]
             if cells.any():
                 raise PlanError(f"request {rec.request_id!r}, pool {pool_name!r}: a chunk rewrites destination "
@@ -276,16 +371,42 @@ class PrefillEndpoint(EndpointBase):
                                 f"{buf!r}, destination page {int(rec.dst[pool_name][pos])} was never written "
                                 f"({len(missing)} cells missing)")
 
-    def _digests(self, plan: TransferPlan, session: _Session, rec: _PReq, index: int) -> bytes:
+    def _chunk_digests(self, spec: _ChunkSpec, pairs: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                       plan: TransferPlan | TPPlan, session: _Session, rec: _PReq, index: int) -> bytes:
+        """Digest bytes for the chunk's notification: send()'s source digests keyed by decode's pages
+        when they fit (whole pages, the mode this session needs), else hashed here from the plan."""
+        mode = stronger(self.digest_mode, session.digest_mode)
+        src = spec.digests
+        if src is None or mode == "off" or isinstance(plan, TPPlan) or src.mode.value != mode:
+            return self._digests(plan, session, rec, index)
+        return bytes(src.keyed({pool: dst for pool, (_, dst) in pairs.items()}).to_bytes())
+
+    def _digests(self, plan: TransferPlan | TPPlan, session: _Session, rec: _PReq, index: int) -> bytes:
         mode = stronger(self.digest_mode, session.digest_mode)
         if mode == "off":
             return b""
         integrity = integrity_module()
         seed = (rec.generation << 16) ^ index
+        if isinstance(plan, TPPlan):  # slices of pages: whole-page digests cannot match across TP
+            from ..tp_digests import digest_tp_plan
+
+            return bytes(digest_tp_plan(plan, integrity.DigestMode(mode), seed=seed).to_bytes())
         return bytes(integrity.digest_plan(plan, integrity.DigestMode(mode), seed=seed).to_bytes())
 
     # -- failure and settling (progress thread or caller, under the lock) ------------------------------
+    def _group_done(self, rec: _PReq) -> bool:
+        """The leader (what ``wait`` sees) is DONE only after every decode rank of the request is."""
+        if rec.leader is not rec:
+            return True
+        return len(rec.group) >= rec.expected and all(m.state is S.DONE for m in rec.group[1:])
+
     def _fail_req(self, rec: _PReq, error: KVFerryError) -> None:
+        self._fail_one(rec, error)
+        for member in rec.group:  # fail closed: one decode rank's failure is the request's
+            if member is not rec and member.is_live:
+                self._fail_one(member, error)
+
+    def _fail_one(self, rec: _PReq, error: KVFerryError) -> None:
         failed_now = self._fail(rec, error)
         rec.pending.clear()
         self._active.add(rec)   # keep it until its handles settle and decode is told
@@ -323,8 +444,12 @@ class PrefillEndpoint(EndpointBase):
         """With no write in flight: finish, or tell decode the failure is settled; then forget it."""
         if rec.handles:
             return
-        if rec.is_live and rec.last_posted and rec.decode_ok:
+        if rec.is_live and rec.last_posted and rec.decode_ok and self._group_done(rec):
             self._set_state(rec, S.DONE)
+            if rec.leader is not rec:
+                self._dirty.add(rec.leader)  # the leader may be waiting for this decode rank only
+        if not rec.is_live:
+            rec.history = None
         session = rec.session
         if rec.state is S.FAILED and not rec.fail_sent and session is not None and session.state == "established":
             self._send_fail(rec, settled=True)
@@ -385,7 +510,12 @@ class PrefillEndpoint(EndpointBase):
             return
         rec = self._records.get(msg.request_id)
         if isinstance(rec, _PReq) and rec.is_live and rec.session is not None:
-            self._refuse(session, msg, PlanError(f"request {msg.request_id!r} is already announced and live"))
+            if not self._can_join(rec, session):
+                self._refuse(session, msg, PlanError(f"request {msg.request_id!r} is already announced and live"))
+                return
+            self._join(rec, session, msg.generation, dst)
+            self._send(session, wire.Ack(msg.request_id, msg.generation))
+            self._post_ready(rec.group[-1])
             return
         if isinstance(rec, _PReq) and rec.state is S.FAILED and rec.session is None:
             self._refuse(session, msg, rec.error or KVFerryError("failed before it was announced"))
@@ -411,6 +541,10 @@ class PrefillEndpoint(EndpointBase):
         rec.session, rec.generation, rec.dst = session, generation, dst
         pools = self.memory.layout
         rec.coverage = {p: np.zeros((len(pools.pool(p).buffers), len(a)), dtype=bool) for p, a in dst.items()}
+        for p, cov in rec.coverage.items():  # across TP: buffers another rank sends are not ours to cover
+            cov[~session.writes(pools.pool(p))] = True
+        if rec.leader is rec:
+            rec.expected = self._num_decode_ranks(session)
         if rec.state is S.BOOTSTRAPPING:
             self._set_state(rec, S.WAITING_FOR_INPUT)
 
@@ -439,8 +573,9 @@ class PrefillEndpoint(EndpointBase):
 
     def _match(self, session: _Session, request_id: str, generation: int) -> _PReq | None:
         rec = self._records.get(request_id)
-        if isinstance(rec, _PReq) and rec.session is session and rec.generation == generation:
-            return rec
+        for member in rec.group if isinstance(rec, _PReq) else ():
+            if member.session is session and member.generation == generation:
+                return member
         return None
 
     # -- handshake (progress thread) -------------------------------------------------------------------
@@ -490,13 +625,31 @@ class PrefillEndpoint(EndpointBase):
             session.remote = KVMemory.from_manifest(hello.manifest)
         except LayoutError as exc:
             return f"malformed manifest: {exc}"
-        diff = shape_difference(self.memory.layout, session.remote.layout)
-        if diff is not None:
-            return f"layouts differ (local: prefill, remote: decode): {diff}"
+        problem = self._check_ranks(session, session.remote)
+        if problem is not None:
+            return problem
         try:
             session.agent = self.transport.add_peer(hello.transport_meta)
         except (KVFerryError, ValueError) as exc:
             return f"bad transport metadata: {exc}"
+        return None
+
+    def _check_ranks(self, session: _Session, remote: KVMemory) -> str | None:
+        """Equal TP sizes: the shapes must match. Different: one model, and the session gets a planner
+        that writes this rank's head slices. Either way decode's rank must need this prefill rank."""
+        local, other = self.memory.layout, remote.layout
+        cross = local.tp_size != other.tp_size
+        diff = model_difference(local, other) if cross else shape_difference(local, other)
+        if diff is not None:
+            return f"layouts differ (local: prefill, remote: decode): {diff}"
+        need = source_ranks(other.tp_rank, local.tp_size, other.tp_size)
+        if local.tp_rank not in need:
+            return (f"decode rank {other.tp_rank} of TP {other.tp_size} needs prefill ranks {list(need)} of TP "
+                    f"{local.tp_size}; this prefill is rank {local.tp_rank}")
+        if cross:
+            if getattr(self.transport, "descriptors", "dlist") != "dlist":
+                return "cross-TP writes move slices of pages: the transport must use descriptors='dlist'"
+            session.planner = TPPlanner(self.memory, remote)  # slices derived once per session
         return None
 
     def _reject(self, identity: bytes, reason: str) -> None:
