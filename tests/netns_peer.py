@@ -1,10 +1,11 @@
 """One side of a cross-TP transfer in its own OS process: all of that side's TP ranks, one NIXL agent each.
 
-Used by ``tests/test_tp.py`` (two processes on one host), ``tests/test_netns.py`` (one process per network
-namespace, UCX over TCP across a veth pair) and ``bench/tp.py``. Why one process per *side* and not per
-rank: each rank still has its own memory, its own ``NixlTransport`` (agent, registration, connections),
-so the data path is exactly the per-rank one; but on a 2-core CI host, six processes each importing nixl
-and spinning UCX would measure the scheduler, not kvferry.
+Used by ``tests/test_tp.py`` (two processes on one host) and ``bench/tp.py`` (also across the veth pair of
+``make_veth_pair``, below, which ``tests/test_netns.py`` uses to run the real endpoints on two "hosts").
+Why one process per *side* and not per rank: each rank still has its own memory, its own
+``NixlTransport`` (agent, registration, connections), so the data path is exactly the per-rank one; but
+on a 2-core CI host, six processes each importing nixl and spinning UCX would measure the scheduler, not
+kvferry.
 
 Control channel (ZMQ REQ/REP, decode binds): prefill sends its ranks' transport metadata; decode answers
 with its ranks' metadata, manifests and the page lists; prefill plans with ``kvferry.tp`` and writes

@@ -17,8 +17,10 @@ from kvferry.integrity import (
     digest_plan,
     verify_digests,
 )
+from kvferry.tp import plan_decode_rank
 
 from .conftest import fill_random, memmove_plan
+from .netns_peer import full_arrays, llama_like, rank_memory
 
 
 def hetero_layout(scale: int = 1) -> Layout:
@@ -185,3 +187,26 @@ def test_digest_pages_keyed_equals_digest_plan(moved, mode: str, buffers: list[s
         keyed = early.keyed({p: np.array(d) for p, (_, d) in PAGES.items()})
         assert keyed.to_bytes() == digest_plan(plan, mode, seed=seed).to_bytes()
         verify_digests(dst, keyed)
+
+
+# -- across TP sizes: digests of the slice of each page a rank pair moves ------------------------------------
+@pytest.mark.parametrize("major", ["head", "token"])
+def test_tp_plans_digest_their_slices_and_verify_with_the_links_slices(major: str) -> None:
+    full = llama_like(num_layers=2, num_pages=24, tokens=4, major=major, heads=8, head_bytes=8)
+    data = full_arrays(full, 5)
+    srcs = [rank_memory(full, 2, r, data) for r in range(2)]
+    dst = rank_memory(full, 4, 3, None)     # needs prefill rank 1's heads only
+    (rank, plan), = plan_decode_rank(srcs, dst, {"kv": ([3, 4, 9], [0, 1, 7]), "state": ([2], [5])}).items()
+    memmove_plan(plan)
+    sampled = digest_plan(plan, "sampled", seed=4, samples_per_buffer=2)
+    assert sampled.shape == dst.layout.shape_fingerprint        # checked on decode's layout, not prefill's
+    assert np.bincount(sampled.buffer_ids).tolist() == [2] * 6 + [1]  # k per buffer; the state pool has 1 page
+    full_digests = digest_plan(plan, "full")
+    for digests in (sampled, full_digests):
+        verify_digests(dst, digests, plan.slices)
+    dst.array("L1.v")[7, -1] ^= 1                # a byte of the slice rank 1 wrote to page 7
+    with pytest.raises(PageMismatchError, match=r"buffer 'L1.v' \(layer 1\), page 7"):
+        verify_digests(dst, full_digests, plan.slices)
+    with pytest.raises(IntegrityError, match="does not write to this decode rank"):
+        verify_digests(dst, full_digests, {n: s for n, s in plan.slices.items() if n != "state"})
+    assert rank == 1

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvferry.layout import Buffer, Layout, Pool
+from kvferry.errors import LayoutError
+from kvferry.layout import Buffer, Layout, Pool, shape_difference
 from kvferry.presets import get_preset
 from kvferry.sim import (
     OutOfPages,
@@ -127,11 +129,28 @@ def test_pages_needed_without_window_counts_whole_context() -> None:
 
 
 def test_preset_windows() -> None:
-    assert windows_for("deepseek_v4") == {"swa": 128}
+    assert windows_for("deepseek_v4") == {"swa": 128} == windows_for("gpt_oss")
     assert windows_for("llama3_8b") == {}
     layout = get_preset("deepseek_v4", num_pages=64)
-    assert pages_needed(layout, 1024, windows_for("deepseek_v4")) == {"c4": 4, "c128": 4, "swa": 2}
+    assert pages_needed(layout, 1024) == {"c4": 4, "c128": 4, "swa": 2}  # the layout carries the window
     assert pages_needed(layout, 1000, windows_for("deepseek_v4"))["swa"] == 3  # window straddles 3 pages
+    assert pages_needed(layout, 1000, {"swa": 64})["swa"] == 2  # an explicit window overrides the layout's
+
+
+def test_window_is_part_of_the_shape_and_the_manifest() -> None:
+    layout = get_preset("gpt_oss", num_pages=8)
+    again = Layout.from_manifest(layout.to_manifest())
+    assert again.pool("swa").window_tokens == 128 and again.pool("full").window_tokens is None
+    assert again.shape_fingerprint == layout.shape_fingerprint
+    unwindowed = Layout([Pool(p.name, p.buffers, p.tokens_per_page) for p in layout.pools])
+    assert unwindowed.shape_fingerprint != layout.shape_fingerprint
+    assert shape_difference(layout, unwindowed) == "pool 'swa': window_tokens differs: local 128, remote None"
+    # Pools without a window keep version 2's three-element encoding, which older peers decode.
+    pools = msgspec.msgpack.decode(unwindowed.to_manifest())["pools"]
+    assert [len(p) for p in pools] == [3, 3]
+    assert Layout.from_manifest(unwindowed.to_manifest()) == unwindowed
+    with pytest.raises(LayoutError, match="state pool .* has no window"):
+        Pool("state", [Buffer("s", 8, 2)], None, 128)
 
 
 # -- page content ------------------------------------------------------------------------------------------

@@ -10,12 +10,14 @@ digest.
 Digests are keyed by buffer and *destination* page, so decode checks its own pages without knowing the
 source page numbers. ``digest_pages`` hashes source pages before the destination is known (prefill's
 ``send``) and ``SourceDigests.keyed`` names the destination pages later; ``digest_plan`` is the two in one.
-The hash is xxh3-64 (python-xxhash): one call per page, since a page is the unit a mismatch must name and
-the library has no batched API. Both sides pick the pages to hash with numpy across all buffers at once and
-hash them in one loop over slices of a flat view per buffer (built once per binding): no Python work per
-buffer, which was most of a sampled digest's cost. Measured alternatives (bench/RESULTS-integrity.md):
-gathering pages into a block first is slower (a copy of every byte); threads do not help, because
-python-xxhash holds the GIL for inputs under 64 KiB and pages are smaller.
+Both sides pick the pages to hash with numpy across all buffers at once; ``page_hash`` hashes them
+(xxh3-64, one call per page).
+
+Across tensor-parallel sizes a prefill page is not a decode page: prefill rank ``r`` writes only the heads
+it shares with decode rank ``d``. ``digest_plan`` given a ``tp.TPPlan`` then hashes, per (buffer,
+destination page), the slice of the page the pair moves, and decode passes that link's slices
+(``TPPlanner(prefill memory, memory).slices``) to ``verify_digests``. Several prefill ranks each digest
+their own slice of one decode page; each link's digests are checked with that link's slices.
 
 Modes: ``off`` (nothing), ``sampled`` (``samples_per_buffer`` pages per buffer, chosen independently per
 buffer from the plan's pages with ``seed``, so different buffers cover different pages) and ``full``.
@@ -23,7 +25,6 @@ buffer from the plan's pages with ``seed``, so different buffers cover different
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -31,12 +32,13 @@ from typing import Annotated
 
 import msgspec
 import numpy as np
-import xxhash
 
-from .errors import IntegrityError, LayoutError
+from .errors import IntegrityError
 from .layout import MAX_BUFFERS, MAX_NAME_LEN
 from .memory import KVMemory
+from .page_hash import hash_cells, hash_index, hash_pages
 from .plan import TransferPlan
+from .tp import PageSlice, TPPlan
 
 __all__ = [
     "DIGESTS_VERSION",
@@ -56,7 +58,6 @@ DIGESTS_VERSION = 1
 # Caps on untrusted digest messages: 4M entries is 20 x a 128k-token DeepSeek request in full mode.
 MAX_ENTRIES = 1 << 22
 MAX_MESSAGE_BYTES = 128 << 20
-_HASH_SEED = 0  # fixed: both sides must hash alike; sampling, not hashing, is what ``seed`` varies
 
 
 class DigestMode(str, Enum):
@@ -199,18 +200,31 @@ def _from_msg(msg: _DigestsMsg) -> PageDigests:
 
 
 # -- prefill side ------------------------------------------------------------------------------------------
-def digest_plan(plan: TransferPlan, mode: DigestMode | str, *, seed: int = 0,
+def digest_plan(plan: TransferPlan | TPPlan, mode: DigestMode | str, *, seed: int = 0,
                 samples_per_buffer: int = 2) -> PageDigests:
     """Digest the source pages ``plan`` sends, keyed by buffer and destination page.
 
     Called on the prefill side once the source pages hold the request's final KV (before or after the
     write is posted: it only reads). Blocking; cost measured in bench/RESULTS-integrity.md. CUDA regions
-    are read by copying the chosen pages to host through torch (see ``read_pages``). Equal to
-    ``digest_pages`` over the plan's source pages, keyed by its destination pages.
+    are read by copying the chosen pages to host through torch (see ``page_hash.read_pages``). For a
+    ``TransferPlan``, equal to ``digest_pages`` over the plan's source pages, keyed by its destination
+    pages. For a ``TPPlan`` (across TP sizes), the digests cover the slice of each page the plan writes
+    and carry the *destination* layout's shape; decode checks them with that plan's ``slices``.
     """
+    if isinstance(plan, TPPlan):
+        return _digest_tp_plan(plan, mode, seed, samples_per_buffer)
     cells = [(pp.pool, pp.buffer_ids, pp.src_pages) for pp in plan.pools]
     source = _digest_cells(plan.src_memory, cells, mode, seed, samples_per_buffer)
     return source.keyed({pp.pool: pp.dst_pages for pp in plan.pools})
+
+
+def _digest_tp_plan(plan: TPPlan, mode: DigestMode | str, seed: int, k: int) -> PageDigests:
+    index = plan.src_memory.buffer_index  # the same buffer order on both sides (model_difference)
+    cells = [(pp.pool, np.array([index[n] for n in pp.buffers], dtype=np.int64), pp.src_pages)
+             for pp in plan.pool_pages if pp.buffers and len(pp.src_pages)]
+    source = _digest_cells(plan.src_memory, cells, mode, seed, k, plan.slices,
+                           plan.dst_memory.layout.shape_fingerprint)
+    return source.keyed({pp.pool: pp.dst_pages for pp in plan.pool_pages})
 
 
 def digest_pages(memory: KVMemory, pages: Mapping[str, np.ndarray], mode: DigestMode | str, *,
@@ -264,10 +278,12 @@ _Cells = Sequence[tuple[str, np.ndarray, np.ndarray]]   # per pool: (name, buffe
 
 
 def _digest_cells(memory: KVMemory, cells: _Cells, mode: DigestMode | str, seed: int | np.random.Generator,
-                  k: int) -> SourceDigests:
-    """Choose the pages to hash (every one, or ``k`` per buffer), then hash them all in one pass."""
+                  k: int, slices: Mapping[str, PageSlice] | None = None, shape: str | None = None,
+                  ) -> SourceDigests:
+    """Choose the pages to hash (every one, or ``k`` per buffer), then hash them all in one pass: whole
+    pages, or each buffer's ``slices`` entry of them. ``shape``: the layout the digests are checked on."""
     mode = DigestMode.parse(mode)
-    shape = memory.layout.shape_fingerprint
+    shape = memory.layout.shape_fingerprint if shape is None else shape
     if mode is not DigestMode.OFF and k < 1:
         raise IntegrityError(f"samples_per_buffer must be >= 1, got {k}")
     if mode is DigestMode.OFF or not cells:
@@ -284,7 +300,7 @@ def _digest_cells(memory: KVMemory, cells: _Cells, mode: DigestMode | str, seed:
         src.append(pages[chosen].ravel())
     bufs = memory.layout.buffers
     names = tuple(bufs[g].name for c in cells for g in c[1].tolist())
-    digests = _hash_cells(memory, np.concatenate(gids), np.concatenate(src))
+    digests = hash_cells(memory, np.concatenate(gids), np.concatenate(src), slices, "src")
     return SourceDigests(mode, names, _ro(np.concatenate(local)), tuple(c[0] for c in cells),
                          _ro(np.concatenate(pools)), _ro(np.concatenate(pos)), _ro(digests), shape)
 
@@ -312,109 +328,16 @@ def _choose(rng: np.random.Generator | None, num_buffers: int, num_pages: int, m
     return np.sort(np.argpartition(keys, k - 1, axis=1)[:, :k], axis=1)
 
 
-# -- hashing -----------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class _HashIndex:
-    """Per binding, built once: what hashing a (buffer, page) cell needs, without per-buffer lookups."""
-
-    by_name: dict[str, int]              # buffer name -> index into layout.buffers
-    num_pages: np.ndarray                # int64 [buffers]
-    page_bytes: np.ndarray               # int64 [buffers]
-    views: tuple[memoryview | None, ...]  # flat bytes of each host buffer; None: GPU or not readable here
-    all_host: bool                       # every view present: the fast path needs no per-call check
-
-
-_INDEXES: weakref.WeakKeyDictionary[KVMemory, _HashIndex] = weakref.WeakKeyDictionary()
-
-
-def _hash_index(memory: KVMemory) -> _HashIndex:
-    index = _INDEXES.get(memory)
-    if index is None:
-        bufs = memory.layout.buffers
-        views = tuple(_host_view(memory, b.name) for b in bufs)
-        index = _HashIndex({b.name: i for i, b in enumerate(bufs)},
-                           _ro(np.array([b.num_pages for b in bufs], dtype=np.int64)),
-                           _ro(np.array([b.page_bytes for b in bufs], dtype=np.int64)), views,
-                           all(v is not None for v in views))
-        _INDEXES[memory] = index   # a race builds it twice, harmlessly
-    return index
-
-
-def _host_view(memory: KVMemory, name: str) -> memoryview | None:
-    if memory.remote or memory.region(name).device != "cpu":
-        return None
-    return memoryview(memory.array(name).reshape(-1))
-
-
-def _hash_cells(memory: KVMemory, gids: np.ndarray, pages: np.ndarray) -> np.ndarray:
-    """xxh3-64 of page ``pages[i]`` of buffer ``gids[i]`` (indices into layout.buffers), as uint64.
-
-    Pages must be in range (a memoryview slice past the end is short, not an error). Host buffers are
-    hashed in one loop over slices of one flat view per buffer (no per-buffer Python work: that was most
-    of a sampled digest's cost); GPU buffers go through ``hash_pages`` buffer by buffer.
-    """
-    index = _hash_index(memory)
-    views = index.views
-    if not index.all_host and any(views[g] is None for g in np.unique(gids).tolist()):
-        return _hash_cells_by_buffer(memory, gids, pages)
-    pb = index.page_bytes[gids]
-    fn, seed = xxhash.xxh3_64_intdigest, _HASH_SEED
-    out = [fn(views[g][o:o + n], seed)  # type: ignore[index]
-           for g, o, n in zip(gids.tolist(), (pages * pb).tolist(), pb.tolist())]
-    return np.array(out, dtype=np.uint64)
-
-
-def _hash_cells_by_buffer(memory: KVMemory, gids: np.ndarray, pages: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(gids), dtype=np.uint64)
-    bufs = memory.layout.buffers
-    for g in np.unique(gids).tolist():
-        at = np.flatnonzero(gids == g)
-        out[at] = hash_pages(memory, bufs[g].name, pages[at])
-    return out
-
-
-def hash_pages(memory: KVMemory, buffer: str, pages: np.ndarray) -> np.ndarray:
-    """xxh3-64 of each page of ``buffer`` in ``pages``, as uint64 (host memory read in place)."""
-    rows = read_pages(memory, buffer, pages)
-    fn = xxhash.xxh3_64_intdigest
-    if rows is None:
-        arr = memory.array(buffer)
-        # Indexing a numpy row creates a view (no copy); measured faster than memoryview slicing.
-        out = [fn(arr[p], _HASH_SEED) for p in pages.tolist()]
-    else:
-        out = [fn(row, _HASH_SEED) for row in rows]
-    return np.array(out, dtype=np.uint64)
-
-
-def read_pages(memory: KVMemory, buffer: str, pages: np.ndarray) -> np.ndarray | None:
-    """Host copy of GPU pages (``len(pages) x page_bytes`` uint8), or None for host memory (read in place).
-
-    GPU memory is reached through the torch tensor the binding was built from (``KVMemory.from_arrays``);
-    a CUDA binding from raw pointers cannot be read here. Untested without a GPU: one gather on the
-    device, one copy to host.
-    """
-    region = memory.region(buffer)
-    if region.device == "cpu":
-        return None
-    tensor = memory.owner(buffer)
-    if tensor is None or not hasattr(tensor, "data_ptr"):
-        raise LayoutError(f"buffer {buffer!r} is {region.device} memory bound from a raw pointer: "
-                          "bind it from its torch tensor to digest or diff it")
-    import torch  # lazy: only GPU bindings need it
-
-    page_bytes = memory.layout.buffer(buffer).page_bytes
-    flat = tensor.view(torch.uint8).reshape(-1, page_bytes)
-    index = torch.as_tensor(np.ascontiguousarray(pages), device=flat.device)
-    return flat.index_select(0, index).cpu().numpy()
-
-
 # -- decode side -------------------------------------------------------------------------------------------
-def verify_digests(memory: KVMemory, digests: PageDigests) -> None:
+def verify_digests(memory: KVMemory, digests: PageDigests,
+                   slices: Mapping[str, PageSlice] | None = None) -> None:
     """Recompute ``digests`` on this side's pages; raise ``PageMismatchError`` listing every mismatch.
 
-    Called by decode after the write completed and before it reports the request done. Raises
-    ``IntegrityError`` too when the digests name a buffer or page this layout does not have, or were
-    made for another layout shape. Empty digests (mode ``off``) verify nothing and return.
+    Called by decode after the write completed and before it reports the request done. Across TP sizes,
+    ``slices`` is the link's ``TPPlanner(prefill memory, memory).slices``: each digest then covers that
+    buffer's slice of the page. Raises ``IntegrityError`` too when the digests name a buffer or page this
+    layout does not have, a buffer ``slices`` does not write, or were made for another layout shape.
+    Empty digests (mode ``off``) verify nothing and return.
     """
     if not len(digests):
         return
@@ -424,7 +347,9 @@ def verify_digests(memory: KVMemory, digests: PageDigests) -> None:
                              f"{layout.shape_fingerprint}")
     gids = _local_buffer_ids(memory, digests)
     _check_page_range(memory, digests, gids)
-    actual = _hash_cells(memory, gids, digests.pages)
+    if slices is not None:
+        _check_written(memory, gids, slices)
+    actual = hash_cells(memory, gids, digests.pages, slices, "dst")
     bad = np.flatnonzero(actual != digests.digests)
     if len(bad):
         bad = bad[np.argsort(digests.buffer_ids[bad], kind="stable")]  # buffer by buffer, as listed
@@ -434,7 +359,7 @@ def verify_digests(memory: KVMemory, digests: PageDigests) -> None:
 
 def _local_buffer_ids(memory: KVMemory, digests: PageDigests) -> np.ndarray:
     """Each entry's buffer as an index into this side's ``layout.buffers``; unknown names refused."""
-    by_name = _hash_index(memory).by_name
+    by_name = hash_index(memory).by_name
     table = np.array([by_name.get(n, -1) for n in digests.buffer_names], dtype=np.int64)
     gids = table[digests.buffer_ids]
     if (gids < 0).any():
@@ -445,13 +370,21 @@ def _local_buffer_ids(memory: KVMemory, digests: PageDigests) -> np.ndarray:
 
 def _check_page_range(memory: KVMemory, digests: PageDigests, gids: np.ndarray) -> None:
     pages = digests.pages
-    caps = _hash_index(memory).num_pages[gids]
+    caps = hash_index(memory).num_pages[gids]
     bad = (pages < 0) | (pages >= caps)
     if bad.any():
         i = int(np.argmax(bad))
         raise IntegrityError(f"page digests name page {int(pages[i])} of buffer "
                              f"{digests.buffer_names[int(digests.buffer_ids[i])]!r}, which has {int(caps[i])} "
                              "pages on this side")
+
+
+def _check_written(memory: KVMemory, gids: np.ndarray, slices: Mapping[str, PageSlice]) -> None:
+    for g in np.unique(gids).tolist():
+        name = memory.layout.buffers[g].name
+        if name not in slices:
+            raise IntegrityError(f"page digests name buffer {name!r}, which this prefill rank does not write "
+                                 "to this decode rank")
 
 
 def _mismatch(memory: KVMemory, digests: PageDigests, i: int, actual: int) -> PageMismatch:

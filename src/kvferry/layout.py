@@ -31,7 +31,9 @@ __all__ = [
 ]
 
 # Bump when the manifest's fields or their meaning change; decoders refuse other versions.
-# 2: buffers carry optional head geometry; layouts carry tp_size and tp_rank.
+# 2: buffers carry optional head geometry; layouts carry tp_size and tp_rank. Pools' optional
+# window_tokens came later without a bump: it is written only when set (see ``_pool_msg``), so manifests
+# without windows are unchanged and older peers read them; a windowed one they refuse as malformed.
 MANIFEST_VERSION = 2
 
 # Generous caps on untrusted manifests: far above any real model, far below what exhausts memory.
@@ -170,16 +172,21 @@ class Pool:
 
     Buffers of one pool may differ in ``page_bytes`` and in ``num_pages``; a page index must be valid in
     each of them. ``tokens_per_page`` is None for per-request state slots (Mamba state, for example).
+    ``window_tokens`` marks a sliding-window pool: a request keeps only the pages under its last
+    ``window_tokens`` tokens (``sim.pages_needed`` counts them). Both are part of the shape.
     """
 
     name: str
     buffers: tuple[Buffer, ...]
     tokens_per_page: int | None = None
+    window_tokens: int | None = None
 
-    def __init__(self, name: str, buffers: Sequence[Buffer], tokens_per_page: int | None = None) -> None:
+    def __init__(self, name: str, buffers: Sequence[Buffer], tokens_per_page: int | None = None,
+                 window_tokens: int | None = None) -> None:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "buffers", tuple(buffers))
         object.__setattr__(self, "tokens_per_page", tokens_per_page)
+        object.__setattr__(self, "window_tokens", window_tokens)
         self._validate()
 
     def _validate(self) -> None:
@@ -191,6 +198,10 @@ class Pool:
                 raise LayoutError(f"pool {self.name!r}: expected Buffer, got {type(buf).__name__}")
         if self.tokens_per_page is not None:
             _check_count(f"pool {self.name!r}", "tokens_per_page", self.tokens_per_page, 1 << 30)
+        if self.window_tokens is not None:
+            _check_count(f"pool {self.name!r}", "window_tokens", self.window_tokens, 1 << 40)
+            if self.tokens_per_page is None:
+                raise LayoutError(f"pool {self.name!r}: a state pool (tokens_per_page None) has no window")
 
     @property
     def min_pages(self) -> int:
@@ -201,14 +212,24 @@ class Pool:
     def uniform_pages(self) -> bool:
         return len({b.num_pages for b in self.buffers}) == 1
 
+    def key(self, buffer_keys: tuple[object, ...]) -> tuple[object, ...]:
+        """The pool's part of a fingerprint, around its buffers' keys."""
+        base = (self.name, self.tokens_per_page, buffer_keys)
+        # Appended only when set, so layouts without windows keep their fingerprints.
+        return base if self.window_tokens is None else (*base, ("window_tokens", self.window_tokens))
+
+    def with_buffers(self, buffers: Sequence[Buffer]) -> Pool:
+        """The same pool (name, token granularity, window) holding ``buffers`` instead."""
+        return Pool(self.name, buffers, self.tokens_per_page, self.window_tokens)
+
 
 @dataclass(frozen=True)
 class Layout:
     """The ordered pools of one worker's KV cache.
 
-    ``shape_fingerprint`` covers what must match between prefill and decode (pool names and token
-    granularity, buffer names, order, kinds, dtypes, layers, page sizes) and not what may differ
-    (capacities, addresses).
+    ``shape_fingerprint`` covers what must match between prefill and decode (pool names, token
+    granularity and windows, buffer names, order, kinds, dtypes, layers, page sizes) and not what may
+    differ (capacities, addresses).
 
     ``tp_size``/``tp_rank`` place the layout in a tensor-parallel group (defaults: no TP). The shape
     fingerprint is per rank: it includes ``tp_size`` and the per-rank head geometry, so equal shapes can be
@@ -282,14 +303,13 @@ class Layout:
 
     # -- fingerprints ----------------------------------------------------------------------------------
     def shape_key(self) -> tuple[object, ...]:
-        pools = tuple((p.name, p.tokens_per_page, tuple(b.shape_key() for b in p.buffers)) for p in self.pools)
+        pools = tuple(p.key(tuple(b.shape_key() for b in p.buffers)) for p in self.pools)
         # tp_size only when set, so layouts without TP keep their fingerprints; tp_rank never (any two
         # ranks of one TP group have one shape).
         return pools if self.tp_size == 1 else (("tp_size", self.tp_size), *pools)
 
     def model_key(self) -> tuple[object, ...]:
-        return tuple((p.name, p.tokens_per_page, tuple(b.model_key(self.tp_size) for b in p.buffers))
-                     for p in self.pools)
+        return tuple(p.key(tuple(b.model_key(self.tp_size) for b in p.buffers)) for p in self.pools)
 
     @cached_property
     def model_fingerprint(self) -> str:
@@ -314,11 +334,8 @@ class Layout:
         unknown = set(num_pages) - set(self._by_buffer)
         if unknown:
             raise LayoutError(f"with_capacities: no buffers named {sorted(unknown)}")
-        return Layout([
-            Pool(p.name, [_replace_pages(b, num_pages.get(b.name, b.num_pages)) for b in p.buffers],
-                 p.tokens_per_page)
-            for p in self.pools
-        ], self.tp_size, self.tp_rank)
+        return Layout([p.with_buffers([_replace_pages(b, num_pages.get(b.name, b.num_pages)) for b in p.buffers])
+                       for p in self.pools], self.tp_size, self.tp_rank)
 
     # -- manifest --------------------------------------------------------------------------------------
     def to_manifest(self) -> bytes:
@@ -333,11 +350,10 @@ class Layout:
         _check_version(msg.version)
         return cls.from_wire(msg.pools, msg.tp_size, msg.tp_rank)
 
-    def to_wire(self) -> list[_PoolMsg]:
+    def to_wire(self) -> list[_PoolMsg | _PoolMsgV2]:
         return [
-            _PoolMsg(p.name, p.tokens_per_page,
-                     [_BufferMsg(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer, _heads_msg(b.heads))
-                      for b in p.buffers])
+            _pool_msg(p, [_BufferMsg(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer, _heads_msg(b.heads))
+                          for b in p.buffers])
             for p in self.pools
         ]
 
@@ -348,9 +364,15 @@ class Layout:
         return cls([
             Pool(p.name, [Buffer(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer, _heads_of(b.heads))
                           for b in p.buffers],
-                 p.tokens_per_page)
+                 p.tokens_per_page, p.window_tokens)
             for p in pools
         ], tp_size, tp_rank)
+
+
+def _pool_msg(pool: Pool, buffers: list[_BufferMsg]) -> _PoolMsg | _PoolMsgV2:
+    if pool.window_tokens is None:  # the three elements every version-2 decoder expects
+        return _PoolMsgV2(pool.name, pool.tokens_per_page, buffers)
+    return _PoolMsg(pool.name, pool.tokens_per_page, buffers, pool.window_tokens)
 
 
 def _replace_pages(buf: Buffer, num_pages: int) -> Buffer:
@@ -431,9 +453,10 @@ def _first_difference(local: Layout, remote: Layout, attrs: Callable[[Buffer, Bu
     if local_pools != remote_pools:
         return f"pool set differs: local {local_pools}, remote {remote_pools}"
     for lp, rp in zip(local.pools, remote.pools):
-        if lp.tokens_per_page != rp.tokens_per_page:
-            return (f"pool {lp.name!r}: tokens_per_page differs: local {lp.tokens_per_page}, "
-                    f"remote {rp.tokens_per_page}")
+        for attr in ("tokens_per_page", "window_tokens"):
+            if getattr(lp, attr) != getattr(rp, attr):
+                return (f"pool {lp.name!r}: {attr} differs: local {getattr(lp, attr)}, "
+                        f"remote {getattr(rp, attr)}")
         if len(lp.buffers) != len(rp.buffers):
             return (f"pool {lp.name!r}: buffer count differs: local {len(lp.buffers)}, remote {len(rp.buffers)}")
         for lb, rb in zip(lp.buffers, rp.buffers):
@@ -464,6 +487,15 @@ class _BufferMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 class _PoolMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    name: str
+    tokens_per_page: int | None
+    buffers: list[_BufferMsg]
+    window_tokens: int | None = None
+
+
+class _PoolMsgV2(msgspec.Struct, array_like=True):
+    """A pool without a window, encoded as version 2 first defined it (decoded as a ``_PoolMsg``)."""
+
     name: str
     tokens_per_page: int | None
     buffers: list[_BufferMsg]

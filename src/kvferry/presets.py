@@ -81,6 +81,7 @@ DSV4_PAGE_TOKENS = 256
 DSV4_C4_ENTRIES = DSV4_PAGE_TOKENS // 4  # 64
 DSV4_C128_ENTRIES = DSV4_PAGE_TOKENS // 128  # 2
 DSV4_SWA_PAGE_TOKENS = 64
+DSV4_SLIDING_WINDOW = 128
 
 # -- Qwen3-Next: Qwen/Qwen3-Next-80B-A3B config.json -----------------------------------------------------
 # num_hidden_layers=48, full_attention_interval=4 (layers 3, 7, ..., 47 are full attention, GQA with
@@ -103,6 +104,7 @@ QWEN3_NEXT_SSM_ELEMS = 32 * 128 * 128
 GPT_OSS_LAYERS = {"120b": 36, "20b": 24}
 GPT_OSS_KV_HEADS = 8
 GPT_OSS_HEAD_DIM = 64
+GPT_OSS_SLIDING_WINDOW = 128
 # SGLang's --swa-full-tokens-ratio default: the SWA pool holds 0.8 x the full pool's tokens.
 GPT_OSS_SWA_RATIO = 0.8
 
@@ -256,7 +258,7 @@ def deepseek_v4(num_pages: int | None = None, budget_bytes: int | None = None, *
                       "kv", i) for i in layers]
         pools = [_c4_pool(c4, n, idx_n, indexer_dtype)] if c4 else []
         pools += [_c128_pool(c128, n)] if c128 else []
-        return Layout([*pools, Pool("swa", swa, DSV4_SWA_PAGE_TOKENS)])
+        return Layout([*pools, Pool("swa", swa, DSV4_SWA_PAGE_TOKENS, DSV4_SLIDING_WINDOW)])
 
     return _sized(name, build, num_pages, budget_bytes)
 
@@ -330,7 +332,8 @@ def gpt_oss(num_pages: int | None = None, budget_bytes: int | None = None, *,
     def build(n: int) -> Layout:
         swa_pages = _scaled(n, swa_ratio)
         return Layout([Pool("full", _kv_pair(full, page_bytes, n, "full."), page_tokens),
-                       Pool("swa", _kv_pair(sliding, page_bytes, swa_pages, "swa."), page_tokens)])
+                       Pool("swa", _kv_pair(sliding, page_bytes, swa_pages, "swa."), page_tokens,
+                            GPT_OSS_SLIDING_WINDOW)])
 
     return _sized(name, build, num_pages, budget_bytes)
 

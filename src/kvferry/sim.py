@@ -11,7 +11,8 @@ deterministic logic. ``runner`` drives it on both sides of a real transfer.
   extends the previous one by a seeded log-normal amount. The schedule is a deterministic tuple of
   ``RequestSpec`` (same seed, same requests, on both sides of the run).
 * ``pages_needed``: pages per pool for a prompt: ``ceil(tokens / tokens_per_page)``, one slot in state
-  pools, and only the pages under the last ``window`` tokens in sliding-window pools.
+  pools, and only the pages under the last ``window_tokens`` in sliding-window pools (the layout says
+  which: ``Pool.window_tokens``).
 * ``page_keys``, ``fill_pages``, ``check_pages``: page content derived from (seed, request, buffer,
   page position) with a vectorised splitmix64, so the decode side verifies every byte it received without
   seeing prefill memory. Each 8-byte word of a page is ``key ^ (word_index * ODD)``: a page from another
@@ -29,9 +30,9 @@ import numpy as np
 
 from .errors import KVFerryError
 from .layout import Layout, Pool
+from .presets import get_preset
 
 __all__ = [
-    "SLIDING_WINDOWS",
     "OutOfPages",
     "PageAllocator",
     "RequestSpec",
@@ -43,13 +44,6 @@ __all__ = [
     "pages_needed",
     "windows_for",
 ]
-
-# Pools that keep only a sliding window, per preset: (pool -> window tokens). The layout does not carry
-# windows, so they live here; both presets' SWA layers use sliding_window=128 in their config.json.
-SLIDING_WINDOWS: dict[str, dict[str, int]] = {
-    "deepseek_v4": {"swa": 128},
-    "gpt_oss": {"swa": 128},
-}
 
 _U64 = np.uint64
 _MASK = (1 << 64) - 1
@@ -202,20 +196,22 @@ def session_tokens(spec: WorkloadSpec) -> np.ndarray:
 
 
 def windows_for(preset: str) -> dict[str, int]:
-    """The sliding-window pools of a preset (``SLIDING_WINDOWS``); empty for presets without any."""
-    return dict(SLIDING_WINDOWS.get(preset, {}))
+    """The sliding-window pools of a preset, pool -> window tokens, as its layout declares them."""
+    return {p.name: p.window_tokens for p in get_preset(preset, num_pages=1).pools if p.window_tokens}
 
 
 def pages_needed(layout: Layout, num_tokens: int, windows: Mapping[str, int] | None = None) -> dict[str, int]:
     """Pages per pool that a prompt of ``num_tokens`` occupies (and that decode must receive).
 
-    State pools (``tokens_per_page`` None): one slot. Pools in ``windows``: the pages holding the last
-    ``window`` tokens. Others: ``ceil(num_tokens / tokens_per_page)``.
+    State pools (``tokens_per_page`` None): one slot. Sliding-window pools (``Pool.window_tokens``, or
+    ``windows[pool]``, which overrides it): the pages holding the last ``window`` tokens. Others:
+    ``ceil(num_tokens / tokens_per_page)``.
     """
     if num_tokens < 1:
         raise ValueError(f"pages_needed: num_tokens must be >= 1, got {num_tokens}")
     windows = windows or {}
-    return {pool.name: _pool_pages(pool, num_tokens, windows.get(pool.name)) for pool in layout.pools}
+    return {pool.name: _pool_pages(pool, num_tokens, windows.get(pool.name, pool.window_tokens))
+            for pool in layout.pools}
 
 
 def _pool_pages(pool: Pool, num_tokens: int, window: int | None) -> int:

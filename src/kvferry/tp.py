@@ -32,7 +32,7 @@ from functools import cached_property
 import numpy as np
 
 from .errors import LayoutError, PlanError
-from .layout import Buffer, HeadGeometry, Layout, Pool, model_difference
+from .layout import Buffer, HeadGeometry, Layout, model_difference
 from .memory import KVMemory
 
 # The page validation plan_transfer does, reused so both planners refuse the same inputs alike.
@@ -91,8 +91,7 @@ def shard_layout(layout: Layout, tp_size: int, tp_rank: int) -> Layout:
     """
     if layout.tp_size != 1:
         raise LayoutError(f"shard_layout takes a full (tp_size 1) layout, got tp_size {layout.tp_size}")
-    pools = [Pool(p.name, [_shard_buffer(b, tp_size) for b in p.buffers], p.tokens_per_page)
-             for p in layout.pools]
+    pools = [p.with_buffers([_shard_buffer(b, tp_size) for b in p.buffers]) for p in layout.pools]
     return Layout(pools, tp_size, tp_rank)
 
 
@@ -115,7 +114,7 @@ def _shard_buffer(buf: Buffer, tp_size: int) -> Buffer:
 class PageSlice:
     """What one buffer contributes to one pair's rows: ``num_tokens`` rows per page of ``nbytes`` each, at
     ``page * page_bytes + token * token_stride + offset`` on each side. Also what a page digest of a
-    cross-TP write covers (``kvferry.tp_digests``): those rows, concatenated."""
+    cross-TP write covers (``kvferry.integrity`` slice digests): those rows, concatenated."""
 
     buffer_id: int
     num_tokens: int
@@ -354,7 +353,7 @@ class TPPlan:
 
     The same surface as ``TransferPlan`` as far as transports go; built from explicit descriptor arrays.
     ``pool_pages`` and ``slices`` say which (buffer, page) slices the rows cover, for digests
-    (``kvferry.tp_digests.digest_tp_plan``) without tracing rows back.
+    (``kvferry.integrity.digest_plan``) without tracing rows back.
     """
 
     src_memory: KVMemory
