@@ -26,8 +26,18 @@ from .errors import KVFerryError
 from .layout import Layout
 from .presets import DEFAULT_PRESET, PRESETS, describe_presets, get_preset, preset_knobs
 
-__all__ = ["COMMANDS", "add_layout_arguments", "build_parser", "emit_json", "layout_from_args", "main",
-           "parse_knob", "parse_size", "positive_int"]
+__all__ = [
+    "COMMANDS",
+    "add_layout_arguments",
+    "build_parser",
+    "emit_json",
+    "human_bytes",
+    "layout_from_args",
+    "main",
+    "parse_knob",
+    "parse_size",
+    "positive_int",
+]
 
 # "module:function" entries, each adding one subcommand; imported when the parser is built.
 COMMANDS: tuple[str, ...] = (
@@ -158,7 +168,8 @@ def _console() -> Console:
     return console
 
 
-def _human(num_bytes: float) -> str:
+def human_bytes(num_bytes: float) -> str:
+    """``1536`` -> ``"1.50 KiB"``: binary units, two decimals."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if num_bytes < 1024:
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.2f} {unit}"
@@ -216,7 +227,7 @@ def _run_audit(args: argparse.Namespace) -> int:
     console = _console()
     collapse = not args.all and len(report.rows) > COLLAPSE_OVER
     console.print(_roles_table(report, args.preset) if collapse else _buffers_table(report, args.preset))
-    console.print(f"total {_human(report.total_bytes)} in {len(report.rows)} buffers, "
+    console.print(f"total {human_bytes(report.total_bytes)} in {len(report.rows)} buffers, "
                   f"{len(layout.pools)} pools; shape {report.shape_fingerprint}", soft_wrap=True)
     for warning in report.warnings:
         console.print(f"warning: {warning}", style="yellow", soft_wrap=True)
@@ -238,7 +249,7 @@ def _buffers_table(report: AuditReport, preset: str) -> Table:
     for r in report.rows:
         layer = "-" if r.layer is None else str(r.layer)
         table.add_row(r.pool, r.buffer, layer, r.kind, r.dtype, str(r.page_bytes), str(r.num_pages),
-                      _per_token(r.bytes_per_token), _human(r.total_bytes))
+                      _per_token(r.bytes_per_token), human_bytes(r.total_bytes))
     return table
 
 
@@ -247,7 +258,7 @@ def _roles_table(report: AuditReport, preset: str) -> Table:
     _add_columns(table, ("pool", "role", "layers", *_GEOMETRY))
     for r in report.roles:
         table.add_row(r.pool, r.role, _layers(r.layers, r.num_buffers), r.kind, r.dtype, str(r.page_bytes),
-                      str(r.num_pages), _per_token(r.bytes_per_token), _human(r.total_bytes))
+                      str(r.num_pages), _per_token(r.bytes_per_token), human_bytes(r.total_bytes))
     return table
 
 
@@ -276,7 +287,7 @@ def _run_sizing(args: argparse.Namespace) -> int:
         return 0
     console = _console()
     console.print(_sizing_table(report, args.preset))
-    console.print(f"one request of {report.tokens} tokens needs {_human(report.bytes_needed)}; "
+    console.print(f"one request of {report.tokens} tokens needs {human_bytes(report.bytes_needed)}; "
                   f"the capacity holds {report.requests_that_fit} such requests", soft_wrap=True)
     return 0
 
@@ -289,5 +300,5 @@ def _sizing_table(report: SizingReport, preset: str) -> Table:
     for p in report.pools:
         table.add_row(p.pool, "state" if p.tokens_per_page is None else str(p.tokens_per_page),
                       str(p.num_buffers), _per_token(p.bytes_per_token), str(p.pages_needed),
-                      _human(p.bytes_needed), str(p.capacity_pages), str(p.requests_that_fit))
+                      human_bytes(p.bytes_needed), str(p.capacity_pages), str(p.requests_that_fit))
     return table

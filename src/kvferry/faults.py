@@ -23,6 +23,7 @@ from functools import cached_property
 
 import numpy as np
 
+from .arrays import cat_int, readonly
 from .errors import KVFerryError, LayoutError, TransportError
 from .memory import KVMemory
 from .plan import PagesArg, Row, TransferPlan, plan_transfer
@@ -67,11 +68,11 @@ class FaultyPlan(TransferPlan):
 
     @cached_property
     def src_descs(self) -> np.ndarray:
-        return _ro(self.src_memory.page_descs()[self.src_index])
+        return readonly(self.src_memory.page_descs()[self.src_index])
 
     @cached_property
     def dst_descs(self) -> np.ndarray:
-        return _ro(self.dst_memory.page_descs()[self.dst_index])
+        return readonly(self.dst_memory.page_descs()[self.dst_index])
 
     @cached_property
     def num_descriptors(self) -> int:
@@ -118,8 +119,8 @@ def buffer0_slot_count_descs(src: KVMemory, dst: KVMemory, pages: PagesArg,
     clean = plan_transfer(src, dst, pages, buffers)
     src_slots, dst_slots = _buffer0_slots(src), _buffer0_slots(dst)
     gid = np.concatenate([np.repeat(pp.buffer_ids, len(pp.src_pages)) for pp in clean.pools] or [[]])
-    s_pages = _cat([np.tile(pp.src_pages, len(pp.buffer_ids)) for pp in clean.pools])
-    d_pages = _cat([np.tile(pp.dst_pages, len(pp.buffer_ids)) for pp in clean.pools])
+    s_pages = cat_int([np.tile(pp.src_pages, len(pp.buffer_ids)) for pp in clean.pools])
+    d_pages = cat_int([np.tile(pp.dst_pages, len(pp.buffer_ids)) for pp in clean.pools])
     gid = gid.astype(np.int64)
     s_idx, d_idx = gid * src_slots + s_pages, gid * dst_slots + d_pages
     s_list, d_list = src.page_descs(), dst.page_descs()
@@ -131,8 +132,8 @@ def buffer0_slot_count_descs(src: KVMemory, dst: KVMemory, pages: PagesArg,
         raise TransportError(f"buffer0-slots: row for buffer {name!r} page {int(s_pages[bad])} indexes "
                              f"descriptor {int(s_idx[bad])}/{int(d_idx[bad])}, outside the prepared lists "
                              f"({len(s_list)}/{len(d_list)}) or with mismatched lengths")
-    return FaultyPlan(src, dst, clean.pools, _ro(gid[ok]), _ro(s_pages[ok]), _ro(d_pages[ok]),
-                      _ro(s_idx[ok]), _ro(d_idx[ok]), int((~ok).sum()))
+    return FaultyPlan(src, dst, clean.pools, readonly(gid[ok]), readonly(s_pages[ok]), readonly(d_pages[ok]),
+                      readonly(s_idx[ok]), readonly(d_idx[ok]), int((~ok).sum()))
 
 
 def _buffer0_slots(mem: KVMemory) -> int:
@@ -219,12 +220,3 @@ def _parse_pages(text: str, page_text: str) -> tuple[int, ...]:
     if any(p < 0 for p in pages):
         raise FaultSpecError(f"invalid fault {text!r}: pages must be >= 0")
     return pages
-
-
-def _cat(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-
-
-def _ro(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a

@@ -33,6 +33,7 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
+from .arrays import readonly
 from .errors import IntegrityError
 from .layout import MAX_BUFFERS, MAX_NAME_LEN
 from .memory import KVMemory
@@ -129,8 +130,8 @@ class PageDigests:
 
     @classmethod
     def empty(cls, mode: DigestMode = DigestMode.OFF, shape: str = "") -> PageDigests:
-        return cls(mode, (), _ro(np.zeros(0, np.uint32)), _ro(np.zeros(0, np.int64)),
-                   _ro(np.zeros(0, np.uint64)), shape)
+        return cls(mode, (), readonly(np.zeros(0, np.uint32)), readonly(np.zeros(0, np.int64)),
+                   readonly(np.zeros(0, np.uint64)), shape)
 
     @classmethod
     def merge(cls, parts: Iterable[PageDigests]) -> PageDigests:
@@ -152,8 +153,9 @@ class PageDigests:
             ids.append(table[p.buffer_ids] if len(p) else np.zeros(0, np.uint32))
         order = [DigestMode.OFF, DigestMode.SAMPLED, DigestMode.FULL]
         mode = min((p.mode for p in parts), key=order.index)
-        return cls(mode, tuple(names), _ro(np.concatenate(ids)), _ro(np.concatenate([p.pages for p in parts])),
-                   _ro(np.concatenate([p.digests for p in parts])), shapes.pop() if shapes else "")
+        pages = readonly(np.concatenate([p.pages for p in parts]))
+        digests = readonly(np.concatenate([p.digests for p in parts]))
+        return cls(mode, tuple(names), readonly(np.concatenate(ids)), pages, digests, shapes.pop() if shapes else "")
 
     # -- wire ------------------------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
@@ -195,8 +197,8 @@ def _from_msg(msg: _DigestsMsg) -> PageDigests:
                              f"{len(msg.buffer_names)} buffer names")
     if n and int(pages.min()) < 0:
         raise IntegrityError(f"malformed page digests: negative page {int(pages.min())}")
-    return PageDigests(mode, tuple(msg.buffer_names), _ro(ids), _ro(pages),
-                       _ro(np.frombuffer(msg.digests, dtype="<u8").astype(np.uint64)), msg.shape)
+    return PageDigests(mode, tuple(msg.buffer_names), readonly(ids), readonly(pages),
+                       readonly(np.frombuffer(msg.digests, dtype="<u8").astype(np.uint64)), msg.shape)
 
 
 # -- prefill side ------------------------------------------------------------------------------------------
@@ -271,7 +273,7 @@ class SourceDigests:
         lists = [np.asarray(dst_pages[p], dtype=np.int64) for p in self.pool_names]
         starts = np.cumsum([0] + [len(x) for x in lists[:-1]])
         pages = np.concatenate(lists)[starts[self.pool_ids] + self.positions]
-        return PageDigests(self.mode, self.buffer_names, self.buffer_ids, _ro(pages), self.digests, self.shape)
+        return PageDigests(self.mode, self.buffer_names, self.buffer_ids, readonly(pages), self.digests, self.shape)
 
 
 _Cells = Sequence[tuple[str, np.ndarray, np.ndarray]]   # per pool: (name, buffer ids into layout.buffers, pages)
@@ -301,8 +303,8 @@ def _digest_cells(memory: KVMemory, cells: _Cells, mode: DigestMode | str, seed:
     bufs = memory.layout.buffers
     names = tuple(bufs[g].name for c in cells for g in c[1].tolist())
     digests = hash_cells(memory, np.concatenate(gids), np.concatenate(src), slices, "src")
-    return SourceDigests(mode, names, _ro(np.concatenate(local)), tuple(c[0] for c in cells),
-                         _ro(np.concatenate(pools)), _ro(np.concatenate(pos)), _ro(digests), shape)
+    return SourceDigests(mode, names, readonly(np.concatenate(local)), tuple(c[0] for c in cells),
+                         readonly(np.concatenate(pools)), readonly(np.concatenate(pos)), readonly(digests), shape)
 
 
 def _rng(seed: int | np.random.Generator) -> np.random.Generator:
@@ -312,8 +314,8 @@ def _rng(seed: int | np.random.Generator) -> np.random.Generator:
 
 
 def _empty_entries() -> tuple[np.ndarray, tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]:
-    z = _ro(np.zeros(0, np.int64))
-    return _ro(np.zeros(0, np.uint32)), (), z, z, _ro(np.zeros(0, np.uint64))
+    z = readonly(np.zeros(0, np.int64))
+    return readonly(np.zeros(0, np.uint32)), (), z, z, readonly(np.zeros(0, np.uint64))
 
 
 def _choose(rng: np.random.Generator | None, num_buffers: int, num_pages: int, mode: DigestMode,
@@ -408,8 +410,3 @@ class _DigestsMsg(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-
-
-def _ro(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a

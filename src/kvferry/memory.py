@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from .arrays import readonly
 from .errors import LayoutError
 from .layout import MANIFEST_VERSION, Layout, _decode, _PoolMsg
 
@@ -183,9 +184,9 @@ class KVMemory:
     def region_bounds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(starts, ends, device_ids)`` uint64 arrays sorted by start: for vectorised bounds checks."""
         regs = sorted(self.regions, key=lambda r: r.address)
-        return (_ro(np.array([r.address for r in regs], dtype=np.uint64)),
-                _ro(np.array([r.end for r in regs], dtype=np.uint64)),
-                _ro(np.array([r.device_id for r in regs], dtype=np.uint64)))
+        return (readonly(np.array([r.address for r in regs], dtype=np.uint64)),
+                readonly(np.array([r.end for r in regs], dtype=np.uint64)),
+                readonly(np.array([r.device_id for r in regs], dtype=np.uint64)))
 
     @cached_property
     def buffer_index(self) -> dict[str, int]:
@@ -204,12 +205,12 @@ class KVMemory:
             ids = np.array([index[b.name] for b in pool.buffers], dtype=np.int64)
             regs = [self.regions[i] for i in ids]
             out[pool.name] = PoolArrays(
-                buffer_ids=_ro(ids),
-                base=_ro(np.array([r.address for r in regs], dtype=np.uint64)),
-                page_bytes=_ro(np.array([b.page_bytes for b in pool.buffers], dtype=np.uint64)),
-                num_pages=_ro(caps[ids]),
-                device_id=_ro(np.array([r.device_id for r in regs], dtype=np.uint64)),
-                flat_start=_ro(flat_start[ids]),
+                buffer_ids=readonly(ids),
+                base=readonly(np.array([r.address for r in regs], dtype=np.uint64)),
+                page_bytes=readonly(np.array([b.page_bytes for b in pool.buffers], dtype=np.uint64)),
+                num_pages=readonly(caps[ids]),
+                device_id=readonly(np.array([r.device_id for r in regs], dtype=np.uint64)),
+                flat_start=readonly(flat_start[ids]),
                 min_pages=pool.min_pages,
             )
         return out
@@ -295,11 +296,6 @@ def _region_of(name: str, obj: Any) -> Region:
             raise LayoutError(f"buffer {name!r}: unsupported tensor device {obj.device}")
         return Region(name, int(obj.data_ptr()), nbytes, "cpu", 0)
     raise LayoutError(f"buffer {name!r}: expected a numpy array or torch tensor, got {type(obj).__name__}")
-
-
-def _ro(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a
 
 
 class _RegionMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

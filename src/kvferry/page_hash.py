@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
+from .arrays import readonly
 from .errors import LayoutError
 from .memory import KVMemory
 
@@ -55,8 +56,8 @@ def hash_index(memory: KVMemory) -> HashIndex:
         bufs = memory.layout.buffers
         views = tuple(_host_view(memory, b.name) for b in bufs)
         index = HashIndex({b.name: i for i, b in enumerate(bufs)},
-                          _ro(np.array([b.num_pages for b in bufs], dtype=np.int64)),
-                          _ro(np.array([b.page_bytes for b in bufs], dtype=np.int64)), views,
+                          readonly(np.array([b.num_pages for b in bufs], dtype=np.int64)),
+                          readonly(np.array([b.page_bytes for b in bufs], dtype=np.int64)), views,
                           all(v is not None for v in views))
         _INDEXES[memory] = index   # a race builds it twice, harmlessly
     return index
@@ -150,8 +151,3 @@ def read_pages(memory: KVMemory, buffer: str, pages: np.ndarray) -> np.ndarray |
     flat = tensor.view(torch.uint8).reshape(-1, page_bytes)
     index = torch.as_tensor(np.ascontiguousarray(pages), device=flat.device)
     return flat.index_select(0, index).cpu().numpy()
-
-
-def _ro(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a

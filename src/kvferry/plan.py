@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .arrays import cat_int, readonly
 from .errors import PlanError
 from .layout import shape_difference
 from .memory import KVMemory, PoolArrays
@@ -141,7 +142,7 @@ class TransferPlan:
         """
         src = [(pp.src.flat_start[:, None] + pp.src_pages[None, :]).ravel() for pp in self.pools]
         dst = [(pp.dst.flat_start[:, None] + pp.dst_pages[None, :]).ravel() for pp in self.pools]
-        return _cat_int(src), _cat_int(dst)
+        return cat_int(src), cat_int(dst)
 
     def __repr__(self) -> str:
         return (f"TransferPlan({len(self.pools)} pools, {self.num_descriptors} rows, "
@@ -249,7 +250,7 @@ def _plan_pool(src: KVMemory, dst: KVMemory, pool: str, pair: Any,
     if keep is not None and not keep.any():
         return None
     run_src, run_dst, run_len = coalesce_runs(s, d)
-    return PoolPlan(pool, _take(sa.buffer_ids, keep), _ro(s), _ro(d), run_src, run_dst, run_len,
+    return PoolPlan(pool, _take(sa.buffer_ids, keep), readonly(s), readonly(d), run_src, run_dst, run_len,
                     _restrict(sa, keep), _restrict(da, keep))
 
 
@@ -261,11 +262,11 @@ def coalesce_runs(s: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     brk[1:] |= d[1:] != d[:-1] + 1
     starts = np.flatnonzero(brk)
     lengths = np.diff(np.append(starts, len(s)))
-    return _ro(s[starts]), _ro(d[starts]), _ro(lengths)
+    return readonly(s[starts]), readonly(d[starts]), readonly(lengths)
 
 
 def _take(a: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
-    return a if keep is None else _ro(a[keep])
+    return a if keep is None else readonly(a[keep])
 
 
 def _restrict(arrays: PoolArrays, keep: np.ndarray | None) -> PoolArrays:
@@ -293,12 +294,3 @@ def _expand(pools: tuple[PoolPlan, ...], side: str) -> np.ndarray:
         row += n
     out.flags.writeable = False
     return out
-
-
-def _cat_int(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-
-
-def _ro(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
-    return a

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..audit import buffer_role
-from ..cli import parse_knob, parse_size, positive_int
+from ..cli import human_bytes, parse_knob, parse_size, positive_int
 from ..presets import DEFAULT_PRESET, PRESETS
 from ..runner import DEFAULT_BUDGET, ProgressFn, WorkloadConfig, WorkloadResult
 from ..sim import WorkloadSpec
@@ -150,7 +150,7 @@ def _summary_table(r: WorkloadResult, title: str) -> Table:
         ("sessions x turns", f"{r.sessions} x {r.turns}"),
         ("requests", f"{r.requests} / {r.requests_expected}"),
         ("failed requests", r.failed_requests),
-        ("bytes moved", _human(r.bytes)),
+        ("bytes moved", human_bytes(r.bytes)),
         ("seconds (start-up)", f"{r.seconds:.2f} ({r.startup_seconds:.2f})"),
         ("throughput", f"{r.gbps:.2f} GB/s"),
         ("latency p50 / p99", f"{r.p50_ms:.1f} / {r.p99_ms:.1f} ms"),
@@ -179,7 +179,7 @@ def _by_role(counts: dict[str, int]) -> dict[str, int]:
 def _layout_table(r: WorkloadResult) -> Table:
     lay = r.layout
     table = Table(title=f"layout moved: {lay['num_buffers']} buffers in {len(lay['pools'])} pools, "
-                        f"{_human(lay['bytes_per_side'])} per side")
+                        f"{human_bytes(lay['bytes_per_side'])} per side")
     for column in ("pool", "tokens/page", "buffers", "kind", "dtype", "page bytes", "pages"):
         table.add_column(column, justify="left" if column in ("pool", "buffers", "kind", "dtype") else "right")
     for pool in lay["pools"]:
@@ -216,14 +216,6 @@ def _progress(*, enabled: bool, total: int) -> Iterator[ProgressFn | None]:
     with bar:
         task = bar.add_task("requests", total=total)
         yield lambda done, _total: bar.update(task, completed=done)
-
-
-def _human(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if num_bytes < 1024:
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.2f} {unit}"
-        num_bytes /= 1024
-    return f"{num_bytes:.2f} TiB"
 
 
 # -- argument types --------------------------------------------------------------------------------------
