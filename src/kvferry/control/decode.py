@@ -124,6 +124,7 @@ class DecodeEndpoint(EndpointBase):
         self._by_gen: dict[int, _DReq] = {}
         self._generations = itertools.count(1)
         self._next_deadline_check = 0.0
+        self._num_live = 0   # live records, kept by announce and _set_state: the busy test is O(1)
         self.num_stray_notifications = 0
         self._thread.start()
 
@@ -182,6 +183,7 @@ class DecodeEndpoint(EndpointBase):
             rec = _DReq(request_id, time.monotonic() + self.options.request_timeout, gen, links, leased)
             self._remember(rec)
             self._by_gen[gen] = rec
+            self._num_live += 1
             msg = wire.Announce(request_id, gen, wire.encode_pages(leased))
             self._call_soon(lambda: self._send_each(links, msg))
 
@@ -417,8 +419,9 @@ class DecodeEndpoint(EndpointBase):
         self._changed = True
 
     # -- chunk notifications (progress thread) ---------------------------------------------------------
-    def _pump(self) -> None:
-        for agent, data in self.transport.get_notifications():
+    def _pump(self) -> bool:
+        notifications = self.transport.get_notifications()
+        for agent, data in notifications:
             link = self._by_agent.get(agent)
             try:
                 msg = wire.decode(data)
@@ -428,6 +431,7 @@ class DecodeEndpoint(EndpointBase):
                 self.num_bad_messages += 1
                 continue
             self._on_chunk(link, msg)
+        return bool(notifications)
 
     def _on_chunk(self, link: _Link, msg: wire.Chunk) -> None:
         rec = self._lookup(link, msg.request_id, msg.generation)
@@ -475,7 +479,7 @@ class DecodeEndpoint(EndpointBase):
             if link.slices is None:
                 integrity.verify_digests(self.memory, digests)
             else:  # across TP: the digests cover the slices this prefill rank writes here
-                from ..tp_digests import verify_tp_digests
+                from ..integrity import verify_digests as verify_tp_digests
 
                 verify_tp_digests(self.memory, digests, link.slices)
         except KVFerryError as exc:
@@ -504,7 +508,14 @@ class DecodeEndpoint(EndpointBase):
 
     # -- timers (progress thread) ----------------------------------------------------------------------
     def _is_busy(self) -> bool:
-        return any(r.is_live for r in self._by_gen.values())
+        # Live requests wait for chunk notifications, which only polling the transport brings in.
+        return self._num_live > 0
+
+    def _set_state(self, rec: RequestRecord, state: RequestState) -> None:
+        was_live = rec.is_live
+        super()._set_state(rec, state)
+        if was_live and not rec.is_live:
+            self._num_live -= 1
 
     def _tick(self, now: float) -> None:
         for link in list(self._links.values()):

@@ -155,6 +155,8 @@ class PrefillEndpoint(EndpointBase):
         self._dirty: set[_PReq] = set()
         self._next_deadline_check = 0.0
         self._digest_rng = np.random.default_rng()  # sampling for send()'s digests
+        # What close() fails live requests with; decode hears of it as PeerLost (see _send_fail).
+        self._close_error = KVFerryError("prefill endpoint closing")
         self._thread.start()
 
     # -- public API: any thread ------------------------------------------------------------------------
@@ -261,7 +263,9 @@ class PrefillEndpoint(EndpointBase):
         for member in rec.group:
             member.pending.append(spec)
             member.last_queued = spec.last
-            self._call_soon(lambda m=member: self._post_ready(m))
+            # Not announced yet: the announcement posts the queue, so waking the thread now is wasted.
+            if member.session is not None:
+                self._call_soon(lambda m=member: self._post_ready(m))
 
     def _join(self, leader: _PReq, session: _Session, generation: int, dst: dict[str, np.ndarray]) -> None:
         """Another decode rank announced a request this rank already serves (decode TP > prefill TP): a
@@ -308,8 +312,6 @@ class PrefillEndpoint(EndpointBase):
                  for pool, src in spec.src.items()}
         plan = self._plan(session, pairs, spec.buffers)
         self._cover(rec, spec)
-        if spec.last:
-            self._check_covered(rec)
         index = rec.next_chunk
         rec.next_chunk += 1
         chunk = wire.Chunk(rec.request_id, rec.generation, index, spec.last, rec.next_chunk if spec.last else 0,
@@ -339,20 +341,44 @@ class PrefillEndpoint(EndpointBase):
         return plan_transfer(self.memory, session.remote, pairs, buffers=buffers)
 
     def _cover(self, rec: _PReq, spec: _ChunkSpec) -> None:
-        """Mark the (buffer, destination page) cells this chunk writes; a cell written twice is refused.
+        """Mark the (buffer, destination page) cells this chunk writes; a cell written twice is refused, and
+        on the last chunk a cell never written is too.
 
         Across TP a cell is this rank's slice of the page: other ranks' slices are theirs to check, and
-        buffers this rank does not write to this decode rank were marked written at ``_bind``."""
-        assert rec.session is not None
+        buffers this rank does not write to this decode rank count as written. The common case, the whole
+        request in one chunk, writes every cell exactly once by construction and needs no bookkeeping."""
+        if rec.next_chunk == 0 and spec.last and self._is_whole(rec, spec):
+            return
+        session = rec.session
+        assert session is not None
         for pool_name, src in spec.src.items():
-            cov = rec.coverage[pool_name]
-            pool = self.memory.layout.pool(pool_name)
-            mask = self._buffer_mask(pool_name, spec.buffers) & rec.session.writes(pool)
-            cells = cov[mask, spec.offsets[pool_name]:spec.offsets[pool_name] + len(src)]
-            if cells.any():
+            cov = self._coverage(rec, pool_name)
+            mask = self._buffer_mask(pool_name, spec.buffers) & session.writes(self.memory.layout.pool(pool_name))
+            cols = slice(spec.offsets[pool_name], spec.offsets[pool_name] + len(src))
+            if cov[mask, cols].any():
                 raise PlanError(f"request {rec.request_id!r}, pool {pool_name!r}: a chunk rewrites destination "
                                 "pages an earlier chunk already wrote")
-            cov[mask, spec.offsets[pool_name]:spec.offsets[pool_name] + len(src)] = True
+            cov[mask, cols] = True
+        if spec.last:
+            self._check_covered(rec)
+
+    @staticmethod
+    def _is_whole(rec: _PReq, spec: _ChunkSpec) -> bool:
+        """The chunk writes every buffer of every leased page, each once (whole pages, equal TP)."""
+        assert rec.session is not None
+        if spec.buffers is not None or rec.session.planner is not None or spec.src.keys() != rec.dst.keys():
+            return False
+        return all(spec.offsets[p] == 0 and len(src) == len(rec.dst[p]) for p, src in spec.src.items())
+
+    def _coverage(self, rec: _PReq, pool_name: str) -> np.ndarray:
+        """Bool [buffers of the pool, leased pages]: cells written so far; made on first use."""
+        cov = rec.coverage.get(pool_name)
+        if cov is None:
+            assert rec.session is not None
+            pool = self.memory.layout.pool(pool_name)
+            cov = rec.coverage[pool_name] = np.zeros((len(pool.buffers), len(rec.dst[pool_name])), dtype=bool)
+            cov[~rec.session.writes(pool)] = True  # across TP: buffers another rank sends are not ours
+        return cov
 
     def _buffer_mask(self, pool_name: str, buffers: tuple[str, ...] | None) -> np.ndarray:
         names = [b.name for b in self.memory.layout.pool(pool_name).buffers]
@@ -362,7 +388,8 @@ class PrefillEndpoint(EndpointBase):
 
     def _check_covered(self, rec: _PReq) -> None:
         """On the last chunk: every buffer of every announced page must have been written."""
-        for pool_name, cov in rec.coverage.items():
+        for pool_name in rec.dst:
+            cov = self._coverage(rec, pool_name)
             missing = np.argwhere(~cov)
             if len(missing):
                 b, pos = (int(x) for x in missing[0])
@@ -388,7 +415,7 @@ class PrefillEndpoint(EndpointBase):
         integrity = integrity_module()
         seed = (rec.generation << 16) ^ index
         if isinstance(plan, TPPlan):  # slices of pages: whole-page digests cannot match across TP
-            from ..tp_digests import digest_tp_plan
+            from ..integrity import digest_plan as digest_tp_plan
 
             return bytes(digest_tp_plan(plan, integrity.DigestMode(mode), seed=seed).to_bytes())
         return bytes(integrity.digest_plan(plan, integrity.DigestMode(mode), seed=seed).to_bytes())
@@ -423,8 +450,10 @@ class PrefillEndpoint(EndpointBase):
         if session is None or session.state != "established":
             return
         err = rec.error or KVFerryError("failed")
-        self._send(session, wire.Fail(rec.request_id, rec.generation, str(err)[:wire.MAX_REASON_LEN],
-                                      wire.error_kind(err), settled))
+        # This endpoint closing is, to decode, its peer leaving: its waiters get PeerLost, as after a Bye.
+        kind = "peer_lost" if err is self._close_error else wire.error_kind(err)
+        self._send(session, wire.Fail(rec.request_id, rec.generation, str(err)[:wire.MAX_REASON_LEN], kind,
+                                      settled))
 
     def _poll_handles(self, rec: _PReq) -> None:
         still: list[TransferHandle] = []
@@ -458,14 +487,17 @@ class PrefillEndpoint(EndpointBase):
                                 or session.state != "established"):
             self._active.discard(rec)
 
-    def _pump(self) -> None:
+    def _pump(self) -> bool:
         self.transport.get_notifications()  # prefill expects none; the call drives the backend's progress
+        settled = False
         for rec in list(self._dirty):
             if rec.handles:
                 self._poll_handles(rec)
             self._settle(rec)
             if not rec.handles or rec not in self._active:
                 self._dirty.discard(rec)
+                settled = True
+        return settled
 
     # -- messages (progress thread) --------------------------------------------------------------------
     def _on_frames(self, sock: Any, frames: list[bytes]) -> None:
@@ -514,8 +546,7 @@ class PrefillEndpoint(EndpointBase):
                 self._refuse(session, msg, PlanError(f"request {msg.request_id!r} is already announced and live"))
                 return
             self._join(rec, session, msg.generation, dst)
-            self._send(session, wire.Ack(msg.request_id, msg.generation))
-            self._post_ready(rec.group[-1])
+            self._post_and_ack(rec.group[-1], msg)
             return
         if isinstance(rec, _PReq) and rec.state is S.FAILED and rec.session is None:
             self._refuse(session, msg, rec.error or KVFerryError("failed before it was announced"))
@@ -523,8 +554,14 @@ class PrefillEndpoint(EndpointBase):
         if not isinstance(rec, _PReq) or not rec.is_live:
             rec = self._new_request(msg.request_id, S.WAITING_FOR_INPUT)
         self._bind(rec, session, msg.generation, dst)
-        self._send(session, wire.Ack(msg.request_id, msg.generation))
+        self._post_and_ack(rec, msg)
+
+    def _post_and_ack(self, rec: _PReq, msg: wire.Announce) -> None:
+        """Post what is queued; acknowledge only when nothing was: a posted chunk's notification tells
+        decode as much, and one ZMQ message fewer per request is CPU saved on both sides."""
         self._post_ready(rec)
+        if rec.next_chunk == 0 and rec.is_live and rec.session is not None:
+            self._send(rec.session, wire.Ack(msg.request_id, msg.generation))
 
     def _check_announce(self, session: _Session, msg: wire.Announce) -> dict[str, np.ndarray]:
         assert session.remote is not None
@@ -539,10 +576,7 @@ class PrefillEndpoint(EndpointBase):
 
     def _bind(self, rec: _PReq, session: _Session, generation: int, dst: dict[str, np.ndarray]) -> None:
         rec.session, rec.generation, rec.dst = session, generation, dst
-        pools = self.memory.layout
-        rec.coverage = {p: np.zeros((len(pools.pool(p).buffers), len(a)), dtype=bool) for p, a in dst.items()}
-        for p, cov in rec.coverage.items():  # across TP: buffers another rank sends are not ours to cover
-            cov[~session.writes(pools.pool(p))] = True
+        rec.coverage = {}   # made per pool when a chunk needs it (see _cover)
         if rec.leader is rec:
             rec.expected = self._num_decode_ranks(session)
         if rec.state is S.BOOTSTRAPPING:
@@ -717,7 +751,7 @@ class PrefillEndpoint(EndpointBase):
 
     def _shutdown_step(self) -> bool:
         for rec in list(self._active):
-            self._fail_req(rec, KVFerryError("prefill endpoint closing"))
+            self._fail_req(rec, self._close_error)
         self._pump()
         if self._active and time.monotonic() < self._close_deadline:
             return False

@@ -10,7 +10,7 @@ Flow (decode D, prefill P)::
 
     D -> P  Hello (manifest, transport metadata, nonce)      P -> D  Challenge (nonce), if P has a secret
     D -> P  Auth (HMAC over both nonces and the Hello)       P -> D  Welcome (manifest, metadata, proof) | Reject
-    D -> P  Announce (request, generation, pages)            P -> D  Ack | Fail
+    D -> P  Announce (request, generation, pages)            P -> D  Ack (only if no chunk is posted at once) | Fail
     NIXL    Chunk (request, generation, chunk, last, digests), delivered after the chunk's write landed
     D -> P  Result (ok or not, after digests verified)       either  Abort / Fail (settled: no write can land)
     either  Heartbeat, Bye
