@@ -27,9 +27,8 @@ import pytest
 from kvferry import IncompatiblePeer, Layout, PeerLost
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint
 from kvferry.errors import IntegrityError, RequestFailed
-from kvferry.integrity import PageMismatchError
+from kvferry.integrity import PageMismatchError, digest_plan, verify_digests
 from kvferry.tp import plan_decode_rank, source_ranks
-from kvferry.tp_digests import digest_tp_plan, verify_tp_digests
 from kvferry.transport import LocalTransport
 
 from .conftest import memmove_plan
@@ -227,21 +226,21 @@ def test_slice_digests_cover_exactly_the_rank_pairs_bytes(major: str) -> None:
     dst = rank_memory(full, 2, 1, None)
     pages = {"kv": ([3, 4, 9], [0, 1, 7]), "state": ([2], [5])}
     plans = plan_decode_rank(srcs, dst, pages)
-    digests = {r: digest_tp_plan(p, "full") for r, p in plans.items()}
+    digests = {r: digest_plan(p, "full") for r, p in plans.items()}
     for p in plans.values():
         memmove_plan(p)
     for r, p in plans.items():
-        verify_tp_digests(dst, digests[r], p.slices)
+        verify_digests(dst, digests[r], p.slices)
     assert sorted(plans) == [2, 3] and len(digests[2]) > len(digests[3])   # rank 2 also sends replicas
     # Rank 3's heads of L0.k page 1 are the second half of each token row (token-major) or of the page.
     k = dst.array("L0.k")
     byte = k.shape[1] - 1
     k[1, byte] ^= 1
     with pytest.raises(PageMismatchError, match="buffer 'L0.k' \\(layer 0\\), page 1"):
-        verify_tp_digests(dst, digests[3], plans[3].slices)
-    verify_tp_digests(dst, digests[2], plans[2].slices)                 # not rank 2's slice: still fine
+        verify_digests(dst, digests[3], plans[3].slices)
+    verify_digests(dst, digests[2], plans[2].slices)                 # not rank 2's slice: still fine
     with pytest.raises(IntegrityError, match="does not write to this decode rank"):
-        verify_tp_digests(dst, digests[2], plans[3].slices)          # rank 3 sends no replicated buffer
+        verify_digests(dst, digests[2], plans[3].slices)          # rank 3 sends no replicated buffer
 
 
 def _until(pred: Any, timeout: float = 5.0) -> bool:

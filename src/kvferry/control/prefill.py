@@ -414,10 +414,7 @@ class PrefillEndpoint(EndpointBase):
             return b""
         integrity = integrity_module()
         seed = (rec.generation << 16) ^ index
-        if isinstance(plan, TPPlan):  # slices of pages: whole-page digests cannot match across TP
-            from ..integrity import digest_plan as digest_tp_plan
-
-            return bytes(digest_tp_plan(plan, integrity.DigestMode(mode), seed=seed).to_bytes())
+        # A TPPlan gets slice digests: across TP a decode page is written by several prefill ranks.
         return bytes(integrity.digest_plan(plan, integrity.DigestMode(mode), seed=seed).to_bytes())
 
     # -- failure and settling (progress thread or caller, under the lock) ------------------------------
