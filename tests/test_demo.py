@@ -11,18 +11,9 @@ from kvferry import cli
 
 needs_nixl = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
 
-ENTRIES = ("kvferry.commands.demo_cmd:add_parser", "kvferry.commands.stress_cmd:add_parser")
 # Small enough for CI on 2 cores, large enough that sessions share and reuse pages.
 SMALL = ("--sessions", "6", "--turns", "2", "--first-tokens", "512", "--turn-tokens", "128",
          "--max-tokens", "4096", "--budget", "128MiB", "--seed", "3")
-
-
-@pytest.fixture(autouse=True)
-def _registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Register demo and stress if ``kvferry.cli`` does not list them yet (the lead wires them in)."""
-    missing = tuple(e for e in ENTRIES if e not in cli.COMMANDS)
-    if missing:
-        monkeypatch.setattr(cli, "COMMANDS", cli.COMMANDS + missing)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -77,3 +68,14 @@ def test_stress_json_reports_the_contract_fields(capsys: pytest.CaptureFixture[s
 def test_bad_inject_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "demo", "--inject", "bogus")
     assert code == 2 and "invalid fault" in err
+
+
+def test_demo_without_nixl_runs_in_process_and_says_so(capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvferry.commands import stress_cmd
+
+    monkeypatch.setattr(stress_cmd, "nixl_available", lambda: False)
+    code, out, err = run(capsys, "demo", "--json", *SMALL)
+    data = json.loads(out)
+    assert code == 0 and data["ok"] and data["transport"] == "local" and data["corrupted_pages"] == 0
+    assert "nixl package is not installed" in err

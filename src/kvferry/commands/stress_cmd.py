@@ -22,6 +22,7 @@ from ..cli import human_bytes, parse_knob, parse_size, positive_int
 from ..presets import DEFAULT_PRESET, PRESETS
 from ..runner import DEFAULT_BUDGET, ProgressFn, WorkloadConfig, WorkloadResult
 from ..sim import WorkloadSpec
+from ..transport import nixl_available
 
 __all__ = ["add_parser", "add_workload_arguments", "config_from_args", "render", "run_stress", "verdict"]
 
@@ -64,8 +65,9 @@ def add_workload_arguments(p: argparse.ArgumentParser, *, sessions: int, turns: 
     lay.add_argument("--knob", type=parse_knob, action="append", default=[], metavar="NAME=VALUE",
                      help="a preset knob, e.g. num_layers=8 (repeatable)")
     run = p.add_argument_group("run")
-    run.add_argument("--transport", choices=("nixl", "local"), default="nixl",
-                     help="nixl: two OS processes over NIXL/UCX (default); local: two threads, in-process")
+    run.add_argument("--transport", choices=("auto", "nixl", "local"), default="auto",
+                     help="nixl: two OS processes over NIXL/UCX; local: two threads, in-process; auto "
+                          "(default): nixl when the nixl package is installed, else local, saying so")
     run.add_argument("--digests", choices=("off", "sampled", "full"), default="full",
                      help="kvferry's own digest mode (default full); the byte check runs regardless")
     run.add_argument("--inject", type=_inject, metavar="FAULT", default=None,
@@ -81,8 +83,18 @@ def config_from_args(args: argparse.Namespace) -> WorkloadConfig:
                         first_tokens=args.first_tokens, turn_tokens=args.turn_tokens,
                         max_tokens=args.max_tokens, min_tokens=min(_SPEC.min_tokens, args.max_tokens))
     return WorkloadConfig(workload=spec, preset=args.preset, num_pages=args.pages, budget_bytes=args.budget,
-                          knobs=tuple(args.knob), transport=args.transport, digest_mode=args.digests,
+                          knobs=tuple(args.knob), transport=_transport(args.transport), digest_mode=args.digests,
                           inject=args.inject, timeout_s=args.timeout)
+
+
+def _transport(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    if nixl_available():
+        return "nixl"
+    print("kvferry: the nixl package is not installed (pip install 'kvferry[nixl]'); running both sides "
+          "in this process over the local transport", file=sys.stderr)
+    return "local"
 
 
 def run_stress(args: argparse.Namespace) -> int:

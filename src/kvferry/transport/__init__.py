@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from .base import TransferHandle, Transport, check_rows_in_regions
 from .local import LocalTransport
 
-__all__ = ["LocalTransport", "TransferHandle", "Transport", "check_rows_in_regions", "make_transport"]
+__all__ = ["LocalTransport", "TransferHandle", "Transport", "check_rows_in_regions", "make_transport",
+           "nixl_available"]
+
+
+def nixl_available() -> bool:
+    """Whether a NIXL build is installed (the ``nixl`` meta package or one of its backends), without
+    importing it: the import costs a second and, for ``nixl`` itself, torch."""
+    return any(importlib.util.find_spec(name) is not None for name in ("nixl", "nixl_cu13", "nixl_cu12"))
 
 
 def make_transport(kind: str, **kwargs: Any) -> Transport:
