@@ -31,11 +31,17 @@ DEFAULT_PRESET = "token_salad"
 JACCARD_QUERIES = 8
 INDEX_DTYPES = {"bf16": "bf16", "fp8_e4m3": "fp8"}
 
+DESCRIPTION = (
+    "Build a small prefill and decode memory from a preset, fill prefill with random bytes, move one request "
+    "through the in-process transport (with the fault --inject names, if any), then print the byte diff, the "
+    "digest verdict, the indexer top-k Jaccard and, with --plan, the rows that were posted. Exit status: 0 "
+    "when decode holds exactly what was sent, 1 when anything differs, 2 on usage errors.")
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``kvferry diff`` (handler ``run_diff``)."""
     p = subparsers.add_parser("diff", help="transfer one request (optionally faulted) and diff both sides",
-                              description=__doc__.split("\n\n")[1])
+                              description=DESCRIPTION)
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS),
                    help=f"layout preset (default: {DEFAULT_PRESET})")
     p.add_argument("--pages", type=int, default=16, help="pages in the preset's main pool (default 16)")
