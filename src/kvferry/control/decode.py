@@ -6,19 +6,20 @@ every chunk's transport notification arrived (the transport delivers it after th
 digests verified. A lease ends only when no write to its pages can still land: the request completed,
 prefill confirmed its writes settled (``Fail(settled=True)``), or prefill is known dead and
 ``options.lease_grace`` has passed since.
+
+This module runs the protocol; the parts it drives live beside it: ``links`` (the prefill peers, and
+which of them a request needs), ``admission`` (what a Welcome must show), ``decode_requests`` (records,
+one part per prefill rank, settling), ``leases`` (page ownership) and ``digests`` (checking each chunk).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import itertools
-import secrets
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import zmq
 
 from ..errors import (
@@ -26,79 +27,26 @@ from ..errors import (
     IncompatiblePeer,
     IntegrityError,
     KVFerryError,
-    LayoutError,
     LeaseError,
     PeerLost,
     TransferTimeout,
     TransportError,
 )
-from ..layout import model_difference, shape_difference
 from ..memory import KVMemory
-from ..tp import PageSlice, TPPlanner, source_ranks
+from ..tp import source_ranks
 from ..transport import Transport
 from . import wire
-from .endpoints import EndpointBase, EndpointOptions, RequestRecord, as_secret, auth_mac, integrity_module
+from .admission import check_welcome
+from .decode_requests import DReq, Part
+from .digests import verify_chunk
+from .endpoints import EndpointBase, EndpointOptions, RequestRecord, as_secret, auth_mac
 from .leases import LeaseTable
+from .links import Link, pick_links
 from .states import RequestState
 
 __all__ = ["DecodeEndpoint"]
 
 S = RequestState
-
-
-class _Link:
-    """One prefill this decode talks to. ``state``: connecting -> established -> dead (or failed)."""
-
-    def __init__(self, address: str, deadline: float) -> None:
-        self.address = address
-        self.sock: Any = None
-        self.state = "connecting"
-        self.error: KVFerryError | None = None
-        self.deadline = deadline
-        self.session = secrets.token_hex(16)
-        self.nonce = secrets.token_bytes(32)
-        self.hello = b""
-        self.server_nonce: bytes | None = None
-        self.agent = ""
-        self.digest_mode = "off"
-        self.last_seen = self.last_sent = time.monotonic()
-        # The prefill's place in its TP group (from its manifest); ``expect``: what connect_all asked for.
-        self.rank, self.tp_size = 0, 1
-        self.expect: tuple[int, int] | None = None
-        # Across TP sizes: buffer -> the slice of each page this prefill rank writes here (digest checks).
-        self.slices: dict[str, PageSlice] | None = None
-
-
-class _Part:
-    """One prefill rank's share of a request on this decode rank. ``settled``: no write of it can land."""
-
-    __slots__ = ("chunks_seen", "link", "num_chunks", "release_at", "settled", "told")
-
-    def __init__(self, link: _Link) -> None:
-        self.link = link
-        self.chunks_seen: set[int] = set()
-        self.num_chunks: int | None = None
-        self.settled = False
-        self.told = False   # that prefill knows the request ended: it failed it, or we sent Abort/Result
-        self.release_at: float | None = None   # set when the writer died: settled then
-
-    @property
-    def is_complete(self) -> bool:
-        """Every chunk's notification arrived (the transport delivers it after the chunk's bytes)."""
-        return self.num_chunks is not None and len(self.chunks_seen) >= self.num_chunks
-
-
-class _DReq(RequestRecord):
-    """A request on this decode rank: one lease, one part per prefill rank it needs (one at equal TP)."""
-
-    __slots__ = ("generation", "pages", "parts")
-
-    def __init__(self, request_id: str, deadline: float, generation: int, links: list[_Link],
-                 pages: dict[str, np.ndarray]) -> None:
-        super().__init__(request_id, S.BOOTSTRAPPING, deadline)
-        self.generation = generation
-        self.pages = pages
-        self.parts = {link: _Part(link) for link in links}
 
 
 class DecodeEndpoint(EndpointBase):
@@ -118,10 +66,10 @@ class DecodeEndpoint(EndpointBase):
         super().__init__(memory, transport, digest_mode=digest_mode, options=options)
         self._secret = as_secret(secret)
         self._leases = LeaseTable(memory.layout)
-        self._links: dict[str, _Link] = {}
-        self._by_sock: dict[Any, _Link] = {}
-        self._by_agent: dict[str, _Link] = {}
-        self._by_gen: dict[int, _DReq] = {}
+        self._links: dict[str, Link] = {}
+        self._by_sock: dict[Any, Link] = {}
+        self._by_agent: dict[str, Link] = {}
+        self._by_gen: dict[int, DReq] = {}
         self._generations = itertools.count(1)
         self._next_deadline_check = 0.0
         self._num_live = 0   # live records, kept by announce and _set_state: the busy test is O(1)
@@ -174,13 +122,13 @@ class DecodeEndpoint(EndpointBase):
         """
         with self._lock:
             self._check_open()
-            links = self._pick_links(peer)
+            links = pick_links(self._links, peer, self.memory.layout)
             old = self._records.get(request_id)
             if old is not None and old.is_live:
                 raise LeaseError(f"request {request_id!r} is already live ({old.state.value})")
             gen = next(self._generations)
             leased = self._leases.acquire(gen, request_id, pages)
-            rec = _DReq(request_id, time.monotonic() + self.options.request_timeout, gen, links, leased)
+            rec = DReq(request_id, time.monotonic() + self.options.request_timeout, gen, links)
             self._remember(rec)
             self._by_gen[gen] = rec
             self._num_live += 1
@@ -192,7 +140,7 @@ class DecodeEndpoint(EndpointBase):
         until each confirms no write can land (or is known dead). No-op for a request already ended."""
         with self._lock:
             rec = self._record(request_id)
-            assert isinstance(rec, _DReq)
+            assert isinstance(rec, DReq)
             if self._fail(rec, KVFerryError(f"aborted by decode: {reason}")):
                 self._call_soon(lambda: self._abort_parts(rec, reason))
 
@@ -230,7 +178,7 @@ class DecodeEndpoint(EndpointBase):
                     "stray_notifications": self.num_stray_notifications}
 
     # -- connecting (caller's thread, under the lock) ---------------------------------------------------
-    def _start_link(self, address: str, timeout: float, expect: tuple[int, int] | None) -> _Link:
+    def _start_link(self, address: str, timeout: float, expect: tuple[int, int] | None) -> Link:
         """The established link to ``address``, or a fresh one whose handshake the progress thread starts."""
         old = self._links.get(address)
         if old is not None and old.state == "established":
@@ -238,13 +186,13 @@ class DecodeEndpoint(EndpointBase):
                 raise IncompatiblePeer(f"prefill {address} is rank {old.rank} of TP {old.tp_size}, "
                                        f"expected rank {expect[0]} of TP {expect[1]}")
             return old
-        link = _Link(address, time.monotonic() + timeout)
+        link = Link(address, time.monotonic() + timeout)
         link.expect = expect
         self._links[address] = link
         self._call_soon(lambda: self._open_link(link))
         return link
 
-    def _await_links(self, links: list[_Link]) -> None:
+    def _await_links(self, links: list[Link]) -> None:
         """Wait (releasing the lock) until every handshake ended; raise the first failure."""
         for link in links:
             while link.state == "connecting":
@@ -254,7 +202,7 @@ class DecodeEndpoint(EndpointBase):
                 raise link.error or PeerLost(f"prefill {link.address} went away during the handshake")
 
     # -- handshake (progress thread) -------------------------------------------------------------------
-    def _open_link(self, link: _Link) -> None:
+    def _open_link(self, link: Link) -> None:
         link.sock = self._new_socket(zmq.DEALER)
         link.sock.connect(link.address)
         self._poller.register(link.sock, zmq.POLLIN)
@@ -264,7 +212,7 @@ class DecodeEndpoint(EndpointBase):
         link.hello = wire.encode(hello)
         self._send_raw(link, link.hello)
 
-    def _on_handshake(self, link: _Link, msg: Any) -> None:
+    def _on_handshake(self, link: Link, msg: Any) -> None:
         if isinstance(msg, wire.Reject):
             self._link_failed(link, IncompatiblePeer(f"prefill {link.address} refused: {msg.reason}"))
         elif isinstance(msg, wire.Challenge):
@@ -274,7 +222,7 @@ class DecodeEndpoint(EndpointBase):
         else:
             raise wire.ProtocolError(f"unexpected {type(msg).__name__} during the handshake")
 
-    def _answer_challenge(self, link: _Link, msg: wire.Challenge) -> None:
+    def _answer_challenge(self, link: Link, msg: wire.Challenge) -> None:
         if self._secret is None:
             self._link_failed(link, IncompatiblePeer(f"prefill {link.address} requires a shared secret and "
                                                      "none is configured here"))
@@ -282,8 +230,8 @@ class DecodeEndpoint(EndpointBase):
         link.server_nonce = msg.nonce
         self._send(link, wire.Auth(auth_mac(self._secret, b"decode", msg.nonce, link.nonce, link.hello)))
 
-    def _accept_welcome(self, link: _Link, msg: wire.Welcome) -> None:
-        problem = self._check_welcome(link, msg)
+    def _accept_welcome(self, link: Link, msg: wire.Welcome) -> None:
+        problem = check_welcome(self.memory, self._secret, link, msg)
         if problem is not None:
             self._link_failed(link, problem)
             return
@@ -297,41 +245,7 @@ class DecodeEndpoint(EndpointBase):
         link.state = "established"
         self._changed = True
 
-    def _check_welcome(self, link: _Link, msg: wire.Welcome) -> KVFerryError | None:
-        if self._secret is not None:
-            nonce = link.server_nonce
-            want = auth_mac(self._secret, b"prefill", link.nonce, nonce or b"", link.hello)
-            if nonce is None or not hmac.compare_digest(msg.proof, want):
-                return IncompatiblePeer(f"prefill {link.address} did not prove the shared secret")
-        try:
-            remote = KVMemory.from_manifest(msg.manifest)
-        except LayoutError as exc:
-            return HandshakeError(f"prefill {link.address} sent a bad manifest: {exc}")
-        problem = self._check_ranks(link, remote)
-        if problem is not None:
-            return IncompatiblePeer(f"prefill {link.address} has an incompatible layout: {problem}")
-        return None
-
-    def _check_ranks(self, link: _Link, remote: KVMemory) -> str | None:
-        """Equal TP sizes: the shapes must match; different: one model (the link then keeps the slices that
-        prefill rank writes here, to check its digests). Either way this rank must need that prefill rank."""
-        local, other = self.memory.layout, remote.layout
-        cross = local.tp_size != other.tp_size
-        diff = model_difference(local, other) if cross else shape_difference(local, other)
-        if diff is not None:
-            return diff
-        if link.expect is not None and (other.tp_rank, other.tp_size) != link.expect:
-            return (f"it is rank {other.tp_rank} of TP {other.tp_size}, expected rank {link.expect[0]} of TP "
-                    f"{link.expect[1]} (is the address list in rank order, and complete?)")
-        need = source_ranks(local.tp_rank, other.tp_size, local.tp_size)
-        if other.tp_rank not in need:
-            return (f"decode rank {local.tp_rank} of TP {local.tp_size} needs prefill ranks {list(need)} of TP "
-                    f"{other.tp_size}, not rank {other.tp_rank}")
-        link.rank, link.tp_size = other.tp_rank, other.tp_size
-        link.slices = TPPlanner(remote, self.memory).slices if cross else None
-        return None
-
-    def _link_failed(self, link: _Link, error: KVFerryError) -> None:
+    def _link_failed(self, link: Link, error: KVFerryError) -> None:
         if link.state == "connecting":
             self._send(link, wire.Bye(str(error)[:wire.MAX_REASON_LEN]))
             link.error = error
@@ -357,7 +271,7 @@ class DecodeEndpoint(EndpointBase):
         elif link.state == "established":
             self._on_message(link, msg)
 
-    def _on_message(self, link: _Link, msg: Any) -> None:
+    def _on_message(self, link: Link, msg: Any) -> None:
         if isinstance(msg, wire.Heartbeat):
             return
         if isinstance(msg, wire.Ack):
@@ -371,7 +285,7 @@ class DecodeEndpoint(EndpointBase):
         else:
             raise wire.ProtocolError(f"unexpected {type(msg).__name__} from prefill {link.address}")
 
-    def _on_fail(self, link: _Link, msg: wire.Fail) -> None:
+    def _on_fail(self, link: Link, msg: wire.Fail) -> None:
         rec = self._lookup(link, msg.request_id, msg.generation)
         if rec is None:
             return
@@ -385,7 +299,7 @@ class DecodeEndpoint(EndpointBase):
             self._pump()
             self._settle(rec, part)
 
-    def _lookup(self, link: _Link, request_id: str, generation: int) -> _DReq | None:
+    def _lookup(self, link: Link, request_id: str, generation: int) -> DReq | None:
         """The record a message from ``link`` is about, or None (an ended request: a late Ack or a
         repeated Fail is normal)."""
         rec = self._by_gen.get(generation)
@@ -393,13 +307,13 @@ class DecodeEndpoint(EndpointBase):
             return None
         return rec
 
-    def _fail_req(self, rec: _DReq, error: KVFerryError, reason: str) -> None:
+    def _fail_req(self, rec: DReq, error: KVFerryError, reason: str) -> None:
         """Fail a live request and tell every prefill rank writing it that does not know yet to stop
         (each answers with a settled Fail, which ends its part of the lease)."""
         if self._fail(rec, error):
             self._abort_parts(rec, reason)
 
-    def _abort_parts(self, rec: _DReq, reason: str) -> None:
+    def _abort_parts(self, rec: DReq, reason: str) -> None:
         msg = wire.Abort(rec.request_id, rec.generation, reason[:wire.MAX_REASON_LEN])
         for part in rec.parts.values():
             # A rank whose part completed is told too: it waits for our verdict, and would time out.
@@ -407,13 +321,12 @@ class DecodeEndpoint(EndpointBase):
                 part.told = True
                 self._send(part.link, msg)
 
-    def _settle(self, rec: _DReq, part: _Part) -> None:
+    def _settle(self, rec: DReq, part: Part) -> None:
         """``part`` can write no more; the lease ends once every part of the request is settled."""
-        part.settled = True
-        if all(p.settled for p in rec.parts.values()):
+        if rec.settle(part):
             self._end_lease(rec)
 
-    def _end_lease(self, rec: _DReq) -> None:
+    def _end_lease(self, rec: DReq) -> None:
         self._leases.release(rec.generation)
         self._by_gen.pop(rec.generation, None)
         self._changed = True
@@ -433,7 +346,7 @@ class DecodeEndpoint(EndpointBase):
             self._on_chunk(link, msg)
         return bool(notifications)
 
-    def _on_chunk(self, link: _Link, msg: wire.Chunk) -> None:
+    def _on_chunk(self, link: Link, msg: wire.Chunk) -> None:
         rec = self._lookup(link, msg.request_id, msg.generation)
         if rec is None:
             # A write landed for no lease we hold: a prefill bug (or a forged notification). Counted,
@@ -441,18 +354,15 @@ class DecodeEndpoint(EndpointBase):
             self.num_stray_notifications += 1
             return
         part = rec.parts[link]
-        if msg.chunk in part.chunks_seen:
+        if not part.see(msg):
             return
-        part.chunks_seen.add(msg.chunk)
-        if msg.last:
-            part.num_chunks = msg.num_chunks
         if not rec.is_live:
             # Failed while writes were in flight: this rank's part of the lease waits for its settled
             # Fail, or for its last notification (then every write of it has landed).
             if part.is_complete and max(part.chunks_seen) < (part.num_chunks or 0):
                 self._settle(rec, part)
             return
-        error = self._verify(link, msg)
+        error = verify_chunk(self.memory, self.digest_mode, link, msg)
         if error is not None:
             self._reject_part(rec, part, error)
             return
@@ -461,32 +371,13 @@ class DecodeEndpoint(EndpointBase):
         if part.is_complete:
             self._part_complete(rec, part)
 
-    def _reject_part(self, rec: _DReq, part: _Part, error: KVFerryError) -> None:
+    def _reject_part(self, rec: DReq, part: Part, error: KVFerryError) -> None:
         """This rank's bytes did not check out: fail the request, tell it (Result), abort the others."""
         part.told = True
         self._fail_req(rec, error, f"prefill rank {part.link.rank} ({part.link.address}) sent bad bytes")
         self._send(part.link, wire.Result(rec.request_id, rec.generation, False, str(error)[:wire.MAX_REASON_LEN]))
 
-    def _verify(self, link: _Link, msg: wire.Chunk) -> KVFerryError | None:
-        if not msg.digests:
-            if self.digest_mode == "off":
-                return None
-            return IntegrityError(f"chunk {msg.chunk} from prefill {link.address} carried no digests; this "
-                                  f"decode requires {self.digest_mode!r}")
-        try:
-            integrity = integrity_module()
-            digests = integrity.PageDigests.from_bytes(msg.digests)
-            # Across TP the digests cover only the slices this prefill rank writes here (link.slices).
-            integrity.verify_digests(self.memory, digests, link.slices)
-        except KVFerryError as exc:
-            return exc if isinstance(exc, IntegrityError) else IntegrityError(str(exc))
-        except ImportError as exc:
-            return IntegrityError(f"cannot verify digests: {exc}")
-        except Exception as exc:  # untrusted digest bytes must not kill the progress thread
-            return IntegrityError(f"malformed digests from prefill {link.address}: {exc!r}")
-        return None
-
-    def _part_complete(self, rec: _DReq, part: _Part) -> None:
+    def _part_complete(self, rec: DReq, part: Part) -> None:
         """Every chunk of one rank arrived and verified; the request is DONE once every rank's has."""
         assert part.num_chunks is not None
         if max(part.chunks_seen) >= part.num_chunks:
@@ -520,7 +411,7 @@ class DecodeEndpoint(EndpointBase):
             self._next_deadline_check = now + 0.01
             self._tick_requests(now)
 
-    def _tick_link(self, link: _Link, now: float) -> None:
+    def _tick_link(self, link: Link, now: float) -> None:
         if link.state == "connecting" and now > link.deadline:
             self._link_failed(link, HandshakeError(f"no handshake answer from prefill {link.address} "
                                                    f"within the deadline"))
@@ -541,7 +432,7 @@ class DecodeEndpoint(EndpointBase):
                 if not part.settled and part.release_at is not None and now >= part.release_at:
                     self._settle(rec, part)
 
-    def _link_dead(self, link: _Link, error: KVFerryError) -> None:
+    def _link_dead(self, link: Link, error: KVFerryError) -> None:
         """Fail the requests the link writes (and abort them on the other ranks writing them); keep each
         one's lease ``lease_grace`` longer (a write of the dead rank may still be landing)."""
         if link.state != "established":
@@ -560,61 +451,20 @@ class DecodeEndpoint(EndpointBase):
         self._changed = True
 
     # -- sockets (progress thread) ---------------------------------------------------------------------
-    def _pick_links(self, peer: str | Sequence[str] | None) -> list[_Link]:
-        """The prefill ranks a request goes to: ``peer``'s, or all live ones when they are one TP group's
-        needed ranks (one prefill at equal TP). Exactly ``source_ranks`` of that group, or an error."""
-        live = [link for link in self._links.values() if link.state == "established"]
-        if peer is None:
-            if not live:
-                raise PeerLost("decode is not connected to any prefill")
-            one_group = len({x.tp_size for x in live}) == 1 and len({x.rank for x in live}) == len(live)
-            if not one_group:  # e.g. two prefill instances: which one is the caller's choice
-                raise ValueError(f"connected to {len(live)} prefills: pass peer= (one of "
-                                 f"{[x.address for x in live]}, or a list of one TP group's ranks)")
-            links = live
-        else:
-            links = [self._live_link(name) for name in ([peer] if isinstance(peer, str) else peer)]
-        self._check_sources(links)
-        return links
-
-    def _live_link(self, address: str) -> _Link:
-        link = self._links.get(address)
-        if link is None or link.state != "established":
-            raise PeerLost(f"not connected to prefill {address!r}")
-        return link
-
-    def _check_sources(self, links: list[_Link]) -> None:
-        """``links`` must be exactly the prefill ranks this decode rank needs: one missing would leave its
-        heads unwritten, yet every other rank's part would complete."""
-        sizes = {x.tp_size for x in links}
-        if len(sizes) != 1:
-            raise ValueError(f"peers {[x.address for x in links]} belong to prefill TP groups of sizes {sorted(sizes)}")
-        ptp, local = sizes.pop(), self.memory.layout
-        need = list(source_ranks(local.tp_rank, ptp, local.tp_size))
-        ranks = sorted(x.rank for x in links)
-        if ranks == need:
-            return
-        missing = sorted(set(need) - set(ranks))
-        if missing and len(set(ranks)) == len(ranks):
-            raise PeerLost(f"decode rank {local.tp_rank} of TP {local.tp_size} needs prefill ranks {need} of TP "
-                           f"{ptp}; not connected to rank(s) {missing}")
-        raise ValueError(f"peers {[x.address for x in links]} are prefill ranks {ranks} of TP {ptp}; decode rank "
-                         f"{local.tp_rank} of TP {local.tp_size} needs exactly ranks {need}")
-
-    def _send_each(self, links: list[_Link], msg: Any) -> None:
+    def _send_each(self, links: list[Link], msg: Any) -> None:
         for link in links:
             self._send(link, msg)
 
-    def _send(self, link: _Link, msg: Any) -> None:
+    def _send(self, link: Link, msg: Any) -> None:
         self._send_raw(link, wire.encode(msg))
 
-    def _send_raw(self, link: _Link, data: bytes) -> None:
+    def _send_raw(self, link: Link, data: bytes) -> None:
         if link.sock is None:
             return
         link.sock.send(data, zmq.NOBLOCK)
         link.last_sent = time.monotonic()
 
-    def _close_link(self, link: _Link) -> None:
+    def _close_link(self, link: Link) -> None:
         if link.sock is not None:
             self._poller.unregister(link.sock)
             self._by_sock.pop(link.sock, None)

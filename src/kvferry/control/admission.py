@@ -1,0 +1,116 @@
+"""Handshake admission: what each side checks of the other before a session is established.
+
+Part of the control plane (layer 5), between ``wire`` (the messages) and the endpoints (which run the
+handshake). Prefill checks decode's Hello (``check_hello``), decode checks prefill's Welcome
+(``check_welcome``). Both compare layouts the same way (``layout_difference``: the shapes at equal TP
+sizes, the model across them) and both check that the decode rank needs that prefill rank; across TP each
+side keeps what slicing heads needs (prefill a planner, decode the slices it verifies). The secret's MACs
+are ``endpoints.auth_mac``; comparing them, constant-time, happens here.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from ..errors import HandshakeError, IncompatiblePeer, KVFerryError, LayoutError
+from ..layout import Layout, model_difference, shape_difference
+from ..memory import KVMemory
+from ..tp import TPPlanner, source_ranks
+from ..transport import Transport
+from . import wire
+from .endpoints import auth_mac
+from .links import Link
+from .sessions import Session
+
+__all__ = ["check_auth", "check_hello", "check_welcome", "layout_difference"]
+
+
+def layout_difference(local: Layout, other: Layout) -> str | None:
+    """The first difference that forbids writing between the two layouts, or None: the shapes must match
+    at equal TP sizes; across TP sizes the two must be one model (heads are sliced between them)."""
+    if local.tp_size != other.tp_size:
+        return model_difference(local, other)
+    return shape_difference(local, other)
+
+
+# -- prefill admits decode -------------------------------------------------------------------------------
+def check_auth(secret: bytes, session: Session, mac: bytes) -> bool:
+    """Prefill side: whether decode's Auth proves the shared secret for this session's Hello."""
+    want = auth_mac(secret, b"decode", session.nonce, session.hello.nonce, session.hello_bytes)
+    return hmac.compare_digest(mac, want)
+
+
+def check_hello(memory: KVMemory, transport: Transport, session: Session) -> str | None:
+    """Prefill side: why decode's Hello cannot be admitted, or None. On success the session knows the
+    remote memory, its TP planner (across TP) and its transport agent (added to ``transport`` here)."""
+    hello = session.hello
+    if hello.transport != transport.name:
+        return f"transport differs: prefill uses {transport.name!r}, decode {hello.transport!r}"
+    try:
+        session.remote = KVMemory.from_manifest(hello.manifest)
+    except LayoutError as exc:
+        return f"malformed manifest: {exc}"
+    problem = _check_decode_rank(memory, transport, session, session.remote)
+    if problem is not None:
+        return problem
+    try:
+        session.agent = transport.add_peer(hello.transport_meta)
+    except (KVFerryError, ValueError) as exc:
+        return f"bad transport metadata: {exc}"
+    return None
+
+
+def _check_decode_rank(memory: KVMemory, transport: Transport, session: Session, remote: KVMemory) -> str | None:
+    """Equal TP sizes: the shapes must match. Different: one model, and the session gets a planner
+    that writes this rank's head slices. Either way decode's rank must need this prefill rank."""
+    local, other = memory.layout, remote.layout
+    diff = layout_difference(local, other)
+    if diff is not None:
+        return f"layouts differ (local: prefill, remote: decode): {diff}"
+    need = source_ranks(other.tp_rank, local.tp_size, other.tp_size)
+    if local.tp_rank not in need:
+        return (f"decode rank {other.tp_rank} of TP {other.tp_size} needs prefill ranks {list(need)} of TP "
+                f"{local.tp_size}; this prefill is rank {local.tp_rank}")
+    if local.tp_size != other.tp_size:
+        if getattr(transport, "descriptors", "dlist") != "dlist":
+            return "cross-TP writes move slices of pages: the transport must use descriptors='dlist'"
+        session.planner = TPPlanner(memory, remote)  # slices derived once per session
+    return None
+
+
+# -- decode admits prefill -------------------------------------------------------------------------------
+def check_welcome(memory: KVMemory, secret: bytes | None, link: Link, msg: wire.Welcome) -> KVFerryError | None:
+    """Decode side: why prefill's Welcome cannot be accepted (``IncompatiblePeer``, ``HandshakeError``), or
+    None. On success the link knows prefill's rank and TP size, and across TP the slices it writes here."""
+    if secret is not None:
+        nonce = link.server_nonce
+        want = auth_mac(secret, b"prefill", link.nonce, nonce or b"", link.hello)
+        if nonce is None or not hmac.compare_digest(msg.proof, want):
+            return IncompatiblePeer(f"prefill {link.address} did not prove the shared secret")
+    try:
+        remote = KVMemory.from_manifest(msg.manifest)
+    except LayoutError as exc:
+        return HandshakeError(f"prefill {link.address} sent a bad manifest: {exc}")
+    problem = _check_prefill_rank(memory, link, remote)
+    if problem is not None:
+        return IncompatiblePeer(f"prefill {link.address} has an incompatible layout: {problem}")
+    return None
+
+
+def _check_prefill_rank(memory: KVMemory, link: Link, remote: KVMemory) -> str | None:
+    """Equal TP sizes: the shapes must match; different: one model (the link then keeps the slices that
+    prefill rank writes here, to check its digests). Either way this rank must need that prefill rank."""
+    local, other = memory.layout, remote.layout
+    diff = layout_difference(local, other)
+    if diff is not None:
+        return diff
+    if link.expect is not None and (other.tp_rank, other.tp_size) != link.expect:
+        return (f"it is rank {other.tp_rank} of TP {other.tp_size}, expected rank {link.expect[0]} of TP "
+                f"{link.expect[1]} (is the address list in rank order, and complete?)")
+    need = source_ranks(local.tp_rank, other.tp_size, local.tp_size)
+    if other.tp_rank not in need:
+        return (f"decode rank {local.tp_rank} of TP {local.tp_size} needs prefill ranks {list(need)} of TP "
+                f"{other.tp_size}, not rank {other.tp_rank}")
+    link.rank, link.tp_size = other.tp_rank, other.tp_size
+    link.slices = TPPlanner(remote, memory).slices if local.tp_size != other.tp_size else None
+    return None

@@ -1,0 +1,62 @@
+"""Decode's request records: one ``DReq`` per announced request, one ``Part`` per prefill rank writing it.
+
+Part of the control plane (layer 5), used by ``decode``. At equal TP a request has one part; when decode
+runs fewer TP ranks than prefill, each prefill rank it needs writes its heads and is tracked apart. A part
+is *settled* once no write of it can still land (every chunk's notification arrived, the rank confirmed
+with a settled Fail, or it died and ``lease_grace`` passed); the request's lease ends only when every
+part is. Records are mutated only under the endpoint's lock.
+"""
+
+from __future__ import annotations
+
+from . import wire
+from .endpoints import RequestRecord
+from .links import Link
+from .states import RequestState
+
+__all__ = ["DReq", "Part"]
+
+
+class Part:
+    """One prefill rank's share of a request on this decode rank. ``settled``: no write of it can land."""
+
+    __slots__ = ("chunks_seen", "link", "num_chunks", "release_at", "settled", "told")
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.chunks_seen: set[int] = set()
+        self.num_chunks: int | None = None
+        self.settled = False
+        self.told = False   # that prefill knows the request ended: it failed it, or we sent Abort/Result
+        self.release_at: float | None = None   # set when the writer died: settled then
+
+    @property
+    def is_complete(self) -> bool:
+        """Every chunk's notification arrived (the transport delivers it after the chunk's bytes)."""
+        return self.num_chunks is not None and len(self.chunks_seen) >= self.num_chunks
+
+    def see(self, msg: wire.Chunk) -> bool:
+        """Count a chunk's notification (the last one carries the count); False for a repeat."""
+        if msg.chunk in self.chunks_seen:
+            return False
+        self.chunks_seen.add(msg.chunk)
+        if msg.last:
+            self.num_chunks = msg.num_chunks
+        return True
+
+
+class DReq(RequestRecord):
+    """A request on this decode rank: one lease (its id is ``generation``), one part per prefill rank it
+    needs (one at equal TP)."""
+
+    __slots__ = ("generation", "parts")
+
+    def __init__(self, request_id: str, deadline: float, generation: int, links: list[Link]) -> None:
+        super().__init__(request_id, RequestState.BOOTSTRAPPING, deadline)
+        self.generation = generation
+        self.parts = {link: Part(link) for link in links}
+
+    def settle(self, part: Part) -> bool:
+        """``part`` can write no more; True once every part is settled (the lease may end)."""
+        part.settled = True
+        return all(p.settled for p in self.parts.values())

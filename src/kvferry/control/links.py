@@ -1,0 +1,88 @@
+"""Decode's view of its prefill peers: one ``Link`` per prefill rank, and which links a request goes to.
+
+Part of the control plane (layer 5), used by ``decode``. A link owns one ZMQ DEALER socket and goes
+connecting -> established -> dead (or failed). What a prefill must show to be established is
+``admission``'s; ``pick_links`` chooses, per announced request, exactly the prefill ranks this decode
+rank needs (``tp.source_ranks``). Mutated only under the endpoint's lock.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import KVFerryError, PeerLost
+from ..layout import Layout
+from ..tp import PageSlice, source_ranks
+
+__all__ = ["Link", "pick_links"]
+
+
+class Link:
+    """One prefill this decode talks to. ``state``: connecting -> established -> dead (or failed)."""
+
+    def __init__(self, address: str, deadline: float) -> None:
+        self.address = address
+        self.sock: Any = None
+        self.state = "connecting"
+        self.error: KVFerryError | None = None
+        self.deadline = deadline
+        self.session = secrets.token_hex(16)
+        self.nonce = secrets.token_bytes(32)
+        self.hello = b""
+        self.server_nonce: bytes | None = None
+        self.agent = ""
+        self.digest_mode = "off"
+        self.last_seen = self.last_sent = time.monotonic()
+        # The prefill's place in its TP group (from its manifest); ``expect``: what connect_all asked for.
+        self.rank, self.tp_size = 0, 1
+        self.expect: tuple[int, int] | None = None
+        # Across TP sizes: buffer -> the slice of each page this prefill rank writes here (digest checks).
+        self.slices: dict[str, PageSlice] | None = None
+
+
+def pick_links(links: dict[str, Link], peer: str | Sequence[str] | None, local: Layout) -> list[Link]:
+    """The prefill ranks a request goes to: ``peer``'s, or all live ones when they are one TP group's
+    needed ranks (one prefill at equal TP). Exactly ``source_ranks`` of that group, or an error:
+    ``PeerLost`` when not connected to them, ``ValueError`` when the choice is ambiguous or wrong."""
+    live = [link for link in links.values() if link.state == "established"]
+    if peer is None:
+        if not live:
+            raise PeerLost("decode is not connected to any prefill")
+        one_group = len({x.tp_size for x in live}) == 1 and len({x.rank for x in live}) == len(live)
+        if not one_group:  # e.g. two prefill instances: which one is the caller's choice
+            raise ValueError(f"connected to {len(live)} prefills: pass peer= (one of "
+                             f"{[x.address for x in live]}, or a list of one TP group's ranks)")
+        chosen = live
+    else:
+        chosen = [_live_link(links, name) for name in ([peer] if isinstance(peer, str) else peer)]
+    _check_sources(chosen, local)
+    return chosen
+
+
+def _live_link(links: dict[str, Link], address: str) -> Link:
+    link = links.get(address)
+    if link is None or link.state != "established":
+        raise PeerLost(f"not connected to prefill {address!r}")
+    return link
+
+
+def _check_sources(links: list[Link], local: Layout) -> None:
+    """``links`` must be exactly the prefill ranks this decode rank needs: one missing would leave its
+    heads unwritten, yet every other rank's part would complete."""
+    sizes = {x.tp_size for x in links}
+    if len(sizes) != 1:
+        raise ValueError(f"peers {[x.address for x in links]} belong to prefill TP groups of sizes {sorted(sizes)}")
+    ptp = sizes.pop()
+    need = list(source_ranks(local.tp_rank, ptp, local.tp_size))
+    ranks = sorted(x.rank for x in links)
+    if ranks == need:
+        return
+    missing = sorted(set(need) - set(ranks))
+    if missing and len(set(ranks)) == len(ranks):
+        raise PeerLost(f"decode rank {local.tp_rank} of TP {local.tp_size} needs prefill ranks {need} of TP "
+                       f"{ptp}; not connected to rank(s) {missing}")
+    raise ValueError(f"peers {[x.address for x in links]} are prefill ranks {ranks} of TP {ptp}; decode rank "
+                     f"{local.tp_rank} of TP {local.tp_size} needs exactly ranks {need}")

@@ -1,0 +1,133 @@
+"""Prefill's request records: one ``ChunkSpec`` per ``send``, one ``PReq`` per decode rank of a request.
+
+Part of the control plane (layer 5), used by ``prefill``. ``make_spec`` validates a ``send`` on the
+caller's thread, before the endpoint's lock. When decode runs more TP ranks than prefill, several decode
+ranks need this rank's heads of one request: the records then form a group (``num_decode_ranks``,
+``can_join``, ``group_done``) led by the record ``send`` and ``wait`` see. Records are mutated only under
+the endpoint's lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import LayoutError, PlanError
+from ..layout import Layout
+from ..memory import KVMemory
+from ..tp import source_ranks
+from ..transport import TransferHandle
+from .endpoints import RequestRecord
+from .leases import as_page_array, check_pages
+from .sessions import Session
+from .states import RequestState
+
+__all__ = ["ChunkSpec", "PReq", "can_join", "dst_slice", "group_done", "make_spec", "num_decode_ranks"]
+
+S = RequestState
+
+
+class ChunkSpec:
+    """One ``send``: source pages per pool, the offset of each into decode's page list, the buffers
+    (None: all), whether it is the last, and its source digests (hashed by ``send``)."""
+
+    __slots__ = ("buffers", "digests", "last", "offsets", "src")
+
+    def __init__(self, src: dict[str, np.ndarray], offsets: dict[str, int], last: bool,
+                 buffers: tuple[str, ...] | None) -> None:
+        self.src, self.offsets, self.last, self.buffers = src, offsets, last, buffers
+        self.digests: Any = None   # integrity.SourceDigests hashed by send(), keyed once decode's pages are known
+
+
+class PReq(RequestRecord):
+    """One request towards one decode rank. When decode runs more TP ranks than prefill, several decode
+    ranks need this rank's heads of one request: the first record (the one ``send``/``wait`` see) leads a
+    ``group`` of one record per decode rank, each with its own session, lease and writes."""
+
+    __slots__ = ("coverage", "decode_ok", "dst", "expected", "fail_sent", "generation", "group", "handles",
+                 "history", "last_posted", "last_queued", "next_chunk", "pending", "session")
+
+    def __init__(self, request_id: str, state: RequestState, deadline: float) -> None:
+        super().__init__(request_id, state, deadline)
+        self.session: Session | None = None
+        self.generation = -1
+        self.dst: dict[str, np.ndarray] = {}
+        self.coverage: dict[str, np.ndarray] = {}     # pool -> bool [buffers of pool, destination pages]
+        self.pending: deque[ChunkSpec] = deque()
+        self.handles: list[TransferHandle] = []
+        self.next_chunk = 0
+        self.last_queued = self.last_posted = self.decode_ok = self.fail_sent = False
+        self.group: list[PReq] = [self]               # shared by the group's records; the leader first
+        self.expected = 1                             # decode ranks this request goes to (set at bind)
+        self.history: list[ChunkSpec] | None = []     # every chunk so far, for decode ranks still to come
+
+    @property
+    def leader(self) -> PReq:
+        return self.group[0]
+
+
+# -- validating send() (caller's thread) ------------------------------------------------------------------
+def make_spec(memory: KVMemory, pages: Mapping[str, Any], offset: int | Mapping[str, int], last: bool,
+              buffers: Iterable[str] | None) -> ChunkSpec:
+    """``send``'s arguments checked against this side's layout, or ``PlanError``."""
+    layout = memory.layout
+    src: dict[str, np.ndarray] = {}
+    for pool_name, value in pages.items():
+        try:
+            pool = layout.pool(pool_name)
+        except LayoutError as exc:
+            raise PlanError(str(exc)) from None
+        arr = as_page_array(pool_name, value)
+        check_pages(pool, arr, PlanError, unique=False)
+        src[pool_name] = arr
+    offsets = {p: _offset(offset, p) for p in src}
+    names = None if buffers is None else tuple([buffers] if isinstance(buffers, str) else buffers)
+    for name in names or ():
+        if name not in memory.buffer_index:
+            raise PlanError(f"no buffer {name!r} in layout")
+    return ChunkSpec(src, offsets, bool(last), names)
+
+
+def _offset(offset: int | Mapping[str, int], pool: str) -> int:
+    value = offset.get(pool, 0) if isinstance(offset, Mapping) else offset
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise PlanError(f"pool {pool!r}: offset must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+def dst_slice(rec: PReq, pool: str, offset: int, count: int) -> np.ndarray:
+    """Decode's pages ``offset .. offset + count`` of ``pool`` for ``rec``, or ``PlanError``."""
+    dst = rec.dst.get(pool)
+    if dst is None:
+        raise PlanError(f"request {rec.request_id!r}: decode leased no pages in pool {pool!r}")
+    if offset + count > len(dst):
+        raise PlanError(f"request {rec.request_id!r}, pool {pool!r}: chunk covers destination positions "
+                        f"{offset}..{offset + count - 1} but decode leased {len(dst)} pages")
+    return dst[offset:offset + count]
+
+
+# -- request groups (decode TP > prefill TP) ---------------------------------------------------------------
+def num_decode_ranks(local: Layout, session: Session) -> int:
+    """How many of ``session``'s decode TP group need this rank's heads of a request: 1 at equal TP
+    or when decode runs fewer ranks, ``D / P`` when it runs more (each announces it here)."""
+    if session.planner is None or session.remote is None:
+        return 1
+    dtp = session.remote.layout.tp_size
+    return sum(local.tp_rank in source_ranks(d, local.tp_size, dtp) for d in range(dtp))
+
+
+def can_join(leader: PReq, session: Session) -> bool:
+    """A live request may take one record per decode rank that needs this rank, up to ``expected``."""
+    ranks = {m.session.decode_rank for m in leader.group if m.session is not None}
+    return (session.planner is not None and leader.is_live and len(leader.group) < leader.expected
+            and session.decode_rank not in ranks)
+
+
+def group_done(rec: PReq) -> bool:
+    """The leader (what ``wait`` sees) is DONE only after every decode rank of the request is."""
+    if rec.leader is not rec:
+        return True
+    return len(rec.group) >= rec.expected and all(m.state is S.DONE for m in rec.group[1:])

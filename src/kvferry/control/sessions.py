@@ -1,0 +1,66 @@
+"""Prefill's view of its decode peers: one ``Session`` per decode rank that said Hello.
+
+Part of the control plane (layer 5), used by ``prefill``. A session is keyed by the decode's ZMQ identity
+and goes challenged -> established -> dead. What a session must show to be established is
+``admission``'s; what travels over it is ``prefill``'s. Mutated only under the endpoint's lock.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import numpy as np
+
+from ..layout import Pool
+from ..memory import KVMemory
+from ..tp import TPPlanner
+from . import wire
+
+__all__ = ["MAX_HALF_OPEN", "Session", "drop_half_open"]
+
+MAX_HALF_OPEN = 256   # handshakes in progress; more are dropped (oldest first) so a flood cannot grow memory
+
+
+class Session:
+    """One decode peer, keyed by its ZMQ identity. ``state``: challenged -> established -> dead."""
+
+    def __init__(self, identity: bytes, hello: wire.Hello, hello_bytes: bytes, deadline: float) -> None:
+        self.identity = identity
+        self.hello = hello
+        self.hello_bytes = hello_bytes
+        self.nonce = secrets.token_bytes(32)
+        self.state = "challenged"
+        self.deadline = deadline
+        self.remote: KVMemory | None = None
+        self.agent = ""
+        self.digest_mode = "off"
+        # Set at the handshake when decode runs another TP size: plans (and digests) are per head slice.
+        self.planner: TPPlanner | None = None
+        self._writes: dict[str, np.ndarray] = {}
+        self.last_seen = self.last_sent = time.monotonic()
+
+    @property
+    def label(self) -> str:
+        return f"decode {self.hello.session[:12]}"
+
+    @property
+    def decode_rank(self) -> int:
+        return 0 if self.remote is None else self.remote.layout.tp_rank
+
+    def writes(self, pool: Pool) -> np.ndarray:
+        """Bool per buffer of ``pool``: whether this prefill rank writes it to this decode rank (all, at
+        equal TP; across TP a rank skips replicated buffers another rank sends)."""
+        if self.planner is None:
+            return np.ones(len(pool.buffers), dtype=bool)
+        mask = self._writes.get(pool.name)
+        if mask is None:  # once per pool and session: no per-buffer Python work per chunk
+            mask = self._writes[pool.name] = np.array([b.name in self.planner.slices for b in pool.buffers])
+        return mask
+
+
+def drop_half_open(sessions: dict[bytes, Session]) -> None:
+    """Make room for one more handshake: forget the oldest half-open sessions beyond ``MAX_HALF_OPEN - 1``."""
+    half = [k for k, s in sessions.items() if s.state == "challenged"]
+    for key in half[:max(0, len(half) - MAX_HALF_OPEN + 1)]:
+        del sessions[key]
