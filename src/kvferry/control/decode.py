@@ -39,7 +39,7 @@ from . import wire
 from .admission import check_welcome
 from .decode_requests import DReq, Part
 from .digests import verify_chunk
-from .endpoints import EndpointBase, EndpointOptions, RequestRecord, as_secret, auth_mac
+from .endpoints import FLUSH_MS, EndpointBase, EndpointOptions, RequestRecord, as_secret, auth_mac
 from .leases import LeaseTable
 from .links import Link, pick_links
 from .states import RequestState
@@ -487,6 +487,6 @@ class DecodeEndpoint(EndpointBase):
     def _close_sockets(self) -> None:
         for link in self._links.values():
             if link.sock is not None:
-                link.sock.close(0)
+                link.sock.close(FLUSH_MS)  # let the last Result and Bye leave; bounded if the peer is gone
                 link.sock = None
 

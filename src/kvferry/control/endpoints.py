@@ -38,6 +38,10 @@ from .states import TERMINAL, RequestState, advance
 
 __all__ = ["DIGEST_MODES", "EndpointOptions"]
 
+# On close, queued control messages (a final Result, Fail or Bye) get this long to leave; without it a
+# peer can lose the verdict of a request that this side had finished, and fail it.
+FLUSH_MS = 500
+
 log = logging.getLogger("kvferry.control")
 
 # Weakest to strongest; the stronger of the two sides' modes is used for a connection.

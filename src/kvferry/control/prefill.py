@@ -42,7 +42,7 @@ from . import wire
 from .admission import check_auth, check_hello
 from .coverage import cover
 from .digests import chunk_digests, source_digests
-from .endpoints import EndpointBase, EndpointOptions, as_secret, auth_mac, stronger
+from .endpoints import FLUSH_MS, EndpointBase, EndpointOptions, as_secret, auth_mac, stronger
 from .leases import check_pages
 from .prefill_requests import ChunkSpec, PReq, can_join, dst_slice, group_done, make_spec, num_decode_ranks
 from .sessions import Session, drop_half_open
@@ -507,4 +507,4 @@ class PrefillEndpoint(EndpointBase):
         return True
 
     def _close_sockets(self) -> None:
-        self._sock.close(0)
+        self._sock.close(FLUSH_MS)  # let the last Fail and Bye leave; bounded if the peer is gone
