@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.netns_peer import NetnsUnavailable, make_veth_pair, run_pair
 
-from kvferry import Buffer, KVMemory, Layout, Pool, Region
+from kvferry import Buffer, KVMemory, Layout, Pool
+from kvferry.benchsuite import synthetic_memory
 from kvferry.layout import HeadGeometry
 from kvferry.tp import TPPlanner, shard_layout, source_ranks
 
@@ -53,15 +54,6 @@ def full_layout(model: str, num_pages: int, major: str) -> Layout:
     bufs = [Buffer(f"L{i}.kv", kv.page_bytes, num_pages, "fp8_ds_mla", "kv", i, kv) for i in range(61)]
     bufs += [Buffer(f"L{i}.idx", idx.page_bytes, num_pages, "fp8_e4m3", "index_k", i, idx) for i in range(61)]
     return Layout([Pool("kv", bufs, 64)])
-
-
-def fake_memory(layout: Layout, base: int) -> KVMemory:
-    """A binding at synthetic addresses (a peer's view): planning reads addresses, never bytes."""
-    regions, addr = [], base
-    for b in layout.buffers:
-        regions.append(Region(b.name, addr, b.nbytes))
-        addr += b.nbytes + 4096
-    return KVMemory(layout, regions, remote=True)
 
 
 def median_time(fn: Any, reps: int) -> tuple[float, Any]:
@@ -112,8 +104,8 @@ def plan_case(model: str, ptp: int, dtp: int, major: str, num_tokens: int, scatt
     s = rng.permutation(capacity)[:n] if scattered else np.arange(n)
     d = np.sort(rng.choice(capacity, n, replace=False)) if scattered else np.arange(n) + 7
     pages = {"kv": (s, d)}
-    srcs = [fake_memory(shard_layout(full, ptp, r), 1 << 40) for r in range(ptp)]
-    dsts = [fake_memory(shard_layout(full, dtp, k), 1 << 44) for k in range(dtp)]
+    srcs = [synthetic_memory(shard_layout(full, ptp, r), 1 << 40) for r in range(ptp)]
+    dsts = [synthetic_memory(shard_layout(full, dtp, k), 1 << 44) for k in range(dtp)]
     pairs = [(srcs[r], dsts[k]) for k in range(dtp) for r in source_ranks(k, ptp, dtp)]
     t_setup, planners = median_time(lambda: [TPPlanner(a, b) for a, b in pairs], reps)
     t_plan, plans = median_time(lambda: [p.plan(pages) for p in planners], reps)
