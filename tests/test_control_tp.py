@@ -126,6 +126,27 @@ def test_every_decode_page_is_byte_exact(ptp: int, dtp: int, major: str) -> None
 
 
 # -- failures fail exactly the decode ranks that needed the rank --------------------------------------------------
+def test_cross_tp_sends_skip_whole_page_source_digests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cross-TP chunks carry slice digests made from the plan: hashing whole source pages in send() as
+    well would read every byte twice in full mode."""
+    from kvferry.control import prefill as prefill_mod
+
+    calls: list[str] = []
+    real = prefill_mod.source_digests
+    monkeypatch.setattr(prefill_mod, "source_digests", lambda *a, **k: calls.append("x") or real(*a, **k))
+    reqs = workload(2, seed=5)
+    with cluster(4, 2) as c:
+        for req in reqs:
+            for dec in c.decodes:
+                dec.announce(req.rid, req.dst)
+            for pre in c.prefills:
+                send(pre, req, req.sends)
+        assert {outcome(dec, req.rid) for dec in c.decodes for req in reqs} == {"done"}
+        for d in range(2):
+            check_decode_rank(c, d, reqs)
+    assert calls == []
+
+
 def test_aborted_prefill_rank_fails_only_the_decode_rank_that_needed_it() -> None:
     req = workload(2, seed=5)[1]               # two chunks
     with cluster(4, 2) as c:

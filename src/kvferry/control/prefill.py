@@ -99,7 +99,9 @@ class PrefillEndpoint(EndpointBase):
         so the progress thread only posts writes, and hashing chunk N+1 overlaps the write of chunk N.
         """
         spec = make_spec(self.memory, pages, offset, last, buffers)
-        spec.digests = source_digests(self.memory, self.digest_mode, spec.src, spec.buffers, self._digest_rng)
+        if self._may_use_source_digests():
+            spec.digests = source_digests(self.memory, self.digest_mode, spec.src, spec.buffers,
+                                          self._digest_rng)
         with self._lock:
             self._check_open()
             rec = self._records.get(request_id)
@@ -113,6 +115,14 @@ class PrefillEndpoint(EndpointBase):
             if rec.last_queued:
                 raise ValueError(f"request {request_id!r}: the last chunk was already sent")
             self._queue(rec, spec)
+
+    def _may_use_source_digests(self) -> bool:
+        """Whole-page digests hashed in ``send`` serve only equal-TP peers; when every connected peer is a
+        cross-TP rank they would be thrown away (its chunks get slice digests from the plan), so skip them.
+        With no peer yet, hash: the first to announce is most likely an equal-TP decode."""
+        with self._lock:
+            sessions = [s for s in self._sessions.values() if s.state == "established"]
+            return not sessions or any(s.planner is None for s in sessions)
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Non-blocking: fail the request and stop writing it. Decode hears of it (and frees its pages)
