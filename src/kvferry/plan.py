@@ -292,5 +292,4 @@ def _expand(pools: tuple[PoolPlan, ...], side: str) -> np.ndarray:
         block[:, :, 1] = pp.run_len.astype(np.uint64)[None, :] * pb
         block[:, :, 2] = arrays.device_id[:, None]
         row += n
-    out.flags.writeable = False
-    return out
+    return readonly(out)

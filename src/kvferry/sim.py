@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .arrays import readonly
 from .errors import KVFerryError
 from .layout import Layout, Pool
 from .presets import get_preset
@@ -250,8 +251,7 @@ def _ramp(page_bytes: int) -> np.ndarray:
     """``word_index * _WORD_MUL`` over one page's words: the same for every page of that size."""
     with np.errstate(over="ignore"):
         ramp = np.arange(-(-page_bytes // 8), dtype=_U64) * _WORD_MUL
-    ramp.flags.writeable = False
-    return ramp
+    return readonly(ramp)
 
 
 def _expected(keys: np.ndarray, page_bytes: int) -> np.ndarray:

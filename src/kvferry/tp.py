@@ -31,6 +31,7 @@ from functools import cached_property
 
 import numpy as np
 
+from .arrays import readonly
 from .errors import LayoutError, PlanError
 from .layout import Buffer, HeadGeometry, Layout, model_difference
 from .memory import KVMemory
@@ -371,9 +372,7 @@ class TPPlan:
         if not parts:
             empty = np.zeros((0, 3), dtype=_U64)
             parts = [(empty, empty, np.zeros(0, dtype=np.int64))]
-        arrays = _concat(parts)
-        for a in arrays:
-            a.flags.writeable = False
+        arrays = tuple(readonly(a) for a in _concat(parts))
         return cls(src, dst, *arrays, pool_pages, slices or {})
 
     @property
