@@ -9,7 +9,7 @@ per side); pages are still scattered, and the request is far larger than the las
 Transfer baselines, measured in the same run on the same bytes:
   memcpy      one contiguous copy per buffer of the same number of bytes (the best a copy can do)
   local       ``LocalTransport.write`` of the plan (one memmove per coalesced row)
-Digest variants (full mode; the first is what ``kvferry.integrity`` ships):
+Digest variants (full mode; the first is what ``kvferry.integrity.digests`` ships):
   rows        a Python loop of xxh3_64 over numpy row views, page by page
   runs        ``map(xxh3, arr[start:stop])`` per coalesced run (fewer index operations)
   gather      gather the pages into one block (a copy), then hash its rows

@@ -10,7 +10,7 @@ Baselines (both written as engines commonly do, numpy inside, a Python loop over
   runs+loop   coalesce joint runs once, then loop over buffers to emit rows
 kvferry is timed twice: ``plan_transfer`` (validated, compact plan) and plan + materialised N x 3 arrays.
 
-The measuring code lives in ``kvferry.benchsuite`` (``plan_case``), which ``kvferry bench`` also runs for a
+The measuring code lives in ``kvferry.benchmark.suite`` (``plan_case``), which ``kvferry bench`` also runs for a
 sweep of request sizes; this script times one size in depth.
 
     .venv/bin/python bench/plan.py [--repeat 300] [--pages 512] [--mean-run 4] [--json out.json]
@@ -24,7 +24,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from kvferry.benchsuite import plan_case
+from kvferry.benchmark.suite import plan_case
 
 
 def run(repeat: int = 300, pages: int = 512, capacity: int = 20_000, mean_run: float = 4.0,

@@ -1,6 +1,6 @@
 """Full-size stress run: 80 concurrent multi-turn sessions, >= 2,000 requests, every page verified.
 
-Prefill and decode run as two OS processes over NIXL (``kvferry.runner.run_workload``), the DeepSeek-V4-
+Prefill and decode run as two OS processes over NIXL (``kvferry.workload.runner.run_workload``), the DeepSeek-V4-
 style hybrid layout by default, kvferry's digests in ``full`` mode and, independently, a byte-for-byte
 check of every page decode received. Reports throughput, p50/p99 request latency (decode's announce to
 verified completion, which includes prefill writing the pages: the stand-in for its forward pass) and
@@ -21,10 +21,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvferry.cli import parse_size
-from kvferry.commands.stress_cmd import _progress, render
-from kvferry.runner import WorkloadConfig, WorkloadResult, run_workload
-from kvferry.sim import WorkloadSpec
+from kvferry.cli.args import parse_size
+from kvferry.cli.stress import _progress, render
+from kvferry.workload import WorkloadConfig, WorkloadResult, run_workload
+from kvferry.workload.sim import WorkloadSpec
 
 
 def main() -> int:

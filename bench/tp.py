@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.netns_peer import NetnsUnavailable, make_veth_pair, run_pair
 
 from kvferry import Buffer, KVMemory, Layout, Pool
-from kvferry.benchsuite import synthetic_memory
+from kvferry.benchmark.suite import synthetic_memory
 from kvferry.layout import HeadGeometry
-from kvferry.tp import TPPlanner, shard_layout, source_ranks
+from kvferry.plan import TPPlanner, shard_layout, source_ranks
 
 # Llama 3.1 8B config.json: 32 layers, num_key_value_heads 8, head_dim 128, bf16; 16-token pages (vLLM).
 # DeepSeek V3.2: 61 layers, MLA latent 656 B/token (fp8_ds_mla), indexer keys 132 B/token (fp8 + scale),

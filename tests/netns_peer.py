@@ -8,7 +8,7 @@ on a 2-core CI host, six processes each importing nixl and spinning UCX would me
 kvferry.
 
 Control channel (ZMQ REQ/REP, decode binds): prefill sends its ranks' transport metadata; decode answers
-with its ranks' metadata, manifests and the page lists; prefill plans with ``kvferry.tp`` and writes
+with its ranks' metadata, manifests and the page lists; prefill plans with ``kvferry.plan.tp`` and writes
 ``reps`` times; decode drives progress until every expected notification arrived, checks every requested
 page of every buffer byte for byte against the logical KV, and sends the verdict back.
 
@@ -38,7 +38,7 @@ import numpy as np
 
 from kvferry import Buffer, KVMemory, Layout, Pool
 from kvferry.layout import HeadGeometry
-from kvferry.tp import TPPlanner, shard_layout, source_ranks
+from kvferry.plan import TPPlanner, shard_layout, source_ranks
 
 KV_HEADS, HEAD_DIM, BF16 = 8, 128, 2  # Llama 3.1 8B: num_key_value_heads=8, head_dim=128, bfloat16
 

@@ -11,19 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from kvferry import benchsuite, cli
-from kvferry.benchsuite import MODES, plan_case, random_runs
+from kvferry import cli
+from kvferry.benchmark import suite as benchsuite
+from kvferry.benchmark.suite import MODES, plan_case, random_runs
 
-ENTRY = "kvferry.commands.bench_cmd:add_bench_parser"
 PNGS = ("bandwidth.png", "planning.png", "latency.png")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(autouse=True)
-def registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Until cli.COMMANDS lists the bench command, register it for these tests."""
-    if ENTRY not in cli.COMMANDS:
-        monkeypatch.setattr(cli, "COMMANDS", (*cli.COMMANDS, ENTRY))
 
 
 def positive(value: object) -> bool:
@@ -85,7 +78,7 @@ def test_bench_without_nixl_runs_locally(tmp_path: Path, capsys: pytest.CaptureF
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Without nixl the transfer sections run over LocalTransport and the raw NIXL figures are None.
 
-    The control-plane run is stubbed here: its local mode belongs to ``kvferry.runner`` and is tested there.
+    The control-plane run is stubbed here: its local mode belongs to ``kvferry.workload.runner`` and is tested there.
     """
     def stub_control_plane(config: benchsuite.SuiteConfig) -> dict:
         samples = [1.0 + i % 3 for i in range(config.sessions * 4)]
@@ -112,7 +105,6 @@ def test_bench_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> No
         assert option in text
 
 
-@pytest.mark.skipif(ENTRY not in cli.COMMANDS, reason="bench is not yet listed in kvferry.cli.COMMANDS")
 def test_python_m_kvferry_bench_help() -> None:
     done = subprocess.run([sys.executable, "-m", "kvferry", "bench", "--help"], capture_output=True, text=True,
                           timeout=60)

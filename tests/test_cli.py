@@ -9,11 +9,12 @@ import sys
 
 import pytest
 
-from kvferry.audit import audit, buffer_role, sizing
-from kvferry.cli import build_parser, main, parse_size
+from kvferry.cli.args import parse_size
+from kvferry.cli.main import build_parser, main
+from kvferry.diagnostics.audit import audit, buffer_role, sizing
 from kvferry.errors import LayoutError
 from kvferry.layout import Buffer, Layout, Pool
-from kvferry.presets import PRESETS, get_preset
+from kvferry.layout.presets import PRESETS, get_preset
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

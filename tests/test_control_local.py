@@ -13,14 +13,12 @@ import pytest
 
 from kvferry import IncompatiblePeer, IntegrityError, KVMemory, LeaseError, PeerLost, TransferTimeout
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
-from kvferry.errors import HandshakeError, KVFerryError, PlanError, RequestFailed
+from kvferry.errors import EndpointClosed, HandshakeError, KVFerryError, PlanError, RequestFailed, UsageError
 from kvferry.plan import TransferPlan
 from kvferry.transport import LocalTransport
 from kvferry.transport.local import LocalHandle
 
 from .control_peer import announce, fill, make_layout, run_prefill, snapshot, verify, wait_all, workload
-
-pytest.importorskip("kvferry.integrity")
 
 OPTS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, lease_grace=0.4, request_timeout=20.0)
 SEED = 7
@@ -167,11 +165,11 @@ def test_connect_to_nobody_times_out() -> None:
 def test_bad_pages_are_refused_before_anything_moves(pair: tuple[PrefillEndpoint, DecodeEndpoint]) -> None:
     prefill, decode = pair
     before = snapshot(decode.memory)
-    with pytest.raises(LeaseError, match=r"buffer 'main.idx.L0': page 290 is out of range"):
+    with pytest.raises(LeaseError, match=r"buffer 'main.idx.L0': destination page 290 is out of range"):
         decode.announce("x", {"main": [1, 290]})       # valid for main.kv (300) but not main.idx (288)
-    with pytest.raises(LeaseError, match="page -1 is negative"):
+    with pytest.raises(LeaseError, match="destination page -1 is out of range"):
         decode.announce("x", {"main": [-1]})
-    with pytest.raises(LeaseError, match="page 5 appears more than once"):
+    with pytest.raises(LeaseError, match="destination page 5 appears more than once"):
         decode.announce("x", {"main": [5, 6, 5]})
     with pytest.raises(LeaseError, match="no pool 'nope'"):
         decode.announce("x", {"nope": [1]})
@@ -180,8 +178,12 @@ def test_bad_pages_are_refused_before_anything_moves(pair: tuple[PrefillEndpoint
         decode.announce("b", {"main": [11, 12]})
     with pytest.raises(LeaseError, match="already live"):
         decode.announce("a", {"main": [50]})
-    with pytest.raises(PlanError, match="buffer .main.kv.L0.: page 400 is out of range"):
+    with pytest.raises(PlanError, match="buffer .main.kv.L0.: source page 400 is out of range"):
         prefill.send("a", {"main": [400, 1]})
+    with pytest.raises(PlanError, match="pool 'main': source pages must be a 1-D sequence"):
+        prefill.send("a", {"main": [[3, 4]]})
+    with pytest.raises(PlanError, match="no buffer 'main.kv.L9' in layout"):
+        prefill.send("a", {"main": [3, 4]}, buffers=["main.kv.L9"])
     assert decode.num_live_leases == 1 and decode.num_leased_pages == 3
     decode.abort("a", "test over")
     _until(lambda: decode.num_live_leases == 0)
@@ -366,9 +368,9 @@ def test_decode_close_fails_prefill_requests(pair: tuple[PrefillEndpoint, Decode
 def test_closed_endpoint_refuses_calls(pair: tuple[PrefillEndpoint, DecodeEndpoint]) -> None:
     prefill, decode = pair
     decode.close()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(EndpointClosed, match="decode endpoint is closed"):
         decode.announce("x", {"main": [1]})
-    with pytest.raises(KeyError):
+    with pytest.raises(UsageError, match="prefill: unknown request 'never-seen'"):
         prefill.poll("never-seen")
     assert isinstance(PeerLost("x"), KVFerryError)
 

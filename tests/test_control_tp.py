@@ -26,16 +26,14 @@ import pytest
 
 from kvferry import IncompatiblePeer, Layout, PeerLost
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint
-from kvferry.errors import IntegrityError, RequestFailed
-from kvferry.integrity import PageMismatchError, digest_plan, verify_digests
-from kvferry.tp import plan_decode_rank, source_ranks
+from kvferry.errors import IntegrityError, PageMismatchError, RequestFailed
+from kvferry.integrity import digest_plan, verify_digests
+from kvferry.plan import plan_decode_rank, source_ranks
 from kvferry.transport import LocalTransport
 
 from .conftest import memmove_plan
 from .netns_peer import check_rank, full_arrays, llama_like, rank_memory
 from .tp_endpoint_peer import Req, send, small_model, workload
-
-pytest.importorskip("kvferry.integrity")
 
 OPTS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, lease_grace=0.4, request_timeout=20.0)
 SEED = 11

@@ -17,7 +17,7 @@ from kvferry import IncompatiblePeer, KVMemory, LeaseError, PeerLost
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState, wire
 from kvferry.control.leases import LeaseTable
 from kvferry.control.states import TERMINAL, TRANSITIONS, advance, can_advance
-from kvferry.errors import RequestFailed
+from kvferry.errors import ProtocolError, RequestFailed
 
 from .control_peer import fill, make_layout, run_prefill, workload
 
@@ -30,7 +30,7 @@ def test_states_only_move_forward() -> None:
         assert not TRANSITIONS[state]
     assert not can_advance(RequestState.BOOTSTRAPPING, RequestState.DONE)
     assert not can_advance(RequestState.WAITING_FOR_INPUT, RequestState.DONE)
-    with pytest.raises(RuntimeError, match="illegal state transition failed -> done"):
+    with pytest.raises(ProtocolError, match="illegal state transition failed -> done"):
         advance(RequestState.FAILED, RequestState.DONE, "r")
 
 

@@ -72,7 +72,7 @@ def test_bad_inject_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_demo_without_nixl_runs_in_process_and_says_so(capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvferry.commands import stress_cmd
+    from kvferry.cli import stress as stress_cmd
 
     monkeypatch.setattr(stress_cmd, "nixl_available", lambda: False)
     code, out, err = run(capsys, "demo", "--json", *SMALL)

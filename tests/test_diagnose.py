@@ -10,10 +10,10 @@ import pytest
 from rich.console import Console
 
 from kvferry import Buffer, KVMemory, Layout, Pool, plan_transfer
-from kvferry.commands import diagnose_cmd
-from kvferry.diagnose import decode_index_keys, diff_pages, fp8_e4m3_table, indexer_topk_jaccard, plan_dump
-from kvferry.diagnose_render import diff_summary_table, diff_table, jaccard_table, plan_table
-from kvferry.faults import buffer0_slot_count_descs
+from kvferry.cli import diff as diagnose_cmd
+from kvferry.diagnostics.diff import decode_index_keys, diff_pages, fp8_e4m3_table, indexer_topk_jaccard, plan_dump
+from kvferry.diagnostics.faults import buffer0_slot_count_descs
+from kvferry.diagnostics.render import diff_summary_table, diff_table, jaccard_table, plan_table
 
 from .conftest import fill_random, memmove_plan
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvferry import KVMemory, Layout, LayoutError, TransportError, plan_transfer
-from kvferry.diagnose import diff_pages
-from kvferry.faults import (
+from kvferry.diagnostics.diff import diff_pages
+from kvferry.diagnostics.faults import (
     FaultKind,
     FaultSpec,
     FaultSpecError,
@@ -15,8 +15,9 @@ from kvferry.faults import (
     buffer0_slot_count_descs,
     flip_bytes,
 )
-from kvferry.integrity import PageMismatchError, digest_plan, verify_digests
-from kvferry.presets import token_salad
+from kvferry.errors import PageMismatchError
+from kvferry.integrity import digest_plan, verify_digests
+from kvferry.layout.presets import token_salad
 from kvferry.transport import LocalTransport
 
 from .conftest import fill_random, memmove_plan, snapshot

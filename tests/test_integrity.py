@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 
 from kvferry import Buffer, IntegrityError, KVMemory, Layout, Pool, plan_transfer
+from kvferry.errors import PageMismatchError, UsageError
 from kvferry.integrity import (
     DigestMode,
     PageDigests,
     PageMismatch,
-    PageMismatchError,
-    _DigestsMsg,
     digest_pages,
     digest_plan,
     verify_digests,
 )
-from kvferry.tp import plan_decode_rank
+from kvferry.integrity.digests import _DigestsMsg
+from kvferry.plan import plan_decode_rank
 
 from .conftest import fill_random, memmove_plan
 from .netns_peer import full_arrays, llama_like, rank_memory
@@ -169,9 +169,9 @@ def test_digests_naming_unknown_buffers_or_pages_are_refused(moved) -> None:
 
 def test_bad_mode_and_sample_count_are_refused(moved) -> None:
     _, _, plan = moved
-    with pytest.raises(IntegrityError, match="unknown digest mode"):
+    with pytest.raises(UsageError, match="unknown digest mode"):
         digest_plan(plan, "most")
-    with pytest.raises(IntegrityError, match="samples_per_buffer"):
+    with pytest.raises(UsageError, match="samples_per_buffer"):
         digest_plan(plan, "sampled", samples_per_buffer=0)
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from kvferry.errors import LayoutError
 from kvferry.layout import Layout
-from kvferry.presets import PRESETS, describe_presets, get_preset, preset_knobs
+from kvferry.layout.presets import PRESETS, describe_presets, get_preset, preset_knobs
 
 CAPACITIES = [1, 7, 256, 20_000]
 

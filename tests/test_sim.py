@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from kvferry.errors import LayoutError
 from kvferry.layout import Buffer, Layout, Pool, shape_difference
-from kvferry.presets import get_preset
-from kvferry.sim import (
+from kvferry.layout.presets import get_preset
+from kvferry.workload.sim import (
     OutOfPages,
     PageAllocator,
     WorkloadSpec,

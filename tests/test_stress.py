@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from kvferry.presets import get_preset
-from kvferry.runner import WorkloadConfig, WorkloadResult, run_workload
-from kvferry.sim import OutOfPages, WorkloadSpec
+from kvferry.layout.presets import get_preset
+from kvferry.workload import WorkloadConfig, WorkloadResult, run_workload
+from kvferry.workload.sim import OutOfPages, WorkloadSpec
 
 needs_nixl = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
 

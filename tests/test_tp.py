@@ -1,4 +1,4 @@
-"""Head geometry in layouts, and planning across tensor-parallel sizes (``kvferry.tp``)."""
+"""Head geometry in layouts, and planning across tensor-parallel sizes (``kvferry.plan.tp``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvferry import Buffer, KVMemory, Layout, LayoutError, PlanError, Pool, plan_transfer
 from kvferry.layout import HeadGeometry, model_difference, shape_difference, tp_compatible
-from kvferry.tp import (
+from kvferry.plan import (
     TPPlan,
     TPPlanner,
     plan_decode_rank,

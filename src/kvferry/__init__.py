@@ -4,7 +4,7 @@ Every buffer owns its geometry and its index space; the planner validates before
 move bytes; the control plane leases pages and fails closed; digests prove what arrived.
 """
 
-from .errors import (
+from kvferry.errors import (
     HandshakeError,
     IncompatiblePeer,
     IntegrityError,
@@ -17,11 +17,19 @@ from .errors import (
     TransferTimeout,
     TransportError,
 )
-from .layout import Buffer, HeadGeometry, Layout, Pool, model_difference, shape_difference, tp_compatible
-from .memory import KVMemory, Region
-from .plan import Row, TransferPlan, plan_transfer
-
-__version__ = "0.1.0"
+from kvferry.layout import (
+    Buffer,
+    HeadGeometry,
+    KVMemory,
+    Layout,
+    Pool,
+    Region,
+    model_difference,
+    shape_difference,
+    tp_compatible,
+)
+from kvferry.plan import Row, TransferPlan, plan_transfer
+from kvferry.version import __version__
 
 # The endpoints import zmq; resolve them on first use so ``import kvferry`` (planner, CLI) stays light.
 _LAZY = {"PrefillEndpoint": "control", "DecodeEndpoint": "control", "RequestState": "control",
@@ -32,7 +40,7 @@ def __getattr__(name: str) -> object:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        return getattr(importlib.import_module(f"kvferry.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'kvferry' has no attribute {name!r}")
 
 __all__ = [

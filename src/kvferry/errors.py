@@ -4,16 +4,26 @@ Every failure a caller can see is a ``KVFerryError``; backend errors (NIXL, ZMQ,
 it in one place per backend with ``raise ... from exc``, so callers catch kvferry's types only::
 
     KVFerryError
+    ├── UsageError             a call that cannot be right: a bad option, an unknown request, a
+    │                          request in the wrong state for the call
+    ├── EndpointClosed         the endpoint is closed, or its progress loop stopped (cause chained)
     ├── LayoutError            a layout or memory binding that cannot be right
     ├── PlanError              page lists that do not fit the layouts they address
     ├── HandshakeError         the peers could not agree to talk
     │   └── IncompatiblePeer   ... because their layouts, protocol or secret differ
+    ├── ProtocolError          a control message that cannot be decoded or breaks the flow, at any time
     ├── LeaseError             destination pages already leased, out of range, duplicated
+    ├── OutOfPages             an allocator has fewer free pages than a request needs
     ├── TransportError         moving bytes failed
     │   ├── TransferTimeout    ... a deadline passed first
     │   └── PeerLost           ... the peer died, left, or stopped answering
     ├── RequestFailed          a request ended failed or aborted (carries the reason)
-    └── IntegrityError         bytes arrived but are not the bytes that were sent
+    ├── IntegrityError         bytes arrived but are not the bytes that were sent
+    │   └── PageMismatchError  ... naming every page whose digest differs
+    └── FaultSpecError         a fault-injection spec that cannot be parsed
+
+Every module of kvferry raises these and no others on its public paths (no ``ValueError``, no
+``assert``). The bottom of the package: it imports nothing of kvferry's.
 
 Messages name the pool, buffer, page, peer, expected and actual values: the fault should be located from
 the message alone.
@@ -21,23 +31,41 @@ the message alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 __all__ = [
+    "EndpointClosed",
+    "FaultSpecError",
     "HandshakeError",
     "IncompatiblePeer",
     "IntegrityError",
     "KVFerryError",
     "LayoutError",
     "LeaseError",
+    "OutOfPages",
+    "PageMismatchError",
     "PeerLost",
     "PlanError",
+    "ProtocolError",
     "RequestFailed",
     "TransferTimeout",
     "TransportError",
+    "UsageError",
 ]
 
 
 class KVFerryError(Exception):
     """Base of every error kvferry raises."""
+
+
+class UsageError(KVFerryError, ValueError):
+    """A call that cannot be right: an invalid option or argument (digest mode, deadlines, an empty
+    secret), a request id the endpoint does not know, or a request in the wrong state for the call."""
+
+
+class EndpointClosed(KVFerryError, RuntimeError):
+    """The endpoint is closed, or its progress loop stopped; the cause, if any, is chained."""
 
 
 class LayoutError(KVFerryError, ValueError):
@@ -83,3 +111,36 @@ class RequestFailed(KVFerryError):
 
 class IntegrityError(KVFerryError):
     """Bytes arrived that differ from the bytes sent."""
+
+
+class PageMismatchError(IntegrityError):
+    """Pages differ from what was sent. ``mismatches`` lists every one; the message names the first."""
+
+    def __init__(self, mismatches: Sequence[_NamedMismatch], num_checked: int, mode: str) -> None:
+        self.mismatches: tuple[_NamedMismatch, ...] = tuple(mismatches)
+        self.num_checked = num_checked
+        counts: dict[str, int] = {}
+        for m in self.mismatches:
+            counts[m.buffer] = counts.get(m.buffer, 0) + 1
+        hit = ", ".join(f"{name} x{n}" for name, n in list(counts.items())[:8])
+        more = f" and {len(counts) - 8} more" if len(counts) > 8 else ""
+        super().__init__(f"{len(self.mismatches)} of {num_checked} pages checked ({mode} digests) "
+                         f"differ from what was sent; first: {self.mismatches[0]}; buffers hit: {hit}{more}")
+
+
+class _NamedMismatch(Protocol):
+    """What ``PageMismatchError`` needs of a mismatch (``kvferry.integrity.PageMismatch`` has it)."""
+
+    buffer: str
+
+
+class ProtocolError(KVFerryError):
+    """A control message that cannot be decoded, has the wrong version, is too large, or breaks the flow."""
+
+
+class OutOfPages(KVFerryError):
+    """An allocator has fewer free pages than asked for (callers check ``can_allocate`` first)."""
+
+
+class FaultSpecError(KVFerryError, ValueError):
+    """A fault specification string that cannot be parsed (a ValueError, so argparse reports it)."""

@@ -8,10 +8,10 @@ Exported: ``PrefillEndpoint``, ``DecodeEndpoint``, ``RequestState``, ``EndpointO
 
 from __future__ import annotations
 
-from .decode import DecodeEndpoint
-from .endpoints import EndpointOptions
-from .prefill import PrefillEndpoint
-from .states import RequestState
-from .wire import PROTOCOL_VERSION
+from kvferry.control.decode import DecodeEndpoint
+from kvferry.control.endpoints import EndpointOptions
+from kvferry.control.prefill import PrefillEndpoint
+from kvferry.control.states import RequestState
+from kvferry.control.wire import PROTOCOL_VERSION
 
 __all__ = ["PROTOCOL_VERSION", "DecodeEndpoint", "EndpointOptions", "PrefillEndpoint", "RequestState"]

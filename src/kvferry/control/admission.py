@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import hmac
 
-from ..errors import HandshakeError, IncompatiblePeer, KVFerryError, LayoutError
-from ..layout import Layout, model_difference, shape_difference
-from ..memory import KVMemory
-from ..tp import TPPlanner, source_ranks
-from ..transport import Transport
-from . import wire
-from .endpoints import auth_mac
-from .links import Link
-from .sessions import Session
+from kvferry.control import wire
+from kvferry.control.endpoints import auth_mac
+from kvferry.control.links import Link
+from kvferry.control.sessions import Session
+from kvferry.errors import HandshakeError, IncompatiblePeer, KVFerryError, LayoutError
+from kvferry.layout.compare import model_difference, shape_difference
+from kvferry.layout.memory import KVMemory
+from kvferry.layout.spec import Layout
+from kvferry.plan.tp import TPPlanner, source_ranks
+from kvferry.transport import Transport
 
 __all__ = ["check_auth", "check_hello", "check_welcome", "layout_difference"]
 

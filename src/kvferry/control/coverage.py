@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import PlanError
-from ..layout import Layout
-from .prefill_requests import ChunkSpec, PReq
+from kvferry.control.prefill_requests import ChunkSpec, PReq
+from kvferry.errors import PlanError
+from kvferry.layout.spec import Layout
 
 __all__ = ["cover"]
 

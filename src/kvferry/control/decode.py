@@ -22,27 +22,30 @@ from typing import Any
 
 import zmq
 
-from ..errors import (
+from kvferry.control import wire
+from kvferry.control.admission import check_welcome
+from kvferry.control.decode_requests import DReq, Part
+from kvferry.control.digests import verify_chunk
+from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions, RequestRecord, as_secret, auth_mac
+from kvferry.control.leases import LeaseTable
+from kvferry.control.links import Link, pick_links
+from kvferry.control.states import RequestState
+from kvferry.errors import (
     HandshakeError,
     IncompatiblePeer,
     IntegrityError,
     KVFerryError,
     LeaseError,
     PeerLost,
+    ProtocolError,
     TransferTimeout,
     TransportError,
+    UsageError,
 )
-from ..memory import KVMemory
-from ..tp import source_ranks
-from ..transport import Transport
-from . import wire
-from .admission import check_welcome
-from .decode_requests import DReq, Part
-from .digests import verify_chunk
-from .endpoints import FLUSH_MS, EndpointBase, EndpointOptions, RequestRecord, as_secret, auth_mac
-from .leases import LeaseTable
-from .links import Link, pick_links
-from .states import RequestState
+from kvferry.integrity import DigestMode
+from kvferry.layout.memory import KVMemory
+from kvferry.plan.tp import source_ranks
+from kvferry.transport import Transport
 
 __all__ = ["DecodeEndpoint"]
 
@@ -104,7 +107,7 @@ class DecodeEndpoint(EndpointBase):
         need = source_ranks(local.tp_rank, len(addresses), local.tp_size)
         chosen = [addresses[r] for r in need]
         if len(set(addresses)) != len(addresses):
-            raise ValueError(f"prefill addresses repeat: {list(addresses)} (one per rank, in rank order)")
+            raise UsageError(f"prefill addresses repeat: {list(addresses)} (one per rank, in rank order)")
         with self._cond:
             self._check_open()
             self._await_links([self._start_link(addresses[r], timeout, (r, len(addresses))) for r in need])
@@ -220,7 +223,7 @@ class DecodeEndpoint(EndpointBase):
         elif isinstance(msg, wire.Welcome):
             self._accept_welcome(link, msg)
         else:
-            raise wire.ProtocolError(f"unexpected {type(msg).__name__} during the handshake")
+            raise ProtocolError(f"unexpected {type(msg).__name__} during the handshake")
 
     def _answer_challenge(self, link: Link, msg: wire.Challenge) -> None:
         if self._secret is None:
@@ -240,7 +243,7 @@ class DecodeEndpoint(EndpointBase):
         except KVFerryError as exc:
             self._link_failed(link, HandshakeError(f"prefill {link.address}: bad transport metadata: {exc}"))
             return
-        link.digest_mode = msg.digest_mode
+        link.digest_mode = DigestMode.from_peer(msg.digest_mode)
         self._by_agent[link.agent] = link
         link.state = "established"
         self._changed = True
@@ -258,10 +261,10 @@ class DecodeEndpoint(EndpointBase):
         if link is None:
             return
         if len(frames) != 1:
-            raise wire.ProtocolError(f"expected one frame, got {len(frames)}")
+            raise ProtocolError(f"expected one frame, got {len(frames)}")
         try:
             msg = wire.decode(frames[0])
-        except wire.ProtocolError as exc:
+        except ProtocolError as exc:
             if link.state == "connecting":  # e.g. another protocol version: refuse the peer, say why
                 self._link_failed(link, IncompatiblePeer(f"prefill {link.address}: {exc}"))
             raise
@@ -283,7 +286,7 @@ class DecodeEndpoint(EndpointBase):
         elif isinstance(msg, wire.Bye):
             self._link_dead(link, PeerLost(f"prefill {link.address} left: {msg.reason}"))
         else:
-            raise wire.ProtocolError(f"unexpected {type(msg).__name__} from prefill {link.address}")
+            raise ProtocolError(f"unexpected {type(msg).__name__} from prefill {link.address}")
 
     def _on_fail(self, link: Link, msg: wire.Fail) -> None:
         rec = self._lookup(link, msg.request_id, msg.generation)
@@ -339,8 +342,8 @@ class DecodeEndpoint(EndpointBase):
             try:
                 msg = wire.decode(data)
                 if link is None or not isinstance(msg, wire.Chunk):
-                    raise wire.ProtocolError(f"unexpected notification from {agent!r}")
-            except wire.ProtocolError:
+                    raise ProtocolError(f"unexpected notification from {agent!r}")
+            except ProtocolError:
                 self.num_bad_messages += 1
                 continue
             self._on_chunk(link, msg)

@@ -9,10 +9,10 @@ part is. Records are mutated only under the endpoint's lock.
 
 from __future__ import annotations
 
-from . import wire
-from .endpoints import RequestRecord
-from .links import Link
-from .states import RequestState
+from kvferry.control import wire
+from kvferry.control.endpoints import RequestRecord
+from kvferry.control.links import Link
+from kvferry.control.states import RequestState
 
 __all__ = ["DReq", "Part"]
 

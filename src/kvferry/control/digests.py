@@ -1,7 +1,6 @@
 """Chunk digests as the control plane carries them: prefill makes them, decode checks them.
 
-Part of the control plane (layer 5), over ``integrity`` (imported on first use, via
-``endpoints.integrity_module``). Prefill hashes a chunk's source pages on the caller's thread
+Part of the control plane, above ``integrity``. Prefill hashes a chunk's source pages on the caller's thread
 (``source_digests``), keys them by decode's pages when the chunk is posted (``chunk_digests``, else it
 hashes the plan itself), and ships the bytes in the chunk's notification; decode checks them against
 its own pages (``verify_chunk``). Digest bytes from the wire are untrusted: any failure to read them is
@@ -15,18 +14,17 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import IntegrityError, KVFerryError
-from ..memory import KVMemory
-from ..plan import TransferPlan
-from ..tp import TPPlan
-from . import wire
-from .endpoints import integrity_module
-from .links import Link
+from kvferry.control import wire
+from kvferry.control.links import Link
+from kvferry.errors import IntegrityError, KVFerryError
+from kvferry.integrity import DigestMode, PageDigests, digest_pages, digest_plan, verify_digests
+from kvferry.layout.memory import KVMemory
+from kvferry.plan.contract import Plan
 
 __all__ = ["chunk_digests", "source_digests", "verify_chunk"]
 
 
-def source_digests(memory: KVMemory, mode: str, src: Mapping[str, np.ndarray], buffers: tuple[str, ...] | None,
+def source_digests(memory: KVMemory, mode: DigestMode, src: Mapping[str, np.ndarray], buffers: tuple[str, ...] | None,
                    rng: np.random.Generator) -> Any:
     """A chunk's source digests in ``mode`` (None when off); keyed at posting time.
 
@@ -34,28 +32,27 @@ def source_digests(memory: KVMemory, mode: str, src: Mapping[str, np.ndarray], b
     several threads are safe): a fresh choice per chunk, without seeding a generator per call."""
     if mode == "off":
         return None
-    return integrity_module().digest_pages(memory, src, mode, seed=rng, buffers=buffers)
+    return digest_pages(memory, src, mode, seed=rng, buffers=buffers)
 
 
-def chunk_digests(mode: str, src: Any, pairs: Mapping[str, tuple[np.ndarray, np.ndarray]],
-                  plan: TransferPlan | TPPlan, generation: int, index: int) -> bytes:
+def chunk_digests(mode: DigestMode, src: Any, pairs: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                  plan: Plan, generation: int, index: int) -> bytes:
     """Digest bytes for a chunk's notification in the session's ``mode``: ``src`` (``source_digests``)
     keyed by decode's pages when they fit (whole pages, that mode), else hashed here from the plan."""
-    if src is None or mode == "off" or isinstance(plan, TPPlan) or src.mode.value != mode:
+    if src is None or mode == "off" or not plan.whole_pages or src.mode.value != mode:
         return _plan_digests(mode, plan, generation, index)
     return bytes(src.keyed({pool: dst for pool, (_, dst) in pairs.items()}).to_bytes())
 
 
-def _plan_digests(mode: str, plan: TransferPlan | TPPlan, generation: int, index: int) -> bytes:
+def _plan_digests(mode: DigestMode, plan: Plan, generation: int, index: int) -> bytes:
     if mode == "off":
         return b""
-    integrity = integrity_module()
     seed = (generation << 16) ^ index
     # A TPPlan gets slice digests: across TP a decode page is written by several prefill ranks.
-    return bytes(integrity.digest_plan(plan, integrity.DigestMode(mode), seed=seed).to_bytes())
+    return bytes(digest_plan(plan, mode, seed=seed).to_bytes())
 
 
-def verify_chunk(memory: KVMemory, mode: str, link: Link, msg: wire.Chunk) -> KVFerryError | None:
+def verify_chunk(memory: KVMemory, mode: DigestMode, link: Link, msg: wire.Chunk) -> KVFerryError | None:
     """Decode side: why the chunk's landed bytes do not match its digests (an ``IntegrityError``), or None.
     A chunk without digests passes only when this side's ``mode`` is off."""
     if not msg.digests:
@@ -64,14 +61,11 @@ def verify_chunk(memory: KVMemory, mode: str, link: Link, msg: wire.Chunk) -> KV
         return IntegrityError(f"chunk {msg.chunk} from prefill {link.address} carried no digests; this "
                               f"decode requires {mode!r}")
     try:
-        integrity = integrity_module()
-        digests = integrity.PageDigests.from_bytes(msg.digests)
+        digests = PageDigests.from_bytes(msg.digests)
         # Across TP the digests cover only the slices this prefill rank writes here (link.slices).
-        integrity.verify_digests(memory, digests, link.slices)
+        verify_digests(memory, digests, link.slices)
     except KVFerryError as exc:
         return exc if isinstance(exc, IntegrityError) else IntegrityError(str(exc))
-    except ImportError as exc:
-        return IntegrityError(f"cannot verify digests: {exc}")
     except Exception as exc:  # untrusted digest bytes must not kill the progress thread
         return IntegrityError(f"malformed digests from prefill {link.address}: {exc!r}")
     return None

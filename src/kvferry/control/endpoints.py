@@ -31,21 +31,19 @@ from typing import Any
 
 import zmq
 
-from ..errors import KVFerryError, RequestFailed, TransferTimeout
-from ..memory import KVMemory
-from ..transport import Transport, make_transport
-from .states import TERMINAL, RequestState, advance
+from kvferry.control.states import TERMINAL, RequestState, advance
+from kvferry.errors import EndpointClosed, KVFerryError, RequestFailed, TransferTimeout, UsageError
+from kvferry.integrity import DigestMode
+from kvferry.layout.memory import KVMemory
+from kvferry.transport import Transport, make_transport
 
-__all__ = ["DIGEST_MODES", "EndpointOptions"]
+__all__ = ["EndpointOptions"]
 
 # On close, queued control messages (a final Result, Fail or Bye) get this long to leave; without it a
 # peer can lose the verdict of a request that this side had finished, and fail it.
 FLUSH_MS = 500
 
 log = logging.getLogger("kvferry.control")
-
-# Weakest to strongest; the stronger of the two sides' modes is used for a connection.
-DIGEST_MODES = ("off", "sampled", "full")
 
 # Terminal records kept so poll/wait can still answer after the fact; the oldest are forgotten first.
 MAX_FINISHED = 1 << 16
@@ -79,19 +77,9 @@ class EndpointOptions:
         for name in ("heartbeat_interval", "peer_timeout", "request_timeout", "lease_grace",
                      "handshake_timeout", "busy_poll", "busy_poll_max"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"EndpointOptions.{name} must be > 0, got {getattr(self, name)!r}")
+                raise UsageError(f"EndpointOptions.{name} must be > 0, got {getattr(self, name)!r}")
         if self.peer_timeout <= self.heartbeat_interval:
-            raise ValueError("peer_timeout must exceed heartbeat_interval, or live peers look dead")
-
-
-def check_digest_mode(mode: Any) -> str:
-    """The mode's string value; imports ``kvferry.integrity`` when digests are on (it must exist)."""
-    value = getattr(mode, "value", mode)
-    if value not in DIGEST_MODES:
-        raise ValueError(f"digest_mode must be one of {DIGEST_MODES}, got {mode!r}")
-    if value != "off":
-        integrity_module()
-    return str(value)
+            raise UsageError("peer_timeout must exceed heartbeat_interval, or live peers look dead")
 
 
 def auth_mac(secret: bytes, role: bytes, nonce_a: bytes, nonce_b: bytes, hello: bytes) -> bytes:
@@ -105,19 +93,8 @@ def as_secret(secret: str | bytes | None) -> bytes | None:
         return None
     out = secret.encode() if isinstance(secret, str) else bytes(secret)
     if not out:
-        raise ValueError("an empty secret would authenticate anyone: pass None for no secret")
+        raise UsageError("an empty secret would authenticate anyone: pass None for no secret")
     return out
-
-
-def stronger(a: str, b: str) -> str:
-    return a if DIGEST_MODES.index(a) >= DIGEST_MODES.index(b) else b
-
-
-def integrity_module() -> Any:
-    """``kvferry.integrity``, imported on first use (it sits beside ``transport`` in the layering)."""
-    from .. import integrity
-
-    return integrity
 
 
 class RequestRecord:
@@ -146,10 +123,10 @@ class EndpointBase:
     def __init__(self, memory: KVMemory, transport: str | Transport, *, digest_mode: Any,
                  options: EndpointOptions | None) -> None:
         if memory.remote:
-            raise ValueError("an endpoint needs this process's own memory, not a peer's manifest")
+            raise UsageError("an endpoint needs this process's own memory, not a peer's manifest")
         self.memory = memory
         self.options = options or EndpointOptions()
-        self.digest_mode = check_digest_mode(digest_mode)
+        self.digest_mode = DigestMode.parse(digest_mode)
         self._owns_transport = isinstance(transport, str)
         self.transport: Transport = make_transport(transport) if isinstance(transport, str) else transport
         self.transport_metadata = self.transport.register(memory)
@@ -243,14 +220,14 @@ class EndpointBase:
     def _record(self, request_id: str) -> RequestRecord:
         rec = self._records.get(request_id)
         if rec is None:
-            raise KeyError(f"{self._role}: unknown request {request_id!r}")
+            raise UsageError(f"{self._role}: unknown request {request_id!r}")
         return rec
 
     def _check_open(self) -> None:
         if self._crashed is not None:
-            raise RuntimeError(f"{self._role} progress thread crashed: {self._crashed!r}")
+            raise EndpointClosed(f"{self._role} progress thread crashed: {self._crashed!r}") from self._crashed
         if self._closing:
-            raise RuntimeError(f"{self._role} endpoint is closed")
+            raise EndpointClosed(f"{self._role} endpoint is closed")
 
     def _remember(self, rec: RequestRecord) -> None:
         self._records[rec.request_id] = rec

@@ -16,40 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import LeaseError
-from ..layout import Layout, Pool
-from ..plan import as_pages
+from kvferry.errors import LeaseError
+from kvferry.layout.spec import Layout
+from kvferry.plan.pages import validate_pages
 
-__all__ = ["FREE", "LeaseTable", "as_page_array"]
+__all__ = ["FREE", "LeaseTable"]
 
 FREE = -1
-
-
-def as_page_array(pool: str, value: Any) -> np.ndarray:
-    """``value`` as a fresh 1-D int64 array (the lease must not alias the caller's list), or ``LeaseError``."""
-    return as_pages(pool, "destination", value, err=LeaseError)
-
-
-def check_pages(pool: Pool, pages: np.ndarray, err: type[Exception] = LeaseError, *, unique: bool = True) -> None:
-    """Refuse pages outside any buffer of ``pool`` (and repeated pages when ``unique``), naming the buffer,
-    the page and the bound."""
-    if len(pages) == 0:
-        return
-    # One sort gives the bounds and the repeats: fewer numpy calls than min, max, then sort (this runs
-    # on every send and announce, for lists of a few to a few thousand pages).
-    srt = np.sort(pages)
-    lo, hi = int(srt[0]), int(srt[-1])
-    if lo < 0:
-        raise err(f"pool {pool.name!r}: page {lo} is negative")
-    if hi >= pool.min_pages:
-        buf = next(b for b in pool.buffers if b.num_pages <= hi)
-        raise err(f"pool {pool.name!r}, buffer {buf.name!r}: page {hi} is out of range "
-                  f"(this buffer has {buf.num_pages} pages, valid 0..{buf.num_pages - 1})")
-    if not unique:
-        return
-    same = srt[1:] == srt[:-1]
-    if same.any():
-        raise err(f"pool {pool.name!r}: page {int(srt[int(np.argmax(same))])} appears more than once")
 
 
 class LeaseTable:
@@ -105,15 +78,8 @@ class LeaseTable:
     def _validate(self, request_id: str, pages: Mapping[str, Any]) -> dict[str, np.ndarray]:
         if not isinstance(pages, Mapping) or not pages:
             raise LeaseError(f"request {request_id!r}: pages must be a non-empty mapping pool -> pages")
-        checked: dict[str, np.ndarray] = {}
-        for pool_name, value in pages.items():
-            if pool_name not in self._owner:
-                raise LeaseError(f"request {request_id!r}: no pool {pool_name!r} in layout "
-                                 f"(pools: {list(self._owner)})")
-            arr = as_page_array(pool_name, value)
-            check_pages(self.layout.pool(pool_name), arr)
-            if len(arr):
-                checked[pool_name] = arr
+        checked = {name: arr for name, arr in validate_pages(self.layout, "destination", pages, LeaseError,
+                                                               unique=True).items() if len(arr)}
         if not checked:
             raise LeaseError(f"request {request_id!r}: no pages to lease")
         return checked

@@ -13,9 +13,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import KVFerryError, PeerLost
-from ..layout import Layout
-from ..tp import PageSlice, source_ranks
+from kvferry.errors import KVFerryError, PeerLost, UsageError
+from kvferry.integrity import DigestMode
+from kvferry.layout.spec import Layout
+from kvferry.plan.tp import PageSlice, source_ranks
 
 __all__ = ["Link", "pick_links"]
 
@@ -34,7 +35,7 @@ class Link:
         self.hello = b""
         self.server_nonce: bytes | None = None
         self.agent = ""
-        self.digest_mode = "off"
+        self.digest_mode = DigestMode.OFF
         self.last_seen = self.last_sent = time.monotonic()
         # The prefill's place in its TP group (from its manifest); ``expect``: what connect_all asked for.
         self.rank, self.tp_size = 0, 1
@@ -53,7 +54,7 @@ def pick_links(links: dict[str, Link], peer: str | Sequence[str] | None, local: 
             raise PeerLost("decode is not connected to any prefill")
         one_group = len({x.tp_size for x in live}) == 1 and len({x.rank for x in live}) == len(live)
         if not one_group:  # e.g. two prefill instances: which one is the caller's choice
-            raise ValueError(f"connected to {len(live)} prefills: pass peer= (one of "
+            raise UsageError(f"connected to {len(live)} prefills: pass peer= (one of "
                              f"{[x.address for x in live]}, or a list of one TP group's ranks)")
         chosen = live
     else:
@@ -74,7 +75,7 @@ def _check_sources(links: list[Link], local: Layout) -> None:
     heads unwritten, yet every other rank's part would complete."""
     sizes = {x.tp_size for x in links}
     if len(sizes) != 1:
-        raise ValueError(f"peers {[x.address for x in links]} belong to prefill TP groups of sizes {sorted(sizes)}")
+        raise UsageError(f"peers {[x.address for x in links]} belong to prefill TP groups of sizes {sorted(sizes)}")
     ptp = sizes.pop()
     need = list(source_ranks(local.tp_rank, ptp, local.tp_size))
     ranks = sorted(x.rank for x in links)
@@ -84,5 +85,5 @@ def _check_sources(links: list[Link], local: Layout) -> None:
     if missing and len(set(ranks)) == len(ranks):
         raise PeerLost(f"decode rank {local.tp_rank} of TP {local.tp_size} needs prefill ranks {need} of TP "
                        f"{ptp}; not connected to rank(s) {missing}")
-    raise ValueError(f"peers {[x.address for x in links]} are prefill ranks {ranks} of TP {ptp}; decode rank "
+    raise UsageError(f"peers {[x.address for x in links]} are prefill ranks {ranks} of TP {ptp}; decode rank "
                      f"{local.tp_rank} of TP {local.tp_size} needs exactly ranks {need}")

@@ -24,29 +24,39 @@ from typing import Any
 import numpy as np
 import zmq
 
-from ..errors import (
+from kvferry.control import wire
+from kvferry.control.admission import check_auth, check_hello
+from kvferry.control.coverage import cover
+from kvferry.control.digests import chunk_digests, source_digests
+from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions, as_secret, auth_mac
+from kvferry.control.prefill_requests import (
+    ChunkSpec,
+    PReq,
+    can_join,
+    dst_slice,
+    group_done,
+    make_spec,
+    num_decode_ranks,
+)
+from kvferry.control.sessions import Session, drop_half_open
+from kvferry.control.states import RequestState
+from kvferry.errors import (
     IntegrityError,
     KVFerryError,
-    LayoutError,
     PeerLost,
     PlanError,
+    ProtocolError,
     RequestFailed,
     TransferTimeout,
     TransportError,
+    UsageError,
 )
-from ..memory import KVMemory
-from ..plan import TransferPlan, plan_transfer
-from ..tp import TPPlan
-from ..transport import TransferHandle, Transport
-from . import wire
-from .admission import check_auth, check_hello
-from .coverage import cover
-from .digests import chunk_digests, source_digests
-from .endpoints import FLUSH_MS, EndpointBase, EndpointOptions, as_secret, auth_mac, stronger
-from .leases import check_pages
-from .prefill_requests import ChunkSpec, PReq, can_join, dst_slice, group_done, make_spec, num_decode_ranks
-from .sessions import Session, drop_half_open
-from .states import RequestState
+from kvferry.integrity import DigestMode
+from kvferry.layout.memory import KVMemory
+from kvferry.plan.contract import Plan
+from kvferry.plan.pages import validate_pages
+from kvferry.plan.planner import plan_pages
+from kvferry.transport import TransferHandle, Transport
 
 __all__ = ["PrefillEndpoint"]
 
@@ -109,11 +119,11 @@ class PrefillEndpoint(EndpointBase):
                 rec = self._new_request(request_id, S.BOOTSTRAPPING)
             assert isinstance(rec, PReq)
             if rec.state is S.DONE:
-                raise ValueError(f"request {request_id!r} is already done")
+                raise UsageError(f"request {request_id!r} is already done")
             if rec.state is S.FAILED:
                 raise RequestFailed(request_id, str(rec.error)) from rec.error
             if rec.last_queued:
-                raise ValueError(f"request {request_id!r}: the last chunk was already sent")
+                raise UsageError(f"request {request_id!r}: the last chunk was already sent")
             self._queue(rec, spec)
 
     def _may_use_source_digests(self) -> bool:
@@ -200,11 +210,11 @@ class PrefillEndpoint(EndpointBase):
         assert session is not None and session.remote is not None
         pairs = {pool: (src, dst_slice(rec, pool, spec.offsets[pool], len(src)))
                  for pool, src in spec.src.items()}
-        plan = self._plan(session, pairs, spec.buffers)
+        plan = self._plan(session, pairs, spec.buffer_ids)
         cover(self.memory.layout, rec, spec)
         index = rec.next_chunk
         rec.next_chunk += 1
-        mode = stronger(self.digest_mode, session.digest_mode)
+        mode = self.digest_mode.stronger(session.digest_mode)
         digests = chunk_digests(mode, spec.digests, pairs, plan, rec.generation, index)
         chunk = wire.Chunk(rec.request_id, rec.generation, index, spec.last, rec.next_chunk if spec.last else 0,
                            digests)
@@ -216,12 +226,15 @@ class PrefillEndpoint(EndpointBase):
             self._set_state(rec, S.TRANSFERRING)
 
     def _plan(self, session: Session, pairs: dict[str, tuple[np.ndarray, np.ndarray]],
-              buffers: tuple[str, ...] | None) -> TransferPlan | TPPlan:
-        """Whole pages at equal TP; across TP, this rank's head slices through the session's planner."""
+              buffer_ids: np.ndarray | None) -> Plan:
+        """Whole pages at equal TP; across TP, this rank's head slices through the session's planner.
+
+        Trusting: source pages were validated by ``send`` (``make_spec``), destination pages when the
+        announce arrived (``_check_announce``), their counts by ``dst_slice``, the shapes at the handshake."""
         assert session.remote is not None
         if session.planner is not None:
-            return session.planner.plan(pairs, buffers)
-        return plan_transfer(self.memory, session.remote, pairs, buffers=buffers)
+            return session.planner.plan_pages(pairs, buffer_ids)
+        return plan_pages(self.memory, session.remote, pairs, buffer_ids)
 
     # -- failure and settling (progress thread or caller, under the lock) ------------------------------
     def _fail_req(self, rec: PReq, error: KVFerryError) -> None:
@@ -299,12 +312,12 @@ class PrefillEndpoint(EndpointBase):
     # -- messages (progress thread) --------------------------------------------------------------------
     def _on_frames(self, sock: Any, frames: list[bytes]) -> None:
         if len(frames) != 2:
-            raise wire.ProtocolError(f"expected identity and one frame, got {len(frames)} frames")
+            raise ProtocolError(f"expected identity and one frame, got {len(frames)} frames")
         identity, data = frames
         session = self._sessions.get(identity)
         try:
             msg = wire.decode(data)
-        except wire.ProtocolError as exc:
+        except ProtocolError as exc:
             if session is None or session.state != "established":
                 self._reject(identity, str(exc))  # e.g. another protocol version: say why, in a Reject
             raise
@@ -313,7 +326,7 @@ class PrefillEndpoint(EndpointBase):
         if isinstance(msg, wire.Hello):
             self._on_hello(identity, session, msg, data)
         elif session is None:
-            raise wire.ProtocolError(f"{type(msg).__name__} before Hello")
+            raise ProtocolError(f"{type(msg).__name__} before Hello")
         elif session.state == "challenged":
             self._on_auth(session, msg)
         elif session.state == "established":
@@ -329,7 +342,7 @@ class PrefillEndpoint(EndpointBase):
         elif isinstance(msg, wire.Bye):
             self._session_dead(session, PeerLost(f"{session.label} left: {msg.reason}"))
         elif not isinstance(msg, wire.Heartbeat):
-            raise wire.ProtocolError(f"unexpected {type(msg).__name__} from {session.label}")
+            raise ProtocolError(f"unexpected {type(msg).__name__} from {session.label}")
 
     def _on_announce(self, session: Session, msg: wire.Announce) -> None:
         try:
@@ -362,14 +375,9 @@ class PrefillEndpoint(EndpointBase):
 
     def _check_announce(self, session: Session, msg: wire.Announce) -> dict[str, np.ndarray]:
         assert session.remote is not None
-        dst = wire.decode_pages(msg.pages)
-        for pool_name, arr in dst.items():
-            try:
-                pool = session.remote.layout.pool(pool_name)
-            except LayoutError as exc:
-                raise PlanError(str(exc)) from None
-            check_pages(pool, arr, PlanError)
-        return dst
+        # Decode's own lease table checked these; a peer's pages are untrusted input all the same.
+        return validate_pages(session.remote.layout, "destination", wire.decode_pages(msg.pages), PlanError,
+                              unique=True)
 
     def _bind(self, rec: PReq, session: Session, generation: int, dst: dict[str, np.ndarray]) -> None:
         rec.session, rec.generation, rec.dst = session, generation, dst
@@ -412,7 +420,7 @@ class PrefillEndpoint(EndpointBase):
     # -- handshake (progress thread) -------------------------------------------------------------------
     def _on_hello(self, identity: bytes, session: Session | None, msg: wire.Hello, data: bytes) -> None:
         if session is not None and session.state == "established":
-            raise wire.ProtocolError(f"Hello on the established {session.label}")
+            raise ProtocolError(f"Hello on the established {session.label}")
         self._sessions.pop(identity, None)
         drop_half_open(self._sessions)
         session = Session(identity, msg, bytes(data), time.monotonic() + self.options.handshake_timeout)
@@ -424,7 +432,7 @@ class PrefillEndpoint(EndpointBase):
 
     def _on_auth(self, session: Session, msg: Any) -> None:
         if not isinstance(msg, wire.Auth) or self._secret is None:
-            raise wire.ProtocolError(f"expected Auth from {session.label}, got {type(msg).__name__}")
+            raise ProtocolError(f"expected Auth from {session.label}, got {type(msg).__name__}")
         if not check_auth(self._secret, session, msg.mac):
             self._reject(session.identity, "authentication failed: the shared secret does not match")
             return
@@ -438,14 +446,13 @@ class PrefillEndpoint(EndpointBase):
         for other in list(self._sessions.values()):
             if other is not session and other.agent == session.agent and other.state == "established":
                 self._session_dead(other, PeerLost(f"{other.label} replaced by a new session of the same agent"))
-        session.digest_mode = session.hello.digest_mode if session.hello.digest_mode in ("sampled", "full") \
-            else "off"
+        session.digest_mode = DigestMode.from_peer(session.hello.digest_mode)
         session.state = "established"
         proof = b"" if self._secret is None else auth_mac(self._secret, b"prefill", session.hello.nonce,
                                                          session.nonce, session.hello_bytes)
         self._send(session, wire.Welcome(secrets.token_hex(8), self.memory.manifest(), self.transport_metadata,
                                          proof, self.options.heartbeat_interval,
-                                         stronger(self.digest_mode, session.digest_mode)))
+                                         self.digest_mode.stronger(session.digest_mode)))
 
     def _reject(self, identity: bytes, reason: str) -> None:
         self._sessions.pop(identity, None)

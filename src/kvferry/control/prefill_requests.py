@@ -15,15 +15,16 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import LayoutError, PlanError
-from ..layout import Layout
-from ..memory import KVMemory
-from ..tp import source_ranks
-from ..transport import TransferHandle
-from .endpoints import RequestRecord
-from .leases import as_page_array, check_pages
-from .sessions import Session
-from .states import RequestState
+from kvferry.control.endpoints import RequestRecord
+from kvferry.control.sessions import Session
+from kvferry.control.states import RequestState
+from kvferry.errors import PlanError
+from kvferry.layout.memory import KVMemory
+from kvferry.layout.spec import Layout
+from kvferry.plan.pages import validate_pages
+from kvferry.plan.planner import select_buffers
+from kvferry.plan.ranks import source_ranks
+from kvferry.transport import TransferHandle
 
 __all__ = ["ChunkSpec", "PReq", "can_join", "dst_slice", "group_done", "make_spec", "num_decode_ranks"]
 
@@ -34,11 +35,12 @@ class ChunkSpec:
     """One ``send``: source pages per pool, the offset of each into decode's page list, the buffers
     (None: all), whether it is the last, and its source digests (hashed by ``send``)."""
 
-    __slots__ = ("buffers", "digests", "last", "offsets", "src")
+    __slots__ = ("buffer_ids", "buffers", "digests", "last", "offsets", "src")
 
     def __init__(self, src: dict[str, np.ndarray], offsets: dict[str, int], last: bool,
-                 buffers: tuple[str, ...] | None) -> None:
+                 buffers: tuple[str, ...] | None, buffer_ids: np.ndarray | None) -> None:
         self.src, self.offsets, self.last, self.buffers = src, offsets, last, buffers
+        self.buffer_ids = buffer_ids  # the buffers as the planner selects them (plan.planner.select_buffers)
         self.digests: Any = None   # integrity.SourceDigests hashed by send(), keyed once decode's pages are known
 
 
@@ -72,23 +74,12 @@ class PReq(RequestRecord):
 # -- validating send() (caller's thread) ------------------------------------------------------------------
 def make_spec(memory: KVMemory, pages: Mapping[str, Any], offset: int | Mapping[str, int], last: bool,
               buffers: Iterable[str] | None) -> ChunkSpec:
-    """``send``'s arguments checked against this side's layout, or ``PlanError``."""
-    layout = memory.layout
-    src: dict[str, np.ndarray] = {}
-    for pool_name, value in pages.items():
-        try:
-            pool = layout.pool(pool_name)
-        except LayoutError as exc:
-            raise PlanError(str(exc)) from None
-        arr = as_page_array(pool_name, value)
-        check_pages(pool, arr, PlanError, unique=False)
-        src[pool_name] = arr
+    """``send``'s arguments checked against this side's layout (the edge: nothing below checks them
+    again), or ``PlanError`` naming the pool, the source page and the buffer."""
+    src = validate_pages(memory.layout, "source", pages, PlanError, unique=False)
     offsets = {p: _offset(offset, p) for p in src}
     names = None if buffers is None else tuple([buffers] if isinstance(buffers, str) else buffers)
-    for name in names or ():
-        if name not in memory.buffer_index:
-            raise PlanError(f"no buffer {name!r} in layout")
-    return ChunkSpec(src, offsets, bool(last), names)
+    return ChunkSpec(src, offsets, bool(last), names, select_buffers(memory, names))
 
 
 def _offset(offset: int | Mapping[str, int], pool: str) -> int:

@@ -12,10 +12,11 @@ import time
 
 import numpy as np
 
-from ..layout import Pool
-from ..memory import KVMemory
-from ..tp import TPPlanner
-from . import wire
+from kvferry.control import wire
+from kvferry.integrity import DigestMode
+from kvferry.layout.memory import KVMemory
+from kvferry.layout.spec import Pool
+from kvferry.plan.tp import TPPlanner
 
 __all__ = ["MAX_HALF_OPEN", "Session", "drop_half_open"]
 
@@ -34,7 +35,7 @@ class Session:
         self.deadline = deadline
         self.remote: KVMemory | None = None
         self.agent = ""
-        self.digest_mode = "off"
+        self.digest_mode = DigestMode.OFF
         # Set at the handshake when decode runs another TP size: plans (and digests) are per head slice.
         self.planner: TPPlanner | None = None
         self._writes: dict[str, np.ndarray] = {}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from kvferry.errors import ProtocolError
+
 __all__ = ["TERMINAL", "TRANSITIONS", "RequestState", "advance", "can_advance"]
 
 
@@ -54,5 +56,5 @@ def can_advance(current: RequestState, new: RequestState) -> bool:
 def advance(current: RequestState, new: RequestState, request_id: str) -> RequestState:
     """Return ``new`` if the transition is allowed; raise ``RuntimeError`` (a kvferry bug) otherwise."""
     if not can_advance(current, new):
-        raise RuntimeError(f"request {request_id!r}: illegal state transition {current.value} -> {new.value}")
+        raise ProtocolError(f"request {request_id!r}: illegal state transition {current.value} -> {new.value}")
     return new

@@ -23,13 +23,14 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from ..errors import (
-    HandshakeError,
+from kvferry.codec import check_version, decode_struct
+from kvferry.errors import (
     IntegrityError,
     KVFerryError,
     LeaseError,
     PeerLost,
     PlanError,
+    ProtocolError,
     TransferTimeout,
     TransportError,
 )
@@ -48,7 +49,6 @@ __all__ = [
     "Fail",
     "Heartbeat",
     "Hello",
-    "ProtocolError",
     "Reject",
     "Result",
     "Welcome",
@@ -80,10 +80,6 @@ Gen = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
 PageBytes = Annotated[bytes, msgspec.Meta(max_length=MAX_PAGES_BYTES)]
 Pages = Annotated[dict[Annotated[str, msgspec.Meta(max_length=256)], PageBytes], msgspec.Meta(max_length=MAX_POOLS)]
-
-
-class ProtocolError(HandshakeError):
-    """A message that cannot be decoded, has the wrong version, or breaks the flow."""
 
 
 class _Msg(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
@@ -192,8 +188,6 @@ KINDS: dict[str, type[_Msg]] = {
     "heartbeat": Heartbeat, "bye": Bye,
 }
 _KIND_OF = {cls: kind for kind, cls in KINDS.items()}
-_DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in KINDS.items()}
-_ENVELOPE = msgspec.msgpack.Decoder(Envelope)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -207,20 +201,13 @@ def decode(data: bytes | memoryview) -> _Msg:
 
     A ``Reject`` of any version is decoded, so a peer can always say why it refused us.
     """
-    try:
-        env = _ENVELOPE.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"malformed envelope: {exc}") from exc
-    decoder = _DECODERS.get(env.kind)
-    if decoder is None:
+    env = decode_struct(data, Envelope, what="envelope", error=ProtocolError)
+    body_type = KINDS.get(env.kind)
+    if body_type is None:
         raise ProtocolError(f"unknown message kind {env.kind[:64]!r}")
-    if env.version != PROTOCOL_VERSION and env.kind != "reject":
-        raise ProtocolError(f"protocol version {env.version} is not supported (this side speaks "
-                            f"{PROTOCOL_VERSION})")
-    try:
-        return decoder.decode(env.body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"malformed {env.kind!r} message: {exc}") from exc
+    if env.kind != "reject":
+        check_version(env.version, PROTOCOL_VERSION, what="protocol", error=ProtocolError)
+    return decode_struct(env.body, body_type, what=f"{env.kind!r} message", error=ProtocolError)
 
 
 def encode_pages(pages: dict[str, np.ndarray]) -> dict[str, bytes]:

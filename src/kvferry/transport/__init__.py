@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from .base import TransferHandle, Transport, check_rows_in_regions
-from .local import LocalTransport
+from kvferry.errors import UsageError
+from kvferry.transport.base import TransferHandle, Transport, check_rows_in_regions
+from kvferry.transport.local import LocalTransport
 
 __all__ = ["LocalTransport", "TransferHandle", "Transport", "check_rows_in_regions", "make_transport",
            "nixl_available"]
@@ -23,7 +24,7 @@ def make_transport(kind: str, **kwargs: Any) -> Transport:
     if kind == "local":
         return LocalTransport(**kwargs)
     if kind == "nixl":
-        from .nixl import NixlTransport
+        from kvferry.transport.nixl import NixlTransport
 
         return NixlTransport(**kwargs)
-    raise ValueError(f"unknown transport {kind!r} (expected 'local' or 'nixl')")
+    raise UsageError(f"unknown transport {kind!r} (expected 'local' or 'nixl')")

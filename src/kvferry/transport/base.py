@@ -18,9 +18,9 @@ from types import TracebackType
 
 import numpy as np
 
-from ..errors import TransferTimeout, TransportError
-from ..memory import KVMemory
-from ..plan import TransferPlan
+from kvferry.errors import TransferTimeout, TransportError
+from kvferry.layout.memory import KVMemory
+from kvferry.plan.contract import Plan
 
 __all__ = ["TransferHandle", "Transport", "check_rows_in_regions"]
 
@@ -86,7 +86,7 @@ class Transport(ABC):
         """Forget a peer (its connection and cached descriptors). Unknown peers are ignored."""
 
     @abstractmethod
-    def write(self, plan: TransferPlan, peer: str, notif: bytes, label: str = "") -> TransferHandle:
+    def write(self, plan: Plan, peer: str, notif: bytes, label: str = "") -> TransferHandle:
         """Post the plan's rows as a write into ``peer``; ``notif`` reaches the peer after the last byte.
 
         ``plan.src_memory`` must be the memory registered here, ``plan.dst_memory`` the peer's (as decoded

@@ -16,10 +16,11 @@ from collections import deque
 
 import msgspec
 
-from ..errors import PeerLost, TransportError
-from ..memory import KVMemory
-from ..plan import TransferPlan
-from .base import TransferHandle, Transport, check_rows_in_regions
+from kvferry.codec import decode_versioned, encode
+from kvferry.errors import PeerLost, TransportError
+from kvferry.layout.memory import KVMemory
+from kvferry.plan.contract import Plan
+from kvferry.transport.base import TransferHandle, Transport, check_rows_in_regions
 
 __all__ = ["LocalTransport"]
 
@@ -28,7 +29,12 @@ _REGISTRY_LOCK = threading.Lock()
 _COUNTER = itertools.count()
 
 
+# Bump when _Metadata's fields or their meaning change.
+METADATA_VERSION = 1
+
+
 class _Metadata(msgspec.Struct, forbid_unknown_fields=True):
+    version: int
     agent: str
     manifest: bytes
 
@@ -72,20 +78,18 @@ class LocalTransport(Transport):
         if memory.remote:
             raise TransportError("cannot register a peer's (remote) memory binding")
         self._memory = memory
-        return msgspec.msgpack.encode(_Metadata(self._name, memory.manifest()))
+        return encode(_Metadata(METADATA_VERSION, self._name, memory.manifest()))
 
     def add_peer(self, metadata: bytes) -> str:
-        try:
-            meta = msgspec.msgpack.decode(metadata, type=_Metadata)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise TransportError(f"malformed peer metadata: {exc}") from exc
+        meta = decode_versioned(metadata, _Metadata, version=METADATA_VERSION, what="local peer metadata",
+                                error=TransportError)
         self._peers[meta.agent] = KVMemory.from_manifest(meta.manifest)
         return meta.agent
 
     def remove_peer(self, peer: str) -> None:
         self._peers.pop(peer, None)
 
-    def write(self, plan: TransferPlan, peer: str, notif: bytes, label: str = "") -> LocalHandle:
+    def write(self, plan: Plan, peer: str, notif: bytes, label: str = "") -> LocalHandle:
         target = self._live_peer(peer)
         self._check(plan, peer, label)
         src, dst = plan.src_descs, plan.dst_descs
@@ -123,14 +127,14 @@ class LocalTransport(Transport):
             raise PeerLost(f"peer {peer!r} is gone")
         return target
 
-    def _check(self, plan: TransferPlan, peer: str, label: str) -> None:
+    def _check(self, plan: Plan, peer: str, label: str) -> None:
         if self._memory is None:
             raise TransportError("register memory before writing")
         if plan.src_memory.binding_fingerprint != self._memory.binding_fingerprint:
             raise TransportError(f"write {label!r}: the plan's source is not this transport's memory")
         check_rows_in_regions(plan.src_descs, self._memory, "source", peer, label)
-        check_rows_in_regions(plan.dst_descs, self._peers[peer], "destination", peer, label)
-        # The peer's manifest is what we were told; the peer's live registration is what is true.
+        # Against the peer's live registration (what is true), not its manifest (what we were told): a
+        # row inside the manifest but outside live memory is refused all the same.
         live = _REGISTRY[peer]._memory
         if live is None:
             raise TransportError(f"peer {peer!r} has no registered memory")

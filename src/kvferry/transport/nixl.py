@@ -55,10 +55,11 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from ..errors import PeerLost, TransportError
-from ..memory import KVMemory
-from ..plan import TransferPlan
-from .base import TransferHandle, Transport, check_rows_in_regions
+from kvferry.codec import decode_versioned, encode
+from kvferry.errors import PeerLost, TransportError, UsageError
+from kvferry.layout.memory import KVMemory
+from kvferry.plan.contract import Plan
+from kvferry.transport.base import TransferHandle, Transport, check_rows_in_regions
 
 __all__ = ["ENV_DEFAULTS", "NixlHandle", "NixlTransport"]
 
@@ -226,7 +227,7 @@ class NixlTransport(Transport):
     def __init__(self, agent_name: str | None = None, *, descriptors: Descriptors = "dlist",
                  progress_thread: bool = False, num_threads: int = 0) -> None:
         if descriptors not in ("dlist", "prepped"):
-            raise ValueError(f"descriptors must be 'dlist' or 'prepped', got {descriptors!r}")
+            raise UsageError(f"descriptors must be 'dlist' or 'prepped', got {descriptors!r}")
         self._name = agent_name or f"kvferry-{socket.gethostname()}-{os.getpid()}-{next(_COUNTER)}"
         self.descriptors: Descriptors = descriptors
         self._progress_thread = progress_thread
@@ -274,7 +275,7 @@ class NixlTransport(Transport):
             self._reg_descs.append(self._agent.register_memory(regs, self._mem_type))
             meta = self._agent.get_agent_metadata()
         self._memory = memory
-        self._metadata = msgspec.msgpack.encode(
+        self._metadata = encode(
             _Metadata(METADATA_VERSION, self._name, bytes(meta), memory.manifest()))
         return self._metadata
 
@@ -309,7 +310,7 @@ class NixlTransport(Transport):
             log.warning("%s", exc)  # the peer is forgotten either way
 
     # -- data path -----------------------------------------------------------------------------------------
-    def write(self, plan: TransferPlan, peer: str, notif: bytes, label: str = "") -> NixlHandle:
+    def write(self, plan: Plan, peer: str, notif: bytes, label: str = "") -> NixlHandle:
         """Post ``plan`` as one NIXL WRITE to ``peer`` with ``notif``; see ``Transport.write``.
 
         Refuses (``TransportError``) before posting when the plan's memories are not this side's and the
@@ -334,7 +335,7 @@ class NixlTransport(Transport):
             raise _translate(None, status, what, peer)
         return self._track(NixlHandle(self, xfer, peer, label, done=status == "DONE"))
 
-    def _make_xfer(self, plan: TransferPlan, state: _Peer, notif: bytes) -> Any:
+    def _make_xfer(self, plan: Plan, state: _Peer, notif: bytes) -> Any:
         agent = self._agent
         if self.descriptors == "dlist":
             src = agent.get_xfer_descs(plan.src_descs, self._mem_type)
@@ -407,7 +408,7 @@ class NixlTransport(Transport):
             raise TransportError(f"unknown peer {peer!r} (add_peer first; known: {sorted(self._peers)})")
         return state
 
-    def _check_plan(self, plan: TransferPlan, state: _Peer, label: str) -> None:
+    def _check_plan(self, plan: Plan, state: _Peer, label: str) -> None:
         if self._memory is None:
             raise TransportError("register memory before writing")
         if not _same_binding(plan.src_memory, self._memory):
@@ -428,14 +429,8 @@ class NixlTransport(Transport):
 
 
 def _decode_metadata(data: bytes) -> _Metadata:
-    try:
-        meta = msgspec.msgpack.decode(data, type=_Metadata)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise TransportError(f"malformed NIXL peer metadata: {exc}") from exc
-    if meta.version != METADATA_VERSION:
-        raise TransportError(f"peer {meta.agent!r} sent NIXL metadata version {meta.version}, "
-                             f"expected {METADATA_VERSION}")
-    return meta
+    return decode_versioned(data, _Metadata, version=METADATA_VERSION, what="NIXL peer metadata",
+                            error=TransportError)
 
 
 def _memory_type(memory: KVMemory, side: str) -> str:

@@ -1,1 +1,0 @@
-"""CLI subcommands, one module each; ``kvferry.cli.COMMANDS`` lists their ``add_*_parser`` functions."""

@@ -1,0 +1,404 @@
+"""Page digests: prove that the pages decode holds are the pages prefill sent.
+
+Layer 4 of kvferry (beside ``transport``, above ``plan``). The prefill side calls ``digest_plan`` on the
+plan it is about to post (or has posted) and sends the ``PageDigests`` with its completion message, as
+``to_bytes()``; the decode side decodes them with ``PageDigests.from_bytes`` (untrusted input) and calls
+``verify_digests`` on its own memory before it reports the request done. A mismatch raises
+``PageMismatchError``, a ``kvferry.IntegrityError`` naming pool, buffer, layer, page, expected and actual
+digest.
+
+Digests are keyed by buffer and *destination* page, so decode checks its own pages without knowing the
+source page numbers. ``digest_pages`` hashes source pages before the destination is known (prefill's
+``send``) and ``SourceDigests.keyed`` names the destination pages later; ``digest_plan`` is the two in one.
+Both sides pick the pages to hash with numpy across all buffers at once; ``page_hash`` hashes them
+(xxh3-64, one call per page).
+
+Across tensor-parallel sizes a prefill page is not a decode page: prefill rank ``r`` writes only the heads
+it shares with decode rank ``d``. ``digest_plan`` given a ``tp.TPPlan`` then hashes, per (buffer,
+destination page), the slice of the page the pair moves, and decode passes that link's slices
+(``TPPlanner(prefill memory, memory).slices``) to ``verify_digests``. Several prefill ranks each digest
+their own slice of one decode page; each link's digests are checked with that link's slices.
+
+Modes: ``off`` (nothing), ``sampled`` (``samples_per_buffer`` pages per buffer, chosen independently per
+buffer from the plan's pages with ``seed``, so different buffers cover different pages) and ``full``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Annotated, cast
+
+import msgspec
+import numpy as np
+
+from kvferry.arrays import readonly
+from kvferry.codec import decode_versioned, encode
+from kvferry.errors import IntegrityError, KVFerryError, PageMismatchError, UsageError
+from kvferry.integrity.hashing import hash_cells, hash_index, hash_pages
+from kvferry.layout.memory import KVMemory
+from kvferry.layout.spec import MAX_BUFFERS, MAX_NAME_LEN
+from kvferry.plan.contract import Plan
+from kvferry.plan.planner import TransferPlan
+from kvferry.plan.ranks import PageSlice
+from kvferry.plan.tp import TPPlan
+
+__all__ = [
+    "DIGESTS_VERSION",
+    "DigestMode",
+    "PageDigests",
+    "PageMismatch",
+    "PageMismatchError",
+    "SourceDigests",
+    "digest_pages",
+    "digest_plan",
+    "hash_pages",
+    "verify_digests",
+]
+
+# Bump when the wire fields, their encoding or the hash function change; decoders refuse other versions.
+DIGESTS_VERSION = 1
+# Caps on untrusted digest messages: 4M entries is 20 x a 128k-token DeepSeek request in full mode.
+MAX_ENTRIES = 1 << 22
+MAX_MESSAGE_BYTES = 128 << 20
+
+
+class DigestMode(str, Enum):
+    """How many pages a request's digests cover."""
+
+    OFF = "off"
+    SAMPLED = "sampled"
+    FULL = "full"
+
+    @classmethod
+    def parse(cls, value: DigestMode | str, error: type[KVFerryError] = UsageError) -> DigestMode:
+        """``"sampled"`` -> ``DigestMode.SAMPLED``; raises ``error`` naming the valid modes (``UsageError``
+        for an argument, ``IntegrityError`` for a mode read from the wire)."""
+        try:
+            return cls(value)
+        except ValueError:
+            valid = ", ".join(m.value for m in cls)
+            raise error(f"unknown digest mode {value!r} (expected one of: {valid})") from None
+
+    @classmethod
+    def from_peer(cls, value: str) -> DigestMode:
+        """A peer's announced mode; one this side does not know counts as off (the stronger mode of the
+        two sides applies, so a peer cannot weaken this side's)."""
+        return cls._value2member_map_.get(value, cls.OFF)  # type: ignore[return-value]
+
+    def stronger(self, other: DigestMode) -> DigestMode:
+        """The stronger of two modes (members are declared weakest first)."""
+        order = list(DigestMode)
+        return self if order.index(self) >= order.index(other) else other
+
+
+@dataclass(frozen=True, slots=True)
+class PageMismatch:
+    """One destination page whose digest differs from the one prefill sent."""
+
+    pool: str
+    buffer: str
+    layer: int | None
+    page: int
+    expected: int
+    actual: int
+
+    def __str__(self) -> str:
+        layer = "" if self.layer is None else f" (layer {self.layer})"
+        return (f"pool {self.pool!r}, buffer {self.buffer!r}{layer}, page {self.page}: "
+                f"expected digest {self.expected:#018x}, actual {self.actual:#018x}")
+
+
+@dataclass(frozen=True, eq=False)
+class PageDigests:
+    """Digests of destination pages, buffer by buffer.
+
+    Entry i says: page ``pages[i]`` of buffer ``buffer_names[buffer_ids[i]]`` must hash to ``digests[i]``.
+    ``shape`` is the layout's shape fingerprint ("" when unknown), checked by ``verify_digests``.
+    """
+
+    mode: DigestMode
+    buffer_names: tuple[str, ...]
+    buffer_ids: np.ndarray   # uint32 [N]: index into buffer_names
+    pages: np.ndarray        # int64 [N]: destination page
+    digests: np.ndarray      # uint64 [N]: xxh3-64 of the page bytes
+    shape: str = ""
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+    @classmethod
+    def empty(cls, mode: DigestMode = DigestMode.OFF, shape: str = "") -> PageDigests:
+        return cls(mode, (), readonly(np.zeros(0, np.uint32)), readonly(np.zeros(0, np.int64)),
+                   readonly(np.zeros(0, np.uint64)), shape)
+
+    @classmethod
+    def merge(cls, parts: Iterable[PageDigests]) -> PageDigests:
+        """One ``PageDigests`` holding every entry of ``parts`` (chunked or layer-by-layer sends).
+
+        The merged mode is the weakest of the parts (``full`` only if every part is full); the parts must
+        share a layout shape.
+        """
+        parts = list(parts)
+        if not parts:
+            return cls.empty()
+        shapes = {p.shape for p in parts} - {""}
+        if len(shapes) > 1:
+            raise IntegrityError(f"cannot merge digests of different layout shapes: {sorted(shapes)}")
+        names: dict[str, int] = {}
+        ids = []
+        for p in parts:
+            table = np.array([names.setdefault(n, len(names)) for n in p.buffer_names], dtype=np.uint32)
+            ids.append(table[p.buffer_ids] if len(p) else np.zeros(0, np.uint32))
+        order = [DigestMode.OFF, DigestMode.SAMPLED, DigestMode.FULL]
+        mode = min((p.mode for p in parts), key=order.index)
+        pages = readonly(np.concatenate([p.pages for p in parts]))
+        digests = readonly(np.concatenate([p.digests for p in parts]))
+        return cls(mode, tuple(names), readonly(np.concatenate(ids)), pages, digests, shapes.pop() if shapes else "")
+
+    # -- wire ------------------------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """Versioned msgpack; ``PageDigests.from_bytes`` round-trips it exactly."""
+        return encode(_DigestsMsg(
+            DIGESTS_VERSION, self.mode.value, self.shape, list(self.buffer_names),
+            self.buffer_ids.astype("<u4").tobytes(), self.pages.astype("<i8").tobytes(),
+            self.digests.astype("<u8").tobytes()))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> PageDigests:
+        """Decode untrusted bytes: sizes capped, arrays length- and range-checked; IntegrityError if not."""
+        if isinstance(data, (bytes, bytearray, memoryview)) and len(data) > MAX_MESSAGE_BYTES:
+            raise IntegrityError(f"page digests message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        return _from_msg(decode_versioned(data, _DigestsMsg, version=DIGESTS_VERSION, what="page digests",
+                                          error=IntegrityError))
+
+
+def _from_msg(msg: _DigestsMsg) -> PageDigests:
+    mode = DigestMode.parse(msg.mode, IntegrityError)
+    n = len(msg.digests) // 8
+    if len(msg.digests) % 8 or len(msg.buffer_ids) != 4 * n or len(msg.pages) != 8 * n:
+        raise IntegrityError(f"malformed page digests: array sizes disagree ({len(msg.buffer_ids)} B of ids, "
+                             f"{len(msg.pages)} B of pages, {len(msg.digests)} B of digests)")
+    ids = np.frombuffer(msg.buffer_ids, dtype="<u4").astype(np.uint32)
+    pages = np.frombuffer(msg.pages, dtype="<i8").astype(np.int64)
+    if mode is DigestMode.OFF and n:
+        raise IntegrityError(f"malformed page digests: mode 'off' with {n} entries")
+    if n and int(ids.max()) >= len(msg.buffer_names):
+        raise IntegrityError(f"malformed page digests: buffer id {int(ids.max())} but only "
+                             f"{len(msg.buffer_names)} buffer names")
+    if n and int(pages.min()) < 0:
+        raise IntegrityError(f"malformed page digests: negative page {int(pages.min())}")
+    return PageDigests(mode, tuple(msg.buffer_names), readonly(ids), readonly(pages),
+                       readonly(np.frombuffer(msg.digests, dtype="<u8").astype(np.uint64)), msg.shape)
+
+
+# -- prefill side ------------------------------------------------------------------------------------------
+def digest_plan(plan: Plan, mode: DigestMode | str, *, seed: int = 0,
+                samples_per_buffer: int = 2) -> PageDigests:
+    """Digest the source pages ``plan`` sends, keyed by buffer and destination page.
+
+    Called on the prefill side once the source pages hold the request's final KV (before or after the
+    write is posted: it only reads). Blocking; cost measured in bench/RESULTS-integrity.md. CUDA regions
+    are read by copying the chosen pages to host through torch (see ``page_hash.read_pages``). For a
+    ``TransferPlan``, equal to ``digest_pages`` over the plan's source pages, keyed by its destination
+    pages. For a ``TPPlan`` (across TP sizes), the digests cover the slice of each page the plan writes
+    and carry the *destination* layout's shape; decode checks them with that plan's ``slices``.
+    """
+    if not plan.whole_pages:
+        return _digest_tp_plan(cast(TPPlan, plan), mode, seed, samples_per_buffer)
+    plan = cast(TransferPlan, plan)
+    cells = [(pp.pool, pp.buffer_ids, pp.src_pages) for pp in plan.pools]
+    source = _digest_cells(plan.src_memory, cells, mode, seed, samples_per_buffer)
+    return source.keyed({pp.pool: pp.dst_pages for pp in plan.pools})
+
+
+def _digest_tp_plan(plan: TPPlan, mode: DigestMode | str, seed: int, k: int) -> PageDigests:
+    index = plan.src_memory.buffer_index  # the same buffer order on both sides (model_difference)
+    cells = [(pp.pool, np.array([index[n] for n in pp.buffers], dtype=np.int64), pp.src_pages)
+             for pp in plan.pool_pages if pp.buffers and len(pp.src_pages)]
+    source = _digest_cells(plan.src_memory, cells, mode, seed, k, plan.slices,
+                           plan.dst_memory.layout.shape_fingerprint)
+    return source.keyed({pp.pool: pp.dst_pages for pp in plan.pool_pages})
+
+
+def digest_pages(memory: KVMemory, pages: Mapping[str, np.ndarray], mode: DigestMode | str, *,
+                 seed: int | np.random.Generator = 0, samples_per_buffer: int = 2,
+                 buffers: Iterable[str] | None = None) -> SourceDigests:
+    """Digest source pages (pool -> validated int64 pages) before their destination pages are known.
+
+    Covers exactly the cells ``plan_transfer(memory, peer, {pool: (pages[pool], dst)}, buffers)`` writes,
+    in the same order, and with the same int ``seed`` samples as ``digest_plan`` on that plan does;
+    ``SourceDigests.keyed`` then names the destination pages. Lets prefill hash on the thread that calls
+    ``send`` (the pages are final then) rather than on its progress thread. Blocking.
+    """
+    keep = None if buffers is None else [memory.buffer_index[n] for n in buffers]
+    cells = []
+    for pool, src in pages.items():
+        ids = memory.pool_arrays[pool].buffer_ids
+        ids = ids if keep is None else ids[np.isin(ids, keep)]
+        if len(src) and len(ids):  # the planner leaves such pools out of the plan too
+            cells.append((pool, ids, np.asarray(src, dtype=np.int64)))
+    return _digest_cells(memory, cells, mode, seed, samples_per_buffer)
+
+
+@dataclass(frozen=True, eq=False)
+class SourceDigests:
+    """Digests keyed by position: entry i hashes position ``positions[i]`` of the page list of pool
+    ``pool_names[pool_ids[i]]`` in buffer ``buffer_names[buffer_ids[i]]``. From ``digest_pages``."""
+
+    mode: DigestMode
+    buffer_names: tuple[str, ...]
+    buffer_ids: np.ndarray   # uint32 [N]
+    pool_names: tuple[str, ...]
+    pool_ids: np.ndarray     # int64 [N]: index into pool_names
+    positions: np.ndarray    # int64 [N]: index into that pool's page list
+    digests: np.ndarray      # uint64 [N]
+    shape: str = ""
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+    def keyed(self, dst_pages: Mapping[str, np.ndarray]) -> PageDigests:
+        """The ``PageDigests`` decode checks: position i of pool p is destination page ``dst_pages[p][i]``."""
+        if not self.pool_names:
+            return PageDigests.empty(self.mode, self.shape)
+        lists = [np.asarray(dst_pages[p], dtype=np.int64) for p in self.pool_names]
+        starts = np.cumsum([0] + [len(x) for x in lists[:-1]])
+        pages = np.concatenate(lists)[starts[self.pool_ids] + self.positions]
+        return PageDigests(self.mode, self.buffer_names, self.buffer_ids, readonly(pages), self.digests, self.shape)
+
+
+_Cells = Sequence[tuple[str, np.ndarray, np.ndarray]]   # per pool: (name, buffer ids into layout.buffers, pages)
+
+
+def _digest_cells(memory: KVMemory, cells: _Cells, mode: DigestMode | str, seed: int | np.random.Generator,
+                  k: int, slices: Mapping[str, PageSlice] | None = None, shape: str | None = None,
+                  ) -> SourceDigests:
+    """Choose the pages to hash (every one, or ``k`` per buffer), then hash them all in one pass: whole
+    pages, or each buffer's ``slices`` entry of them. ``shape``: the layout the digests are checked on."""
+    mode = DigestMode.parse(mode)
+    shape = memory.layout.shape_fingerprint if shape is None else shape
+    if mode is not DigestMode.OFF and k < 1:
+        raise UsageError(f"samples_per_buffer must be >= 1, got {k}")
+    if mode is DigestMode.OFF or not cells:
+        return SourceDigests(mode, (), *_empty_entries(), shape=shape)
+    rng = _rng(seed) if mode is DigestMode.SAMPLED else None
+    local, gids, pools, pos, src = [], [], [], [], []
+    for p, (_, ids, pages) in enumerate(cells):
+        chosen = _choose(rng, len(ids), len(pages), mode, k)   # [buffers of the pool, picks]: positions
+        first = sum(len(c[1]) for c in cells[:p])               # plan-wide number of the pool's first buffer
+        local.append(np.repeat(np.arange(first, first + len(ids), dtype=np.uint32), chosen.shape[1]))
+        gids.append(np.repeat(ids, chosen.shape[1]))
+        pools.append(np.full(chosen.size, p, dtype=np.int64))
+        pos.append(chosen.ravel())
+        src.append(pages[chosen].ravel())
+    bufs = memory.layout.buffers
+    names = tuple(bufs[g].name for c in cells for g in c[1].tolist())
+    digests = hash_cells(memory, np.concatenate(gids), np.concatenate(src), slices, "src")
+    return SourceDigests(mode, names, readonly(np.concatenate(local)), tuple(c[0] for c in cells),
+                         readonly(np.concatenate(pools)), readonly(np.concatenate(pos)), readonly(digests), shape)
+
+
+def _rng(seed: int | np.random.Generator) -> np.random.Generator:
+    if isinstance(seed, np.random.Generator):
+        return seed
+    return np.random.default_rng(seed % (1 << 64))  # any int: request ids may hash negative
+
+
+def _empty_entries() -> tuple[np.ndarray, tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]:
+    z = readonly(np.zeros(0, np.int64))
+    return readonly(np.zeros(0, np.uint32)), (), z, z, readonly(np.zeros(0, np.uint64))
+
+
+def _choose(rng: np.random.Generator | None, num_buffers: int, num_pages: int, mode: DigestMode,
+            k: int) -> np.ndarray:
+    """Indices into the pool's page list, one row per buffer: all of them, or ``k`` drawn per buffer."""
+    if mode is DigestMode.FULL or num_pages <= k:
+        return np.broadcast_to(np.arange(num_pages), (num_buffers, num_pages))
+    assert rng is not None
+    # k smallest of uniform keys = k pages without replacement, independently for each buffer; sorted
+    # so the hashes read memory in page order.
+    keys = rng.random((num_buffers, num_pages))
+    return np.sort(np.argpartition(keys, k - 1, axis=1)[:, :k], axis=1)
+
+
+# -- decode side -------------------------------------------------------------------------------------------
+def verify_digests(memory: KVMemory, digests: PageDigests,
+                   slices: Mapping[str, PageSlice] | None = None) -> None:
+    """Recompute ``digests`` on this side's pages; raise ``PageMismatchError`` listing every mismatch.
+
+    Called by decode after the write completed and before it reports the request done. Across TP sizes,
+    ``slices`` is the link's ``TPPlanner(prefill memory, memory).slices``: each digest then covers that
+    buffer's slice of the page. Raises ``IntegrityError`` too when the digests name a buffer or page this
+    layout does not have, a buffer ``slices`` does not write, or were made for another layout shape.
+    Empty digests (mode ``off``) verify nothing and return.
+    """
+    if not len(digests):
+        return
+    layout = memory.layout
+    if digests.shape and digests.shape != layout.shape_fingerprint:
+        raise IntegrityError(f"page digests are for layout shape {digests.shape}, this side has "
+                             f"{layout.shape_fingerprint}")
+    gids = _local_buffer_ids(memory, digests)
+    _check_page_range(memory, digests, gids)
+    if slices is not None:
+        _check_written(memory, gids, slices)
+    actual = hash_cells(memory, gids, digests.pages, slices, "dst")
+    bad = np.flatnonzero(actual != digests.digests)
+    if len(bad):
+        bad = bad[np.argsort(digests.buffer_ids[bad], kind="stable")]  # buffer by buffer, as listed
+        raise PageMismatchError([_mismatch(memory, digests, int(i), int(actual[i])) for i in bad.tolist()],
+                                len(digests), digests.mode.value)
+
+
+def _local_buffer_ids(memory: KVMemory, digests: PageDigests) -> np.ndarray:
+    """Each entry's buffer as an index into this side's ``layout.buffers``; unknown names refused."""
+    by_name = hash_index(memory).by_name
+    table = np.array([by_name.get(n, -1) for n in digests.buffer_names], dtype=np.int64)
+    gids = table[digests.buffer_ids]
+    if (gids < 0).any():
+        name = digests.buffer_names[int(digests.buffer_ids[np.argmax(gids < 0)])]
+        raise IntegrityError(f"page digests name buffer {name!r}, which this layout does not have")
+    return gids
+
+
+def _check_page_range(memory: KVMemory, digests: PageDigests, gids: np.ndarray) -> None:
+    pages = digests.pages
+    caps = hash_index(memory).num_pages[gids]
+    bad = (pages < 0) | (pages >= caps)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise IntegrityError(f"page digests name page {int(pages[i])} of buffer "
+                             f"{digests.buffer_names[int(digests.buffer_ids[i])]!r}, which has {int(caps[i])} "
+                             "pages on this side")
+
+
+def _check_written(memory: KVMemory, gids: np.ndarray, slices: Mapping[str, PageSlice]) -> None:
+    for g in np.unique(gids).tolist():
+        name = memory.layout.buffers[g].name
+        if name not in slices:
+            raise IntegrityError(f"page digests name buffer {name!r}, which this prefill rank does not write "
+                                 "to this decode rank")
+
+
+def _mismatch(memory: KVMemory, digests: PageDigests, i: int, actual: int) -> PageMismatch:
+    name = digests.buffer_names[int(digests.buffer_ids[i])]
+    return PageMismatch(memory.layout.pool_of[name], name, memory.layout.buffer(name).layer,
+                        int(digests.pages[i]), int(digests.digests[i]), actual)
+
+
+# -- wire struct -------------------------------------------------------------------------------------------
+_Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_LEN)]
+
+
+class _DigestsMsg(msgspec.Struct, forbid_unknown_fields=True):
+    version: int
+    mode: Annotated[str, msgspec.Meta(max_length=16)]
+    shape: Annotated[str, msgspec.Meta(max_length=128)]
+    buffer_names: Annotated[list[_Name], msgspec.Meta(max_length=MAX_BUFFERS)]
+    buffer_ids: Annotated[bytes, msgspec.Meta(max_length=4 * MAX_ENTRIES)]  # little-endian uint32
+    pages: Annotated[bytes, msgspec.Meta(max_length=8 * MAX_ENTRIES)]       # little-endian int64
+    digests: Annotated[bytes, msgspec.Meta(max_length=8 * MAX_ENTRIES)]     # little-endian uint64
+
+

@@ -1,0 +1,153 @@
+"""Page hashing: the one place kvferry's page digests read memory.
+
+Layer 4 of kvferry, under ``integrity`` (which decides which pages to hash, and checks the results). A
+cell is (buffer, page); its digest is the xxh3-64 (python-xxhash) of the page's bytes, or, for a write
+across tensor-parallel sizes, of the slice of the page that one rank pair moves (a ``tp.PageSlice``:
+``num_tokens`` segments of ``nbytes``, strided, concatenated in token order; read at the source offsets
+on prefill, at the destination offsets on decode). A whole-page slice hashes as the page does.
+
+One call per page, since a page is the unit a mismatch must name and the library has no batched API.
+Host buffers are hashed in one loop over slices of a flat view per buffer (built once per binding): no
+Python work per buffer, which was most of a sampled digest's cost. Measured alternatives
+(bench/RESULTS-integrity.md): gathering pages into a block first is slower (a copy of every byte);
+threads do not help, because python-xxhash holds the GIL for inputs under 64 KiB and pages are smaller.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from kvferry.arrays import readonly
+from kvferry.errors import LayoutError
+from kvferry.layout.memory import KVMemory
+
+if TYPE_CHECKING:
+    from kvferry.plan.tp import PageSlice
+
+__all__ = ["HashIndex", "hash_cells", "hash_index", "hash_pages", "hash_slices", "read_pages"]
+
+_HASH_SEED = 0  # fixed: both sides must hash alike; sampling, not hashing, is what digests' ``seed`` varies
+
+
+@dataclass(frozen=True, slots=True)
+class HashIndex:
+    """Per binding, built once: what hashing a (buffer, page) cell needs, without per-buffer lookups."""
+
+    by_name: dict[str, int]              # buffer name -> index into layout.buffers
+    num_pages: np.ndarray                # int64 [buffers]
+    page_bytes: np.ndarray               # int64 [buffers]
+    views: tuple[memoryview | None, ...]  # flat bytes of each host buffer; None: GPU or not readable here
+    all_host: bool                       # every view present: the fast path needs no per-call check
+
+
+_INDEXES: weakref.WeakKeyDictionary[KVMemory, HashIndex] = weakref.WeakKeyDictionary()
+
+
+def hash_index(memory: KVMemory) -> HashIndex:
+    """``memory``'s ``HashIndex``, built on first use and kept as long as ``memory`` lives."""
+    index = _INDEXES.get(memory)
+    if index is None:
+        bufs = memory.layout.buffers
+        views = tuple(_host_view(memory, b.name) for b in bufs)
+        index = HashIndex({b.name: i for i, b in enumerate(bufs)},
+                          readonly(np.array([b.num_pages for b in bufs], dtype=np.int64)),
+                          readonly(np.array([b.page_bytes for b in bufs], dtype=np.int64)), views,
+                          all(v is not None for v in views))
+        _INDEXES[memory] = index   # a race builds it twice, harmlessly
+    return index
+
+
+def _host_view(memory: KVMemory, name: str) -> memoryview | None:
+    if memory.remote or memory.region(name).device != "cpu":
+        return None
+    return memoryview(memory.array(name).reshape(-1))
+
+
+def hash_cells(memory: KVMemory, gids: np.ndarray, pages: np.ndarray,
+               slices: Mapping[str, PageSlice] | None = None, side: str = "src") -> np.ndarray:
+    """xxh3-64 of page ``pages[i]`` of buffer ``gids[i]`` (indices into layout.buffers), as uint64.
+
+    With ``slices`` (buffer name -> its ``PageSlice``; every buffer in ``gids`` must have one), of that
+    slice of the page, at its ``side`` ("src" or "dst") offsets. Pages must be in range (a memoryview
+    slice past the end is short, not an error). GPU buffers and slices go buffer by buffer.
+    """
+    index = hash_index(memory)
+    views = index.views
+    if slices is not None or (not index.all_host and any(views[g] is None for g in np.unique(gids).tolist())):
+        return _hash_by_buffer(memory, gids, pages, slices, side)
+    pb = index.page_bytes[gids]
+    fn, seed = xxhash.xxh3_64_intdigest, _HASH_SEED
+    out = [fn(views[g][o:o + n], seed)  # type: ignore[index]
+           for g, o, n in zip(gids.tolist(), (pages * pb).tolist(), pb.tolist())]
+    return np.array(out, dtype=np.uint64)
+
+
+def _hash_by_buffer(memory: KVMemory, gids: np.ndarray, pages: np.ndarray,
+                    slices: Mapping[str, PageSlice] | None, side: str) -> np.ndarray:
+    out = np.zeros(len(gids), dtype=np.uint64)
+    bufs = memory.layout.buffers
+    for g in np.unique(gids).tolist():
+        at, name = np.flatnonzero(gids == g), bufs[g].name
+        if slices is None:
+            out[at] = hash_pages(memory, name, pages[at])
+        else:
+            out[at] = hash_slices(memory, name, pages[at], slices[name], side)
+    return out
+
+
+def hash_pages(memory: KVMemory, buffer: str, pages: np.ndarray) -> np.ndarray:
+    """xxh3-64 of each page of ``buffer`` in ``pages``, as uint64 (host memory read in place)."""
+    rows = read_pages(memory, buffer, pages)
+    fn = xxhash.xxh3_64_intdigest
+    if rows is None:
+        arr = memory.array(buffer)
+        # Indexing a numpy row creates a view (no copy); measured faster than memoryview slicing.
+        out = [fn(arr[p], _HASH_SEED) for p in pages.tolist()]
+    else:
+        out = [fn(row, _HASH_SEED) for row in rows]
+    return np.array(out, dtype=np.uint64)
+
+
+def hash_slices(memory: KVMemory, buffer: str, pages: np.ndarray, piece: PageSlice, side: str) -> np.ndarray:
+    """xxh3-64 of ``piece`` of each page of ``buffer`` in ``pages`` (``side``: "src" or "dst" offsets)."""
+    if piece.whole:
+        return hash_pages(memory, buffer, pages)
+    offset, stride = (piece.src_offset, piece.src_stride) if side == "src" else (piece.dst_offset, piece.dst_stride)
+    rows = read_pages(memory, buffer, pages)  # GPU: a host copy of the chosen pages; host: None
+    arr, index = (memory.array(buffer), pages) if rows is None else (rows, np.arange(len(pages)))
+    if piece.num_tokens == 1:  # head-major: one contiguous segment per page
+        view = arr[:, offset:offset + piece.nbytes]
+    else:  # token-major: a page is num_tokens rows of ``stride`` bytes; the slice is a column band of them
+        view = arr.reshape(len(arr), piece.num_tokens, stride)[:, :, offset:offset + piece.nbytes]
+    # Fancy indexing copies only the slice bytes, contiguous per page: one hash call per page.
+    block = np.ascontiguousarray(view[index]).reshape(len(index), -1)
+    fn = xxhash.xxh3_64_intdigest
+    return np.array([fn(row, _HASH_SEED) for row in block], dtype=np.uint64)
+
+
+def read_pages(memory: KVMemory, buffer: str, pages: np.ndarray) -> np.ndarray | None:
+    """Host copy of GPU pages (``len(pages) x page_bytes`` uint8), or None for host memory (read in place).
+
+    GPU memory is reached through the torch tensor the binding was built from (``KVMemory.from_arrays``);
+    a CUDA binding from raw pointers cannot be read here. Untested without a GPU: one gather on the
+    device, one copy to host.
+    """
+    region = memory.region(buffer)
+    if region.device == "cpu":
+        return None
+    tensor = memory.owner(buffer)
+    if tensor is None or not hasattr(tensor, "data_ptr"):
+        raise LayoutError(f"buffer {buffer!r} is {region.device} memory bound from a raw pointer: "
+                          "bind it from its torch tensor to digest or diff it")
+    import torch  # lazy: only GPU bindings need it
+
+    page_bytes = memory.layout.buffer(buffer).page_bytes
+    flat = tensor.view(torch.uint8).reshape(-1, page_bytes)
+    index = torch.as_tensor(np.ascontiguousarray(pages), device=flat.device)
+    return flat.index_select(0, index).cpu().numpy()

@@ -1,0 +1,74 @@
+"""The manifest's wire structs: a layout (and its memory binding) as versioned msgpack.
+
+The bottom of the layout layer: ``spec`` and ``memory`` build and read these; nothing here knows a
+``Layout``. Decoding (``kvferry.codec.decode_versioned``) treats the bytes as untrusted: msgspec checks
+every field's type, and the layout's dataclasses re-validate every value.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["MANIFEST_VERSION", "BufferMsg", "HeadsMsg", "LayoutMsg", "MemoryMsg", "PoolMsg", "PoolMsgV2",
+           "RegionMsg"]
+
+# Bump when the manifest's fields or their meaning change; decoders refuse other versions.
+# 2: buffers carry optional head geometry; layouts carry tp_size and tp_rank. Pools' optional
+# window_tokens came later without a bump: it is written only when set (see ``_pool_msg``), so manifests
+# without windows are unchanged and older peers read them; a windowed one they refuse as malformed.
+MANIFEST_VERSION = 2
+
+
+class HeadsMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    num_heads: int
+    head_bytes: int
+    tokens_per_page: int
+    major: str
+    replicated: bool
+
+
+class BufferMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    name: str
+    page_bytes: int
+    num_pages: int
+    dtype: str
+    kind: str
+    layer: int | None
+    heads: HeadsMsg | None = None
+
+
+class PoolMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    name: str
+    tokens_per_page: int | None
+    buffers: list[BufferMsg]
+    window_tokens: int | None = None
+
+
+class PoolMsgV2(msgspec.Struct, array_like=True):
+    """A pool without a window, encoded as version 2 first defined it (decoded as a ``PoolMsg``)."""
+
+    name: str
+    tokens_per_page: int | None
+    buffers: list[BufferMsg]
+
+
+class LayoutMsg(msgspec.Struct, forbid_unknown_fields=True):
+    version: int
+    pools: list[PoolMsg]
+    tp_size: int = 1
+    tp_rank: int = 0
+
+
+class RegionMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    address: int
+    nbytes: int
+    device: str
+    device_id: int
+
+
+class MemoryMsg(msgspec.Struct, forbid_unknown_fields=True):
+    version: int
+    pools: list[PoolMsg]
+    regions: list[RegionMsg]
+    tp_size: int = 1
+    tp_rank: int = 0

@@ -1,0 +1,384 @@
+"""Typed KV layouts: buffers, pools and the layout that orders them.
+
+The core of the layout layer, above its wire structs (``manifest``), below ``compare`` and ``memory``. A
+layout says *what* memory holds, never *where*: addresses belong to ``memory.KVMemory``. Every buffer owns
+its geometry (``page_bytes``) and its index space (``num_pages``); nothing here, or above, derives one
+buffer's slot count from another's.
+
+The manifest is the layout's wire form. It is versioned, and decoding treats its bytes as untrusted: every
+field is type-checked by ``msgspec`` and every value re-validated by the dataclasses below.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from kvferry.codec import decode_versioned, encode
+from kvferry.errors import LayoutError
+from kvferry.layout.manifest import MANIFEST_VERSION, BufferMsg, HeadsMsg, LayoutMsg, PoolMsg, PoolMsgV2
+
+__all__ = ["Buffer", "HeadGeometry", "Layout", "Pool"]
+
+
+# Generous caps on untrusted manifests: far above any real model, far below what exhausts memory.
+MAX_POOLS = 1024
+MAX_BUFFERS = 1 << 16
+MAX_PAGE_BYTES = 1 << 40
+MAX_PAGES = 1 << 40
+MAX_NAME_LEN = 256
+MAX_TP_SIZE = 1 << 16
+HEAD_MAJORS = ("head", "token")
+
+
+def _check_name(what: str, name: object) -> None:
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN:
+        raise LayoutError(f"{what} name must be a non-empty string of at most {MAX_NAME_LEN} chars, got {name!r}")
+
+
+def _check_count(where: str, what: str, value: object, upper: int) -> None:
+    # bool is an int subclass; a True page size is always a bug upstream.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LayoutError(f"{where}: {what} must be an int, got {type(value).__name__} {value!r}")
+    if not 0 < value <= upper:
+        raise LayoutError(f"{where}: {what} must be in 1..{upper}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class HeadGeometry:
+    """How one page of a buffer is cut into attention heads, on this tensor-parallel rank.
+
+    A page holds ``tokens_per_page`` token rows (entries, for compressed pools) of ``num_heads`` heads of
+    ``head_bytes`` bytes each. ``major="head"`` stores it as ``[head][token][bytes]`` (each head's tokens
+    contiguous), ``major="token"`` as ``[token][head][bytes]``. A *sharded* buffer holds ``num_heads`` of
+    the model's ``num_heads x tp_size`` heads: rank ``r`` holds heads ``[r * num_heads, (r+1) * num_heads)``.
+    A *replicated* buffer (MLA latent, indexer keys, state slots) holds the same bytes on every rank.
+    """
+
+    num_heads: int
+    head_bytes: int
+    tokens_per_page: int
+    major: str = "head"
+    replicated: bool = False
+
+    def __post_init__(self) -> None:
+        where = "head geometry"
+        _check_count(where, "num_heads", self.num_heads, 1 << 20)
+        _check_count(where, "head_bytes", self.head_bytes, MAX_PAGE_BYTES)
+        _check_count(where, "tokens_per_page", self.tokens_per_page, 1 << 30)
+        if self.major not in HEAD_MAJORS:
+            raise LayoutError(f"{where}: major must be one of {HEAD_MAJORS}, got {self.major!r}")
+        if not isinstance(self.replicated, bool):
+            raise LayoutError(f"{where}: replicated must be a bool, got {self.replicated!r}")
+
+    @classmethod
+    def whole_page(cls, page_bytes: int) -> HeadGeometry:
+        """A replicated page with no head structure (state slots, aux buffers): always moved whole."""
+        return cls(1, page_bytes, 1, "head", True)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_heads * self.head_bytes * self.tokens_per_page
+
+    def key(self) -> tuple[object, ...]:
+        return (self.num_heads, self.head_bytes, self.tokens_per_page, self.major, self.replicated)
+
+    def model_key(self, tp_size: int) -> tuple[object, ...]:
+        """What must match across TP sizes: total heads when sharded, the rank's own heads when replicated."""
+        heads = self.num_heads if self.replicated else self.num_heads * tp_size
+        return (heads, self.head_bytes, self.tokens_per_page, self.major, self.replicated)
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """One registered memory region of ``num_pages`` pages of ``page_bytes`` bytes each.
+
+    ``kind`` is a role tag (``kv``, ``k``, ``v``, ``index_k``, ``state``, ``aux``...), ``dtype`` the element
+    type as a string (``bf16``, ``fp8_e4m3``...). Both are compared at handshake: a decode side that reads
+    the bytes as another dtype must be refused before a byte moves. ``heads`` (optional) says how a page is
+    cut into attention heads; it is what lets ``kvferry.plan.tp`` move KV between different TP sizes, and when
+    given, ``page_bytes`` must equal ``heads.page_bytes``.
+    """
+
+    name: str
+    page_bytes: int
+    num_pages: int
+    dtype: str = "uint8"
+    kind: str = "kv"
+    layer: int | None = None
+    heads: HeadGeometry | None = None
+
+    def __post_init__(self) -> None:
+        _check_name("buffer", self.name)
+        where = f"buffer {self.name!r}"
+        _check_count(where, "page_bytes", self.page_bytes, MAX_PAGE_BYTES)
+        _check_count(where, "num_pages", self.num_pages, MAX_PAGES)
+        for attr in ("dtype", "kind"):
+            value = getattr(self, attr)
+            if not isinstance(value, str) or not value or len(value) > MAX_NAME_LEN:
+                raise LayoutError(f"{where}: {attr} must be a non-empty string, got {value!r}")
+        if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int)
+                                       or self.layer < 0):
+            raise LayoutError(f"{where}: layer must be None or an int >= 0, got {self.layer!r}")
+        self._check_heads(where)
+
+    def _check_heads(self, where: str) -> None:
+        if self.heads is None:
+            return
+        if not isinstance(self.heads, HeadGeometry):
+            raise LayoutError(f"{where}: heads must be a HeadGeometry or None, got {type(self.heads).__name__}")
+        if self.heads.page_bytes != self.page_bytes:
+            h = self.heads
+            raise LayoutError(f"{where}: page_bytes {self.page_bytes} != {h.num_heads} heads x {h.head_bytes} B "
+                              f"x {h.tokens_per_page} tokens = {h.page_bytes} declared by its head geometry")
+
+    @property
+    def nbytes(self) -> int:
+        return self.page_bytes * self.num_pages
+
+    def shape_key(self) -> tuple[object, ...]:
+        """Fields that must be equal on both sides of a transfer (capacity excluded)."""
+        base = (self.name, self.page_bytes, self.dtype, self.kind, self.layer)
+        # Appended only when declared, so layouts without head geometry keep their fingerprints.
+        return base if self.heads is None else (*base, self.heads.key())
+
+    def model_key(self, tp_size: int) -> tuple[object, ...]:
+        """Fields that must be equal between two TP sizes of one model (page_bytes of sharded buffers,
+        which scale with 1 / tp_size, excluded)."""
+        if self.heads is None:
+            return (self.name, self.page_bytes, self.dtype, self.kind, self.layer, None)
+        page = self.page_bytes if self.heads.replicated else None
+        return (self.name, page, self.dtype, self.kind, self.layer, self.heads.model_key(tp_size))
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """A page-index space: page ``i`` of the pool is page ``i`` of every buffer in it.
+
+    Buffers of one pool may differ in ``page_bytes`` and in ``num_pages``; a page index must be valid in
+    each of them. ``tokens_per_page`` is None for per-request state slots (Mamba state, for example).
+    ``window_tokens`` marks a sliding-window pool: a request keeps only the pages under its last
+    ``window_tokens`` tokens (``sim.pages_needed`` counts them). Both are part of the shape.
+    """
+
+    name: str
+    buffers: tuple[Buffer, ...]
+    tokens_per_page: int | None = None
+    window_tokens: int | None = None
+
+    def __init__(self, name: str, buffers: Sequence[Buffer], tokens_per_page: int | None = None,
+                 window_tokens: int | None = None) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "buffers", tuple(buffers))
+        object.__setattr__(self, "tokens_per_page", tokens_per_page)
+        object.__setattr__(self, "window_tokens", window_tokens)
+        self._validate()
+
+    def _validate(self) -> None:
+        _check_name("pool", self.name)
+        if not self.buffers:
+            raise LayoutError(f"pool {self.name!r} has no buffers")
+        for buf in self.buffers:
+            if not isinstance(buf, Buffer):
+                raise LayoutError(f"pool {self.name!r}: expected Buffer, got {type(buf).__name__}")
+        if self.tokens_per_page is not None:
+            _check_count(f"pool {self.name!r}", "tokens_per_page", self.tokens_per_page, 1 << 30)
+        if self.window_tokens is not None:
+            _check_count(f"pool {self.name!r}", "window_tokens", self.window_tokens, 1 << 40)
+            if self.tokens_per_page is None:
+                raise LayoutError(f"pool {self.name!r}: a state pool (tokens_per_page None) has no window")
+
+    @property
+    def min_pages(self) -> int:
+        """Pages valid in every buffer of the pool: the bound a page index must stay under."""
+        return min(b.num_pages for b in self.buffers)
+
+    @property
+    def uniform_pages(self) -> bool:
+        return len({b.num_pages for b in self.buffers}) == 1
+
+    def key(self, buffer_keys: tuple[object, ...]) -> tuple[object, ...]:
+        """The pool's part of a fingerprint, around its buffers' keys."""
+        base = (self.name, self.tokens_per_page, buffer_keys)
+        # Appended only when set, so layouts without windows keep their fingerprints.
+        return base if self.window_tokens is None else (*base, ("window_tokens", self.window_tokens))
+
+    def with_buffers(self, buffers: Sequence[Buffer]) -> Pool:
+        """The same pool (name, token granularity, window) holding ``buffers`` instead."""
+        return Pool(self.name, buffers, self.tokens_per_page, self.window_tokens)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The ordered pools of one worker's KV cache.
+
+    ``shape_fingerprint`` covers what must match between prefill and decode (pool names, token
+    granularity and windows, buffer names, order, kinds, dtypes, layers, page sizes) and not what may
+    differ (capacities, addresses).
+
+    ``tp_size``/``tp_rank`` place the layout in a tensor-parallel group (defaults: no TP). The shape
+    fingerprint is per rank: it includes ``tp_size`` and the per-rank head geometry, so equal shapes can be
+    copied rank to rank by ``plan_transfer``. ``model_fingerprint`` leaves TP out (it counts a sharded
+    buffer's heads over all ranks): equal model fingerprints mean ``kvferry.plan.tp`` can plan between them.
+    """
+
+    pools: tuple[Pool, ...]
+    tp_size: int
+    tp_rank: int
+    _by_buffer: dict[str, Buffer] = field(init=False, repr=False, compare=False)
+    _by_pool: dict[str, Pool] = field(init=False, repr=False, compare=False)
+
+    def __init__(self, pools: Sequence[Pool], tp_size: int = 1, tp_rank: int = 0) -> None:
+        object.__setattr__(self, "pools", tuple(pools))
+        object.__setattr__(self, "tp_size", tp_size)
+        object.__setattr__(self, "tp_rank", tp_rank)
+        _check_count("layout", "tp_size", tp_size, MAX_TP_SIZE)
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+            raise LayoutError(f"layout: tp_rank must be an int in 0..{tp_size - 1}, got {tp_rank!r}")
+        if not self.pools:
+            raise LayoutError("layout has no pools")
+        if len(self.pools) > MAX_POOLS:
+            raise LayoutError(f"layout has {len(self.pools)} pools, more than the limit {MAX_POOLS}")
+        by_pool: dict[str, Pool] = {}
+        by_buffer: dict[str, Buffer] = {}
+        for pool in self.pools:
+            if not isinstance(pool, Pool):
+                raise LayoutError(f"expected Pool, got {type(pool).__name__}")
+            if pool.name in by_pool:
+                raise LayoutError(f"duplicate pool name {pool.name!r}")
+            by_pool[pool.name] = pool
+            for buf in pool.buffers:
+                if buf.name in by_buffer:
+                    raise LayoutError(f"duplicate buffer name {buf.name!r} (in pool {pool.name!r})")
+                by_buffer[buf.name] = buf
+        if len(by_buffer) > MAX_BUFFERS:
+            raise LayoutError(f"layout has {len(by_buffer)} buffers, more than the limit {MAX_BUFFERS}")
+        object.__setattr__(self, "_by_pool", by_pool)
+        object.__setattr__(self, "_by_buffer", by_buffer)
+
+    # -- lookups ---------------------------------------------------------------------------------------
+    @cached_property
+    def buffers(self) -> tuple[Buffer, ...]:
+        """All buffers, pool by pool, in declaration order (the order of flat per-page lists)."""
+        return tuple(b for p in self.pools for b in p.buffers)
+
+    @cached_property
+    def pool_of(self) -> dict[str, str]:
+        """Buffer name -> its pool's name."""
+        return {b.name: p.name for p in self.pools for b in p.buffers}
+
+    def pool(self, name: str) -> Pool:
+        try:
+            return self._by_pool[name]
+        except KeyError:
+            raise LayoutError(f"no pool {name!r} in layout (pools: {sorted(self._by_pool)})") from None
+
+    def buffer(self, name: str) -> Buffer:
+        try:
+            return self._by_buffer[name]
+        except KeyError:
+            raise LayoutError(f"no buffer {name!r} in layout ({len(self._by_buffer)} buffers)") from None
+
+    def __iter__(self) -> Iterator[Pool]:
+        return iter(self.pools)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    # -- fingerprints ----------------------------------------------------------------------------------
+    def shape_key(self) -> tuple[object, ...]:
+        pools = tuple(p.key(tuple(b.shape_key() for b in p.buffers)) for p in self.pools)
+        # tp_size only when set, so layouts without TP keep their fingerprints; tp_rank never (any two
+        # ranks of one TP group have one shape).
+        return pools if self.tp_size == 1 else (("tp_size", self.tp_size), *pools)
+
+    def model_key(self) -> tuple[object, ...]:
+        return tuple(p.key(tuple(b.model_key(self.tp_size) for b in p.buffers)) for p in self.pools)
+
+    @cached_property
+    def model_fingerprint(self) -> str:
+        """Hex digest of the model's shape independent of TP size: equal for any two TP layouts of one
+        model whose KV ``kvferry.plan.tp`` can move (see ``model_difference``)."""
+        return _digest(("model", self.model_key()))
+
+    @cached_property
+    def shape_fingerprint(self) -> str:
+        """Hex digest of the shape: equal for two layouts that may exchange KV."""
+        return _digest(self.shape_key())
+
+    @cached_property
+    def instance_fingerprint(self) -> str:
+        """Hex digest of shape plus capacities: equal only for identically sized layouts."""
+        caps = tuple(b.num_pages for b in self.buffers)
+        return _digest((self.shape_key(), caps))
+
+    # -- derived layouts -------------------------------------------------------------------------------
+    def with_capacities(self, num_pages: dict[str, int]) -> Layout:
+        """The same shape with some buffers' ``num_pages`` replaced (e.g. read off engine regions)."""
+        unknown = set(num_pages) - set(self._by_buffer)
+        if unknown:
+            raise LayoutError(f"with_capacities: no buffers named {sorted(unknown)}")
+        return Layout([p.with_buffers([_replace_pages(b, num_pages.get(b.name, b.num_pages)) for b in p.buffers])
+                       for p in self.pools], self.tp_size, self.tp_rank)
+
+    # -- manifest --------------------------------------------------------------------------------------
+    def to_manifest(self) -> bytes:
+        """Versioned, self-describing bytes; ``Layout.from_manifest`` round-trips them exactly."""
+        return encode(LayoutMsg(version=MANIFEST_VERSION, pools=self.to_wire(), tp_size=self.tp_size,
+                                 tp_rank=self.tp_rank))
+
+    @classmethod
+    def from_manifest(cls, data: bytes) -> Layout:
+        """Decode untrusted manifest bytes; raises LayoutError on anything malformed or out of range."""
+        msg = decode_versioned(data, LayoutMsg, version=MANIFEST_VERSION, what="manifest", error=LayoutError)
+        return cls.from_wire(msg.pools, msg.tp_size, msg.tp_rank)
+
+    def to_wire(self) -> list[PoolMsg | PoolMsgV2]:
+        return [
+            _pool_msg(p, [BufferMsg(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer, _heads_msg(b.heads))
+                          for b in p.buffers])
+            for p in self.pools
+        ]
+
+    @classmethod
+    def from_wire(cls, pools: list[PoolMsg], tp_size: int = 1, tp_rank: int = 0) -> Layout:
+        if len(pools) > MAX_POOLS or sum(len(p.buffers) for p in pools) > MAX_BUFFERS:
+            raise LayoutError("manifest: too many pools or buffers")
+        return cls([
+            Pool(p.name, [Buffer(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer, _heads_of(b.heads))
+                          for b in p.buffers],
+                 p.tokens_per_page, p.window_tokens)
+            for p in pools
+        ], tp_size, tp_rank)
+
+
+def _pool_msg(pool: Pool, buffers: list[BufferMsg]) -> PoolMsg | PoolMsgV2:
+    if pool.window_tokens is None:  # the three elements every version-2 decoder expects
+        return PoolMsgV2(pool.name, pool.tokens_per_page, buffers)
+    return PoolMsg(pool.name, pool.tokens_per_page, buffers, pool.window_tokens)
+
+
+def _replace_pages(buf: Buffer, num_pages: int) -> Buffer:
+    return Buffer(buf.name, buf.page_bytes, num_pages, buf.dtype, buf.kind, buf.layer, buf.heads)
+
+
+def _heads_msg(heads: HeadGeometry | None) -> HeadsMsg | None:
+    if heads is None:
+        return None
+    return HeadsMsg(heads.num_heads, heads.head_bytes, heads.tokens_per_page, heads.major, heads.replicated)
+
+
+def _heads_of(msg: HeadsMsg | None) -> HeadGeometry | None:
+    if msg is None:
+        return None
+    return HeadGeometry(msg.num_heads, msg.head_bytes, msg.tokens_per_page, msg.major, msg.replicated)
+
+
+def _digest(key: object) -> str:
+    # blake2b from the standard library: fingerprints are computed once per handshake, not per page.
+    return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
+
+

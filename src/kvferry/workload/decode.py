@@ -1,0 +1,213 @@
+"""The decode side of a workload run: the scheduler, and the one that checks every byte.
+
+Part of the workload runner (``runner``). Decode admits a session's next turn when the previous one
+finished and its pages fit, leases destination pages (``DecodeLink``: a ``DecodeEndpoint``), tells prefill
+to start over the router pipe, and when the request completes checks every page of every buffer against
+``sim``'s expected pattern (independently of kvferry's digests), then frees the pages for reuse. Its
+report (``DecodeStats.report``) is what ``runner`` turns into a ``WorkloadResult``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from kvferry.errors import RequestFailed
+from kvferry.layout.memory import KVMemory
+from kvferry.workload.config import WorkloadConfig
+from kvferry.workload.side import IDLE_S, PROGRESS_S, Live, Side, check_state, endpoint_options, recv_message
+from kvferry.workload.sim import RequestSpec, check_pages
+
+
+class DecodeSide(Side):
+    """The scheduler: admits turns, leases pages, verifies every received byte, frees pages for reuse."""
+
+    role = "decode"
+    seed_salt = 1
+
+    def __init__(self, config: WorkloadConfig, router: Connection, parent: Connection) -> None:
+        super().__init__(config, router, parent)
+        self.link = DecodeLink(config, self.memory)
+        by_session: dict[int, list[RequestSpec]] = {}
+        for spec in self.schedule:
+            by_session.setdefault(spec.session, []).append(spec)
+        self.turns = by_session
+        # Sessions whose next turn may start, keyed by that turn's schedule index (admission order).
+        self.ready = [(turns[0].index, s) for s, turns in by_session.items()]
+        heapq.heapify(self.ready)
+        self.stats = DecodeStats()
+        self.quarantine: list[Live] = []
+        self.last_progress = 0.0
+
+    def close(self) -> None:
+        self.link.close()
+
+    def run(self) -> dict[str, Any]:
+        address = recv_message(self.router, "hello", self.config.timeout_s)
+        self.link.connect(address[0])
+        total = len(self.schedule)
+        self.stats.first = time.monotonic()
+        while self.stats.finished < total and not self.stopped:
+            progressed = self._release_quarantine() + self._admit() + self._poll()
+            self._report_progress(total)
+            self._check_stop()
+            if not progressed:
+                time.sleep(IDLE_S)
+        self.router.send(("stop",))
+        order = {b.name: i for i, b in enumerate(self.layout.buffers)}
+        self.stats.corrupted = dict(sorted(self.stats.corrupted.items(), key=lambda kv: order[kv[0]]))
+        return self.stats.report()
+
+    def _admit(self) -> int:
+        admitted = 0
+        while self.ready:
+            _, session = self.ready[0]
+            spec = self.turns[session][0]
+            pages = self._allocate(spec)
+            if pages is None:
+                break  # first come, first served: a large turn is not overtaken by smaller ones
+            heapq.heappop(self.ready)
+            self.turns[session].pop(0)
+            started = time.monotonic()
+            self.link.announce(spec.request_id, pages)
+            self.router.send(("start", spec.index))
+            self.live[spec.request_id] = Live(spec, pages, started)
+            admitted += 1
+        return admitted
+
+    def _poll(self) -> int:
+        finished = 0
+        now = time.monotonic()
+        for rid, live in list(self.live.items()):
+            try:
+                if not self.link.poll(rid):
+                    if now - live.started < self.config.request_timeout_s:
+                        continue
+                    self.link.abort(rid, "runner deadline")
+                    raise RequestFailed(rid, f"not done after {self.config.request_timeout_s:g} s (runner)")
+                self._finish(live, None)
+            except RequestFailed as exc:
+                self._finish(live, exc.reason)
+            finished += 1
+        return finished
+
+    def _finish(self, live: Live, failure: str | None) -> None:
+        elapsed = time.monotonic() - live.started
+        del self.live[live.spec.request_id]
+        self._verify(live, failure is None)
+        if failure is not None and self.link.lease_held(live.spec.request_id):
+            self.quarantine.append(live)  # a write may still land there: reuse only once the lease ends
+        else:
+            self._free(live.pages)
+        self.stats.record(live, elapsed, failure, self._nbytes(live.pages))
+        following = self.turns[live.spec.session]
+        if following:
+            heapq.heappush(self.ready, (following[0].index, live.spec.session))
+
+    def _release_quarantine(self) -> int:
+        ended = [q for q in self.quarantine if not self.link.lease_held(q.spec.request_id)]
+        for live in ended:
+            self.quarantine.remove(live)
+            self._free(live.pages)
+        return len(ended)
+
+    def _verify(self, live: Live, reported_done: bool) -> None:
+        """Every page of every buffer against the pattern prefill wrote; counts per buffer."""
+        for name, ids, keys in self._buffers(live.spec, live.pages):
+            bad = int(check_pages(self.views[name], ids, keys).sum())
+            self.stats.pages_verified += len(ids)
+            if bad:
+                self.stats.corrupted[name] = self.stats.corrupted.get(name, 0) + bad
+                self.stats.silent += bad if reported_done else 0
+
+    def _nbytes(self, pages: dict[str, np.ndarray]) -> int:
+        return sum(len(ids) * sum(b.page_bytes for b in self.layout.pool(p).buffers) for p, ids in pages.items())
+
+    def _report_progress(self, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last_progress >= PROGRESS_S or self.stats.finished == total:
+            self.last_progress = now
+            self.parent.send(("progress", self.stats.finished, total))
+
+
+@dataclass
+class DecodeStats:
+    """Decode's tallies; ``report`` turns them into the plain dict the parent receives."""
+
+    first: float = 0.0
+    last: float = 0.0
+    finished: int = 0
+    done: int = 0
+    nbytes: int = 0
+    pages_verified: int = 0
+    silent: int = 0
+    corrupted: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+    first_failure: str | None = None
+    latencies: list[float] = field(default_factory=list)
+
+    def record(self, live: Live, elapsed: float, failure: str | None, nbytes: int) -> None:
+        self.finished += 1
+        self.last = time.monotonic()
+        if failure is None:
+            self.done += 1
+            self.nbytes += nbytes
+            self.latencies.append(elapsed)
+            return
+        key = failure_kind(failure)
+        self.failures[key] = self.failures.get(key, 0) + 1
+        self.first_failure = self.first_failure or f"{live.spec.request_id}: {failure}"
+
+    def report(self) -> dict[str, Any]:
+        lat = np.asarray(self.latencies) * 1e3
+        return {
+            "requests": self.finished, "failed_requests": self.finished - self.done, "bytes": self.nbytes,
+            "seconds": max(0.0, self.last - self.first), "pages_verified": self.pages_verified,
+            "corrupted_pages": sum(self.corrupted.values()), "silent_corruptions": self.silent,
+            "corrupted_by_buffer": self.corrupted, "failures": dict(self.failures),
+            "first_failure": self.first_failure,
+            "p50_ms": float(np.percentile(lat, 50)) if len(lat) else 0.0,
+            "p99_ms": float(np.percentile(lat, 99)) if len(lat) else 0.0,
+            "latencies_ms": lat.tolist(),
+        }
+
+
+def failure_kind(reason: str) -> str:
+    """A short class for a failure reason: the exception name it carries, or its first words."""
+    match = re.search(r"\b([A-Z][A-Za-z]+(?:Error|Lost|Timeout|Failed))\b", reason)
+    return match.group(1) if match else " ".join(reason.split()[:4])
+
+
+class DecodeLink:
+    """A ``DecodeEndpoint``: announce leases the pages, poll reports DONE once digests verified."""
+
+    def __init__(self, config: WorkloadConfig, memory: KVMemory) -> None:
+        from kvferry.control import DecodeEndpoint
+
+        self.endpoint = DecodeEndpoint(memory, config.transport, digest_mode=config.digest_mode,
+                                       options=endpoint_options(config))
+
+    def connect(self, address: str) -> None:
+        self.endpoint.connect(address)
+
+    def announce(self, request_id: str, pages: dict[str, np.ndarray]) -> None:
+        self.endpoint.announce(request_id, pages)
+
+    def poll(self, request_id: str) -> bool:
+        return check_state(self.endpoint, request_id)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        self.endpoint.abort(request_id, reason)
+
+    def lease_held(self, request_id: str) -> bool:
+        """Whether decode still leases the request's pages (a failed request's writes may be landing)."""
+        return self.endpoint.holds_lease(request_id)
+
+    def close(self) -> None:
+        self.endpoint.close()

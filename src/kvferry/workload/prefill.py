@@ -1,0 +1,117 @@
+"""The prefill side of a workload run: allocate, write the pattern (the 'forward pass'), send, free.
+
+Part of the workload runner (``runner``). Prefill starts what decode asks for over the router pipe,
+allocates its own pages, fills them with ``sim``'s pattern and hands them to a ``PrefillEndpoint``
+(``PrefillLink``), under the fault ``workload_faults`` injects when the config names one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from kvferry.errors import PeerLost, RequestFailed
+from kvferry.layout.memory import KVMemory
+from kvferry.workload.config import WorkloadConfig
+from kvferry.workload.faults import FaultyTransport
+from kvferry.workload.side import IDLE_S, PROGRESS_S, Live, Side, check_state, endpoint_options
+from kvferry.workload.sim import RequestSpec, fill_pages
+
+
+class PrefillSide(Side):
+    """Starts what decode asks for: allocate, write the pattern (the 'forward pass'), send, free when sent."""
+
+    role = "prefill"
+    seed_salt = 2
+
+    def __init__(self, config: WorkloadConfig, router: Connection, parent: Connection) -> None:
+        super().__init__(config, router, parent)
+        self.link = PrefillLink(config, self.memory)
+        self.waiting: deque[RequestSpec] = deque()
+        self.sent = 0
+        self.failed = 0
+        self.decode_done = False
+
+    def close(self) -> None:
+        self.link.close()
+
+    def run(self) -> dict[str, Any]:
+        self.router.send(("hello", self.link.address))
+        while not self.stopped and not (self.decode_done and not self.waiting and not self.live):
+            if not self.decode_done:
+                self._read_router(block=not self.waiting and not self.live)
+            progressed = self._start() + self._poll()
+            self._check_stop()
+            if not progressed and (self.waiting or self.live):
+                time.sleep(IDLE_S)
+        return {"sent": self.sent, "failed": self.failed, "abandoned": len(self.live) + len(self.waiting)}
+
+    def _read_router(self, block: bool) -> None:
+        timeout = PROGRESS_S if block else 0
+        while not self.decode_done and self.router.poll(timeout):
+            timeout = 0
+            try:
+                kind, *body = self.router.recv()
+            except EOFError:
+                raise PeerLost("the decode side closed the router pipe before its last request") from None
+            if kind == "start":
+                self.waiting.append(self.schedule[body[0]])
+            elif kind == "stop":
+                self.decode_done = True  # nothing follows "stop"; the pipe may close any moment
+
+    def _start(self) -> int:
+        started = 0
+        while self.waiting:
+            spec = self.waiting[0]
+            pages = self._allocate(spec)
+            if pages is None:
+                break  # pages come back as earlier sends complete
+            self.waiting.popleft()
+            for name, ids, keys in self._buffers(spec, pages):
+                fill_pages(self.views[name], ids, keys)
+            self.live[spec.request_id] = Live(spec, pages, time.monotonic())
+            self.link.send(spec.request_id, pages)
+            started += 1
+        return started
+
+    def _poll(self) -> int:
+        finished = 0
+        for rid, live in list(self.live.items()):
+            try:
+                if not self.link.poll(rid):
+                    continue
+                self.sent += 1
+            except RequestFailed:
+                self.failed += 1
+            del self.live[rid]
+            self._free(live.pages)  # every write of it has settled (DONE), or it never will read them
+            finished += 1
+        return finished
+
+
+class PrefillLink:
+    """A ``PrefillEndpoint`` over the configured transport, wrapped by the injected fault if any."""
+
+    def __init__(self, config: WorkloadConfig, memory: KVMemory) -> None:
+        from kvferry.control import PrefillEndpoint
+        from kvferry.transport import make_transport
+
+        self.transport = make_transport(config.transport)
+        wrapped = self.transport if config.inject is None else FaultyTransport(self.transport, config.inject)
+        self.endpoint = PrefillEndpoint(memory, wrapped, digest_mode=config.digest_mode,
+                                        options=endpoint_options(config))
+        self.address = self.endpoint.address
+
+    def send(self, request_id: str, pages: dict[str, np.ndarray]) -> None:
+        self.endpoint.send(request_id, pages)
+
+    def poll(self, request_id: str) -> bool:
+        return check_state(self.endpoint, request_id)
+
+    def close(self) -> None:
+        self.endpoint.close()
+        self.transport.close()  # the endpoint closes only transports it created

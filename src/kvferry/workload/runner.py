@@ -1,0 +1,102 @@
+"""Run a workload end to end: a decode side and a prefill side, real transfers, every byte verified.
+
+Top layer beside ``cli`` (it drives ``sim`` over the control plane). ``run_workload(config)`` starts decode
+and prefill as two OS processes (``multiprocessing`` spawn) over NIXL, or, with ``transport="local"``, as
+two threads of this process over ``LocalTransport`` (fast tests). The parent only orchestrates: it
+relays nothing on the data path, shows a progress bar, enforces one deadline, and always cleans up.
+
+The runner is five modules, one per concern; this one holds what callers use (``WorkloadConfig``,
+``WorkloadResult``, ``run_workload``) and turns the sides' reports into a result:
+
+* ``workload_supervisor``: starts both sides, relays progress, enforces the deadline, cleans up;
+* ``workload_side``: what both sides share (memory, allocators, the schedule, pipes);
+* ``workload_decode``: the scheduler, which leases pages and checks every received byte against ``sim``'s
+  pattern (independently of kvferry's digests), then frees the pages for reuse;
+* ``workload_prefill``: allocates its own pages, writes the pattern (standing in for the model's forward
+  pass) and sends; ``workload_faults``: the transport wrapper that injects ``--inject`` faults.
+
+Both sides derive the same schedule from the seed, so only request indices cross between them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvferry.diagnostics.audit import audit
+from kvferry.errors import UsageError
+from kvferry.layout.spec import Layout
+from kvferry.workload.config import DEFAULT_BUDGET, WorkloadConfig, WorkloadResult
+from kvferry.workload.sim import OutOfPages, build_schedule, pages_needed
+from kvferry.workload.supervisor import ProgressFn, Reports, Supervisor
+
+__all__ = ["DEFAULT_BUDGET", "WorkloadConfig", "WorkloadResult", "run_workload"]  # the first three from config
+
+def run_workload(config: WorkloadConfig, progress: ProgressFn | None = None) -> WorkloadResult:
+    """Run ``config`` to completion or to its deadline; never leaves a process or thread behind.
+
+    ``progress(done, total)`` is called from this thread as requests finish. Errors inside either side
+    (a refused handshake, a crash, the deadline) come back as ``WorkloadResult.error``, with whatever the
+    other side had measured; errors in ``config`` itself (an unknown preset) raise ``KVFerryError``.
+    """
+    _validate(config)
+    layout = config.layout()
+    _check_capacity(config, layout)
+    started = time.monotonic()
+    reports = Supervisor(config, progress).run()
+    return _result(config, layout, reports, time.monotonic() - started)
+
+
+def _check_capacity(config: WorkloadConfig, layout: Layout) -> None:
+    """Refuse, before any process starts, a workload whose largest request cannot fit even alone."""
+    largest = max(spec.num_tokens for spec in build_schedule(config.workload))
+    for pool, need in pages_needed(layout, largest).items():
+        have = layout.pool(pool).min_pages
+        if need > have:
+            raise OutOfPages(f"the workload's largest prompt ({largest} tokens) needs {need} pages of pool "
+                             f"{pool!r}, which has {have}: raise the capacity (--budget/--pages) or lower "
+                             f"--max-tokens")
+
+
+def _validate(config: WorkloadConfig) -> None:
+    if config.transport not in ("nixl", "local"):
+        raise UsageError(f"transport must be 'nixl' or 'local', got {config.transport!r}")
+    if config.digest_mode not in ("off", "sampled", "full"):
+        raise UsageError(f"digest_mode must be 'off', 'sampled' or 'full', got {config.digest_mode!r}")
+    if config.timeout_s <= 0 or config.request_timeout_s <= 0:
+        raise UsageError("timeout_s and request_timeout_s must be > 0")
+
+
+# -- result ------------------------------------------------------------------------------------------------
+def _result(config: WorkloadConfig, layout: Layout, reports: Reports, wall_s: float) -> WorkloadResult:
+    dec = reports.decode or {}
+    seconds = float(dec.get("seconds", 0.0))
+    nbytes = int(dec.get("bytes", 0))
+    spec = config.workload
+    return WorkloadResult(
+        preset=config.preset, transport=config.transport, digest_mode=config.digest_mode, inject=config.inject,
+        sessions=spec.num_sessions, turns=spec.num_turns,
+        requests=int(dec.get("requests", 0)), requests_expected=spec.num_requests,
+        failed_requests=int(dec.get("failed_requests", 0)),
+        pages_verified=int(dec.get("pages_verified", 0)), corrupted_pages=int(dec.get("corrupted_pages", 0)),
+        silent_corruptions=int(dec.get("silent_corruptions", 0)),
+        corrupted_by_buffer=dict(dec.get("corrupted_by_buffer", {})),
+        bytes=nbytes, seconds=seconds, startup_seconds=max(0.0, wall_s - seconds),
+        gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+        p50_ms=float(dec.get("p50_ms", 0.0)), p99_ms=float(dec.get("p99_ms", 0.0)),
+        failures=dict(dec.get("failures", {})), first_failure=dec.get("first_failure"),
+        layout=layout_summary(layout), error=reports.error,
+        latencies_ms=tuple(float(x) for x in dec.get("latencies_ms", ())),
+    )
+
+
+def layout_summary(layout: Layout) -> dict[str, Any]:
+    """Pools and their buffers grouped by role (``c4.idx.*``): what the run moved, for tables and JSON."""
+    pools = {p.name: {"pool": p.name, "tokens_per_page": p.tokens_per_page, "usable_pages": p.min_pages,
+                      "roles": []} for p in layout.pools}
+    for r in audit(layout).roles:
+        pools[r.pool]["roles"].append({"role": r.role, "kind": r.kind, "dtype": r.dtype,
+                                       "buffers": r.num_buffers, "page_bytes": r.page_bytes,
+                                       "num_pages": r.num_pages, "bytes": r.total_bytes})
+    return {"shape_fingerprint": layout.shape_fingerprint, "bytes_per_side": layout.nbytes,
+            "num_buffers": len(layout.buffers), "pools": list(pools.values())}
