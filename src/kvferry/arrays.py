@@ -1,4 +1,5 @@
-"""Two numpy helpers shared by the layers that build frozen plans and digests (layer 0, beside errors)."""
+"""Two numpy helpers shared by the layers that build frozen plans and digests (at the bottom,
+beside ``codec``, just above ``errors``)."""
 
 from __future__ import annotations
 

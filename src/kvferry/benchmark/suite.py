@@ -1,8 +1,8 @@
 """The benchmark suite behind ``kvferry bench``: planner, transport and request latency, as one dict.
 
-Top layer beside ``cli`` (it drives ``plan`` and ``transport``). Every figure is measured in the run that
-reports it, with its baselines measured in the same run on the same bytes; nothing here is a constant
-figure. Three sections:
+Above ``workload`` (it drives the planner, the transports and a workload run), below ``cli``. Every figure is
+measured in the run that reports it, with its baselines measured in the same run on the same bytes; nothing
+here is a constant figure. Three sections:
 
 * **planning**: ``plan_transfer`` against two baselines written as engines commonly write them (one
   descriptor per (buffer, page); coalesce runs, then a Python loop over buffers), on a DeepSeek-V3.2-sized
@@ -516,11 +516,11 @@ def _fill_pattern(mem: KVMemory) -> None:
 
 def _verify(peer: _Peer, plan: TransferPlan, rng: np.random.Generator) -> None:
     """Spot-check a few pages of a few buffers: a benchmark that moves the wrong bytes reports nothing."""
-    pp = plan.pools[0]
-    for gid in rng.choice(pp.buffer_ids, size=min(4, len(pp.buffer_ids)), replace=False):
+    pool_plan = plan.pools[0]
+    for gid in rng.choice(pool_plan.buffer_ids, size=min(4, len(pool_plan.buffer_ids)), replace=False):
         name = peer.src.layout.buffers[int(gid)].name
-        pick = rng.choice(len(pp.src_pages), size=min(8, len(pp.src_pages)), replace=False)
-        if peer.dst_pages(name, pp.dst_pages[pick]) != peer.src.array(name)[pp.src_pages[pick]].tobytes():
+        pick = rng.choice(len(pool_plan.src_pages), size=min(8, len(pool_plan.src_pages)), replace=False)
+        if peer.dst_pages(name, pool_plan.dst_pages[pick]) != peer.src.array(name)[pool_plan.src_pages[pick]].tobytes():
             raise RuntimeError(f"benchmark write landed the wrong bytes in buffer {name!r}")
 
 

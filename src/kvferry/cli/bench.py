@@ -1,9 +1,10 @@
 """``kvferry bench``: run the benchmark suite, write its figures as JSON and PNG plots, print tables.
 
-CLI layer (top). The measuring is ``kvferry.benchmark.suite``; this module parses options, shows progress on
-stderr, writes ``bench.json`` and three plots (``bandwidth.png``, ``planning.png``, ``latency.png``)
-under ``--out``, and prints the figures as tables (or, with ``--json``, as one JSON object on stdout).
-matplotlib (Agg backend) and the suite are imported inside the handler, so ``kvferry --help`` stays fast.
+A command module, above ``args``, below ``main``. The measuring is ``kvferry.benchmark.suite``; this module
+parses options, shows progress on stderr, writes ``bench.json`` and three plots (``bandwidth.png``,
+``planning.png``, ``latency.png``) under ``--out``, and prints the figures as tables (or, with ``--json``, as
+one JSON object on stdout). matplotlib (Agg backend) and the suite are imported inside the handler, so
+``kvferry --help`` stays fast.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """``kvferry demo``: the first run. A prefill and a decode process exchange real KV pages, with a verdict.
 
-CLI layer (top). The same engine as ``kvferry stress`` (``runner.run_workload``), sized to finish in
+A command module, above ``stress`` (whose helpers it reuses), below ``main``. The same engine as
+``kvferry stress`` (``run_workload``), sized to finish in
 seconds on a 2-core laptop: a few dozen sessions of a few turns on the DeepSeek-V4-style hybrid layout,
 whose bf16 indexer-key buffers have fewer pages than the KV buffers beside them. It ends with a summary
 (requests, bytes, GB/s, p50/p99 latency, pages verified, corrupted pages), the layout it moved and a

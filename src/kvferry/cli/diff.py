@@ -1,9 +1,10 @@
 """``kvferry diff``: a self-contained transfer, optionally faulted, compared byte for byte.
 
-CLI layer (top). Builds a small prefill and decode memory from a preset, fills prefill with random bytes,
-moves one request through ``LocalTransport`` (with the fault ``--inject`` names, if any), then prints the
-byte diff, the digest verdict, the indexer top-k Jaccard and, with ``--plan``, the rows that were posted.
-Exit status: 0 when decode holds exactly what was sent, 1 when anything differs, 2 on usage errors.
+A command module, above ``args`` and ``diagnostics``, below ``main``. Builds a small prefill and decode memory
+from a preset, fills prefill with random bytes, moves one request through ``LocalTransport`` (with the fault
+``--inject`` names, if any), then prints the byte diff, the digest verdict, the indexer top-k Jaccard and,
+with ``--plan``, the rows that were posted. Exit status: 0 when decode holds exactly what was sent, 1 when
+anything differs, 2 on usage errors.
 """
 
 from __future__ import annotations

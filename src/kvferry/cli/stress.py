@@ -1,9 +1,10 @@
 """``kvferry stress``: many concurrent multi-turn sessions, prefill and decode as two processes, every byte checked.
 
-CLI layer (top). Builds a ``WorkloadConfig`` from the arguments, runs it with ``runner.run_workload``
-(progress bar on stderr when it is a terminal and ``--json`` is off), then prints a summary table or one
-JSON object. Exit status: 0 when every request completed and no page was corrupted, 1 otherwise, 2 on
-usage or kvferry errors. ``kvferry demo`` reuses the argument helpers and the rendering below.
+A command module, above ``args`` and ``workload``, below ``demo`` and ``main``. Builds a ``WorkloadConfig``
+from the arguments, runs it with ``runner.run_workload`` (progress bar on stderr when it is a terminal and
+``--json`` is off), then prints a summary table or one JSON object. Exit status: 0 when every request
+completed and no page was corrupted, 1 otherwise, 2 on usage or kvferry errors. ``kvferry demo`` reuses the
+argument helpers and the rendering below.
 """
 
 from __future__ import annotations

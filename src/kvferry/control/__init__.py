@@ -1,6 +1,7 @@
 """The control plane: prefill and decode endpoints, their wire protocol, leases and request states.
 
-Layer 5 of kvferry (above ``transport`` and ``integrity``). ``zmq`` is imported here and nowhere lower.
+Above ``transport`` and ``integrity``, beside ``diagnostics``; below ``workload`` and ``cli``. ``zmq`` is
+imported here and nowhere lower.
 
 Exported: ``PrefillEndpoint``, ``DecodeEndpoint``, ``RequestState``, ``EndpointOptions``,
 ``PROTOCOL_VERSION``.

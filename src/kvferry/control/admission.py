@@ -1,6 +1,6 @@
 """Handshake admission: what each side checks of the other before a session is established.
 
-Part of the control plane (layer 5), between ``wire`` (the messages) and the endpoints (which run the
+Part of the control plane, between ``wire`` (the messages) and the endpoints (which run the
 handshake). Prefill checks decode's Hello (``check_hello``), decode checks prefill's Welcome
 (``check_welcome``). Both compare layouts the same way (``layout_difference``: the shapes at equal TP
 sizes, the model across them) and both check that the decode rank needs that prefill rank; across TP each

@@ -1,25 +1,25 @@
 """Coverage bookkeeping for chunked sends: which (buffer, destination page) cells a request has written.
 
-Part of the control plane (layer 5), used by ``prefill`` when it posts a chunk. A cell written twice is
-refused at once; on the last chunk, a cell never written is refused too, so a chunked or layer-by-layer
-``send`` cannot leave decode's pages half-filled while reporting DONE. Across TP a cell is this rank's
-slice of the page, and buffers this rank does not write to that decode rank count as written. The
-tables (``PReq.coverage``) are made on first use; the common case, the whole request in one chunk, writes
-every cell once by construction and makes none.
+Part of the control plane, above ``prefill_requests``, below ``prefill``; used by ``prefill`` when it posts a
+chunk. A cell written twice is refused at once; on the last chunk, a cell never written is refused too, so a
+chunked or layer-by-layer ``send`` cannot leave decode's pages half-filled while reporting DONE. Across TP a
+cell is this rank's slice of the page, and buffers this rank does not write to that decode rank count as
+written. The tables (``PrefillRequest.coverage``) are made on first use; the common case, the whole request in
+one chunk, writes every cell once by construction and makes none.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvferry.control.prefill_requests import ChunkSpec, PReq
+from kvferry.control.prefill_requests import ChunkSpec, PrefillRequest
 from kvferry.errors import PlanError
 from kvferry.layout.spec import Layout
 
 __all__ = ["cover"]
 
 
-def cover(layout: Layout, rec: PReq, spec: ChunkSpec) -> None:
+def cover(layout: Layout, rec: PrefillRequest, spec: ChunkSpec) -> None:
     """Mark the cells ``spec`` writes for ``rec`` (before ``rec.next_chunk`` counts it), or ``PlanError``
     for a cell written twice, or, on the last chunk, a cell never written."""
     if rec.next_chunk == 0 and spec.last and _is_whole(rec, spec):
@@ -38,7 +38,7 @@ def cover(layout: Layout, rec: PReq, spec: ChunkSpec) -> None:
         _check_covered(layout, rec)
 
 
-def _is_whole(rec: PReq, spec: ChunkSpec) -> bool:
+def _is_whole(rec: PrefillRequest, spec: ChunkSpec) -> bool:
     """The chunk writes every buffer of every leased page, each once (whole pages, equal TP)."""
     assert rec.session is not None
     if spec.buffers is not None or rec.session.planner is not None or spec.src.keys() != rec.dst.keys():
@@ -46,7 +46,7 @@ def _is_whole(rec: PReq, spec: ChunkSpec) -> bool:
     return all(spec.offsets[p] == 0 and len(src) == len(rec.dst[p]) for p, src in spec.src.items())
 
 
-def _coverage(layout: Layout, rec: PReq, pool_name: str) -> np.ndarray:
+def _coverage(layout: Layout, rec: PrefillRequest, pool_name: str) -> np.ndarray:
     """Bool [buffers of the pool, leased pages]: cells written so far; made on first use."""
     cov = rec.coverage.get(pool_name)
     if cov is None:
@@ -64,7 +64,7 @@ def _buffer_mask(layout: Layout, pool_name: str, buffers: tuple[str, ...] | None
     return np.isin(names, buffers)
 
 
-def _check_covered(layout: Layout, rec: PReq) -> None:
+def _check_covered(layout: Layout, rec: PrefillRequest) -> None:
     """On the last chunk: every buffer of every announced page must have been written."""
     for pool_name in rec.dst:
         cov = _coverage(layout, rec, pool_name)

@@ -1,11 +1,11 @@
 """The decode endpoint: leases its pages to requests and learns when prefill's writes have landed.
 
-Part of the control plane (layer 5). Decode connects to one or more prefill endpoints (a ZMQ DEALER per
-prefill), announces each request with its destination pages (a lease), and reports ``DONE`` only after
-every chunk's transport notification arrived (the transport delivers it after the chunk's bytes) and its
-digests verified. A lease ends only when no write to its pages can still land: the request completed,
-prefill confirmed its writes settled (``Fail(settled=True)``), or prefill is known dead and
-``options.lease_grace`` has passed since.
+The top of the control plane (with ``prefill``), above every other control module. Decode connects to one or
+more prefill endpoints (a ZMQ DEALER per prefill), announces each request with its destination pages (a
+lease), and reports ``DONE`` only after every chunk's transport notification arrived (the transport delivers
+it after the chunk's bytes) and its digests verified. A lease ends only when no write to its pages can still
+land: the request completed, prefill confirmed its writes settled (``Fail(settled=True)``), or prefill is
+known dead and ``options.lease_grace`` has passed since.
 
 This module runs the protocol; the parts it drives live beside it: ``links`` (the prefill peers, and
 which of them a request needs), ``admission`` (what a Welcome must show), ``decode_requests`` (records,
@@ -24,7 +24,7 @@ import zmq
 
 from kvferry.control import wire
 from kvferry.control.admission import check_welcome
-from kvferry.control.decode_requests import DReq, Part
+from kvferry.control.decode_requests import DecodeRequest, Part
 from kvferry.control.digests import verify_chunk
 from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions, RequestRecord, as_secret, auth_mac
 from kvferry.control.leases import LeaseTable
@@ -49,8 +49,6 @@ from kvferry.transport import Transport
 
 __all__ = ["DecodeEndpoint"]
 
-S = RequestState
-
 
 class DecodeEndpoint(EndpointBase):
     """Decode side of kvferry. Construct, ``connect`` to prefill (``connect_all`` to the ranks of a prefill
@@ -72,7 +70,7 @@ class DecodeEndpoint(EndpointBase):
         self._links: dict[str, Link] = {}
         self._by_sock: dict[Any, Link] = {}
         self._by_agent: dict[str, Link] = {}
-        self._by_gen: dict[int, DReq] = {}
+        self._by_gen: dict[int, DecodeRequest] = {}
         self._generations = itertools.count(1)
         self._next_deadline_check = 0.0
         self._num_live = 0   # live records, kept by announce and _set_state: the busy test is O(1)
@@ -131,7 +129,7 @@ class DecodeEndpoint(EndpointBase):
                 raise LeaseError(f"request {request_id!r} is already live ({old.state.value})")
             gen = next(self._generations)
             leased = self._leases.acquire(gen, request_id, pages)
-            rec = DReq(request_id, time.monotonic() + self.options.request_timeout, gen, links)
+            rec = DecodeRequest(request_id, time.monotonic() + self.options.request_timeout, gen, links)
             self._remember(rec)
             self._by_gen[gen] = rec
             self._num_live += 1
@@ -143,7 +141,7 @@ class DecodeEndpoint(EndpointBase):
         until each confirms no write can land (or is known dead). No-op for a request already ended."""
         with self._lock:
             rec = self._record(request_id)
-            assert isinstance(rec, DReq)
+            assert isinstance(rec, DecodeRequest)
             if self._fail(rec, KVFerryError(f"aborted by decode: {reason}")):
                 self._call_soon(lambda: self._abort_parts(rec, reason))
 
@@ -279,8 +277,8 @@ class DecodeEndpoint(EndpointBase):
             return
         if isinstance(msg, wire.Ack):
             rec = self._lookup(link, msg.request_id, msg.generation)
-            if rec is not None and rec.state is S.BOOTSTRAPPING:
-                self._set_state(rec, S.WAITING_FOR_INPUT)
+            if rec is not None and rec.state is RequestState.BOOTSTRAPPING:
+                self._set_state(rec, RequestState.WAITING_FOR_INPUT)
         elif isinstance(msg, wire.Fail):
             self._on_fail(link, msg)
         elif isinstance(msg, wire.Bye):
@@ -302,7 +300,7 @@ class DecodeEndpoint(EndpointBase):
             self._pump()
             self._settle(rec, part)
 
-    def _lookup(self, link: Link, request_id: str, generation: int) -> DReq | None:
+    def _lookup(self, link: Link, request_id: str, generation: int) -> DecodeRequest | None:
         """The record a message from ``link`` is about, or None (an ended request: a late Ack or a
         repeated Fail is normal)."""
         rec = self._by_gen.get(generation)
@@ -310,13 +308,13 @@ class DecodeEndpoint(EndpointBase):
             return None
         return rec
 
-    def _fail_req(self, rec: DReq, error: KVFerryError, reason: str) -> None:
+    def _fail_req(self, rec: DecodeRequest, error: KVFerryError, reason: str) -> None:
         """Fail a live request and tell every prefill rank writing it that does not know yet to stop
         (each answers with a settled Fail, which ends its part of the lease)."""
         if self._fail(rec, error):
             self._abort_parts(rec, reason)
 
-    def _abort_parts(self, rec: DReq, reason: str) -> None:
+    def _abort_parts(self, rec: DecodeRequest, reason: str) -> None:
         msg = wire.Abort(rec.request_id, rec.generation, reason[:wire.MAX_REASON_LEN])
         for part in rec.parts.values():
             # A rank whose part completed is told too: it waits for our verdict, and would time out.
@@ -324,12 +322,12 @@ class DecodeEndpoint(EndpointBase):
                 part.told = True
                 self._send(part.link, msg)
 
-    def _settle(self, rec: DReq, part: Part) -> None:
+    def _settle(self, rec: DecodeRequest, part: Part) -> None:
         """``part`` can write no more; the lease ends once every part of the request is settled."""
         if rec.settle(part):
             self._end_lease(rec)
 
-    def _end_lease(self, rec: DReq) -> None:
+    def _end_lease(self, rec: DecodeRequest) -> None:
         self._leases.release(rec.generation)
         self._by_gen.pop(rec.generation, None)
         self._changed = True
@@ -369,18 +367,18 @@ class DecodeEndpoint(EndpointBase):
         if error is not None:
             self._reject_part(rec, part, error)
             return
-        if rec.state is not S.TRANSFERRING:
-            self._set_state(rec, S.TRANSFERRING)
+        if rec.state is not RequestState.TRANSFERRING:
+            self._set_state(rec, RequestState.TRANSFERRING)
         if part.is_complete:
             self._part_complete(rec, part)
 
-    def _reject_part(self, rec: DReq, part: Part, error: KVFerryError) -> None:
+    def _reject_part(self, rec: DecodeRequest, part: Part, error: KVFerryError) -> None:
         """This rank's bytes did not check out: fail the request, tell it (Result), abort the others."""
         part.told = True
         self._fail_req(rec, error, f"prefill rank {part.link.rank} ({part.link.address}) sent bad bytes")
         self._send(part.link, wire.Result(rec.request_id, rec.generation, False, str(error)[:wire.MAX_REASON_LEN]))
 
-    def _part_complete(self, rec: DReq, part: Part) -> None:
+    def _part_complete(self, rec: DecodeRequest, part: Part) -> None:
         """Every chunk of one rank arrived and verified; the request is DONE once every rank's has."""
         assert part.num_chunks is not None
         if max(part.chunks_seen) >= part.num_chunks:
@@ -391,7 +389,7 @@ class DecodeEndpoint(EndpointBase):
         part.settled = True  # every write of this rank has landed
         if not all(p.is_complete for p in rec.parts.values()):
             return
-        self._set_state(rec, S.DONE)
+        self._set_state(rec, RequestState.DONE)
         self._end_lease(rec)  # every chunk's notification arrived, so every write has landed
         for p in rec.parts.values():
             self._send(p.link, wire.Result(rec.request_id, rec.generation, True, ""))

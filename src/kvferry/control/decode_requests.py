@@ -1,10 +1,10 @@
-"""Decode's request records: one ``DReq`` per announced request, one ``Part`` per prefill rank writing it.
+"""Decode's request records: one ``DecodeRequest`` per announced request, one ``Part`` per prefill rank writing it.
 
-Part of the control plane (layer 5), used by ``decode``. At equal TP a request has one part; when decode
-runs fewer TP ranks than prefill, each prefill rank it needs writes its heads and is tracked apart. A part
-is *settled* once no write of it can still land (every chunk's notification arrived, the rank confirmed
-with a settled Fail, or it died and ``lease_grace`` passed); the request's lease ends only when every
-part is. Records are mutated only under the endpoint's lock.
+Part of the control plane, above ``endpoints`` and ``links``, below ``decode``. At equal TP a request has one
+part; when decode runs fewer TP ranks than prefill, each prefill rank it needs writes its heads and is tracked
+apart. A part is *settled* once no write of it can still land (every chunk's notification arrived, the rank
+confirmed with a settled Fail, or it died and ``lease_grace`` passed); the request's lease ends only when
+every part is. Records are mutated only under the endpoint's lock.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvferry.control.endpoints import RequestRecord
 from kvferry.control.links import Link
 from kvferry.control.states import RequestState
 
-__all__ = ["DReq", "Part"]
+__all__ = ["DecodeRequest", "Part"]
 
 
 class Part:
@@ -45,7 +45,7 @@ class Part:
         return True
 
 
-class DReq(RequestRecord):
+class DecodeRequest(RequestRecord):
     """A request on this decode rank: one lease (its id is ``generation``), one part per prefill rank it
     needs (one at equal TP)."""
 

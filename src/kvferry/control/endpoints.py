@@ -1,10 +1,10 @@
 """What prefill and decode endpoints share: options, the progress thread, waiting, counters.
 
-Part of the control plane (layer 5, above ``transport`` and ``integrity``). Each endpoint runs exactly
-one progress thread. It alone touches the ZMQ sockets and the transport (neither is thread-safe; NIXL
-also needs the receiving side to call ``get_notifications`` regularly, which this thread does). Public
-methods may be called from any thread: they take the endpoint's lock, change request records, queue
-what must be sent, and wake the thread. ``wait`` blocks on a condition the thread signals.
+Part of the control plane, above ``states`` and the transports, below ``prefill`` and ``decode``. Each
+endpoint runs exactly one progress thread. It alone touches the ZMQ sockets and the transport (neither is
+thread-safe; NIXL also needs the receiving side to call ``get_notifications`` regularly, which this thread
+does). Public methods may be called from any thread: they take the endpoint's lock, change request records,
+queue what must be sent, and wake the thread. ``wait`` blocks on a condition the thread signals.
 
 The thread polls ZMQ with a timeout when nothing is in flight, and spins with a short sleep while a
 write or a notification is outstanding (NIXL notifications wake no file descriptor). The sleep starts at

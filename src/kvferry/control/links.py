@@ -1,6 +1,6 @@
 """Decode's view of its prefill peers: one ``Link`` per prefill rank, and which links a request goes to.
 
-Part of the control plane (layer 5), used by ``decode``. A link owns one ZMQ DEALER socket and goes
+Part of the control plane, above ``wire``, below ``decode``. A link owns one ZMQ DEALER socket and goes
 connecting -> established -> dead (or failed). What a prefill must show to be established is
 ``admission``'s; ``pick_links`` chooses, per announced request, exactly the prefill ranks this decode
 rank needs (``tp.source_ranks``). Mutated only under the endpoint's lock.

@@ -1,12 +1,13 @@
 """The prefill endpoint: accepts decode peers, matches their announcements with ready KV, writes it.
 
-Part of the control plane (layer 5). Prefill binds a ZMQ ROUTER; each decode connects, handshakes (layout
-shapes compared, optional HMAC challenge) and announces requests with destination pages. The engine calls
-``send`` as KV becomes ready: all at once, in chunks (an offset into decode's page list, the last one
-marked), or restricted to some buffers (layer by layer). Either may come first. Each chunk becomes one
-transport write whose notification carries the chunk's digests. A request is ``DONE`` here once every
-write completed and decode reported the bytes verified. Whenever a request fails, decode is told with
-``Fail(settled=True)`` only after every write of it has settled, because decode frees the pages then.
+The top of the control plane (with ``decode``), above every other control module. Prefill binds a ZMQ ROUTER;
+each decode connects, handshakes (layout shapes compared, optional HMAC challenge) and announces requests with
+destination pages. The engine calls ``send`` as KV becomes ready: all at once, in chunks (an offset into
+decode's page list, the last one marked), or restricted to some buffers (layer by layer). Either may come
+first. Each chunk becomes one transport write whose notification carries the chunk's digests. A request is
+``DONE`` here once every write completed and decode reported the bytes verified. Whenever a request fails,
+decode is told with ``Fail(settled=True)`` only after every write of it has settled, because decode frees the
+pages then.
 
 This module runs the protocol; the parts it drives live beside it: ``sessions`` (the decode peers),
 ``admission`` (what a Hello must show), ``prefill_requests`` (records, chunk specs, request groups across
@@ -31,7 +32,7 @@ from kvferry.control.digests import chunk_digests, source_digests
 from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions, as_secret, auth_mac
 from kvferry.control.prefill_requests import (
     ChunkSpec,
-    PReq,
+    PrefillRequest,
     can_join,
     dst_slice,
     group_done,
@@ -60,8 +61,6 @@ from kvferry.transport import TransferHandle, Transport
 
 __all__ = ["PrefillEndpoint"]
 
-S = RequestState
-
 
 class PrefillEndpoint(EndpointBase):
     """Prefill side of kvferry. Binds at construction; ``address`` is what decode passes to ``connect``.
@@ -85,8 +84,8 @@ class PrefillEndpoint(EndpointBase):
         self._sessions: dict[bytes, Session] = {}
         # Records (by identity: an id may have an old incarnation still settling) that are live, hold
         # handles, or owe decode a Fail; ``_dirty`` is the subset the progress loop must look at now.
-        self._active: set[PReq] = set()
-        self._dirty: set[PReq] = set()
+        self._active: set[PrefillRequest] = set()
+        self._dirty: set[PrefillRequest] = set()
         self._next_deadline_check = 0.0
         self._digest_rng = np.random.default_rng()  # sampling for send()'s digests
         # What close() fails live requests with; decode hears of it as PeerLost (see _send_fail).
@@ -116,11 +115,11 @@ class PrefillEndpoint(EndpointBase):
             self._check_open()
             rec = self._records.get(request_id)
             if rec is None:
-                rec = self._new_request(request_id, S.BOOTSTRAPPING)
-            assert isinstance(rec, PReq)
-            if rec.state is S.DONE:
+                rec = self._new_request(request_id, RequestState.BOOTSTRAPPING)
+            assert isinstance(rec, PrefillRequest)
+            if rec.state is RequestState.DONE:
                 raise UsageError(f"request {request_id!r} is already done")
-            if rec.state is S.FAILED:
+            if rec.state is RequestState.FAILED:
                 raise RequestFailed(request_id, str(rec.error)) from rec.error
             if rec.last_queued:
                 raise UsageError(f"request {request_id!r}: the last chunk was already sent")
@@ -139,7 +138,7 @@ class PrefillEndpoint(EndpointBase):
         only once every write already posted has settled. No-op for a request already ended."""
         with self._lock:
             rec = self._record(request_id)
-            assert isinstance(rec, PReq)
+            assert isinstance(rec, PrefillRequest)
             self._fail_req(rec, KVFerryError(f"aborted by prefill: {reason}"))
 
     @property
@@ -162,14 +161,14 @@ class PrefillEndpoint(EndpointBase):
                     "peers": len(self.peers), "bad_messages": self.num_bad_messages}
 
     # -- records and groups (under the lock) ----------------------------------------------------------
-    def _new_request(self, request_id: str, state: RequestState) -> PReq:
-        rec = PReq(request_id, state, time.monotonic() + self.options.request_timeout)
+    def _new_request(self, request_id: str, state: RequestState) -> PrefillRequest:
+        rec = PrefillRequest(request_id, state, time.monotonic() + self.options.request_timeout)
         self._remember(rec)
         self._active.add(rec)
         self._changed = True
         return rec
 
-    def _queue(self, rec: PReq, spec: ChunkSpec) -> None:
+    def _queue(self, rec: PrefillRequest, spec: ChunkSpec) -> None:
         """Queue a chunk for every decode rank of the request, and keep it for those not yet announced."""
         if rec.history is not None:
             rec.history.append(spec)
@@ -181,10 +180,10 @@ class PrefillEndpoint(EndpointBase):
             if member.session is not None:
                 self._call_soon(lambda m=member: self._post_ready(m))
 
-    def _join(self, leader: PReq, session: Session, generation: int, dst: dict[str, np.ndarray]) -> None:
+    def _join(self, leader: PrefillRequest, session: Session, generation: int, dst: dict[str, np.ndarray]) -> None:
         """Another decode rank announced a request this rank already serves (decode TP > prefill TP): a
         record of its own, given every chunk queued so far; the leader is DONE only once all are."""
-        rec = PReq(leader.request_id, S.WAITING_FOR_INPUT, leader.deadline)
+        rec = PrefillRequest(leader.request_id, RequestState.WAITING_FOR_INPUT, leader.deadline)
         rec.group = leader.group
         rec.group.append(rec)
         rec.pending.extend(leader.history or ())
@@ -195,7 +194,7 @@ class PrefillEndpoint(EndpointBase):
             leader.history = None  # every decode rank has its copy of the queue
 
     # -- posting writes (progress thread) --------------------------------------------------------------
-    def _post_ready(self, rec: PReq) -> None:
+    def _post_ready(self, rec: PrefillRequest) -> None:
         if rec.session is None or rec.session.state != "established":
             return
         while rec.pending and rec.is_live:
@@ -205,7 +204,7 @@ class PrefillEndpoint(EndpointBase):
             except KVFerryError as exc:
                 self._fail_req(rec, exc)
 
-    def _post_chunk(self, rec: PReq, spec: ChunkSpec) -> None:
+    def _post_chunk(self, rec: PrefillRequest, spec: ChunkSpec) -> None:
         session = rec.session
         assert session is not None and session.remote is not None
         pairs = {pool: (src, dst_slice(rec, pool, spec.offsets[pool], len(src)))
@@ -222,8 +221,8 @@ class PrefillEndpoint(EndpointBase):
         rec.handles.append(handle)
         self._dirty.add(rec)
         rec.last_posted = spec.last
-        if rec.state is not S.TRANSFERRING:
-            self._set_state(rec, S.TRANSFERRING)
+        if rec.state is not RequestState.TRANSFERRING:
+            self._set_state(rec, RequestState.TRANSFERRING)
 
     def _plan(self, session: Session, pairs: dict[str, tuple[np.ndarray, np.ndarray]],
               buffer_ids: np.ndarray | None) -> Plan:
@@ -237,13 +236,13 @@ class PrefillEndpoint(EndpointBase):
         return plan_pages(self.memory, session.remote, pairs, buffer_ids)
 
     # -- failure and settling (progress thread or caller, under the lock) ------------------------------
-    def _fail_req(self, rec: PReq, error: KVFerryError) -> None:
+    def _fail_req(self, rec: PrefillRequest, error: KVFerryError) -> None:
         self._fail_one(rec, error)
         for member in rec.group:  # fail closed: one decode rank's failure is the request's
             if member is not rec and member.is_live:
                 self._fail_one(member, error)
 
-    def _fail_one(self, rec: PReq, error: KVFerryError) -> None:
+    def _fail_one(self, rec: PrefillRequest, error: KVFerryError) -> None:
         failed_now = self._fail(rec, error)
         rec.pending.clear()
         self._active.add(rec)   # keep it until its handles settle and decode is told
@@ -255,7 +254,7 @@ class PrefillEndpoint(EndpointBase):
             self._call_soon(lambda: self._send_fail(rec, settled=False))
         self._wake()
 
-    def _send_fail(self, rec: PReq, *, settled: bool) -> None:
+    def _send_fail(self, rec: PrefillRequest, *, settled: bool) -> None:
         session = rec.session
         if session is None or session.state != "established":
             return
@@ -265,7 +264,7 @@ class PrefillEndpoint(EndpointBase):
         self._send(session, wire.Fail(rec.request_id, rec.generation, str(err)[:wire.MAX_REASON_LEN], kind,
                                       settled))
 
-    def _poll_handles(self, rec: PReq) -> None:
+    def _poll_handles(self, rec: PrefillRequest) -> None:
         still: list[TransferHandle] = []
         for handle in rec.handles:
             try:
@@ -279,21 +278,22 @@ class PrefillEndpoint(EndpointBase):
                 still.append(handle)
         rec.handles = still
 
-    def _settle(self, rec: PReq) -> None:
+    def _settle(self, rec: PrefillRequest) -> None:
         """With no write in flight: finish, or tell decode the failure is settled; then forget it."""
         if rec.handles:
             return
         if rec.is_live and rec.last_posted and rec.decode_ok and group_done(rec):
-            self._set_state(rec, S.DONE)
+            self._set_state(rec, RequestState.DONE)
             if rec.leader is not rec:
                 self._dirty.add(rec.leader)  # the leader may be waiting for this decode rank only
         if not rec.is_live:
             rec.history = None
         session = rec.session
-        if rec.state is S.FAILED and not rec.fail_sent and session is not None and session.state == "established":
+        if (rec.state is RequestState.FAILED and not rec.fail_sent and session is not None
+                and session.state == "established"):
             self._send_fail(rec, settled=True)
             rec.fail_sent = True
-        if not rec.is_live and (rec.fail_sent or rec.state is S.DONE or session is None
+        if not rec.is_live and (rec.fail_sent or rec.state is RequestState.DONE or session is None
                                 or session.state != "established"):
             self._active.discard(rec)
 
@@ -351,22 +351,22 @@ class PrefillEndpoint(EndpointBase):
             self._refuse(session, msg, exc)
             return
         rec = self._records.get(msg.request_id)
-        if isinstance(rec, PReq) and rec.is_live and rec.session is not None:
+        if isinstance(rec, PrefillRequest) and rec.is_live and rec.session is not None:
             if not can_join(rec, session):
                 self._refuse(session, msg, PlanError(f"request {msg.request_id!r} is already announced and live"))
                 return
             self._join(rec, session, msg.generation, dst)
             self._post_and_ack(rec.group[-1], msg)
             return
-        if isinstance(rec, PReq) and rec.state is S.FAILED and rec.session is None:
+        if isinstance(rec, PrefillRequest) and rec.state is RequestState.FAILED and rec.session is None:
             self._refuse(session, msg, rec.error or KVFerryError("failed before it was announced"))
             return
-        if not isinstance(rec, PReq) or not rec.is_live:
-            rec = self._new_request(msg.request_id, S.WAITING_FOR_INPUT)
+        if not isinstance(rec, PrefillRequest) or not rec.is_live:
+            rec = self._new_request(msg.request_id, RequestState.WAITING_FOR_INPUT)
         self._bind(rec, session, msg.generation, dst)
         self._post_and_ack(rec, msg)
 
-    def _post_and_ack(self, rec: PReq, msg: wire.Announce) -> None:
+    def _post_and_ack(self, rec: PrefillRequest, msg: wire.Announce) -> None:
         """Post what is queued; acknowledge only when nothing was: a posted chunk's notification tells
         decode as much, and one ZMQ message fewer per request is CPU saved on both sides."""
         self._post_ready(rec)
@@ -379,13 +379,13 @@ class PrefillEndpoint(EndpointBase):
         return validate_pages(session.remote.layout, "destination", wire.decode_pages(msg.pages), PlanError,
                               unique=True)
 
-    def _bind(self, rec: PReq, session: Session, generation: int, dst: dict[str, np.ndarray]) -> None:
+    def _bind(self, rec: PrefillRequest, session: Session, generation: int, dst: dict[str, np.ndarray]) -> None:
         rec.session, rec.generation, rec.dst = session, generation, dst
         rec.coverage = {}   # made per pool when a chunk needs it (see coverage.cover)
         if rec.leader is rec:
             rec.expected = num_decode_ranks(self.memory.layout, session)
-        if rec.state is S.BOOTSTRAPPING:
-            self._set_state(rec, S.WAITING_FOR_INPUT)
+        if rec.state is RequestState.BOOTSTRAPPING:
+            self._set_state(rec, RequestState.WAITING_FOR_INPUT)
 
     def _refuse(self, session: Session, msg: wire.Announce, error: KVFerryError) -> None:
         # Nothing was or will be written under this generation, so decode may free the pages at once.
@@ -410,9 +410,9 @@ class PrefillEndpoint(EndpointBase):
         self._fail_req(rec, KVFerryError(f"aborted by {session.label}: {msg.reason}"))
         rec.fail_sent = False  # decode waits for a settled Fail for this generation, even a repeated one
 
-    def _match(self, session: Session, request_id: str, generation: int) -> PReq | None:
+    def _match(self, session: Session, request_id: str, generation: int) -> PrefillRequest | None:
         rec = self._records.get(request_id)
-        for member in rec.group if isinstance(rec, PReq) else ():
+        for member in rec.group if isinstance(rec, PrefillRequest) else ():
             if member.session is session and member.generation == generation:
                 return member
         return None

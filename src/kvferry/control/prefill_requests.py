@@ -1,10 +1,10 @@
-"""Prefill's request records: one ``ChunkSpec`` per ``send``, one ``PReq`` per decode rank of a request.
+"""Prefill's request records: one ``ChunkSpec`` per ``send``, one ``PrefillRequest`` per decode rank of a request.
 
-Part of the control plane (layer 5), used by ``prefill``. ``make_spec`` validates a ``send`` on the
-caller's thread, before the endpoint's lock. When decode runs more TP ranks than prefill, several decode
-ranks need this rank's heads of one request: the records then form a group (``num_decode_ranks``,
-``can_join``, ``group_done``) led by the record ``send`` and ``wait`` see. Records are mutated only under
-the endpoint's lock.
+Part of the control plane, above ``endpoints`` and ``sessions``, below ``prefill``. ``make_spec`` validates a
+``send`` on the caller's thread, before the endpoint's lock. When decode runs more TP ranks than prefill,
+several decode ranks need this rank's heads of one request: the records then form a group
+(``num_decode_ranks``, ``can_join``, ``group_done``) led by the record ``send`` and ``wait`` see. Records are
+mutated only under the endpoint's lock.
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ from kvferry.plan.planner import select_buffers
 from kvferry.plan.ranks import source_ranks
 from kvferry.transport import TransferHandle
 
-__all__ = ["ChunkSpec", "PReq", "can_join", "dst_slice", "group_done", "make_spec", "num_decode_ranks"]
-
-S = RequestState
+__all__ = ["ChunkSpec", "PrefillRequest", "can_join", "dst_slice", "group_done", "make_spec", "num_decode_ranks"]
 
 
 class ChunkSpec:
@@ -44,7 +42,7 @@ class ChunkSpec:
         self.digests: Any = None   # integrity.SourceDigests hashed by send(), keyed once decode's pages are known
 
 
-class PReq(RequestRecord):
+class PrefillRequest(RequestRecord):
     """One request towards one decode rank. When decode runs more TP ranks than prefill, several decode
     ranks need this rank's heads of one request: the first record (the one ``send``/``wait`` see) leads a
     ``group`` of one record per decode rank, each with its own session, lease and writes."""
@@ -62,12 +60,12 @@ class PReq(RequestRecord):
         self.handles: list[TransferHandle] = []
         self.next_chunk = 0
         self.last_queued = self.last_posted = self.decode_ok = self.fail_sent = False
-        self.group: list[PReq] = [self]               # shared by the group's records; the leader first
+        self.group: list[PrefillRequest] = [self]               # shared by the group's records; the leader first
         self.expected = 1                             # decode ranks this request goes to (set at bind)
         self.history: list[ChunkSpec] | None = []     # every chunk so far, for decode ranks still to come
 
     @property
-    def leader(self) -> PReq:
+    def leader(self) -> PrefillRequest:
         return self.group[0]
 
 
@@ -89,7 +87,7 @@ def _offset(offset: int | Mapping[str, int], pool: str) -> int:
     return int(value)
 
 
-def dst_slice(rec: PReq, pool: str, offset: int, count: int) -> np.ndarray:
+def dst_slice(rec: PrefillRequest, pool: str, offset: int, count: int) -> np.ndarray:
     """Decode's pages ``offset .. offset + count`` of ``pool`` for ``rec``, or ``PlanError``."""
     dst = rec.dst.get(pool)
     if dst is None:
@@ -110,15 +108,15 @@ def num_decode_ranks(local: Layout, session: Session) -> int:
     return sum(local.tp_rank in source_ranks(d, local.tp_size, dtp) for d in range(dtp))
 
 
-def can_join(leader: PReq, session: Session) -> bool:
+def can_join(leader: PrefillRequest, session: Session) -> bool:
     """A live request may take one record per decode rank that needs this rank, up to ``expected``."""
     ranks = {m.session.decode_rank for m in leader.group if m.session is not None}
     return (session.planner is not None and leader.is_live and len(leader.group) < leader.expected
             and session.decode_rank not in ranks)
 
 
-def group_done(rec: PReq) -> bool:
+def group_done(rec: PrefillRequest) -> bool:
     """The leader (what ``wait`` sees) is DONE only after every decode rank of the request is."""
     if rec.leader is not rec:
         return True
-    return len(rec.group) >= rec.expected and all(m.state is S.DONE for m in rec.group[1:])
+    return len(rec.group) >= rec.expected and all(m.state is RequestState.DONE for m in rec.group[1:])

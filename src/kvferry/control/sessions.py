@@ -1,6 +1,6 @@
 """Prefill's view of its decode peers: one ``Session`` per decode rank that said Hello.
 
-Part of the control plane (layer 5), used by ``prefill``. A session is keyed by the decode's ZMQ identity
+Part of the control plane, above ``wire``, below ``prefill``. A session is keyed by the decode's ZMQ identity
 and goes challenged -> established -> dead. What a session must show to be established is
 ``admission``'s; what travels over it is ``prefill``'s. Mutated only under the endpoint's lock.
 """

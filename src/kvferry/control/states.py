@@ -1,6 +1,6 @@
 """Request states and the transitions allowed between them, shared by both endpoints.
 
-Part of the control plane (layer 5, above ``transport``). Every state change of a request goes through
+The bottom of the control plane, below every other control module. Every state change of a request goes through
 ``advance``, so a request can never leave ``DONE`` or ``FAILED`` and never jump from bootstrapping to done
 without its bytes having moved: the bugs where a failed transfer finished as success start with a state
 machine that allowed it.
@@ -33,19 +33,18 @@ class RequestState(str, Enum):
     FAILED = "failed"
 
 
-S = RequestState
-
 TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     # Prefill goes straight to TRANSFERRING when decode announces after the KV was already handed over.
-    S.BOOTSTRAPPING: frozenset({S.WAITING_FOR_INPUT, S.TRANSFERRING, S.FAILED}),
-    S.WAITING_FOR_INPUT: frozenset({S.TRANSFERRING, S.FAILED}),
+    RequestState.BOOTSTRAPPING: frozenset({RequestState.WAITING_FOR_INPUT, RequestState.TRANSFERRING,
+                                           RequestState.FAILED}),
+    RequestState.WAITING_FOR_INPUT: frozenset({RequestState.TRANSFERRING, RequestState.FAILED}),
     # DONE only from TRANSFERRING: success needs a write that landed.
-    S.TRANSFERRING: frozenset({S.DONE, S.FAILED}),
-    S.DONE: frozenset(),
-    S.FAILED: frozenset(),
+    RequestState.TRANSFERRING: frozenset({RequestState.DONE, RequestState.FAILED}),
+    RequestState.DONE: frozenset(),
+    RequestState.FAILED: frozenset(),
 }
 
-TERMINAL = frozenset({S.DONE, S.FAILED})
+TERMINAL = frozenset({RequestState.DONE, RequestState.FAILED})
 
 
 def can_advance(current: RequestState, new: RequestState) -> bool:

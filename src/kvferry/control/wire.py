@@ -1,10 +1,10 @@
 """The control plane's wire protocol: typed, versioned msgspec messages over ZMQ (and NIXL notifications).
 
-Part of the control plane (layer 5). Every message is an ``Envelope`` ``[version, kind, body]``; decoding
-takes two steps: the envelope first (so a peer speaking another protocol version is answered with a
-``Reject`` it can still read), then the body, typed by ``kind``. Everything received is untrusted: msgspec
-checks types and the size caps below; manifests are re-validated by ``KVMemory.from_manifest``; page lists
-by the lease table and the planner.
+Part of the control plane, above ``codec`` and ``errors``, below every module that sends. Every message is an
+``Envelope`` ``[version, kind, body]``; decoding takes two steps: the envelope first (so a peer speaking
+another protocol version is answered with a ``Reject`` it can still read), then the body, typed by ``kind``.
+Everything received is untrusted: msgspec checks types and the size caps below; manifests are re-validated by
+``KVMemory.from_manifest``; page lists by the lease table and the planner.
 
 Flow (decode D, prefill P)::
 

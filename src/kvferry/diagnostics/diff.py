@@ -1,7 +1,7 @@
 """Diagnostics: which bytes are wrong, where they came from, and whether it matters to the model.
 
-Layer 5 of kvferry (above ``integrity`` and ``faults``, below the CLI). Three tools, for humans and for
-tests, none on a hot path:
+Part of the diagnostics layer, above ``integrity`` and ``plan``, below ``render`` and the CLI. Three tools,
+for humans and for tests, none on a hot path:
 
 - ``diff_pages``: a byte-for-byte comparison of a request's pages on both sides, classifying each
   differing destination page as ``zeros`` (never written), ``misplaced`` (holds another source page of the
@@ -11,7 +11,7 @@ tests, none on a hot path:
   tokens a query selects (1.0 when clean): the model-level symptom of a corrupted index-K buffer.
 - ``plan_dump``: every row of a plan traced back to pool, buffer, layer, pages and byte ranges.
 
-Rendering to rich tables lives in ``diagnose_render``; this module imports no terminal code.
+Rendering to rich tables lives in ``render``; this module imports no terminal code.
 """
 
 from __future__ import annotations
@@ -113,16 +113,16 @@ def diff_pages(src: KVMemory, dst: KVMemory, pages: PagesArg, buffers: Iterable[
     plan = plan_transfer(src, dst, pages, buffers)
     raw: list[tuple[PoolPlan, int, np.ndarray, np.ndarray]] = []  # (pool, buffer id, diff rows, diff mask)
     names = src.layout.buffers
-    for pp in plan.pools:
-        for gid in pp.buffer_ids.tolist():
-            rows, masks = _differing_rows(src, dst, names[gid].name, pp.src_pages, pp.dst_pages)
+    for pool_plan in plan.pools:
+        for gid in pool_plan.buffer_ids.tolist():
+            rows, masks = _differing_rows(src, dst, names[gid].name, pool_plan.src_pages, pool_plan.dst_pages)
             if len(rows):
-                raw.append((pp, gid, rows, masks))
+                raw.append((pool_plan, gid, rows, masks))
     finder = _SourceFinder(plan) if raw else None
-    diffs = [_classify(src, dst, pp, gid, int(r), m, finder)
-             for pp, gid, rows, masks in raw for r, m in zip(rows.tolist(), masks)]
-    return DiffReport(plan.buffer_names, sum(len(pp.src_pages) * len(pp.buffer_ids) for pp in plan.pools),
-                      plan.nbytes, tuple(diffs))
+    diffs = [_classify(src, dst, pool_plan, gid, int(r), m, finder)
+             for pool_plan, gid, rows, masks in raw for r, m in zip(rows.tolist(), masks)]
+    num_cells = sum(len(pool_plan.src_pages) * len(pool_plan.buffer_ids) for pool_plan in plan.pools)
+    return DiffReport(plan.buffer_names, num_cells, plan.nbytes, tuple(diffs))
 
 
 def _differing_rows(src: KVMemory, dst: KVMemory, name: str, src_pages: np.ndarray,
@@ -133,12 +133,12 @@ def _differing_rows(src: KVMemory, dst: KVMemory, name: str, src_pages: np.ndarr
     return rows, neq[rows]
 
 
-def _classify(src: KVMemory, dst: KVMemory, pp: PoolPlan, gid: int, row: int, mask: np.ndarray,
+def _classify(src: KVMemory, dst: KVMemory, pool_plan: PoolPlan, gid: int, row: int, mask: np.ndarray,
               finder: _SourceFinder | None) -> PageDiff:
     buf = src.layout.buffers[gid]
-    s, d = int(pp.src_pages[row]), int(pp.dst_pages[row])
+    s, d = int(pool_plan.src_pages[row]), int(pool_plan.dst_pages[row])
     where = np.flatnonzero(mask)
-    base = dict(pool=pp.pool, buffer=buf.name, layer=buf.layer, src_page=s, dst_page=d,
+    base = dict(pool=pool_plan.pool, buffer=buf.name, layer=buf.layer, src_page=s, dst_page=d,
                 first_byte=int(where[0]), last_byte=int(where[-1]), num_bytes=len(where), page_bytes=buf.page_bytes)
     page = dst.array(buf.name)[d]
     if not page.any():
@@ -157,11 +157,11 @@ class _SourceFinder:
         self._src = plan.src_memory
         self._index: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
         names = self._src.layout.buffers
-        for pp in plan.pools:
-            for gid in pp.buffer_ids.tolist():
+        for pool_plan in plan.pools:
+            for gid in pool_plan.buffer_ids.tolist():
                 name = names[gid].name
-                digests = hash_pages(self._src, name, pp.src_pages)
-                for h, s, d in zip(digests.tolist(), pp.src_pages.tolist(), pp.dst_pages.tolist()):
+                digests = hash_pages(self._src, name, pool_plan.src_pages)
+                for h, s, d in zip(digests.tolist(), pool_plan.src_pages.tolist(), pool_plan.dst_pages.tolist()):
                     self._index.setdefault((names[gid].page_bytes, h), []).append((name, s, d))
 
     def find(self, page: np.ndarray, exclude: tuple[int, int]) -> tuple[str, int, int] | None:
@@ -229,12 +229,12 @@ def indexer_topk_jaccard(src: KVMemory, dst: KVMemory, pages: PagesArg, queries:
         raise LayoutError(f"queries have dimension {q.shape[1]}, expected head_dim {head_dim}")
     plan = plan_transfer(src, dst, pages, buffers)
     out: dict[str, float] = {}
-    for pp in plan.pools:
-        for gid in pp.buffer_ids.tolist():
+    for pool_plan in plan.pools:
+        for gid in pool_plan.buffer_ids.tolist():
             buf = src.layout.buffers[gid]
             if buf.kind == "index_k":
-                a = _topk(decode_index_keys(src.array(buf.name)[pp.src_pages], dtype, head_dim), q, k)
-                b = _topk(decode_index_keys(dst.array(buf.name)[pp.dst_pages], dtype, head_dim), q, k)
+                a = _topk(decode_index_keys(src.array(buf.name)[pool_plan.src_pages], dtype, head_dim), q, k)
+                b = _topk(decode_index_keys(dst.array(buf.name)[pool_plan.dst_pages], dtype, head_dim), q, k)
                 out[buf.name] = float(np.mean([_jaccard(x, y) for x, y in zip(a, b)]))
     return out
 

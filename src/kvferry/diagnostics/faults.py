@@ -1,6 +1,7 @@
 """Fault injection for tests, demos and the stress run: faults kvferry must catch and localise.
 
-Layer 4 (beside ``integrity``, above ``plan``). Two faults:
+Part of the diagnostics layer, above ``plan`` and the transport contract, below the workload's
+``FaultyTransport`` and the CLI. Two faults:
 
 - ``buffer0-slots``: the sender of the motivating bug. It indexes one flat per-page descriptor list over
   every buffer (``KVMemory.page_descs()``, as SGLang's ``kv_data_ptrs``) at ``b * num_slots + page``,

@@ -1,7 +1,8 @@
-"""Rich tables for the diagnostics in ``diagnose`` and ``integrity`` (CLI and notebooks).
+"""Rich tables for the diagnostics in ``diff`` and ``integrity`` (CLI and notebooks).
 
-Sits beside ``diagnose``; imports ``rich`` (a light dependency) but nothing from the CLI. Each function
-returns a renderable and prints nothing, so callers choose the console (and tests can render to text).
+The top of the diagnostics layer, above ``diff``; imports ``rich`` (a light dependency) but nothing from the
+CLI. Each function returns a renderable and prints nothing, so callers choose the console (and tests can
+render to text).
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """Page digests: prove that the pages decode holds are the pages prefill sent.
 
-Layer 4 of kvferry (beside ``transport``, above ``plan``). The prefill side calls ``digest_plan`` on the
-plan it is about to post (or has posted) and sends the ``PageDigests`` with its completion message, as
-``to_bytes()``; the decode side decodes them with ``PageDigests.from_bytes`` (untrusted input) and calls
-``verify_digests`` on its own memory before it reports the request done. A mismatch raises
+The integrity layer's core, above ``hashing`` and ``plan``, below ``control``. The prefill side calls
+``digest_plan`` on the plan it is about to post (or has posted) and sends the ``PageDigests`` with its
+completion message, as ``to_bytes()``; the decode side decodes them with ``PageDigests.from_bytes`` (untrusted
+input) and calls ``verify_digests`` on its own memory before it reports the request done. A mismatch raises
 ``PageMismatchError``, a ``kvferry.IntegrityError`` naming pool, buffer, layer, page, expected and actual
 digest.
 
 Digests are keyed by buffer and *destination* page, so decode checks its own pages without knowing the
 source page numbers. ``digest_pages`` hashes source pages before the destination is known (prefill's
 ``send``) and ``SourceDigests.keyed`` names the destination pages later; ``digest_plan`` is the two in one.
-Both sides pick the pages to hash with numpy across all buffers at once; ``page_hash`` hashes them
+Both sides pick the pages to hash with numpy across all buffers at once; ``hashing`` hashes them
 (xxh3-64, one call per page).
 
 Across tensor-parallel sizes a prefill page is not a decode page: prefill rank ``r`` writes only the heads
@@ -200,7 +200,7 @@ def digest_plan(plan: Plan, mode: DigestMode | str, *, seed: int = 0,
 
     Called on the prefill side once the source pages hold the request's final KV (before or after the
     write is posted: it only reads). Blocking; cost measured in bench/RESULTS-integrity.md. CUDA regions
-    are read by copying the chosen pages to host through torch (see ``page_hash.read_pages``). For a
+    are read by copying the chosen pages to host through torch (see ``hashing.read_pages``). For a
     ``TransferPlan``, equal to ``digest_pages`` over the plan's source pages, keyed by its destination
     pages. For a ``TPPlan`` (across TP sizes), the digests cover the slice of each page the plan writes
     and carry the *destination* layout's shape; decode checks them with that plan's ``slices``.
@@ -208,18 +208,18 @@ def digest_plan(plan: Plan, mode: DigestMode | str, *, seed: int = 0,
     if not plan.whole_pages:
         return _digest_tp_plan(cast(TPPlan, plan), mode, seed, samples_per_buffer)
     plan = cast(TransferPlan, plan)
-    cells = [(pp.pool, pp.buffer_ids, pp.src_pages) for pp in plan.pools]
+    cells = [(pool_plan.pool, pool_plan.buffer_ids, pool_plan.src_pages) for pool_plan in plan.pools]
     source = _digest_cells(plan.src_memory, cells, mode, seed, samples_per_buffer)
-    return source.keyed({pp.pool: pp.dst_pages for pp in plan.pools})
+    return source.keyed({pool_plan.pool: pool_plan.dst_pages for pool_plan in plan.pools})
 
 
 def _digest_tp_plan(plan: TPPlan, mode: DigestMode | str, seed: int, k: int) -> PageDigests:
     index = plan.src_memory.buffer_index  # the same buffer order on both sides (model_difference)
-    cells = [(pp.pool, np.array([index[n] for n in pp.buffers], dtype=np.int64), pp.src_pages)
-             for pp in plan.pool_pages if pp.buffers and len(pp.src_pages)]
+    cells = [(pool_plan.pool, np.array([index[n] for n in pool_plan.buffers], dtype=np.int64), pool_plan.src_pages)
+             for pool_plan in plan.pool_pages if pool_plan.buffers and len(pool_plan.src_pages)]
     source = _digest_cells(plan.src_memory, cells, mode, seed, k, plan.slices,
                            plan.dst_memory.layout.shape_fingerprint)
-    return source.keyed({pp.pool: pp.dst_pages for pp in plan.pool_pages})
+    return source.keyed({pool_plan.pool: pool_plan.dst_pages for pool_plan in plan.pool_pages})
 
 
 def digest_pages(memory: KVMemory, pages: Mapping[str, np.ndarray], mode: DigestMode | str, *,

@@ -1,6 +1,7 @@
 """Page hashing: the one place kvferry's page digests read memory.
 
-Layer 4 of kvferry, under ``integrity`` (which decides which pages to hash, and checks the results). A
+The bottom of the integrity layer, above ``plan``, below ``digests`` (which decides which pages to
+hash, and checks the results). A
 cell is (buffer, page); its digest is the xxh3-64 (python-xxhash) of the page's bytes, or, for a write
 across tensor-parallel sizes, of the slice of the page that one rank pair moves (a ``tp.PageSlice``:
 ``num_tokens`` segments of ``nbytes``, strided, concatenated in token order; read at the source offsets

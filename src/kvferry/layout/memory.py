@@ -1,9 +1,10 @@
 """Memory binding: each buffer of a layout bound to a real region (address, bytes, device).
 
-Layer 2 of kvferry (above ``layout``). ``KVMemory`` is what the planner reads addresses from and what a
-transport registers. It is built from numpy arrays, torch tensors (CPU or CUDA: ``torch`` is never
-imported here, tensors are recognised by duck typing), raw ``(pointer, length, bytes-per-page)`` lists as
-engines keep them, or a peer's manifest (a *remote* binding: addresses only, never dereferenced here).
+Part of the layout layer, above ``spec``, below ``presets`` and the planner. ``KVMemory`` is what the planner
+reads addresses from and what a transport registers. It is built from numpy arrays, torch tensors (CPU or
+CUDA: ``torch`` is never imported here, tensors are recognised by duck typing), raw ``(pointer, length,
+bytes-per-page)`` lists as engines keep them, or a peer's manifest (a *remote* binding: addresses only, never
+dereferenced here).
 
 Each buffer's slot count comes from its own region: ``nbytes // page_bytes``, with a remainder refused.
 The per-pool numpy arrays the planner needs (bases, page sizes, capacities, flat block starts) are built

@@ -1,6 +1,6 @@
 """Layouts of real model families, sized from their published configurations.
 
-Sits beside ``memory`` just above ``layout``: a preset builds a ``Layout`` (no memory, no addresses) whose
+The top of the layout layer, above ``spec``: a preset builds a ``Layout`` (no memory, no addresses) whose
 buffers differ exactly where the real engine's do: page sizes, dtypes, page counts, pools. The demo, the
 tests and ``kvferry audit`` use them so that heterogeneity is the default case, never the exception.
 

@@ -106,15 +106,15 @@ class TransferPlan:
         if not 0 <= index < self.num_descriptors:
             raise PlanError(f"row {index} out of range 0..{self.num_descriptors - 1}")
         k = int(np.searchsorted(self._row_offsets, index, side="right")) - 1
-        pp = self.pools[k]
-        b, r = divmod(index - int(self._row_offsets[k]), len(pp.run_len))
-        pb = int(pp.src.page_bytes[b])
+        pool_plan = self.pools[k]
+        b, r = divmod(index - int(self._row_offsets[k]), len(pool_plan.run_len))
+        pb = int(pool_plan.src.page_bytes[b])
         return Row(
-            index=index, pool=pp.pool, buffer=self.src_memory.layout.buffers[int(pp.buffer_ids[b])].name,
-            src_page=int(pp.run_src[r]), dst_page=int(pp.run_dst[r]), num_pages=int(pp.run_len[r]),
-            src_addr=int(pp.src.base[b]) + int(pp.run_src[r]) * pb,
-            dst_addr=int(pp.dst.base[b]) + int(pp.run_dst[r]) * pb,
-            nbytes=int(pp.run_len[r]) * pb,
+            index=index, pool=pool_plan.pool, buffer=self.src_memory.layout.buffers[int(pool_plan.buffer_ids[b])].name,
+            src_page=int(pool_plan.run_src[r]), dst_page=int(pool_plan.run_dst[r]), num_pages=int(pool_plan.run_len[r]),
+            src_addr=int(pool_plan.src.base[b]) + int(pool_plan.run_src[r]) * pb,
+            dst_addr=int(pool_plan.dst.base[b]) + int(pool_plan.run_dst[r]) * pb,
+            nbytes=int(pool_plan.run_len[r]) * pb,
         )
 
     def rows(self) -> Iterable[Row]:
@@ -125,12 +125,12 @@ class TransferPlan:
         """The contiguous slice of rows that belongs to ``buffer`` (empty if not in the plan)."""
         start = 0
         (gid,) = select_buffers(self.src_memory, [buffer])
-        for pp in self.pools:
-            hits = np.flatnonzero(pp.buffer_ids == gid)
+        for pool_plan in self.pools:
+            hits = np.flatnonzero(pool_plan.buffer_ids == gid)
             if len(hits):
-                first = start + int(hits[0]) * len(pp.run_len)
-                return slice(first, first + len(pp.run_len))
-            start += pp.num_rows
+                first = start + int(hits[0]) * len(pool_plan.run_len)
+                return slice(first, first + len(pool_plan.run_len))
+            start += pool_plan.num_rows
         return slice(0, 0)
 
     @property
@@ -143,8 +143,8 @@ class TransferPlan:
         Each buffer's block offset is the prefix sum of the capacities before it *on that side*: never a
         slot count borrowed from buffer 0. Order: pool, buffer, page (request order).
         """
-        src = [(pp.src.flat_start[:, None] + pp.src_pages[None, :]).ravel() for pp in self.pools]
-        dst = [(pp.dst.flat_start[:, None] + pp.dst_pages[None, :]).ravel() for pp in self.pools]
+        src = [(pool_plan.src.flat_start[:, None] + pool_plan.src_pages[None, :]).ravel() for pool_plan in self.pools]
+        dst = [(pool_plan.dst.flat_start[:, None] + pool_plan.dst_pages[None, :]).ravel() for pool_plan in self.pools]
         return cat_int(src), cat_int(dst)
 
     def __repr__(self) -> str:
@@ -171,7 +171,8 @@ def plan_pages(src: KVMemory, dst: KVMemory, pairs: Mapping[str, tuple[np.ndarra
     """``plan_transfer`` for pages already validated (``pages.validate_pairs`` or the control plane's
     announce and ``send`` checks) between layouts of one shape (the handshake compared them): it trusts
     its input and checks nothing again. ``selected``: buffer indices (``select_buffers``), or all."""
-    plans = [pp for name, (s, d) in pairs.items() if (pp := _plan_pool(src, dst, name, s, d, selected))]
+    plans = [pool_plan for name, (src_pages, dst_pages) in pairs.items()
+             if (pool_plan := _plan_pool(src, dst, name, src_pages, dst_pages, selected))]
     return TransferPlan(src, dst, tuple(plans))
 
 
@@ -236,14 +237,14 @@ def _expand(pools: tuple[PoolPlan, ...], side: str) -> np.ndarray:
     total = sum(p.num_rows for p in pools)
     out = np.empty((total, 3), dtype=np.uint64)
     row = 0
-    for pp in pools:
-        arrays: PoolArrays = getattr(pp, side)
-        starts = (pp.run_src if side == "src" else pp.run_dst).astype(np.uint64)
-        n = pp.num_rows
-        block = out[row:row + n].reshape(len(pp.buffer_ids), len(pp.run_len), 3)
+    for pool_plan in pools:
+        arrays: PoolArrays = getattr(pool_plan, side)
+        starts = (pool_plan.run_src if side == "src" else pool_plan.run_dst).astype(np.uint64)
+        n = pool_plan.num_rows
+        block = out[row:row + n].reshape(len(pool_plan.buffer_ids), len(pool_plan.run_len), 3)
         pb = arrays.page_bytes[:, None]
         block[:, :, 0] = arrays.base[:, None] + starts[None, :] * pb
-        block[:, :, 1] = pp.run_len.astype(np.uint64)[None, :] * pb
+        block[:, :, 1] = pool_plan.run_len.astype(np.uint64)[None, :] * pb
         block[:, :, 2] = arrays.device_id[:, None]
         row += n
     return readonly(out)

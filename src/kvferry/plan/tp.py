@@ -97,20 +97,21 @@ class TPPlanner:
         if diff is not None:
             raise PlanError(f"prefill and decode layouts are not one model: {diff}")
         self.src, self.dst = src, dst
-        s, d = src.layout, dst.layout
-        self.src_rank, self.dst_rank = s.tp_rank, d.tp_rank
+        src_layout, dst_layout = src.layout, dst.layout
+        self.src_rank, self.dst_rank = src_layout.tp_rank, dst_layout.tp_rank
         self._pools: dict[str, _PoolGeometry] = {}
         # buffer name -> its slice, for the buffers this pair writes (digests and coverage use it)
         self.slices: dict[str, PageSlice] = {}
         ids = src.buffer_index
         # One pass over buffers per pair, at setup: geometry is per buffer, pages come later.
-        for sp, dp in zip(s.pools, d.pools):
-            slices = [slice_of(sb, db, ids[sb.name], s.tp_rank, d.tp_rank, s.tp_size, d.tp_size)
-                      for sb, db in zip(sp.buffers, dp.buffers)]
+        for src_pool, dst_pool in zip(src_layout.pools, dst_layout.pools):
+            slices = [slice_of(src_buf, dst_buf, ids[src_buf.name], src_layout.tp_rank, dst_layout.tp_rank,
+                               src_layout.tp_size, dst_layout.tp_size)
+                      for src_buf, dst_buf in zip(src_pool.buffers, dst_pool.buffers)]
             kept = [x for x in slices if x is not None]
-            self.slices.update({b.name: x for b, x in zip(sp.buffers, slices) if x is not None})
+            self.slices.update({b.name: x for b, x in zip(src_pool.buffers, slices) if x is not None})
             if kept:
-                self._pools[sp.name] = _PoolGeometry.build(kept, src, dst)
+                self._pools[src_pool.name] = _PoolGeometry.build(kept, src, dst)
 
     @property
     def writes_anything(self) -> bool:
@@ -149,18 +150,18 @@ class TPPlanner:
 _Rows = tuple[np.ndarray, np.ndarray, np.ndarray]  # (src N x 3, dst N x 3, buffer id per row)
 
 
-def _rows(geo: _PoolGeometry, s: np.ndarray, d: np.ndarray) -> _Rows:
+def _rows(geo: _PoolGeometry, src_pages: np.ndarray, dst_pages: np.ndarray) -> _Rows:
     """All rows of one pool: whole-page buffers first (layout order, run by run), then sliced buffers
     (layout order, page by page in request order, token by token)."""
     parts = []
     if geo.whole.any():
-        parts.append(_whole_rows(geo.select(geo.whole), s, d))
+        parts.append(_whole_rows(geo.select(geo.whole), src_pages, dst_pages))
     partial = ~geo.whole
     # Sliced rows never merge: a slice that is not the whole page on both sides leaves a gap between one
     # page's (or token's) slice and the next on at least one side. One group per distinct token count
     # (in practice one), so the loop is not per buffer.
     for nt in np.unique(geo.num_tokens[partial]):
-        parts.append(_sliced_rows(geo.select(partial & (geo.num_tokens == nt)), s, d, int(nt)))
+        parts.append(_sliced_rows(geo.select(partial & (geo.num_tokens == nt)), src_pages, dst_pages, int(nt)))
     return _concat(parts)
 
 
@@ -171,24 +172,24 @@ def _concat(parts: Sequence[_Rows]) -> _Rows:
     return np.concatenate(src), np.concatenate(dst), np.concatenate(ids)
 
 
-def _whole_rows(geo: _PoolGeometry, s: np.ndarray, d: np.ndarray) -> _Rows:
+def _whole_rows(geo: _PoolGeometry, src_pages: np.ndarray, dst_pages: np.ndarray) -> _Rows:
     """Whole pages: coalesce joint page runs once, then broadcast runs over buffers (as plan_transfer)."""
-    run_s, run_d, run_len = (a.astype(_U64) for a in coalesce_runs(s, d))
-    src = geo.src_base[:, None] + run_s[None, :] * geo.src_page_bytes[:, None]
-    dst = geo.dst_base[:, None] + run_d[None, :] * geo.dst_page_bytes[:, None]
+    run_src, run_dst, run_len = (a.astype(_U64) for a in coalesce_runs(src_pages, dst_pages))
+    src = geo.src_base[:, None] + run_src[None, :] * geo.src_page_bytes[:, None]
+    dst = geo.dst_base[:, None] + run_dst[None, :] * geo.dst_page_bytes[:, None]
     n = run_len[None, :] * geo.nbytes[:, None]
     return _stack(src, dst, n, geo, len(run_len))
 
 
-def _sliced_rows(geo: _PoolGeometry, s: np.ndarray, d: np.ndarray, nt: int) -> _Rows:
+def _sliced_rows(geo: _PoolGeometry, src_pages: np.ndarray, dst_pages: np.ndarray, nt: int) -> _Rows:
     """One row per (buffer, page, token): shape (B, pages, tokens), broadcast in numpy."""
     tok = np.arange(nt, dtype=_U64)[None, None, :]
-    src = (geo.src_base[:, None, None] + s.astype(_U64)[None, :, None] * geo.src_page_bytes[:, None, None]
+    src = (geo.src_base[:, None, None] + src_pages.astype(_U64)[None, :, None] * geo.src_page_bytes[:, None, None]
            + tok * geo.src_stride[:, None, None])
-    dst = (geo.dst_base[:, None, None] + d.astype(_U64)[None, :, None] * geo.dst_page_bytes[:, None, None]
+    dst = (geo.dst_base[:, None, None] + dst_pages.astype(_U64)[None, :, None] * geo.dst_page_bytes[:, None, None]
            + tok * geo.dst_stride[:, None, None])
     n = np.broadcast_to(geo.nbytes[:, None, None], src.shape)
-    return _stack(src, dst, n, geo, len(s) * nt)
+    return _stack(src, dst, n, geo, len(src_pages) * nt)
 
 
 def _stack(src: np.ndarray, dst: np.ndarray, n: np.ndarray, geo: _PoolGeometry, per_buffer: int) -> _Rows:

@@ -1,6 +1,7 @@
 """The transport contract: register memory, meet a peer, post plan writes, hear notifications.
 
-Layer 4 of kvferry (above ``plan``). A transport moves the rows of a ``TransferPlan`` from this side's
+The bottom of the transport layer, above ``plan``, below ``local`` and ``nixl``. A transport moves the
+rows of a ``Plan`` from this side's
 registered memory into a peer's registered memory and delivers a small notification after the last byte.
 Two implementations: ``NixlTransport`` (NVIDIA NIXL over UCX, host or GPU memory) and ``LocalTransport``
 (in-process memmove, the reference the tests compare against).

@@ -1,9 +1,10 @@
 """In-process transport: the reference every other transport is compared against.
 
-Layer 4 (beside ``nixl``). Peers are other ``LocalTransport`` objects in the same process, found by name
-in a process-wide registry. A write checks every row against both sides' registered regions, then copies
-the rows with ``memmove`` and queues the notification on the peer: completion is synchronous, as with
-NIXL's cma path on one machine. Nothing here aims at speed; it aims at being obviously right.
+Part of the transport layer, above ``base``, beside ``nixl``. Peers are other ``LocalTransport`` objects in
+the same process, found by name in a process-wide registry. A write checks every row against both sides'
+registered regions, then copies the rows with ``memmove`` and queues the notification on the peer: completion
+is synchronous, as with NIXL's cma path on one machine. Nothing here aims at speed; it aims at being obviously
+right.
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ class LocalTransport(Transport):
         src, dst = plan.src_descs, plan.dst_descs
         # One memmove per coalesced row: rows are few (runs x buffers), and a plain loop keeps the
         # reference implementation free of cleverness the tests would then have to trust.
-        for (s, n, _), (d, _, _) in zip(src.tolist(), dst.tolist()):
-            ctypes.memmove(d, s, n)
+        for (src_addr, nbytes, _), (dst_addr, _, _) in zip(src.tolist(), dst.tolist()):
+            ctypes.memmove(dst_addr, src_addr, nbytes)
         target._inbox.append((self._name, bytes(notif)))
         return LocalHandle(peer, label)
 

@@ -1,7 +1,7 @@
 """NIXL transport: one ``nixl_agent`` with the UCX backend moves plan rows between processes or hosts.
 
-Layer 4 of kvferry (beside ``local``). ``nixl`` is imported at the first ``register`` call, never at module
-import, and ``torch`` only when the memory registered is CUDA memory.
+Part of the transport layer, above ``base``, beside ``local``. ``nixl`` is imported at the first ``register``
+call, never at module import, and ``torch`` only when the memory registered is CUDA memory.
 
 Choices, measured on a 2-core CPU-only host with nixl 1.5.1 (numbers in ``bench/RESULTS-transport.md``):
 

@@ -1,9 +1,9 @@
 """The decode side of a workload run: the scheduler, and the one that checks every byte.
 
-Part of the workload runner (``runner``). Decode admits a session's next turn when the previous one
-finished and its pages fit, leases destination pages (``DecodeLink``: a ``DecodeEndpoint``), tells prefill
-to start over the router pipe, and when the request completes checks every page of every buffer against
-``sim``'s expected pattern (independently of kvferry's digests), then frees the pages for reuse. Its
+Part of the workload layer, above ``side``, below ``supervisor``. Decode admits a session's next turn when the
+previous one finished and its pages fit, leases destination pages (``DecodeLink``: a ``DecodeEndpoint``),
+tells prefill to start over the router pipe, and when the request completes checks every page of every buffer
+against ``sim``'s expected pattern (independently of kvferry's digests), then frees the pages for reuse. Its
 report (``DecodeStats.report``) is what ``runner`` turns into a ``WorkloadResult``.
 """
 

@@ -1,6 +1,6 @@
 """Faults injected below the control plane for a workload run: a transport that misbehaves on purpose.
 
-Part of the workload runner (``runner``): ``workload_prefill`` wraps its transport in a
+Part of the workload layer, above ``diagnostics.faults``, below ``prefill``: ``prefill`` wraps its transport in a
 ``FaultyTransport`` when the config names a fault (``--inject``), so the endpoints, digests and decode's
 byte checks meet the fault exactly as they would meet a broken transport. The faults themselves are
 described, parsed and planned in ``kvferry.diagnostics.faults``.
@@ -48,7 +48,7 @@ class FaultyTransport(Transport):
     def write(self, plan: Plan, peer: str, notif: bytes, label: str = "") -> TransferHandle:
         from kvferry.diagnostics.faults import FaultKind
 
-        pages = {pp.pool: (pp.src_pages, pp.dst_pages) for pp in plan.pools}
+        pages = {pool_plan.pool: (pool_plan.src_pages, pool_plan.dst_pages) for pool_plan in plan.pools}
         if self.fault.kind is FaultKind.BUFFER0_SLOTS:
             plan = self.fault.plan(plan.src_memory, plan.dst_memory, pages, plan.buffer_names)
         if self.fault.kind is not FaultKind.FLIP:

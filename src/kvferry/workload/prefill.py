@@ -1,8 +1,8 @@
 """The prefill side of a workload run: allocate, write the pattern (the 'forward pass'), send, free.
 
-Part of the workload runner (``runner``). Prefill starts what decode asks for over the router pipe,
-allocates its own pages, fills them with ``sim``'s pattern and hands them to a ``PrefillEndpoint``
-(``PrefillLink``), under the fault ``workload_faults`` injects when the config names one.
+Part of the workload layer, above ``side`` and ``faults``, below ``supervisor``. Prefill starts what decode
+asks for over the router pipe, allocates its own pages, fills them with ``sim``'s pattern and hands them to a
+``PrefillEndpoint`` (``PrefillLink``), under the fault ``faults`` injects when the config names one.
 """
 
 from __future__ import annotations

@@ -1,19 +1,20 @@
 """Run a workload end to end: a decode side and a prefill side, real transfers, every byte verified.
 
-Top layer beside ``cli`` (it drives ``sim`` over the control plane). ``run_workload(config)`` starts decode
+The top of the workload layer (it drives ``sim`` over the control plane), below the benchmark suite
+and ``cli``. ``run_workload(config)`` starts decode
 and prefill as two OS processes (``multiprocessing`` spawn) over NIXL, or, with ``transport="local"``, as
 two threads of this process over ``LocalTransport`` (fast tests). The parent only orchestrates: it
 relays nothing on the data path, shows a progress bar, enforces one deadline, and always cleans up.
 
-The runner is five modules, one per concern; this one holds what callers use (``WorkloadConfig``,
-``WorkloadResult``, ``run_workload``) and turns the sides' reports into a result:
+The runner is six modules, one per concern; this one holds ``run_workload`` and turns the sides' reports
+into a result (``config`` holds ``WorkloadConfig`` and ``WorkloadResult``):
 
-* ``workload_supervisor``: starts both sides, relays progress, enforces the deadline, cleans up;
-* ``workload_side``: what both sides share (memory, allocators, the schedule, pipes);
-* ``workload_decode``: the scheduler, which leases pages and checks every received byte against ``sim``'s
+* ``supervisor``: starts both sides, relays progress, enforces the deadline, cleans up;
+* ``side``: what both sides share (memory, allocators, the schedule, pipes);
+* ``decode``: the scheduler, which leases pages and checks every received byte against ``sim``'s
   pattern (independently of kvferry's digests), then frees the pages for reuse;
-* ``workload_prefill``: allocates its own pages, writes the pattern (standing in for the model's forward
-  pass) and sends; ``workload_faults``: the transport wrapper that injects ``--inject`` faults.
+* ``prefill``: allocates its own pages, writes the pattern (standing in for the model's forward
+  pass) and sends; ``faults``: the transport wrapper that injects ``--inject`` faults.
 
 Both sides derive the same schedule from the seed, so only request indices cross between them.
 """

@@ -1,7 +1,7 @@
 """What both sides of a workload run share: memory, allocators, the schedule, the pipes, a stop check.
 
-Part of the workload runner (``runner`` is its entry point; ``workload_decode`` and ``workload_prefill``
-build on the ``Side`` here). Also the pieces both sides' endpoint links need: the endpoint options a
+Part of the workload layer, above ``config`` and ``sim``, below ``decode`` and ``prefill`` (which build on
+the ``Side`` here). Also the pieces both sides' endpoint links need: the endpoint options a
 config implies, and ``check_state``, which turns an endpoint's request state into done / in flight /
 ``RequestFailed``.
 """

@@ -1,7 +1,7 @@
 """The workload model behind ``kvferry stress`` and ``kvferry demo``: sessions, page allocators, page content.
 
-Sits beside ``diagnose`` under the CLI: it reads layouts (never transports or endpoints) and is pure,
-deterministic logic. ``runner`` drives it on both sides of a real transfer.
+The bottom of the workload layer, above ``layout``: it reads layouts (never transports or endpoints)
+and is pure, deterministic logic. ``runner`` drives it on both sides of a real transfer.
 
 * ``PageAllocator``: one per pool and side. A numpy free list that frees and reuses pages the way engine
   allocators do (freed pages wait in a released list, merged and sorted back when the free list runs

@@ -1,8 +1,9 @@
 """Supervision of a workload run: start both sides, relay progress, enforce the deadline, clean up.
 
-Part of the workload runner (``runner.run_workload`` calls ``Supervisor(config, progress).run()``). Each
-side runs ``side_main`` in a spawned process (``nixl``) or a daemon thread (``local``); the supervisor only
-orchestrates: it relays nothing on the data path, and always ends what it started.
+Part of the workload layer, above both sides, below ``runner`` (``runner.run_workload`` calls
+``Supervisor(config, progress).run()``). Each side runs ``side_main`` in a spawned process (``nixl``) or a
+daemon thread (``local``); the supervisor only orchestrates: it relays nothing on the data path, and always
+ends what it started.
 
 Who talks to whom::
 
