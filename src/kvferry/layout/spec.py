@@ -167,6 +167,7 @@ class Pool:
     buffers: tuple[Buffer, ...]
     tokens_per_page: int | None = None
     window_tokens: int | None = None
+    _min_pages: int = field(default=0, init=False, repr=False, compare=False)
 
     def __init__(self, name: str, buffers: Sequence[Buffer], tokens_per_page: int | None = None,
                  window_tokens: int | None = None) -> None:
@@ -175,6 +176,8 @@ class Pool:
         object.__setattr__(self, "tokens_per_page", tokens_per_page)
         object.__setattr__(self, "window_tokens", window_tokens)
         self._validate()
+        # Read on every send and announce (the page validator's bound): computed once, not per call.
+        object.__setattr__(self, "_min_pages", min(b.num_pages for b in self.buffers))
 
     def _validate(self) -> None:
         _check_name("pool", self.name)
@@ -193,7 +196,7 @@ class Pool:
     @property
     def min_pages(self) -> int:
         """Pages valid in every buffer of the pool: the bound a page index must stay under."""
-        return min(b.num_pages for b in self.buffers)
+        return self._min_pages
 
     @property
     def uniform_pages(self) -> bool:
