@@ -1,3 +1,6 @@
+import re
+from pathlib import Path
+
 import kvferry
 
 # Pinned: the public surface later layers and outside callers rely on. Change it deliberately.
@@ -7,6 +10,7 @@ FOUNDATION = {
     "LeaseError", "TransportError", "TransferTimeout", "PeerLost", "RequestFailed", "IntegrityError",
     "HeadGeometry", "model_difference", "tp_compatible",
     "PrefillEndpoint", "DecodeEndpoint", "RequestState", "EndpointOptions", "PROTOCOL_VERSION",
+    "UsageError", "EndpointClosed", "ProtocolError", "PageMismatchError",
 }
 
 
@@ -17,9 +21,17 @@ def test_exported_names_are_pinned() -> None:
 
 
 def test_errors_form_one_hierarchy() -> None:
-    for name in ("LayoutError", "PlanError", "HandshakeError", "IncompatiblePeer", "LeaseError",
-                 "TransportError", "TransferTimeout", "PeerLost", "RequestFailed", "IntegrityError"):
-        assert issubclass(getattr(kvferry, name), kvferry.KVFerryError), name
+    import inspect
+
+    from kvferry import errors
+
+    for name in errors.__all__:  # every exception kvferry defines lives in kvferry.errors
+        assert issubclass(getattr(errors, name), kvferry.KVFerryError), name
+    for path in (Path(kvferry.__file__).parent).rglob("*.py"):
+        module_text = path.read_text()
+        assert path.name == "errors.py" or not re.search(r"^class \w+\((\w+Error|KVFerryError|Exception)\b",
+                                                         module_text, re.M), f"{path}: an exception outside errors.py"
+    assert inspect.getdoc(errors).count("├──") + inspect.getdoc(errors).count("└──") >= len(errors.__all__) - 1
     assert issubclass(kvferry.IncompatiblePeer, kvferry.HandshakeError)
     assert issubclass(kvferry.TransferTimeout, kvferry.TransportError)
     assert issubclass(kvferry.PeerLost, kvferry.TransportError)

@@ -5,17 +5,21 @@ move bytes; the control plane leases pages and fails closed; digests prove what 
 """
 
 from kvferry.errors import (
+    EndpointClosed,
     HandshakeError,
     IncompatiblePeer,
     IntegrityError,
     KVFerryError,
     LayoutError,
     LeaseError,
+    PageMismatchError,
     PeerLost,
     PlanError,
+    ProtocolError,
     RequestFailed,
     TransferTimeout,
     TransportError,
+    UsageError,
 )
 from kvferry.layout import (
     Buffer,
@@ -43,34 +47,8 @@ def __getattr__(name: str) -> object:
         return getattr(importlib.import_module(f"kvferry.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'kvferry' has no attribute {name!r}")
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "Buffer",
-    "DecodeEndpoint",
-    "EndpointOptions",
-    "HandshakeError",
-    "HeadGeometry",
-    "IncompatiblePeer",
-    "IntegrityError",
-    "KVFerryError",
-    "KVMemory",
-    "Layout",
-    "LayoutError",
-    "LeaseError",
-    "PeerLost",
-    "PlanError",
-    "Pool",
-    "PrefillEndpoint",
-    "Region",
-    "RequestFailed",
-    "RequestState",
-    "Row",
-    "TransferPlan",
-    "TransferTimeout",
-    "TransportError",
-    "__version__",
-    "model_difference",
-    "plan_transfer",
-    "shape_difference",
-    "tp_compatible",
-]
+__all__ = ["PROTOCOL_VERSION", "Buffer", "DecodeEndpoint", "EndpointClosed", "EndpointOptions", "HandshakeError",
+           "HeadGeometry", "IncompatiblePeer", "IntegrityError", "KVFerryError", "KVMemory", "Layout", "LayoutError",
+           "LeaseError", "PageMismatchError", "PeerLost", "PlanError", "Pool", "PrefillEndpoint", "ProtocolError",
+           "Region", "RequestFailed", "RequestState", "Row", "TransferPlan", "TransferTimeout", "TransportError",
+           "UsageError", "__version__", "model_difference", "plan_transfer", "shape_difference", "tp_compatible"]

@@ -47,26 +47,9 @@ from kvferry.layout.spec import Buffer, Layout, Pool
 from kvferry.plan.planner import TransferPlan, plan_transfer
 from kvferry.version import __version__
 
-__all__ = [
-    "MODES",
-    "SuiteConfig",
-    "bandwidth_sweep",
-    "control_plane_run",
-    "machine",
-    "nixl_available",
-    "per_page_descs",
-    "plan_case",
-    "planner_layout",
-    "planning_sweep",
-    "random_runs",
-    "round_trips",
-    "run_suite",
-    "runs_loop_descs",
-    "synthetic_memory",
-    "timed_median",
-    "transfer_layout",
-    "transfer_sections",
-]
+__all__ = ["MODES", "SuiteConfig", "bandwidth_sweep", "control_plane_run", "machine", "nixl_available",
+           "per_page_descs", "plan_case", "planner_layout", "planning_sweep", "random_runs", "round_trips",
+           "run_suite", "runs_loop_descs", "synthetic_memory", "timed_median", "transfer_layout", "transfer_sections"]
 
 MiB = 1 << 20
 # The planner layout: DeepSeek V3.2's MLA latent (656 B/token), fp8 indexer keys (132 B/token) and the

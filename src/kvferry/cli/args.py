@@ -16,18 +16,8 @@ from rich.console import Console
 from kvferry.layout.presets import DEFAULT_PRESET, PRESETS, get_preset
 from kvferry.layout.spec import Layout
 
-__all__ = [
-    "DEFAULT_BUDGET",
-    "add_layout_arguments",
-    "emit_json",
-    "human_bytes",
-    "layout_from_args",
-    "make_console",
-    "parse_knob",
-    "parse_size",
-    "per_token",
-    "positive_int",
-]
+__all__ = ["DEFAULT_BUDGET", "add_layout_arguments", "emit_json", "human_bytes", "layout_from_args", "make_console",
+           "parse_knob", "parse_size", "per_token", "positive_int"]
 
 DEFAULT_BUDGET = "4GiB"
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,

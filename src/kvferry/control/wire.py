@@ -35,30 +35,9 @@ from kvferry.errors import (
     TransportError,
 )
 
-__all__ = [
-    "KINDS",
-    "PROTOCOL_VERSION",
-    "Abort",
-    "Ack",
-    "Announce",
-    "Auth",
-    "Bye",
-    "Challenge",
-    "Chunk",
-    "Envelope",
-    "Fail",
-    "Heartbeat",
-    "Hello",
-    "Reject",
-    "Result",
-    "Welcome",
-    "decode",
-    "decode_pages",
-    "encode",
-    "encode_pages",
-    "error_from_wire",
-    "error_kind",
-]
+__all__ = ["KINDS", "PROTOCOL_VERSION", "Abort", "Ack", "Announce", "Auth", "Bye", "Challenge", "Chunk", "Envelope",
+           "Fail", "Heartbeat", "Hello", "Reject", "Result", "Welcome", "decode", "decode_pages", "encode",
+           "encode_pages", "error_from_wire", "error_kind"]
 
 # Bump when any message's fields, their meaning, or the flow above changes. Peers with another version are
 # refused at the handshake; Envelope and Reject keep their shape across versions so the refusal is readable.

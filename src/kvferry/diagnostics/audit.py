@@ -15,16 +15,7 @@ from dataclasses import asdict, dataclass
 from kvferry.errors import LayoutError
 from kvferry.layout.spec import Buffer, Layout, Pool
 
-__all__ = [
-    "AuditReport",
-    "BufferRow",
-    "PoolSizing",
-    "RoleRow",
-    "SizingReport",
-    "audit",
-    "buffer_role",
-    "sizing",
-]
+__all__ = ["AuditReport", "BufferRow", "PoolSizing", "RoleRow", "SizingReport", "audit", "buffer_role", "sizing"]
 
 # A layer tag as a whole dot-separated component: "L12" in "c4.kv.L12" or "L12.k".
 _LAYER_TAG = re.compile(r"(?<![^.])L\d+(?![^.])")

@@ -27,15 +27,8 @@ from kvferry.integrity.digests import hash_pages
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.planner import PagesArg, PoolPlan, TransferPlan, plan_transfer
 
-__all__ = [
-    "DiffReport",
-    "PageDiff",
-    "decode_index_keys",
-    "diff_pages",
-    "fp8_e4m3_table",
-    "indexer_topk_jaccard",
-    "plan_dump",
-]
+__all__ = ["DiffReport", "PageDiff", "decode_index_keys", "diff_pages", "fp8_e4m3_table", "indexer_topk_jaccard",
+           "plan_dump"]
 
 DIFF_KINDS = ("zeros", "misplaced", "partial")
 

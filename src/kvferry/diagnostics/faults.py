@@ -29,14 +29,7 @@ from kvferry.errors import FaultSpecError, LayoutError, PlanError, TransportErro
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.planner import PagesArg, Row, TransferPlan, plan_transfer
 
-__all__ = [
-    "FaultKind",
-    "FaultSpec",
-    "FaultSpecError",
-    "FaultyPlan",
-    "buffer0_slot_count_descs",
-    "flip_bytes",
-]
+__all__ = ["FaultKind", "FaultSpec", "FaultSpecError", "FaultyPlan", "buffer0_slot_count_descs", "flip_bytes"]
 
 
 class FaultKind(str, Enum):

@@ -44,18 +44,8 @@ from kvferry.plan.planner import TransferPlan
 from kvferry.plan.ranks import PageSlice
 from kvferry.plan.tp import TPPlan
 
-__all__ = [
-    "DIGESTS_VERSION",
-    "DigestMode",
-    "PageDigests",
-    "PageMismatch",
-    "PageMismatchError",
-    "SourceDigests",
-    "digest_pages",
-    "digest_plan",
-    "hash_pages",
-    "verify_digests",
-]
+__all__ = ["DIGESTS_VERSION", "DigestMode", "PageDigests", "PageMismatch", "PageMismatchError", "SourceDigests",
+           "digest_pages", "digest_plan", "hash_pages", "verify_digests"]
 
 # Bump when the wire fields, their encoding or the hash function change; decoders refuse other versions.
 DIGESTS_VERSION = 1

@@ -22,19 +22,8 @@ from typing import Any
 from kvferry.errors import LayoutError
 from kvferry.layout.spec import Buffer, Layout, Pool
 
-__all__ = [
-    "DEFAULT_PRESET",
-    "PRESETS",
-    "deepseek_v4",
-    "deepseek_v32",
-    "describe_presets",
-    "get_preset",
-    "gpt_oss",
-    "llama3_8b",
-    "preset_knobs",
-    "qwen3_next",
-    "token_salad",
-]
+__all__ = ["DEFAULT_PRESET", "PRESETS", "deepseek_v4", "deepseek_v32", "describe_presets", "get_preset", "gpt_oss",
+           "llama3_8b", "preset_knobs", "qwen3_next", "token_salad"]
 
 Preset = Callable[..., Layout]
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvferry.errors import UsageError
+from kvferry.integrity import DigestMode
 from kvferry.layout.presets import DEFAULT_PRESET, get_preset
 from kvferry.layout.spec import Layout
 from kvferry.workload.sim import WorkloadSpec
@@ -22,7 +24,7 @@ DEFAULT_BUDGET = 512 << 20
 
 @dataclass(frozen=True, slots=True)
 class WorkloadConfig:
-    """What to run. Picklable (it crosses to spawned processes); validated by ``run_workload``.
+    """What to run. Picklable (it crosses to spawned processes); validated when made.
 
     ``num_pages`` or ``budget_bytes`` sizes the preset (``DEFAULT_BUDGET`` when neither is given);
     ``knobs`` are extra preset keyword arguments. ``inject`` names a fault from ``kvferry.diagnostics.faults``,
@@ -40,6 +42,13 @@ class WorkloadConfig:
     inject: str | None = None
     timeout_s: float = 600.0
     request_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("nixl", "local"):
+            raise UsageError(f"transport must be 'nixl' or 'local', got {self.transport!r}")
+        DigestMode.parse(self.digest_mode)
+        if self.timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise UsageError("timeout_s and request_timeout_s must be > 0")
 
     def layout(self) -> Layout:
         """The preset layout both sides allocate (same shape and capacity)."""

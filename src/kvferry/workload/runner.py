@@ -1,10 +1,10 @@
 """Run a workload end to end: a decode side and a prefill side, real transfers, every byte verified.
 
-The top of the workload layer (it drives ``sim`` over the control plane), below the benchmark suite
-and ``cli``. ``run_workload(config)`` starts decode
-and prefill as two OS processes (``multiprocessing`` spawn) over NIXL, or, with ``transport="local"``, as
-two threads of this process over ``LocalTransport`` (fast tests). The parent only orchestrates: it
-relays nothing on the data path, shows a progress bar, enforces one deadline, and always cleans up.
+The top of the workload layer (it drives ``sim`` over the control plane), below the benchmark suite and
+``cli``. ``run_workload(config)`` starts decode and prefill as two OS processes (``multiprocessing`` spawn)
+over NIXL, or, with ``transport="local"``, as two threads of this process over ``LocalTransport``. The
+parent only orchestrates: it relays nothing on the data path, shows a progress bar, enforces one deadline,
+and always cleans up.
 
 The runner is six modules, one per concern; this one holds ``run_workload`` and turns the sides' reports
 into a result (``config`` holds ``WorkloadConfig`` and ``WorkloadResult``):
@@ -25,13 +25,14 @@ import time
 from typing import Any
 
 from kvferry.diagnostics.audit import audit
-from kvferry.errors import UsageError
+from kvferry.errors import OutOfPages
 from kvferry.layout.spec import Layout
 from kvferry.workload.config import DEFAULT_BUDGET, WorkloadConfig, WorkloadResult
-from kvferry.workload.sim import OutOfPages, build_schedule, pages_needed
+from kvferry.workload.sim import build_schedule, pages_needed
 from kvferry.workload.supervisor import ProgressFn, Reports, Supervisor
 
 __all__ = ["DEFAULT_BUDGET", "WorkloadConfig", "WorkloadResult", "run_workload"]  # the first three from config
+
 
 def run_workload(config: WorkloadConfig, progress: ProgressFn | None = None) -> WorkloadResult:
     """Run ``config`` to completion or to its deadline; never leaves a process or thread behind.
@@ -40,7 +41,6 @@ def run_workload(config: WorkloadConfig, progress: ProgressFn | None = None) -> 
     (a refused handshake, a crash, the deadline) come back as ``WorkloadResult.error``, with whatever the
     other side had measured; errors in ``config`` itself (an unknown preset) raise ``KVFerryError``.
     """
-    _validate(config)
     layout = config.layout()
     _check_capacity(config, layout)
     started = time.monotonic()
@@ -57,15 +57,6 @@ def _check_capacity(config: WorkloadConfig, layout: Layout) -> None:
             raise OutOfPages(f"the workload's largest prompt ({largest} tokens) needs {need} pages of pool "
                              f"{pool!r}, which has {have}: raise the capacity (--budget/--pages) or lower "
                              f"--max-tokens")
-
-
-def _validate(config: WorkloadConfig) -> None:
-    if config.transport not in ("nixl", "local"):
-        raise UsageError(f"transport must be 'nixl' or 'local', got {config.transport!r}")
-    if config.digest_mode not in ("off", "sampled", "full"):
-        raise UsageError(f"digest_mode must be 'off', 'sampled' or 'full', got {config.digest_mode!r}")
-    if config.timeout_s <= 0 or config.request_timeout_s <= 0:
-        raise UsageError("timeout_s and request_timeout_s must be > 0")
 
 
 # -- result ------------------------------------------------------------------------------------------------

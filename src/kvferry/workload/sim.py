@@ -33,18 +33,8 @@ from kvferry.errors import OutOfPages, UsageError
 from kvferry.layout.presets import get_preset
 from kvferry.layout.spec import Layout, Pool
 
-__all__ = [
-    "OutOfPages",
-    "PageAllocator",
-    "RequestSpec",
-    "WorkloadSpec",
-    "build_schedule",
-    "check_pages",
-    "fill_pages",
-    "page_keys",
-    "pages_needed",
-    "windows_for",
-]
+__all__ = ["OutOfPages", "PageAllocator", "RequestSpec", "WorkloadSpec", "build_schedule", "check_pages",
+           "fill_pages", "page_keys", "pages_needed", "windows_for"]
 
 _U64 = np.uint64
 _MASK = (1 << 64) - 1
