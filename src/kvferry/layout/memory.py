@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import itertools
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -61,6 +62,15 @@ class PoolArrays:
     device_id: np.ndarray    # uint64
     flat_start: np.ndarray   # int64: first row of this buffer in ``KVMemory.page_descs()``
     min_pages: int           # smallest capacity in the pool: every page index must be below it
+    # Buffers of one kind share page size and device (a model's layers repeat a few kinds): the planner
+    # broadcasts rows per kind and adds each buffer's base, instead of multiplying per buffer.
+    kind: np.ndarray         # int64: row of ``kinds`` describing this buffer
+    kinds: np.ndarray        # uint64 [K, 2]: (page_bytes, device_id) of each kind in the pool
+
+
+# The vectors of PoolArrays that have one entry per buffer (restricted together by ``KVMemory.pool_subset``).
+PER_BUFFER = ("buffer_ids", "base", "page_bytes", "num_pages", "device_id", "flat_start", "kind")
+_MAX_SUBSETS = 256  # distinct buffer selections remembered per binding (layer-by-layer sends reuse a few)
 
 
 class KVMemory:
@@ -74,6 +84,11 @@ class KVMemory:
         # Keeps the arrays/tensors alive as long as the binding: their memory must not be freed under us.
         self._owners = dict(owners or {})
         self._regions_by_name = {r.buffer: r for r in self.regions}
+        # Per-pool vectors this binding built, by id (kept alive here, so an id is never reused while
+        # listed): ``built_here`` recognises them. ``_subsets``: buffer selections, oldest first.
+        self._built: dict[int, PoolArrays] = {}
+        self._subsets: dict[tuple[str, bytes], PoolArrays] = {}
+        self._subsets_lock = threading.Lock()
         self._check_regions()
 
     # -- construction ----------------------------------------------------------------------------------
@@ -181,11 +196,16 @@ class KVMemory:
 
     @cached_property
     def region_bounds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(starts, ends, device_ids)`` uint64 arrays sorted by start: for vectorised bounds checks."""
+        """``(starts, ends, device_ids)`` uint64 arrays sorted by start: for vectorised bounds checks.
+
+        ``ends`` and ``device_ids`` carry one extra entry in front, a region that holds nothing (end 0,
+        no device), so ``np.searchsorted(starts, addr, side="right")`` indexes them directly: 0 for an
+        address below every region, else the region starting at or below the address, shifted by one.
+        """
         regs = sorted(self.regions, key=lambda r: r.address)
         return (readonly(np.array([r.address for r in regs], dtype=np.uint64)),
-                readonly(np.array([r.end for r in regs], dtype=np.uint64)),
-                readonly(np.array([r.device_id for r in regs], dtype=np.uint64)))
+                readonly(np.array([0] + [r.end for r in regs], dtype=np.uint64)),
+                readonly(np.array([MAX_ADDRESS] + [r.device_id for r in regs], dtype=np.uint64)))
 
     @cached_property
     def buffer_index(self) -> dict[str, int]:
@@ -203,7 +223,9 @@ class KVMemory:
         for pool in self.layout.pools:
             ids = np.array([index[b.name] for b in pool.buffers], dtype=np.int64)
             regs = [self.regions[i] for i in ids]
-            out[pool.name] = PoolArrays(
+            kind_of = [(b.page_bytes, r.device_id) for b, r in zip(pool.buffers, regs)]
+            kinds = list(dict.fromkeys(kind_of))
+            out[pool.name] = arrays = PoolArrays(
                 buffer_ids=readonly(ids),
                 base=readonly(np.array([r.address for r in regs], dtype=np.uint64)),
                 page_bytes=readonly(np.array([b.page_bytes for b in pool.buffers], dtype=np.uint64)),
@@ -211,8 +233,37 @@ class KVMemory:
                 device_id=readonly(np.array([r.device_id for r in regs], dtype=np.uint64)),
                 flat_start=readonly(flat_start[ids]),
                 min_pages=pool.min_pages,
+                kind=readonly(np.array([kinds.index(k) for k in kind_of], dtype=np.int64)),
+                kinds=readonly(np.array(kinds, dtype=np.uint64).reshape(-1, 2)),
             )
+            self._built[id(arrays)] = arrays
         return out
+
+    def pool_subset(self, pool: str, keep: np.ndarray) -> PoolArrays:
+        """``pool_arrays[pool]`` restricted to the buffers where the bool mask ``keep`` is True.
+
+        Built once per distinct selection (layer-by-layer sends reuse a few; the oldest of more than
+        ``_MAX_SUBSETS`` is forgotten) and recognised by ``built_here`` like the whole pool's vectors.
+        """
+        key = (pool, keep.tobytes())
+        hit = self._subsets.get(key)
+        if hit is not None:
+            return hit
+        full = self.pool_arrays[pool]
+        fields = {f: readonly(getattr(full, f)[keep]) for f in PER_BUFFER}
+        sub = PoolArrays(**fields, min_pages=full.min_pages, kinds=full.kinds)
+        with self._subsets_lock:
+            if len(self._subsets) >= _MAX_SUBSETS:
+                old = self._subsets.pop(next(iter(self._subsets)))
+                self._built.pop(id(old), None)
+            self._subsets[key] = sub
+            self._built[id(sub)] = sub
+        return sub
+
+    def built_here(self, arrays: PoolArrays) -> bool:
+        """True when ``arrays`` is this binding's own (``pool_arrays`` or a ``pool_subset``), so its
+        vectors are this binding's regions and capacities (what a transport's fast check relies on)."""
+        return self._built.get(id(arrays)) is arrays
 
     def page_descs(self) -> np.ndarray:
         """Flat per-page ``N x 3`` uint64 ``(address, page_bytes, device_id)`` over all buffers.

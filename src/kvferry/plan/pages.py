@@ -32,10 +32,11 @@ def as_pages(pool: str, side: Side, value: Any, error: type[KVFerryError] = Plan
         raise error(f"pool {pool!r}: {side} pages must be a 1-D sequence, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if not np.issubdtype(arr.dtype, np.integer):
+    kind = arr.dtype.kind  # "i"/"u": the integer dtypes (np.issubdtype(..., np.integer), at a sixth of the cost)
+    if kind not in "iu":
         raise error(f"pool {pool!r}: {side} pages must be integers, got dtype {arr.dtype}")
-    if arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
-        raise error(f"pool {pool!r}: {side} page {int(arr.max())} is out of range")
+    if kind == "u" and arr.dtype.itemsize == 8 and int(np.maximum.reduce(arr)) > _INT64_MAX:
+        raise error(f"pool {pool!r}: {side} page {int(np.maximum.reduce(arr))} is out of range")
     # A copy: plans and leases freeze their page arrays and must not freeze (or alias) the caller's.
     return arr.astype(np.int64)
 
@@ -47,22 +48,38 @@ def check_pages(pool: Pool, side: Side, pages: np.ndarray, error: type[KVFerryEr
     A page must be valid in *every* buffer of its pool, each against its own capacity: the message names
     the first buffer the page falls outside of, with that buffer's bound.
     """
-    if len(pages) == 0:
+    n = len(pages)
+    if n == 0:
         return
-    # One sort gives the bounds and the repeats: fewer numpy calls than min, max, then a sort (this runs
-    # on every send and announce, for lists of a few to a few thousand pages).
-    srt = np.sort(pages) if unique else pages
-    lo, hi = (int(srt[0]), int(srt[-1])) if unique else (int(pages.min()), int(pages.max()))
+    # ufunc reductions directly: ndarray.min/max add a Python wrapper (~40% of a small call).
+    lo, hi = int(np.minimum.reduce(pages)), int(np.maximum.reduce(pages))
     if lo < 0 or hi >= pool.min_pages:
         bad = lo if lo < 0 else hi
         buf = pool.buffers[0] if bad < 0 else next(b for b in pool.buffers if b.num_pages <= bad)
         raise error(f"pool {pool.name!r}, buffer {buf.name!r}: {side} page {bad} is out of range (this buffer "
                     f"has {buf.num_pages} pages on the {side} side, valid 0..{buf.num_pages - 1})")
-    if unique:
+    if unique and n > 1 and not _distinct(pages, hi):
+        srt = np.sort(pages)
         same = srt[1:] == srt[:-1]
-        if same.any():
-            raise error(f"pool {pool.name!r}: {side} page {int(srt[int(np.argmax(same))])} appears more than "
-                        "once; two writes to one page would race")
+        raise error(f"pool {pool.name!r}: {side} page {int(srt[int(np.argmax(same))])} appears more than "
+                    "once; two writes to one page would race")
+
+
+# Pages in bounds are distinct iff marking them in a bitmap of max+1 flags marks n flags: O(n + max) and
+# three numpy calls, where a sort is O(n log n) (81 us for 4,096 pages here, against ~6 us). Above this
+# ratio of bitmap size to pages the sort is used.
+_BITMAP_PER_PAGE = 64
+
+
+def _distinct(pages: np.ndarray, hi: int) -> bool:
+    """True when ``pages`` (all in ``0..hi``) holds no value twice."""
+    n = len(pages)
+    if hi + 1 <= _BITMAP_PER_PAGE * n + 4096:
+        seen = np.zeros(hi + 1, dtype=bool)
+        seen[pages] = True
+        return np.count_nonzero(seen) == n
+    srt = np.sort(pages)
+    return np.count_nonzero(srt[1:] == srt[:-1]) == 0
 
 
 def validate_pages(layout: Layout, side: Side, pages: Mapping[str, Any], error: type[KVFerryError] = PlanError,

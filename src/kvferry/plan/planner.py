@@ -3,8 +3,9 @@
 The core of the plan layer, above ``plan.pages`` (validation) and ``layout``, below the TP planner and the
 transports. ``plan_transfer`` validates everything (through ``plan.pages``) before it produces a row,
 coalesces page runs jointly (a run continues only while source *and* destination pages are consecutive),
-and keeps the plan compact: per pool, the runs and the per-buffer vectors. The N x 3 descriptor arrays a
-transport posts are materialised on first use, by broadcasting runs over buffers in numpy. No Python loop
+and keeps the plan compact: per pool, the runs and the per-buffer vectors. The N x 3 descriptor arrays are
+materialised on first use (``src_descs``/``dst_descs``) or written into a transport's reused buffer
+(``fill_rows``), by broadcasting runs over buffers in numpy. No Python loop
 runs per page or per buffer; the only loop is over the pools named in the request. ``plan_pages`` is the
 same planner for input validated at the edge: the control plane calls it and nothing is checked twice.
 
@@ -25,7 +26,8 @@ from kvferry.layout.compare import shape_difference
 from kvferry.layout.memory import KVMemory, PoolArrays
 from kvferry.plan.pages import PagesArg, validate_pairs
 
-__all__ = ["PoolPlan", "Row", "TransferPlan", "coalesce_runs", "plan_pages", "plan_transfer", "select_buffers"]
+__all__ = ["PoolPlan", "Row", "TransferPlan", "coalesce_runs", "joint_runs", "plan_pages", "plan_transfer",
+           "select_buffers"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,15 +38,28 @@ class PoolPlan:
     buffer_ids: np.ndarray    # int64 [B]: buffers moved, as indices into Layout.buffers
     src_pages: np.ndarray     # int64 [P]: validated source pages, in request order
     dst_pages: np.ndarray     # int64 [P]
-    run_src: np.ndarray       # int64 [R]: first source page of each joint run
-    run_dst: np.ndarray       # int64 [R]
-    run_len: np.ndarray       # int64 [R]: pages in each run
+    runs: np.ndarray          # int64 [3, R]: joint runs, rows (first source page, first destination page, pages)
     src: PoolArrays           # per-buffer vectors of the source side, restricted to buffer_ids
     dst: PoolArrays
 
     @property
+    def run_src(self) -> np.ndarray:
+        """int64 [R]: first source page of each joint run."""
+        return self.runs[0]
+
+    @property
+    def run_dst(self) -> np.ndarray:
+        """int64 [R]: first destination page of each joint run."""
+        return self.runs[1]
+
+    @property
+    def run_len(self) -> np.ndarray:
+        """int64 [R]: pages in each run."""
+        return self.runs[2]
+
+    @property
     def num_rows(self) -> int:
-        return len(self.buffer_ids) * len(self.run_len)
+        return len(self.buffer_ids) * self.runs.shape[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +106,34 @@ class TransferPlan:
 
     @cached_property
     def src_descs(self) -> np.ndarray:
-        return _expand(self.pools, "src")
+        return self._descs[0]
 
     @cached_property
     def dst_descs(self) -> np.ndarray:
-        return _expand(self.pools, "dst")
+        return self._descs[1]
+
+    @cached_property
+    def _descs(self) -> np.ndarray:
+        # Both sides in one allocation: two fresh ~1 MB arrays alive together cost page faults each time.
+        out = np.empty((2, self.num_descriptors, 3), dtype=np.uint64)
+        self.fill_rows(out[0], out[1])
+        return readonly(out)
+
+    def fill_rows(self, src_out: np.ndarray, dst_out: np.ndarray) -> None:
+        """Write the rows of ``src_descs`` and ``dst_descs`` into caller-owned N x 3 uint64 C-contiguous
+        arrays (a transport's reused buffer: no allocation, no page faults). Same values, same order."""
+        n = self.num_descriptors
+        for out in (src_out, dst_out):
+            if out.shape != (n, 3) or out.dtype != np.uint64 or not out.flags.c_contiguous:
+                raise PlanError(f"fill_rows needs C-contiguous ({n}, 3) uint64 arrays, got {out.shape} {out.dtype}")
+        row = 0
+        for pool_plan in self.pools:
+            end = row + pool_plan.num_rows
+            b, r = len(pool_plan.buffer_ids), pool_plan.runs.shape[1]
+            # A view: a C-contiguous slice of rows reshapes without a copy.
+            _fill_side(src_out[row:end].reshape(b, r, 3), pool_plan.src, pool_plan.run_src, pool_plan.run_len)
+            _fill_side(dst_out[row:end].reshape(b, r, 3), pool_plan.dst, pool_plan.run_dst, pool_plan.run_len)
+            row = end
 
     @cached_property
     def _row_offsets(self) -> np.ndarray:
@@ -171,8 +209,12 @@ def plan_pages(src: KVMemory, dst: KVMemory, pairs: Mapping[str, tuple[np.ndarra
     """``plan_transfer`` for pages already validated (``pages.validate_pairs`` or the control plane's
     announce and ``send`` checks) between layouts of one shape (the handshake compared them): it trusts
     its input and checks nothing again. ``selected``: buffer indices (``select_buffers``), or all."""
+    mask = None
+    if selected is not None:
+        mask = np.zeros(len(src.layout.buffers), dtype=bool)
+        mask[selected] = True
     plans = [pool_plan for name, (src_pages, dst_pages) in pairs.items()
-             if (pool_plan := _plan_pool(src, dst, name, src_pages, dst_pages, selected))]
+             if (pool_plan := _plan_pool(src, dst, name, src_pages, dst_pages, mask))]
     return TransferPlan(src, dst, tuple(plans))
 
 
@@ -196,55 +238,75 @@ def select_buffers(mem: KVMemory, buffers: Iterable[str] | None) -> np.ndarray |
 
 
 # -- planning ------------------------------------------------------------------------------------------
+# Rows per side from which buffers sharing a page size and device are filled from one template per kind
+# (a copy and an add per row) rather than per buffer (two multiplies and an add per row): below it the
+# extra numpy calls cost more than they save.
+_TEMPLATE_MIN_ROWS = 2048
+
+
 def _plan_pool(src: KVMemory, dst: KVMemory, pool: str, src_pages: np.ndarray, dst_pages: np.ndarray,
-               selected: np.ndarray | None) -> PoolPlan | None:
+               mask: np.ndarray | None) -> PoolPlan | None:
     if len(src_pages) == 0:
         return None
     src_arrays, dst_arrays = src.pool_arrays[pool], dst.pool_arrays[pool]
-    keep = None if selected is None else np.isin(src_arrays.buffer_ids, selected)
-    if keep is not None and not keep.any():
-        return None
-    run_src, run_dst, run_len = coalesce_runs(src_pages, dst_pages)
-    return PoolPlan(pool, _take(src_arrays.buffer_ids, keep), readonly(src_pages), readonly(dst_pages), run_src,
-                    run_dst, run_len, _restrict(src_arrays, keep), _restrict(dst_arrays, keep))
+    if mask is not None:
+        keep = mask[src_arrays.buffer_ids]
+        kept = np.count_nonzero(keep)
+        if kept == 0:
+            return None
+        if kept < len(keep):
+            src_arrays, dst_arrays = src.pool_subset(pool, keep), dst.pool_subset(pool, keep)
+    return PoolPlan(pool, src_arrays.buffer_ids, readonly(src_pages), readonly(dst_pages),
+                    joint_runs(src_pages, dst_pages), src_arrays, dst_arrays)
+
+
+def joint_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
+    """Joint runs as one read-only int64 [3, R] array: rows (first source page, first destination page,
+    length). A run breaks wherever either side's page is not the previous page + 1. Needs >= 1 page."""
+    n = len(src_pages)
+    brk = np.empty(n, dtype=bool)
+    brk[0] = True
+    if n > 1:
+        np.not_equal(src_pages[1:] - src_pages[:-1], 1, out=brk[1:])
+        brk[1:] |= (dst_pages[1:] - dst_pages[:-1]) != 1
+    starts = brk.nonzero()[0]
+    runs = np.empty((3, len(starts)), dtype=np.int64)
+    runs[0] = src_pages[starts]
+    runs[1] = dst_pages[starts]
+    np.subtract(starts[1:], starts[:-1], out=runs[2, :-1])
+    runs[2, -1] = n - starts[-1]
+    return readonly(runs)
 
 
 def coalesce_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Joint runs: a run breaks wherever either side's page is not the previous page + 1."""
-    brk = np.empty(len(src_pages), dtype=bool)
-    brk[0] = True
-    np.not_equal(src_pages[1:], src_pages[:-1] + 1, out=brk[1:])
-    brk[1:] |= dst_pages[1:] != dst_pages[:-1] + 1
-    starts = np.flatnonzero(brk)
-    lengths = np.diff(np.append(starts, len(src_pages)))
-    return readonly(src_pages[starts]), readonly(dst_pages[starts]), readonly(lengths)
+    """Joint runs as (first source pages, first destination pages, lengths); see ``joint_runs``."""
+    if len(src_pages) == 0:
+        empty = readonly(np.zeros(0, dtype=np.int64))
+        return empty, empty, empty
+    runs = joint_runs(src_pages, dst_pages)
+    return runs[0], runs[1], runs[2]
 
 
-def _take(a: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
-    return a if keep is None else readonly(a[keep])
-
-
-def _restrict(arrays: PoolArrays, keep: np.ndarray | None) -> PoolArrays:
-    if keep is None:
-        return arrays
-    return PoolArrays(*(_take(getattr(arrays, f), keep) for f in
-                        ("buffer_ids", "base", "page_bytes", "num_pages", "device_id", "flat_start")),
-                      min_pages=arrays.min_pages)
-
-
-def _expand(pools: tuple[PoolPlan, ...], side: str) -> np.ndarray:
-    """Broadcast runs over buffers: (B x R) rows per pool, buffer-major."""
-    total = sum(p.num_rows for p in pools)
-    out = np.empty((total, 3), dtype=np.uint64)
-    row = 0
-    for pool_plan in pools:
-        arrays: PoolArrays = getattr(pool_plan, side)
-        starts = (pool_plan.run_src if side == "src" else pool_plan.run_dst).astype(np.uint64)
-        n = pool_plan.num_rows
-        block = out[row:row + n].reshape(len(pool_plan.buffer_ids), len(pool_plan.run_len), 3)
+def _fill_side(block: np.ndarray, arrays: PoolArrays, starts: np.ndarray, lengths: np.ndarray) -> None:
+    """Rows of one pool on one side into ``block`` (B x R x 3, a view): row (b, r) is
+    ``(base[b] + starts[r] * page_bytes[b], lengths[r] * page_bytes[b], device_id[b])``."""
+    num_buffers, num_runs = block.shape[:2]
+    # Pages are validated non-negative: the uint64 views are exact (int64 x uint64 would give float64).
+    su, lu = starts.view(np.uint64), lengths.view(np.uint64)
+    num_kinds = len(arrays.kinds)
+    if num_kinds < num_buffers and num_buffers * num_runs >= _TEMPLATE_MIN_ROWS:
+        # One template of rows per kind (page size, device), copied to each buffer of that kind, then the
+        # buffer's base added to the address column.
+        kpb = arrays.kinds[:, 0, None]
+        tmpl = np.empty((num_kinds, num_runs, 3), dtype=np.uint64)
+        np.multiply(su[None, :], kpb, out=tmpl[:, :, 0])
+        np.multiply(lu[None, :], kpb, out=tmpl[:, :, 1])
+        tmpl[:, :, 2] = arrays.kinds[:, 1, None]
+        np.take(tmpl.reshape(num_kinds, num_runs * 3), arrays.kind, axis=0,
+                out=block.reshape(num_buffers, num_runs * 3), mode="clip")
+    else:
         pb = arrays.page_bytes[:, None]
-        block[:, :, 0] = arrays.base[:, None] + starts[None, :] * pb
-        block[:, :, 1] = pool_plan.run_len.astype(np.uint64)[None, :] * pb
+        np.multiply(su[None, :], pb, out=block[:, :, 0])
+        np.multiply(lu[None, :], pb, out=block[:, :, 1])
         block[:, :, 2] = arrays.device_id[:, None]
-        row += n
-    return readonly(out)
+    np.add(block[:, :, 0], arrays.base[:, None], out=block[:, :, 0])

@@ -22,8 +22,9 @@ import numpy as np
 from kvferry.errors import TransferTimeout, TransportError
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
+from kvferry.plan.planner import TransferPlan
 
-__all__ = ["TransferHandle", "Transport", "check_rows_in_regions"]
+__all__ = ["RowBuffer", "TransferHandle", "Transport", "check_plan_in_regions", "check_rows_in_regions"]
 
 
 class TransferHandle(ABC):
@@ -117,6 +118,65 @@ class Transport(ABC):
         self.close()
 
 
+def check_plan_in_regions(plan: Plan, src: KVMemory, dst: KVMemory, peer: str, label: str, *,
+                          selectors: bool = False) -> None:
+    """Refuse a plan with any row outside ``src``'s or ``dst``'s regions: the transports' last guard.
+
+    Fast path: a ``TransferPlan`` (exactly that type: subclasses such as the fault injector's override
+    its rows) whose per-buffer vectors are the very arrays built by memories bound like ``src`` and
+    ``dst`` (same binding fingerprint, ``KVMemory.built_here``). Its row (b, r) is
+    ``base[b] + start[r] * page_bytes[b]``, ``length[r] * page_bytes[b]`` long, and buffer b's region is
+    ``num_pages[b] * page_bytes[b]`` bytes from ``base[b]``; so every row lies inside its buffer's
+    region exactly when every run lies inside the pool's smallest capacity and is not empty: O(runs),
+    a few numpy calls, where checking rows is O(runs x buffers). ``selectors``: the write posts
+    ``page_selectors()`` (per-page indices), so the pages are bounded too. Any other plan, a plan whose
+    vectors come from elsewhere, and a fast check that fails have their rows checked one by one
+    (``check_rows_in_regions``, which names the first bad row).
+    """
+    if type(plan) is TransferPlan and _runs_inside(plan, src, dst, selectors):
+        return
+    check_rows_in_regions(plan.src_descs, src, "source", peer, label)
+    check_rows_in_regions(plan.dst_descs, dst, "destination", peer, label)
+
+
+def _runs_inside(plan: TransferPlan, src: KVMemory, dst: KVMemory, selectors: bool) -> bool:
+    src_mem, dst_mem = plan.src_memory, plan.dst_memory
+    if not (_same_binding(src_mem, src) and _same_binding(dst_mem, dst)):
+        return False
+    for pool_plan in plan.pools:
+        runs, src_arrays, dst_arrays = pool_plan.runs, pool_plan.src, pool_plan.dst
+        if not (src_mem.built_here(src_arrays) and dst_mem.built_here(dst_arrays)):
+            return False
+        num_buffers = len(src_arrays.base)
+        if (runs.dtype != np.int64 or runs.ndim != 2 or runs.shape[0] != 3 or runs.shape[1] == 0
+                or len(dst_arrays.base) != num_buffers or len(pool_plan.buffer_ids) != num_buffers):
+            return False
+        src_cap, dst_cap = src_arrays.min_pages, dst_arrays.min_pages
+        # As uint64 a negative start or length is > 2**63: one max bounds all three rows from both sides,
+        # and then start + length cannot wrap.
+        u = runs.view(np.uint64)
+        hi_src, hi_dst, hi_len = np.maximum.reduce(u, axis=1).tolist()
+        if hi_src > src_cap or hi_dst > dst_cap or hi_len > min(src_cap, dst_cap):
+            return False
+        end_src, end_dst = np.maximum.reduce(u[:2] + u[2], axis=1).tolist()
+        if end_src > src_cap or end_dst > dst_cap or int(np.minimum.reduce(u[2])) < 1:
+            return False
+        if selectors and not _pages_inside(pool_plan.src_pages, src_cap, pool_plan.dst_pages, dst_cap):
+            return False
+    return True
+
+
+def _pages_inside(src_pages: np.ndarray, src_cap: int, dst_pages: np.ndarray, dst_cap: int) -> bool:
+    for pages, cap in ((src_pages, src_cap), (dst_pages, dst_cap)):
+        if pages.dtype != np.int64 or (len(pages) and int(np.maximum.reduce(pages.view(np.uint64))) >= cap):
+            return False
+    return True
+
+
+def _same_binding(a: KVMemory, b: KVMemory) -> bool:
+    return a is b or a.binding_fingerprint == b.binding_fingerprint
+
+
 def check_rows_in_regions(descs: np.ndarray, memory: KVMemory, side: str, peer: str, label: str) -> None:
     """Refuse any ``(addr, len, dev)`` row not wholly inside one region of ``memory`` (vectorised).
 
@@ -129,20 +189,50 @@ def check_rows_in_regions(descs: np.ndarray, memory: KVMemory, side: str, peer: 
     # Device address spaces do not overlap in practice (CUDA uses one virtual address space per process
     # for host and all GPUs), so one sorted list serves all devices; the device id is checked as well.
     key_start, key_end, key_dev = memory.region_bounds
-    addr, length, dev = descs[:, 0], descs[:, 1], descs[:, 2]
+    addr = np.ascontiguousarray(descs[:, 0])  # searchsorted runs twice as fast on a contiguous column
+    length, dev = descs[:, 1], descs[:, 2]
     # Regions are disjoint (KVMemory checks), so the only candidate is the last region starting at or
-    # below the row's address.
-    idx = np.searchsorted(key_start, addr, side="right").astype(np.int64) - 1
-    ok = idx >= 0
-    idx_c = np.clip(idx, 0, len(key_start) - 1)
-    end = key_end[idx_c]
-    ok &= key_dev[idx_c] == dev
-    ok &= addr < end
-    # ``length <= end - addr`` rather than ``addr + length <= end``: the sum can wrap around 2**64.
-    ok &= length <= np.where(addr < end, end - addr, 0)
+    # below the row's address: entry idx of key_end/key_dev (entry 0 holds nothing: end 0, no device).
+    idx = np.searchsorted(key_start, addr, side="right")
+    end = key_end[idx]
+    ok = addr < end
+    # ``length <= end - addr`` rather than ``addr + length <= end``: the sum can wrap around 2**64. Where
+    # ``addr >= end`` the difference wraps instead, but ``ok`` is already False there.
+    end -= addr
+    ok &= length <= end
     ok &= length > 0
+    ok &= key_dev[idx] == dev
     if not ok.all():
         bad = int(np.flatnonzero(~ok)[0])
         raise TransportError(
             f"write {label!r} to peer {peer!r}: {side} row {bad} (addr={int(addr[bad]):#x}, "
             f"len={int(length[bad])}, dev={int(dev[bad])}) is outside every registered {side} region")
+
+
+class RowBuffer:
+    """The N x 3 rows a transport posts, for plans the planner built written into one reused buffer.
+
+    ``TransferPlan.fill_rows`` writes into it: no allocation per write (two fresh ~1 MB arrays cost
+    hundreds of microseconds in page faults), no rows cached on the plan. Other plans post their own
+    ``src_descs``/``dst_descs``. The rows returned are valid until the next ``rows`` call: the backend
+    must copy them first (NIXL's descriptor lists do). Not thread-safe, like the transports.
+    """
+
+    # Plans with more rows than this get fresh arrays instead of a buffer kept for the transport's lifetime.
+    MAX_ROWS = 1 << 20
+
+    def __init__(self) -> None:
+        self._buf = np.empty((2, 0, 3), dtype=np.uint64)
+
+    def rows(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+        """(source rows, destination rows) of ``plan``, each N x 3 uint64 C-contiguous."""
+        if type(plan) is not TransferPlan:
+            return plan.src_descs, plan.dst_descs
+        n = plan.num_descriptors
+        if n > self._buf.shape[1]:
+            if n > self.MAX_ROWS:
+                return plan.src_descs, plan.dst_descs
+            self._buf = np.empty((2, max(n, min(2 * self._buf.shape[1], self.MAX_ROWS)), 3), dtype=np.uint64)
+        src, dst = self._buf[0, :n], self._buf[1, :n]
+        plan.fill_rows(src, dst)
+        return src, dst

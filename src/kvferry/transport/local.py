@@ -21,7 +21,7 @@ from kvferry.codec import decode_versioned, encode
 from kvferry.errors import PeerLost, TransportError
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
-from kvferry.transport.base import TransferHandle, Transport, check_rows_in_regions
+from kvferry.transport.base import TransferHandle, Transport, check_plan_in_regions
 
 __all__ = ["LocalTransport"]
 
@@ -133,10 +133,9 @@ class LocalTransport(Transport):
             raise TransportError("register memory before writing")
         if plan.src_memory.binding_fingerprint != self._memory.binding_fingerprint:
             raise TransportError(f"write {label!r}: the plan's source is not this transport's memory")
-        check_rows_in_regions(plan.src_descs, self._memory, "source", peer, label)
         # Against the peer's live registration (what is true), not its manifest (what we were told): a
         # row inside the manifest but outside live memory is refused all the same.
         live = _REGISTRY[peer]._memory
         if live is None:
             raise TransportError(f"peer {peer!r} has no registered memory")
-        check_rows_in_regions(plan.dst_descs, live, "destination", peer, label)
+        check_plan_in_regions(plan, self._memory, live, peer, label)

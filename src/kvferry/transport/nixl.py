@@ -59,7 +59,7 @@ from kvferry.codec import decode_versioned, encode
 from kvferry.errors import PeerLost, TransportError, UsageError
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
-from kvferry.transport.base import TransferHandle, Transport, check_rows_in_regions
+from kvferry.transport.base import RowBuffer, TransferHandle, Transport, check_plan_in_regions
 
 __all__ = ["ENV_DEFAULTS", "NixlHandle", "NixlTransport"]
 
@@ -140,6 +140,10 @@ def _translate(exc: BaseException | None, status: str, what: str, peer: str) -> 
                               f"(NIXL_ERR_NOT_FOUND): unknown peer, or memory not registered")
     detail = f"{name}: {exc}" if exc is not None else f"status {status}"
     return TransportError(f"{what}: NIXL failed ({detail}) with peer {peer!r}")
+
+
+def _what(label: str, notif: bytes) -> str:
+    return f"write {label or notif[:32]!r}"
 
 
 @contextmanager
@@ -240,6 +244,7 @@ class NixlTransport(Transport):
         self._metadata = b""
         self._peers: dict[str, _Peer] = {}
         self._handles: set[NixlHandle] = set()
+        self._rows = RowBuffer()
         self._closed = False
 
     @property
@@ -317,29 +322,41 @@ class NixlTransport(Transport):
         peer's, or any row leaves a registered region. On one host the copy happens inside this call.
         """
         state = self._peer(peer)
-        what = f"write {label or bytes(notif)[:32]!r}"
         self._check_plan(plan, state, label)
+        notif = bytes(notif)
         if plan.num_descriptors == 0:
             self.send_notification(peer, notif)  # nothing to move; the peer still hears "done"
             return self._track(NixlHandle(self, None, peer, label, done=True))
-        with _nixl_errors(what, peer):
-            xfer = self._make_xfer(plan, state, bytes(notif))
+        # Plain try blocks rather than ``_nixl_errors``: this runs per request, and the message is built
+        # only when something failed.
+        agent = self._agent
         try:
-            with _nixl_errors(what, peer):
-                status = self._agent.transfer(xfer)
-        except TransportError:
+            xfer = self._make_xfer(plan, state, notif)
+        except Exception as exc:
+            if not _is_backend_error(exc):
+                raise
+            raise _translate(exc, "", _what(label, notif), peer) from exc
+        try:
+            status = agent.transfer(xfer)
+        except Exception as exc:
             xfer.release()
-            raise
+            if not _is_backend_error(exc):
+                raise
+            raise _translate(exc, "", _what(label, notif), peer) from exc
         if status == "ERR":
             xfer.release()
-            raise _translate(None, status, what, peer)
-        return self._track(NixlHandle(self, xfer, peer, label, done=status == "DONE"))
+            raise _translate(None, status, _what(label, notif), peer)
+        handle = NixlHandle(self, xfer, peer, label, done=status == "DONE")
+        self._handles.add(handle)
+        return handle
 
     def _make_xfer(self, plan: Plan, state: _Peer, notif: bytes) -> Any:
         agent = self._agent
         if self.descriptors == "dlist":
-            src = agent.get_xfer_descs(plan.src_descs, self._mem_type)
-            dst = agent.get_xfer_descs(plan.dst_descs, state.mem_type)
+            # NIXL copies the rows into its own lists, so the reused buffer is free again on return.
+            src_rows, dst_rows = self._rows.rows(plan)
+            src = agent.get_xfer_descs(src_rows, self._mem_type)
+            dst = agent.get_xfer_descs(dst_rows, state.mem_type)
             return agent.initialize_xfer("WRITE", src, dst, state.name, notif)
         src_idx, dst_idx = plan.page_selectors()
         return agent.make_prepped_xfer("WRITE", self._local_list(), src_idx.astype(np.int32),
@@ -416,8 +433,8 @@ class NixlTransport(Transport):
         if not _same_binding(plan.dst_memory, state.memory):
             raise TransportError(f"write {label!r}: the plan's destination is not peer {state.name!r}'s "
                                  f"memory as its metadata describes it (stale manifest?)")
-        check_rows_in_regions(plan.src_descs, self._memory, "source", state.name, label)
-        check_rows_in_regions(plan.dst_descs, state.memory, "destination", state.name, label)
+        check_plan_in_regions(plan, self._memory, state.memory, state.name, label,
+                              selectors=self.descriptors == "prepped")
 
     def _track(self, handle: NixlHandle) -> NixlHandle:
         self._handles.add(handle)
