@@ -124,7 +124,7 @@ class TransferPlan:
         arrays (a transport's reused buffer: no allocation, no page faults). Same values, same order."""
         n = self.num_descriptors
         for out in (src_out, dst_out):
-            if out.shape != (n, 3) or out.dtype != np.uint64 or not out.flags.c_contiguous:
+            if out.shape != (n, 3) or out.dtype is not _U64 or not out.flags.c_contiguous:
                 raise PlanError(f"fill_rows needs C-contiguous ({n}, 3) uint64 arrays, got {out.shape} {out.dtype}")
         row = 0
         for pool_plan in self.pools:
@@ -292,13 +292,18 @@ def joint_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
 
 def _joint_runs_few(src: list[int], dst: list[int]) -> np.ndarray:
     """``joint_runs`` on Python lists: for a few pages, fewer calls than numpy needs."""
-    starts = [0]
+    firsts = [src[0], dst[0]]
+    lengths = []
+    start = 0
     for i in range(1, len(src)):
         if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
-            starts.append(i)
-    ends = [*starts[1:], len(src)]
-    runs = np.array([[src[i] for i in starts], [dst[i] for i in starts], [e - b for b, e in zip(starts, ends)]],
-                    dtype=np.int64)
+            firsts += (src[i], dst[i])
+            lengths.append(i - start)
+            start = i
+    lengths.append(len(src) - start)
+    runs = np.empty((3, len(lengths)), dtype=np.int64)
+    runs[:2] = np.array(firsts, dtype=np.int64).reshape(-1, 2).T
+    runs[2] = lengths
     return readonly(runs)
 
 
@@ -316,13 +321,23 @@ def _run_matrices(runs: np.ndarray) -> np.ndarray:
     ``(page_bytes, base, device)`` into entry j of run r's row: ``(start, 1, 0)`` gives the address,
     ``(length, 0, 0)`` the length, ``(0, 0, 1)`` the device."""
     num_runs = runs.shape[1]
-    m = np.zeros((2, 3, num_runs, 3), dtype=np.uint64)
+    pattern = _MATRIX_PATTERN if num_runs <= _MATRIX_PATTERN.shape[2] else _matrix_pattern(num_runs)
+    m = pattern[:, :, :num_runs].copy()  # the constant entries, copied: fewer calls than setting them
     u = runs.view(np.uint64)  # validated non-negative: exact
     m[:, 0, :, 0] = u[:2]
     m[:, 0, :, 1] = u[2]
+    return m.reshape(2, 3, num_runs * 3)
+
+
+def _matrix_pattern(max_runs: int) -> np.ndarray:
+    m = np.zeros((2, 3, max_runs, 3), dtype=np.uint64)
     m[:, 1, :, 0] = 1
     m[:, 2, :, 2] = 1
-    return m.reshape(2, 3, num_runs * 3)
+    return readonly(m)
+
+
+_U64 = np.dtype(np.uint64)
+_MATRIX_PATTERN = _matrix_pattern(_MATMUL_MAX_ROWS)  # a pool on the matmul path has at most this many runs
 
 
 def _fill_side(block: np.ndarray, arrays: PoolArrays, starts: np.ndarray, lengths: np.ndarray) -> None:
