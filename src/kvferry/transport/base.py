@@ -6,6 +6,10 @@ registered memory into a peer's registered memory and delivers a small notificat
 Two implementations: ``NixlTransport`` (NVIDIA NIXL over UCX, host or GPU memory) and ``LocalTransport``
 (in-process memmove, the reference the tests compare against).
 
+Before posting, every transport refuses rows outside registered memory with ``check_plan_in_regions``
+(the last guard: a plan's destination addresses come from a peer's manifest); ``NixlTransport`` posts
+the rows a ``RowBuffer`` writes for it.
+
 Threading: a transport is driven from one thread (the control plane's progress loop); it is not
 thread-safe. Backend errors are translated into kvferry exceptions inside each implementation, in one
 place, naming the peer and the request label.
