@@ -60,7 +60,7 @@ def check_figures(data: dict, mode: str) -> None:
     plan_rows = data["planning"]["rows"]
     assert [r["pages"] for r in plan_rows] == list(MODES[mode].plan_pages)
     for row in plan_rows:
-        for key in ("per_page_us", "runs_loop_us", "kvferry_plan_us", "kvferry_plan_expand_us"):
+        for key in ("per_page_us", "runs_loop_us", "kvferry_plan_us", "kvferry_plan_expand_us", "kvferry_plan_post_us"):
             assert positive(row[key]), (key, row)
         assert row["kvferry_rows"] <= row["per_page_rows"]
     rt = data["latency"]["transport"]

@@ -128,13 +128,18 @@ def _planning_table(results: dict[str, Any]) -> Table:
     pl = results["planning"]
     table = Table(title="Planning one request, median us", caption=pl["layout"])
     for col in ("pages", "rows per-page / kvferry", "per-page", "runs + loop", "kvferry plan",
-                "kvferry plan + arrays", "plan speedup vs runs + loop"):
+                "kvferry plan + arrays", "kvferry plan + posted rows", "plan speedup vs runs + loop"):
         table.add_column(col, justify="right")
     for r in pl["rows"]:
         table.add_row(str(r["pages"]), f"{r['per_page_rows']:,} / {r['kvferry_rows']:,}",
                       f"{r['per_page_us']:.0f}", f"{r['runs_loop_us']:.0f}", f"{r['kvferry_plan_us']:.0f}",
-                      f"{r['kvferry_plan_expand_us']:.0f}", f"{r['runs_loop_us'] / r['kvferry_plan_us']:.1f}x")
+                      f"{r['kvferry_plan_expand_us']:.0f}", _us(r.get("kvferry_plan_post_us")),
+                      f"{r['runs_loop_us'] / r['kvferry_plan_us']:.1f}x")
     return table
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def _latency_table(results: dict[str, Any]) -> Table:
@@ -200,8 +205,10 @@ def _plot_planning(plt: Any, results: dict[str, Any]) -> Any:
     for key, label, style in (("per_page_us", "per-page baseline", "s--"),
                               ("runs_loop_us", "runs + loop over buffers", "^:"),
                               ("kvferry_plan_us", "kvferry plan_transfer", "o-"),
-                              ("kvferry_plan_expand_us", "kvferry plan + N x 3 arrays", "d-")):
-        ax.plot(pages, [r[key] for r in rows], style, label=label)
+                              ("kvferry_plan_expand_us", "kvferry plan + N x 3 arrays", "d-"),
+                              ("kvferry_plan_post_us", "kvferry plan + check + rows posted", "v-")):
+        if all(key in r for r in rows):  # bench.json files from before the posted-rows figure lack it
+            ax.plot(pages, [r[key] for r in rows], style, label=label)
     ax.set(xscale="log", yscale="log", xlabel="pages per request", ylabel="median time (us)",
            title=f"Planning time against request size ({rows[0]['buffers']} buffers)")
     _label_ticks(ax, pages, "d")

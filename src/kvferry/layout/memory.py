@@ -66,10 +66,13 @@ class PoolArrays:
     # broadcasts rows per kind and adds each buffer's base, instead of multiplying per buffer.
     kind: np.ndarray         # int64: row of ``kinds`` describing this buffer
     kinds: np.ndarray        # uint64 [K, 2]: (page_bytes, device_id) of each kind in the pool
+    # uint64 [B, 3]: (page_bytes, base, device_id) per buffer, so that a small plan's rows are one matrix
+    # product: [page_bytes, base, device] @ [[start, length, 0], [1, 0, 0], [0, 0, 1]] = one row.
+    row_basis: np.ndarray
 
 
 # The vectors of PoolArrays that have one entry per buffer (restricted together by ``KVMemory.pool_subset``).
-PER_BUFFER = ("buffer_ids", "base", "page_bytes", "num_pages", "device_id", "flat_start", "kind")
+PER_BUFFER = ("buffer_ids", "base", "page_bytes", "num_pages", "device_id", "flat_start", "kind", "row_basis")
 _MAX_SUBSETS = 256  # distinct buffer selections remembered per binding (layer-by-layer sends reuse a few)
 
 
@@ -225,16 +228,20 @@ class KVMemory:
             regs = [self.regions[i] for i in ids]
             kind_of = [(b.page_bytes, r.device_id) for b, r in zip(pool.buffers, regs)]
             kinds = list(dict.fromkeys(kind_of))
+            base = np.array([r.address for r in regs], dtype=np.uint64)
+            page_bytes = np.array([b.page_bytes for b in pool.buffers], dtype=np.uint64)
+            device_id = np.array([r.device_id for r in regs], dtype=np.uint64)
             out[pool.name] = arrays = PoolArrays(
                 buffer_ids=readonly(ids),
-                base=readonly(np.array([r.address for r in regs], dtype=np.uint64)),
-                page_bytes=readonly(np.array([b.page_bytes for b in pool.buffers], dtype=np.uint64)),
+                base=readonly(base),
+                page_bytes=readonly(page_bytes),
                 num_pages=readonly(caps[ids]),
-                device_id=readonly(np.array([r.device_id for r in regs], dtype=np.uint64)),
+                device_id=readonly(device_id),
                 flat_start=readonly(flat_start[ids]),
                 min_pages=pool.min_pages,
                 kind=readonly(np.array([kinds.index(k) for k in kind_of], dtype=np.int64)),
                 kinds=readonly(np.array(kinds, dtype=np.uint64).reshape(-1, 2)),
+                row_basis=readonly(np.stack([page_bytes, base, device_id], axis=1)),
             )
             self._built[id(arrays)] = arrays
         return out

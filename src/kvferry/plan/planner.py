@@ -24,7 +24,7 @@ from kvferry.arrays import cat_int, readonly
 from kvferry.errors import PlanError
 from kvferry.layout.compare import shape_difference
 from kvferry.layout.memory import KVMemory, PoolArrays
-from kvferry.plan.pages import PagesArg, validate_pairs
+from kvferry.plan.pages import FEW_PAGES, PagesArg, validate_pairs
 
 __all__ = ["PoolPlan", "Row", "TransferPlan", "coalesce_runs", "joint_runs", "plan_pages", "plan_transfer",
            "select_buffers"]
@@ -124,15 +124,22 @@ class TransferPlan:
         arrays (a transport's reused buffer: no allocation, no page faults). Same values, same order."""
         n = self.num_descriptors
         for out in (src_out, dst_out):
-            if out.shape != (n, 3) or out.dtype != np.uint64 or not out.flags.c_contiguous:
+            if out.shape != (n, 3) or out.dtype is not _U64 or not out.flags.c_contiguous:
                 raise PlanError(f"fill_rows needs C-contiguous ({n}, 3) uint64 arrays, got {out.shape} {out.dtype}")
         row = 0
         for pool_plan in self.pools:
             end = row + pool_plan.num_rows
             b, r = len(pool_plan.buffer_ids), pool_plan.runs.shape[1]
-            # A view: a C-contiguous slice of rows reshapes without a copy.
-            _fill_side(src_out[row:end].reshape(b, r, 3), pool_plan.src, pool_plan.run_src, pool_plan.run_len)
-            _fill_side(dst_out[row:end].reshape(b, r, 3), pool_plan.dst, pool_plan.run_dst, pool_plan.run_len)
+            # Views: a C-contiguous slice of rows reshapes without a copy.
+            src_block, dst_block = src_out[row:end], dst_out[row:end]
+            if b * r <= _MATMUL_MAX_ROWS:
+                # Row (b, r) = row_basis[b] @ matrix[:, r]: one call per side, whatever the shape.
+                matrices = _run_matrices(pool_plan.runs)
+                np.matmul(pool_plan.src.row_basis, matrices[0], out=src_block.reshape(b, r * 3))
+                np.matmul(pool_plan.dst.row_basis, matrices[1], out=dst_block.reshape(b, r * 3))
+            else:
+                _fill_side(src_block.reshape(b, r, 3), pool_plan.src, pool_plan.run_src, pool_plan.run_len)
+                _fill_side(dst_block.reshape(b, r, 3), pool_plan.dst, pool_plan.run_dst, pool_plan.run_len)
             row = end
 
     @cached_property
@@ -238,6 +245,9 @@ def select_buffers(mem: KVMemory, buffers: Iterable[str] | None) -> np.ndarray |
 
 
 # -- planning ------------------------------------------------------------------------------------------
+# Rows per side up to which a pool's rows are two matrix products (``_run_matrices``): numpy's integer
+# matmul is a plain loop, ~7 ns a row, but one call; broadcasting costs ~6 us of calls per side first.
+_MATMUL_MAX_ROWS = 768
 # Rows per side from which buffers sharing a page size and device are filled from one template per kind
 # (a copy and an add per row) rather than per buffer (two multiplies and an add per row): below it the
 # extra numpy calls cost more than they save.
@@ -264,6 +274,8 @@ def joint_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
     """Joint runs as one read-only int64 [3, R] array: rows (first source page, first destination page,
     length). A run breaks wherever either side's page is not the previous page + 1. Needs >= 1 page."""
     n = len(src_pages)
+    if n <= FEW_PAGES:
+        return _joint_runs_few(src_pages.tolist(), dst_pages.tolist())
     brk = np.empty(n, dtype=bool)
     brk[0] = True
     if n > 1:
@@ -278,6 +290,23 @@ def joint_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
     return readonly(runs)
 
 
+def _joint_runs_few(src: list[int], dst: list[int]) -> np.ndarray:
+    """``joint_runs`` on Python lists: for a few pages, fewer calls than numpy needs."""
+    firsts = [src[0], dst[0]]
+    lengths = []
+    start = 0
+    for i in range(1, len(src)):
+        if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+            firsts += (src[i], dst[i])
+            lengths.append(i - start)
+            start = i
+    lengths.append(len(src) - start)
+    runs = np.empty((3, len(lengths)), dtype=np.int64)
+    runs[:2] = np.array(firsts, dtype=np.int64).reshape(-1, 2).T
+    runs[2] = lengths
+    return readonly(runs)
+
+
 def coalesce_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Joint runs as (first source pages, first destination pages, lengths); see ``joint_runs``."""
     if len(src_pages) == 0:
@@ -285,6 +314,30 @@ def coalesce_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndar
         return empty, empty, empty
     runs = joint_runs(src_pages, dst_pages)
     return runs[0], runs[1], runs[2]
+
+
+def _run_matrices(runs: np.ndarray) -> np.ndarray:
+    """uint64 [2, 3, R * 3], one matrix per side: column (r, j) turns ``PoolArrays.row_basis``
+    ``(page_bytes, base, device)`` into entry j of run r's row: ``(start, 1, 0)`` gives the address,
+    ``(length, 0, 0)`` the length, ``(0, 0, 1)`` the device."""
+    num_runs = runs.shape[1]
+    pattern = _MATRIX_PATTERN if num_runs <= _MATRIX_PATTERN.shape[2] else _matrix_pattern(num_runs)
+    m = pattern[:, :, :num_runs].copy()  # the constant entries, copied: fewer calls than setting them
+    u = runs.view(np.uint64)  # validated non-negative: exact
+    m[:, 0, :, 0] = u[:2]
+    m[:, 0, :, 1] = u[2]
+    return m.reshape(2, 3, num_runs * 3)
+
+
+def _matrix_pattern(max_runs: int) -> np.ndarray:
+    m = np.zeros((2, 3, max_runs, 3), dtype=np.uint64)
+    m[:, 1, :, 0] = 1
+    m[:, 2, :, 2] = 1
+    return readonly(m)
+
+
+_U64 = np.dtype(np.uint64)
+_MATRIX_PATTERN = _matrix_pattern(_MATMUL_MAX_ROWS)  # a pool on the matmul path has at most this many runs
 
 
 def _fill_side(block: np.ndarray, arrays: PoolArrays, starts: np.ndarray, lengths: np.ndarray) -> None:

@@ -6,11 +6,17 @@ import importlib.util
 from typing import Any
 
 from kvferry.errors import UsageError
-from kvferry.transport.base import TransferHandle, Transport, check_rows_in_regions
+from kvferry.transport.base import (
+    RowBuffer,
+    TransferHandle,
+    Transport,
+    check_plan_in_regions,
+    check_rows_in_regions,
+)
 from kvferry.transport.local import LocalTransport
 
-__all__ = ["LocalTransport", "TransferHandle", "Transport", "check_rows_in_regions", "make_transport",
-           "nixl_available"]
+__all__ = ["LocalTransport", "RowBuffer", "TransferHandle", "Transport", "check_plan_in_regions",
+           "check_rows_in_regions", "make_transport", "nixl_available"]
 
 
 def nixl_available() -> bool:

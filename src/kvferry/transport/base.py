@@ -6,6 +6,10 @@ registered memory into a peer's registered memory and delivers a small notificat
 Two implementations: ``NixlTransport`` (NVIDIA NIXL over UCX, host or GPU memory) and ``LocalTransport``
 (in-process memmove, the reference the tests compare against).
 
+Before posting, every transport refuses rows outside registered memory with ``check_plan_in_regions``
+(the last guard: a plan's destination addresses come from a peer's manifest); ``NixlTransport`` posts
+the rows a ``RowBuffer`` writes for it.
+
 Threading: a transport is driven from one thread (the control plane's progress loop); it is not
 thread-safe. Backend errors are translated into kvferry exceptions inside each implementation, in one
 place, naming the peer and the request label.
@@ -13,6 +17,7 @@ place, naming the peer and the request label.
 
 from __future__ import annotations
 
+import operator
 import time
 from abc import ABC, abstractmethod
 from types import TracebackType
@@ -139,6 +144,10 @@ def check_plan_in_regions(plan: Plan, src: KVMemory, dst: KVMemory, peer: str, l
     check_rows_in_regions(plan.dst_descs, dst, "destination", peer, label)
 
 
+# Up to this many runs in a pool the fast check runs on Python lists.
+FEW_RUNS = 32
+
+
 def _runs_inside(plan: TransferPlan, src: KVMemory, dst: KVMemory, selectors: bool) -> bool:
     src_mem, dst_mem = plan.src_memory, plan.dst_memory
     if not (_same_binding(src_mem, src) and _same_binding(dst_mem, dst)):
@@ -152,6 +161,14 @@ def _runs_inside(plan: TransferPlan, src: KVMemory, dst: KVMemory, selectors: bo
                 or len(dst_arrays.base) != num_buffers or len(pool_plan.buffer_ids) != num_buffers):
             return False
         src_cap, dst_cap = src_arrays.min_pages, dst_arrays.min_pages
+        if runs.shape[1] <= FEW_RUNS:
+            # Python ints: no wrap-around to guard against, and fewer calls than numpy for a few runs.
+            starts, dst_starts, lengths = runs.tolist()
+            if (min(starts) < 0 or min(dst_starts) < 0 or min(lengths) < 1
+                    or max(map(operator.add, starts, lengths)) > src_cap
+                    or max(map(operator.add, dst_starts, lengths)) > dst_cap):
+                return False
+            continue
         # As uint64 a negative start or length is > 2**63: one max bounds all three rows from both sides,
         # and then start + length cannot wrap.
         u = runs.view(np.uint64)
@@ -161,8 +178,9 @@ def _runs_inside(plan: TransferPlan, src: KVMemory, dst: KVMemory, selectors: bo
         end_src, end_dst = np.maximum.reduce(u[:2] + u[2], axis=1).tolist()
         if end_src > src_cap or end_dst > dst_cap or int(np.minimum.reduce(u[2])) < 1:
             return False
-        if selectors and not _pages_inside(pool_plan.src_pages, src_cap, pool_plan.dst_pages, dst_cap):
-            return False
+    if selectors:
+        return all(_pages_inside(pool_plan.src_pages, pool_plan.src.min_pages, pool_plan.dst_pages,
+                                 pool_plan.dst.min_pages) for pool_plan in plan.pools)
     return True
 
 

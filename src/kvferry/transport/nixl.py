@@ -30,8 +30,12 @@ Behaviour callers must know:
   that is usually already done. A deadline therefore bounds the wait for completion and notification,
   not the copy of a large request.
 * A write outside the peer's registered regions, as its manifest describes them, is refused with
-  ``TransportError`` before anything is posted. NIXL checks bounds too, but only against the metadata it
-  holds, which can be stale.
+  ``TransportError`` before anything is posted (``base.check_plan_in_regions``: the planner's plans by
+  their page runs, every other plan row by row). NIXL checks bounds too, but only against the metadata
+  it holds, which can be stale.
+* Per-request cost (issue 13): a planner-built plan's rows are written into one buffer the transport
+  reuses (``base.RowBuffer``; NIXL copies them into its own lists), so a write allocates no N x 3 arrays;
+  nothing is formatted unless something failed.
 * A dead peer surfaces as ``PeerLost`` from ``write``, ``poll`` or ``send_notification``. A connection
   NIXL reports as disconnected stays poisoned, even when the peer is alive (for example after a write
   into memory the peer had unmapped): ``remove_peer`` and ``add_peer`` again with fresh metadata.
