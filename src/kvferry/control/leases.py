@@ -43,6 +43,11 @@ class LeaseTable:
     def num_leased_pages(self) -> int:
         return sum(len(p) for _, pages in self._leases.values() for p in pages.values())
 
+    def num_pages(self, lease_id: int) -> int:
+        """Pages held by ``lease_id`` (0 when it holds none)."""
+        entry = self._leases.get(lease_id)
+        return 0 if entry is None else sum(len(p) for p in entry[1].values())
+
     def holds(self, lease_id: int) -> bool:
         return lease_id in self._leases
 
