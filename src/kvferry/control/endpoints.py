@@ -247,9 +247,9 @@ class EndpointBase:
             if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 return False
             try:
-                self._raise_if_crashed()
-                if done():
+                if done():  # first: a crash failed every record and link, each with its own answer
                     return True
+                self._raise_if_crashed()
             finally:
                 self._lock.release()
             with self._signal:
