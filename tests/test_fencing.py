@@ -11,6 +11,8 @@ then raised ``zmq.Again``, the loop died and ``connect`` ignored its timeout.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -333,3 +335,67 @@ def test_a_dead_loop_fails_every_waiter_and_link_at_once(ctx: zmq.Context, monke
         with pytest.raises(EndpointClosed):
             decode.announce("s", {"main": [40]})
     raw.transport.close()
+
+
+# -- defect 1, between processes over NIXL: the prefill process stopped (SIGSTOP) between check and post ------
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.slow
+@pytest.mark.nixl
+def test_sigstopped_prefill_process_writes_only_into_quarantine() -> None:
+    pytest.importorskip("nixl")
+    from .test_control_nixl import Peer
+
+    figures = {"heartbeat_interval": 0.5, "peer_timeout": 2.5, "lease_grace": 1.0, "request_timeout": 30.0}
+    opts = EndpointOptions(**figures)
+    p1 = Peer("prefill", options=figures, seed=SEED_1, stop_before_write=True)
+    p2 = Peer("prefill", options=figures, seed=SEED_2)
+    src1, src2, dst = _memory("prefill", SEED_1), _memory("prefill", SEED_2), _memory("decode", 999)
+    try:
+        with DecodeEndpoint(dst, "nixl", options=opts, digest_mode="full") as decode:
+            decode.connect(p1.address)
+            decode.connect(p2.address)
+            p1("send", rid="a", pages={k: v.tolist() for k, v in SRC_A.items()})
+            decode.announce("a", PAGES_A, peer=p1.address)
+            _until(lambda: _stopped(p1.proc.pid), 5)         # stopped itself right before posting
+            t_stop = time.monotonic()
+            with pytest.raises(RequestFailed) as info:
+                decode.wait("a", 6)
+            assert isinstance(info.value.__cause__, PeerLost)
+            assert decode.num_quarantined_pages == NUM_X
+            done = 0
+            while time.monotonic() - t_stop < 6.0 or done < 4:   # the 6 s stall, serving meanwhile
+                with pytest.raises(LeaseError, match="leased to live request 'a'"):
+                    decode.announce(f"x{done}", PAGES_A, peer=p2.address)
+                src, dst_pages = _block(done)
+                decode.announce(f"b{done}", dst_pages, peer=p2.address)
+                p2("send", rid=f"b{done}", pages={k: v.tolist() for k, v in src.items()})
+                decode.wait(f"b{done}", 5)
+                done += 1
+            p1.proc.send_signal(signal.SIGCONT)              # it posts its write now, to pages decode gave up
+            time.sleep(opts.lease_grace + 0.5)
+            assert decode.num_quarantined_pages == NUM_X     # the writer lives: only its word ends this
+            # The defect's write happened (cma needs nothing from decode, and stale metadata still
+            # writes), and landed in the quarantined pages only.
+            late = _holds(dst, src1, PAGES_A, SRC_A)
+            assert late, "pages X do not hold the late write"
+            for i in range(done - 4, done):
+                assert _holds(dst, src2, _block(i)[1], _block(i)[0]), f"b{i} was overwritten"
+            decode.connect(p1.address)                       # prefill 1 settles what decode failed
+            _until(lambda: decode.num_quarantined_pages == 0, 5)
+            src, _ = _block(0)
+            decode.announce("reuse", PAGES_A, peer=p2.address)
+            p2("send", rid="reuse", pages={k: v.tolist() for k, v in src.items()})
+            decode.wait("reuse", 5)
+            time.sleep(0.2)
+            assert _holds(dst, src2, PAGES_A, src)
+            print(f"late write landed in quarantine: {late}; peak quarantined pages "
+                  f"{decode.peak_quarantined_pages}; {done} requests served meanwhile")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            p1.proc.send_signal(signal.SIGCONT)
+        p1.close()
+        p2.close()
