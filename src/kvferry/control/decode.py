@@ -153,7 +153,8 @@ class DecodeEndpoint(EndpointBase):
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Non-blocking: fail the request now and tell every prefill rank writing it. Its pages stay leased
-        until each confirms no write can land (or is known dead). No-op for a request already ended."""
+        (quarantined) until each confirms no write can land, or is certainly gone. No-op for a request
+        already ended."""
         with self._lock:
             rec = self._record(request_id)
             assert isinstance(rec, DecodeRequest)
@@ -174,8 +175,9 @@ class DecodeEndpoint(EndpointBase):
 
     def holds_lease(self, request_id: str) -> bool:
         """Whether ``request_id``'s destination pages are still leased: while True, a write may still land
-        in them and the caller must not hand them to another request (a failed request keeps its lease
-        until the writer confirms its handles settled, or the peer is dead and the grace period passed)."""
+        in them and the caller must not hand them to another request (a failed request keeps its lease,
+        quarantined, until the writer confirms its handles settled, or is certainly gone and
+        ``lease_grace`` passed since)."""
         with self._lock:
             rec = self._records.get(request_id)
             return rec is not None and self._leases.holds(rec.generation)
@@ -219,6 +221,9 @@ class DecodeEndpoint(EndpointBase):
                 raise IncompatiblePeer(f"prefill {address} is rank {old.rank} of TP {old.tp_size}, "
                                        f"expected rank {expect[0]} of TP {expect[1]}")
             return old
+        if old is not None and old.state == "connecting":  # e.g. a recovery handshake: this one replaces it
+            self._call_soon(lambda: self._link_failed(old, HandshakeError(f"prefill {address}: handshake "
+                                                                          "superseded by a newer connect")))
         link = Link(address, time.monotonic() + timeout)
         link.expect = expect
         self._links[address] = link
@@ -558,7 +563,8 @@ class DecodeEndpoint(EndpointBase):
             self._check_quarantine(now)
 
     def _check_quarantine(self, now: float) -> None:
-        """A part whose link is gone leaves quarantine ``lease_grace`` after its writer is certainly gone."""
+        """A part whose link is gone leaves quarantine ``lease_grace`` after its writer is certainly gone;
+        while it may still write, decode keeps reconnecting to it to ask for its acknowledgement."""
         gone: dict[Link, bool] = {}
         for rec in list(self._by_gen.values()):
             for part in list(rec.parts.values()):
@@ -572,6 +578,22 @@ class DecodeEndpoint(EndpointBase):
                         part.release_at = now + self.options.lease_grace
                 elif now >= part.release_at:
                     self._settle(rec, part)
+        for link, is_gone in gone.items():
+            if not is_gone and not self._closing:
+                self._recover(link, now)
+
+    def _recover(self, dead: Link, now: float) -> None:
+        """Handshake again with the prefill behind ``dead`` (every ``peer_timeout`` while none is open): a
+        stalled prefill that resumed then settles what decode quarantined (``_resettle``), and serves
+        again. Only an acknowledgement or a certain death frees pages a live writer may still reach."""
+        current = self._links.get(dead.address)
+        if now < dead.retry_at or (current is not None and current.state in ("connecting", "established")):
+            return
+        dead.retry_at = now + self.options.peer_timeout
+        link = Link(dead.address, now + self.options.handshake_timeout)
+        link.expect = (dead.rank, dead.tp_size)
+        self._links[dead.address] = link
+        self._open_link(link)
 
     def _link_dead(self, link: Link, error: KVFerryError) -> None:
         """Fail the requests the link writes (and abort them on the other ranks writing them). Their

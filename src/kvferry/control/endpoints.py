@@ -62,8 +62,10 @@ class EndpointOptions:
     * ``heartbeat_interval``: how often each side tells the other it is alive.
     * ``peer_timeout``: silence after which the peer is declared dead and its requests fail (``PeerLost``).
     * ``request_timeout``: a request not done by then fails on this side (``TransferTimeout``).
-    * ``lease_grace``: after the writer is known dead, how long decode still keeps its pages leased (a
-      write posted just before the death may still be landing).
+    * ``lease_grace``: how long decode still keeps a failed request's pages after their writer is
+      *certainly* gone (its process gone on this host, or the transport guarantees it cannot write). No
+      longer a timer after a peer is declared dead: a silent peer may be stalled, not dead, and resume
+      writing; its pages stay quarantined until it acknowledges or is certainly gone (docs/fencing.md).
     * ``handshake_timeout``: default bound of ``DecodeEndpoint.connect`` and of a half-open handshake.
     * ``busy_poll``: sleep between progress iterations while something is in flight, right after one
       that found work; each idle iteration doubles it, up to ``busy_poll_max`` (never below ``busy_poll``).

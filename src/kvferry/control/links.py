@@ -43,6 +43,7 @@ class Link:
         # The prefill's place in its TP group (from its manifest); ``expect``: what connect_all asked for.
         self.rank, self.tp_size = 0, 1
         self.expect: tuple[int, int] | None = None
+        self.retry_at = 0.0   # once dead with quarantined pages: when decode may next try to reconnect
         # Across TP sizes: buffer -> the slice of each page this prefill rank writes here (digest checks).
         self.slices: dict[str, PageSlice] | None = None
 
