@@ -93,8 +93,10 @@ class DecodeEndpoint(EndpointBase):
         """Blocking: connect to a prefill endpoint and complete the handshake; returns the peer id.
 
         Raises ``IncompatiblePeer`` (layout, protocol version, transport or secret differ, with the
-        difference spelled out) or ``HandshakeError`` (no answer within ``timeout``). Reconnecting to an
-        address whose previous peer died starts a fresh session.
+        difference spelled out) or ``HandshakeError`` (no answer within ``timeout``, or the connection
+        dropped, e.g. an answer above ``max_message_bytes``), by ``timeout`` whatever the progress thread
+        does. Reconnecting to an address whose previous peer died starts a fresh session; when it is the
+        same prefill process, decode asks it to settle the requests it quarantined (docs/fencing.md).
         """
         timeout = self.options.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
@@ -283,6 +285,8 @@ class DecodeEndpoint(EndpointBase):
     def _on_handshake(self, link: Link, msg: Any) -> None:
         if isinstance(msg, wire.Reject):
             self._link_failed(link, IncompatiblePeer(f"prefill {link.address} refused: {msg.reason}"))
+        elif isinstance(msg, wire.Bye):  # e.g. it dropped our half-open session: no use waiting
+            self._link_failed(link, HandshakeError(f"prefill {link.address} ended the handshake: {msg.reason}"))
         elif isinstance(msg, wire.Challenge):
             self._answer_challenge(link, msg)
         elif isinstance(msg, wire.Welcome):

@@ -445,11 +445,12 @@ class PrefillEndpoint(EndpointBase):
         self._dirty.add(rec)
 
     def _in_flight(self, session: Session, msg: wire.Abort) -> PrefillRequest | None:
-        """The record of an older session with the same decode (agent) still writing this generation."""
+        """A record still writing this generation to this decode (its agent), in any session: an older
+        session's, or an older incarnation of the request id that ``_match`` does not see."""
         for rec in self._active:
             old = rec.session
             if (rec.handles and rec.request_id == msg.request_id and rec.generation == msg.generation
-                    and old is not None and old is not session and old.agent == session.agent):
+                    and old is not None and old.agent == session.agent):
                 return rec
         return None
 
