@@ -548,14 +548,17 @@ class DecodeEndpoint(EndpointBase):
             self._link_failed(link, HandshakeError(
                 f"no handshake answer from prefill {link.address} within the deadline (if something answers "
                 f"at that address, its answer may exceed max_message_bytes={self.options.max_message_bytes})"))
-        elif link.state == "established" and now - link.last_sent >= self.options.heartbeat_interval:
+        elif link.state != "established":
+            return
+        elif now - link.last_seen > self.options.peer_timeout:
+            self._link_dead(link, PeerLost(f"prefill {link.address} silent for {now - link.last_seen:.2f} s "
+                                           f"(peer_timeout {self.options.peer_timeout} s)"))
+        elif now - link.last_sent >= self.options.heartbeat_interval:
             self._send(link, wire.Heartbeat())
 
     def _check_silence(self, now: float) -> None:
-        for link in list(self._links.values()):
-            if link.state == "established" and now - link.last_seen > self.options.peer_timeout:
-                self._link_dead(link, PeerLost(f"prefill {link.address} silent for {now - link.last_seen:.2f} s "
-                                               f"(peer_timeout {self.options.peer_timeout} s)"))
+        """Nothing before reading: decode posts no writes, so frames queued during its own stall can only
+        make it talk to a prefill that dropped it, which answers with Bye (the link then dies)."""
 
     def _tick_requests(self, now: float) -> None:
         for rec in list(self._by_gen.values()):

@@ -363,8 +363,8 @@ class EndpointBase:
         events = dict(self._poller.poll(timeout_ms))
         with self._cond:
             # Frames read in this iteration are stamped with the time the poll returned, and peers are
-            # checked for silence before any is read: frames that queued up while this process stalled
-            # must not make a peer that declared us dead look alive (the stall shows as silence first).
+            # checked before any is read: frames that queued up while this process stalled must not make
+            # a peer that has declared us dead look alive.
             self._recv_time = time.monotonic()
             self._check_silence(self._recv_time)
             if events.pop(self._wake_r, None):
@@ -436,7 +436,7 @@ class EndpointBase:
         raise NotImplementedError
 
     def _check_silence(self, now: float) -> None:
-        """Declare dead the peers silent for longer than ``peer_timeout`` (before this iteration reads)."""
+        """Before this iteration reads: judge the peers that must have declared us dead (our own stall)."""
         raise NotImplementedError
 
     def _socket_failed(self, sock: Any, exc: zmq.ZMQError) -> None:

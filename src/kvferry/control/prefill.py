@@ -240,10 +240,13 @@ class PrefillEndpoint(EndpointBase):
         Not the fence (a stall right after this check still posts; decode's quarantine keeps those pages
         from any other request until we settle), but it keeps a prefill that resumes from a stall from
         writing for a decode that has long given up on it."""
-        silent = time.monotonic() - session.last_seen
-        if session.state != "established" or silent > self.options.peer_timeout:
-            raise PeerLost(f"{session.label} silent for {silent:.2f} s (peer_timeout "
-                           f"{self.options.peer_timeout} s): not writing request {rec.request_id!r}")
+        # Judged by what decode heard from us (its peer_timeout runs from our last message), not by what
+        # we heard from it: frames it sent before giving up on us may still be queued here.
+        unheard = time.monotonic() - session.last_sent
+        if session.state != "established" or session.suspect or unheard > self.options.peer_timeout:
+            raise PeerLost(f"{session.label} heard nothing from this prefill for {unheard:.2f} s (peer_timeout "
+                           f"{self.options.peer_timeout} s) and has declared it dead: not writing request "
+                           f"{rec.request_id!r}")
         if not rec.is_live or rec.session is not session:
             raise PeerLost(f"request {rec.request_id!r} generation {rec.generation} is no longer current")
 
@@ -521,14 +524,25 @@ class PrefillEndpoint(EndpointBase):
     def _tick_session(self, session: Session, now: float) -> None:
         if session.state == "challenged" and now > session.deadline:
             self._sessions.pop(session.identity, None)
-        elif session.state == "established" and now - session.last_sent >= self.options.heartbeat_interval:
+        elif session.state != "established":
+            return
+        elif session.suspect:
+            self._session_dead(session, PeerLost(f"{session.label} heard nothing from this prefill for more than "
+                                                 f"peer_timeout {self.options.peer_timeout} s (this process "
+                                                 "stalled): it has declared us dead"))
+        elif now - session.last_seen > self.options.peer_timeout:
+            self._session_dead(session, PeerLost(f"{session.label} silent for {now - session.last_seen:.2f} s "
+                                                 f"(peer_timeout {self.options.peer_timeout} s)"))
+        elif now - session.last_sent >= self.options.heartbeat_interval:
             self._send(session, wire.Heartbeat())
 
     def _check_silence(self, now: float) -> None:
-        for session in list(self._sessions.values()):
-            if session.state == "established" and now - session.last_seen > self.options.peer_timeout:
-                self._session_dead(session, PeerLost(f"{session.label} silent for {now - session.last_seen:.2f} s "
-                                                     f"(peer_timeout {self.options.peer_timeout} s)"))
+        # Before reading: a session we sent nothing to for longer than peer_timeout (this process stalled)
+        # has been declared dead by its decode, whatever frames queued meanwhile say. It posts nothing
+        # more; what those frames report (a verdict, an abort) is still read, then _tick ends the session.
+        for session in self._sessions.values():
+            if session.state == "established" and now - session.last_sent > self.options.peer_timeout:
+                session.suspect = True
 
     def _socket_failed(self, sock: Any, exc: zmq.ZMQError) -> None:
         # The one ROUTER serves every decode: without it this endpoint cannot go on. Stop the loop, which
