@@ -35,9 +35,9 @@ SEED_1, SEED_2 = 7, 8          # the two prefills hold different bytes: a late w
 PAGES_A = {"main": np.array([10, 11, 12, 13]), "c4": np.array([5])}      # decode's pages X
 SRC_A = {"main": np.array([0, 1, 2, 3]), "c4": np.array([0])}
 NUM_X = 5
-# (peer_timeout, lease_grace, stall): the issue's figures, and the same story four times faster.
+# (peer_timeout, lease_grace, stall): the issue's figures, and the same story three times faster.
 DESCRIBED = pytest.param((2.5, 1.0, 6.0), id="as-described", marks=pytest.mark.slow)
-SCALED = pytest.param((0.5, 0.2, 1.5), id="scaled")
+SCALED = pytest.param((0.8, 0.3, 2.0), id="scaled")
 
 
 def _options(cfg: tuple[float, float, float]) -> EndpointOptions:
@@ -155,7 +155,6 @@ def test_stall_between_check_and_post_writes_only_into_quarantine(cfg: tuple[flo
         # Decode reconnects by itself; prefill 1 learns what failed and acknowledges it: only then is X
         # free (this decode's transport guarantees nothing, and prefill 1's process is alive).
         _until(lambda: decode.num_quarantined_pages == 0, peer_timeout + 5)
-        assert p1.address in decode.peers
         assert decode.peak_quarantined_pages == NUM_X
         _until(lambda: decode.num_leased_pages == 0, 5)
         src, _ = _block(0)
