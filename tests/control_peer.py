@@ -3,13 +3,17 @@
 As a module: ``make_layout``, ``fill``, ``workload``, ``run_prefill``, ``announce``, ``verify``.
 As a program (``python tests/control_peer.py prefill|decode '<options json>'``): builds one endpoint,
 prints ``{"event": "ready", "address": ...}``, then answers JSON commands read from stdin, one line each,
-with one JSON line on stdout. Commands: ``connect``, ``serve``, ``send_rest``, ``announce``, ``wait_all``,
-``verify``, ``counters``, ``exit``.
+with one JSON line on stdout. Commands: ``connect``, ``serve``, ``send`` (one request's pages, given),
+``send_rest``, ``announce``, ``wait_all``, ``verify``, ``counters``, ``exit``. With ``"stop_before_write":
+true`` a prefill stops itself (SIGSTOP) right before its first transport write, after every check the
+endpoint makes: the test sends SIGCONT when it likes (the late write of the fencing tests).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -149,8 +153,30 @@ def _endpoint(role: str, cfg: dict[str, Any]) -> Any:
     fill(mem, cfg.get("seed", 0) if role == "prefill" else 999)
     kwargs = {"secret": cfg.get("secret"), "digest_mode": cfg.get("digest_mode", "sampled"), "options": opts}
     if role == "prefill":
-        return PrefillEndpoint(mem, cfg.get("transport", "nixl"), **kwargs)
+        transport: Any = cfg.get("transport", "nixl")
+        if cfg.get("stop_before_write"):
+            transport = _stop_before_first_write(transport)
+        return PrefillEndpoint(mem, transport, **kwargs)
     return DecodeEndpoint(mem, cfg.get("transport", "nixl"), **kwargs)
+
+
+def _stop_before_first_write(kind: str) -> Any:
+    """A transport whose first ``write`` stops this process (SIGSTOP) before posting: a stall at exactly
+    the instruction between prefill's last check and its post."""
+    from kvferry.transport import make_transport
+
+    transport = make_transport(kind)
+    inner = transport.write
+    fired: list[bool] = []
+
+    def write(*args: Any, **kwargs: Any) -> Any:
+        if not fired:
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return inner(*args, **kwargs)
+
+    transport.write = write  # type: ignore[method-assign]
+    return transport
 
 
 def _serve(role: str, cfg: dict[str, Any]) -> None:
@@ -178,6 +204,9 @@ def _command(ep: Any, op: str, cmd: dict[str, Any], reqs: list[Req], before: dic
             run_prefill(ep, reqs, hold_last=cmd.get("hold_last", False))
         else:
             announce(ep, reqs)
+        return {"ok": True}
+    if op == "send":
+        ep.send(cmd["rid"], {pool: np.array(pages) for pool, pages in cmd["pages"].items()})
         return {"ok": True}
     if op == "send_rest":
         for req in reqs:

@@ -4,8 +4,10 @@ The top of the control plane (with ``prefill``), above every other control modul
 more prefill endpoints (a ZMQ DEALER per prefill), announces each request with its destination pages (a
 lease), and reports ``DONE`` only after every chunk's transport notification arrived (the transport delivers
 it after the chunk's bytes) and its digests verified. A lease ends only when no write to its pages can still
-land: the request completed, prefill confirmed its writes settled (``Fail(settled=True)``), or prefill is
-known dead and ``options.lease_grace`` has passed since.
+land: the request completed, prefill confirmed its writes settled (``Fail(settled=True)``), or prefill
+certainly cannot write any more (its process is gone on this host, or the transport says so) and
+``options.lease_grace`` has passed since. Until then a failed request's pages are quarantined
+(``quarantine``); a prefill declared dead is asked to settle them when decode reconnects to it.
 
 This module runs the protocol; the parts it drives live beside it: ``links`` (the prefill peers, and
 which of them a request needs), ``admission`` (what a Welcome must show), ``decode_requests`` (records,
@@ -16,11 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import zmq
+import zmq.utils.monitor
 
 from kvferry.control import wire
 from kvferry.control.admission import check_welcome
@@ -29,6 +33,8 @@ from kvferry.control.digests import verify_chunk
 from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions, RequestRecord, as_secret, auth_mac
 from kvferry.control.leases import LeaseTable
 from kvferry.control.links import Link, pick_links
+from kvferry.control.liveness import ProcessIdentity
+from kvferry.control.quarantine import Quarantine, writer_gone
 from kvferry.control.states import RequestState
 from kvferry.errors import (
     HandshakeError,
@@ -48,6 +54,8 @@ from kvferry.plan.tp import source_ranks
 from kvferry.transport import Transport
 
 __all__ = ["DecodeEndpoint"]
+
+log = logging.getLogger("kvferry.control")
 
 
 class DecodeEndpoint(EndpointBase):
@@ -69,6 +77,9 @@ class DecodeEndpoint(EndpointBase):
         self._leases = LeaseTable(memory.layout)
         self._links: dict[str, Link] = {}
         self._by_sock: dict[Any, Link] = {}
+        self._monitors: dict[Any, Link] = {}
+        self._quarantine = Quarantine()
+        self._next_quarantine_check = 0.0
         self._by_agent: dict[str, Link] = {}
         self._by_gen: dict[int, DecodeRequest] = {}
         self._generations = itertools.count(1)
@@ -82,14 +93,18 @@ class DecodeEndpoint(EndpointBase):
         """Blocking: connect to a prefill endpoint and complete the handshake; returns the peer id.
 
         Raises ``IncompatiblePeer`` (layout, protocol version, transport or secret differ, with the
-        difference spelled out) or ``HandshakeError`` (no answer within ``timeout``). Reconnecting to an
-        address whose previous peer died starts a fresh session.
+        difference spelled out) or ``HandshakeError`` (no answer within ``timeout``, or the connection
+        dropped, e.g. an answer above ``max_message_bytes``), by ``timeout`` whatever the progress thread
+        does. Reconnecting to an address whose previous peer died starts a fresh session; when it is the
+        same prefill process, decode asks it to settle the requests it quarantined (docs/fencing.md).
         """
         timeout = self.options.handshake_timeout if timeout is None else timeout
-        with self._cond:
+        deadline = time.monotonic() + timeout
+        with self._bounded_lock(deadline, address):
             self._check_open()
-            self._await_links([self._start_link(address, timeout, None)])
-            return address
+            link = self._start_link(address, timeout, None)
+        self._await_links([link], deadline)
+        return address
 
     def connect_all(self, addresses: Sequence[str], timeout: float | None = None) -> list[str]:
         """Blocking: connect to the prefill ranks this decode rank needs, out of a whole prefill TP group.
@@ -106,9 +121,11 @@ class DecodeEndpoint(EndpointBase):
         chosen = [addresses[r] for r in need]
         if len(set(addresses)) != len(addresses):
             raise UsageError(f"prefill addresses repeat: {list(addresses)} (one per rank, in rank order)")
-        with self._cond:
+        deadline = time.monotonic() + timeout
+        with self._bounded_lock(deadline, ", ".join(chosen)):
             self._check_open()
-            self._await_links([self._start_link(addresses[r], timeout, (r, len(addresses))) for r in need])
+            links = [self._start_link(addresses[r], timeout, (r, len(addresses))) for r in need]
+        self._await_links(links, deadline)
         return chosen
 
     def announce(self, request_id: str, pages: Mapping[str, Any], *,
@@ -138,7 +155,8 @@ class DecodeEndpoint(EndpointBase):
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Non-blocking: fail the request now and tell every prefill rank writing it. Its pages stay leased
-        until each confirms no write can land (or is known dead). No-op for a request already ended."""
+        (quarantined) until each confirms no write can land, or is certainly gone. No-op for a request
+        already ended."""
         with self._lock:
             rec = self._record(request_id)
             assert isinstance(rec, DecodeRequest)
@@ -159,8 +177,9 @@ class DecodeEndpoint(EndpointBase):
 
     def holds_lease(self, request_id: str) -> bool:
         """Whether ``request_id``'s destination pages are still leased: while True, a write may still land
-        in them and the caller must not hand them to another request (a failed request keeps its lease
-        until the writer confirms its handles settled, or the peer is dead and the grace period passed)."""
+        in them and the caller must not hand them to another request (a failed request keeps its lease,
+        quarantined, until the writer confirms its handles settled, or is certainly gone and
+        ``lease_grace`` passed since)."""
         with self._lock:
             rec = self._records.get(request_id)
             return rec is not None and self._leases.holds(rec.generation)
@@ -170,13 +189,30 @@ class DecodeEndpoint(EndpointBase):
         with self._lock:
             return self._leases.num_leased_pages
 
+    @property
+    def num_quarantined_pages(self) -> int:
+        """Pages of failed requests still leased because a write to them may land (part of
+        ``num_leased_pages``): reusable once each writer acknowledged or is certainly gone."""
+        with self._lock:
+            return self._quarantine.num_pages
+
+    @property
+    def peak_quarantined_pages(self) -> int:
+        """The most pages ever quarantined at once (what a soak reports as the cost of fencing)."""
+        with self._lock:
+            return self._quarantine.peak_pages
+
     def counters(self) -> dict[str, int]:
-        """Leak-check figures: all zero on an idle endpoint (except bad/stray message counts)."""
+        """Leak-check figures: all zero on an idle endpoint (except bad/stray message counts and the
+        quarantine's peak)."""
         with self._lock:
             return {"live_requests": sum(r.is_live for r in self._by_gen.values()),
                     "live_leases": self._leases.num_leases, "leased_pages": self._leases.num_leased_pages,
                     "live_handles": 0, "peers": len(self.peers), "bad_messages": self.num_bad_messages,
-                    "stray_notifications": self.num_stray_notifications}
+                    "stray_notifications": self.num_stray_notifications,
+                    "quarantined_leases": self._quarantine.num_leases,
+                    "quarantined_pages": self._quarantine.num_pages,
+                    "peak_quarantined_pages": self._quarantine.peak_pages}
 
     # -- connecting (caller's thread, under the lock) ---------------------------------------------------
     def _start_link(self, address: str, timeout: float, expect: tuple[int, int] | None) -> Link:
@@ -187,27 +223,60 @@ class DecodeEndpoint(EndpointBase):
                 raise IncompatiblePeer(f"prefill {address} is rank {old.rank} of TP {old.tp_size}, "
                                        f"expected rank {expect[0]} of TP {expect[1]}")
             return old
+        if old is not None and old.state == "connecting":  # e.g. a recovery handshake: this one replaces it
+            self._call_soon(lambda: self._link_failed(old, HandshakeError(f"prefill {address}: handshake "
+                                                                          "superseded by a newer connect")))
         link = Link(address, time.monotonic() + timeout)
         link.expect = expect
         self._links[address] = link
         self._call_soon(lambda: self._open_link(link))
         return link
 
-    def _await_links(self, links: list[Link]) -> None:
-        """Wait (releasing the lock) until every handshake ended; raise the first failure."""
-        for link in links:
-            while link.state == "connecting":
-                self._cond.wait(max(0.0, link.deadline - time.monotonic()) + 0.05)
+    @contextlib.contextmanager
+    def _bounded_lock(self, deadline: float, what: str) -> Iterator[None]:
+        """The endpoint's lock, or ``HandshakeError`` at ``deadline`` (a stalled progress thread holds it)."""
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise HandshakeError(f"no handshake answer from prefill {what} within the deadline (decode's "
+                                 "progress thread held the endpoint's lock all along)")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _await_links(self, links: list[Link], deadline: float) -> None:
+        """Wait until every handshake ended, or until ``deadline`` whatever the progress thread does (a
+        short grace first lets its own deadline, with its own reason, win); raise the first failure."""
+        if not self._wait_for(lambda: all(x.state != "connecting" for x in links), deadline + 0.05):
+            self._give_up(links)
         for link in links:
             if link.state != "established":
                 raise link.error or PeerLost(f"prefill {link.address} went away during the handshake")
 
+    def _give_up(self, links: list[Link]) -> None:
+        """The caller's deadline passed with handshakes still open: fail them here, close them later."""
+        error = HandshakeError(f"no handshake answer from prefill {', '.join(x.address for x in links)} "
+                               "within the deadline (decode's progress loop did not finish it in time)")
+        if not self._lock.acquire(timeout=0.05):
+            raise error
+        try:
+            for link in links:
+                if link.state == "connecting":
+                    link.state, link.error = "failed", error
+                    self._call_soon(lambda x=link: self._close_link(x))
+        finally:
+            self._lock.release()
+
     # -- handshake (progress thread) -------------------------------------------------------------------
     def _open_link(self, link: Link) -> None:
         link.sock = self._new_socket(zmq.DEALER)
+        # libzmq drops a connection that sends more than max_message_bytes without telling the socket;
+        # its monitor does tell, so a dropped connection fails the link now rather than at a deadline.
+        link.monitor = link.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         link.sock.connect(link.address)
         self._poller.register(link.sock, zmq.POLLIN)
+        self._poller.register(link.monitor, zmq.POLLIN)
         self._by_sock[link.sock] = link
+        self._monitors[link.monitor] = link
         hello = wire.Hello(link.session, self.memory.manifest(), self.transport.name, self.transport_metadata,
                            link.nonce, self.digest_mode, self.options.heartbeat_interval)
         link.hello = wire.encode(hello)
@@ -216,6 +285,8 @@ class DecodeEndpoint(EndpointBase):
     def _on_handshake(self, link: Link, msg: Any) -> None:
         if isinstance(msg, wire.Reject):
             self._link_failed(link, IncompatiblePeer(f"prefill {link.address} refused: {msg.reason}"))
+        elif isinstance(msg, wire.Bye):  # e.g. it dropped our half-open session: no use waiting
+            self._link_failed(link, HandshakeError(f"prefill {link.address} ended the handshake: {msg.reason}"))
         elif isinstance(msg, wire.Challenge):
             self._answer_challenge(link, msg)
         elif isinstance(msg, wire.Welcome):
@@ -242,19 +313,60 @@ class DecodeEndpoint(EndpointBase):
             self._link_failed(link, HandshakeError(f"prefill {link.address}: bad transport metadata: {exc}"))
             return
         link.digest_mode = DigestMode.from_peer(msg.digest_mode)
+        link.process = ProcessIdentity(msg.host, msg.pid, msg.started) if msg.pid else None
         self._by_agent[link.agent] = link
         link.state = "established"
         self._changed = True
+        self._resettle(link)
+
+    def _resettle(self, link: Link) -> None:
+        """``link`` reaches a prefill (same transport agent) this decode declared dead: ask it to settle
+        every request of ours it may still be writing. The parts move to the new link, where the settled
+        Fail arrives."""
+        for rec in self._by_gen.values():
+            for old, part in list(rec.parts.items()):
+                if part.settled or old is link or old.state == "established" or old.agent != link.agent:
+                    continue
+                del rec.parts[old]
+                part.link, part.told = link, True
+                rec.parts[link] = part
+                self._send(link, wire.Abort(rec.request_id, rec.generation,
+                                            "decode declared this prefill dead: settle this generation"))
 
     def _link_failed(self, link: Link, error: KVFerryError) -> None:
         if link.state == "connecting":
-            self._send(link, wire.Bye(str(error)[:wire.MAX_REASON_LEN]))
             link.error = error
             link.state = "failed"
+            with contextlib.suppress(zmq.ZMQError):  # best effort: the connection may be what failed
+                self._send_raw(link, wire.encode(wire.Bye(str(error)[:wire.MAX_REASON_LEN])), quiet=False)
             self._close_link(link)
+
+    def _dropped(self, link: Link, why: str) -> None:
+        """libzmq dropped ``link``'s connection, or a send on it failed: fail the link, naming the cause."""
+        text = (f"prefill {link.address}: connection dropped ({why}): the prefill closed or crashed, or sent a "
+                f"message above max_message_bytes={self.options.max_message_bytes} (libzmq drops such a "
+                "connection without a word)")
+        if link.state == "connecting":
+            self._link_failed(link, HandshakeError(f"{text}, during the handshake"))
+        else:
+            self._link_dead(link, PeerLost(text))
+
+    def _socket_failed(self, sock: Any, exc: zmq.ZMQError) -> None:
+        link = self._by_sock.get(sock) or self._monitors.get(sock)
+        if link is not None:
+            self._dropped(link, f"receive failed: {exc}")
+
+    def _fail_peers(self, error: KVFerryError) -> None:
+        for link in self._links.values():
+            if link.state in ("connecting", "established"):
+                link.state = "failed" if link.state == "connecting" else "dead"
+                link.error = error
 
     # -- messages (progress thread) --------------------------------------------------------------------
     def _on_frames(self, sock: Any, frames: list[bytes]) -> None:
+        if sock in self._monitors:
+            self._on_monitor(self._monitors[sock], frames)
+            return
         link = self._by_sock.get(sock)
         if link is None:
             return
@@ -266,11 +378,19 @@ class DecodeEndpoint(EndpointBase):
             if link.state == "connecting":  # e.g. another protocol version: refuse the peer, say why
                 self._link_failed(link, IncompatiblePeer(f"prefill {link.address}: {exc}"))
             raise
-        link.last_seen = time.monotonic()
+        link.last_seen = self._recv_time
         if link.state == "connecting":
             self._on_handshake(link, msg)
         elif link.state == "established":
             self._on_message(link, msg)
+
+    def _on_monitor(self, link: Link, frames: list[bytes]) -> None:
+        try:
+            event = zmq.utils.monitor.parse_monitor_message(frames)["event"]
+        except Exception as exc:  # a malformed event frame: pyzmq's own format, so a bug; name it
+            raise ProtocolError(f"unreadable socket event for prefill {link.address}: {exc!r}") from exc
+        if event == zmq.EVENT_DISCONNECTED and link.state in ("connecting", "established"):
+            self._dropped(link, "libzmq reported the disconnect")
 
     def _on_message(self, link: Link, msg: Any) -> None:
         if isinstance(msg, wire.Heartbeat):
@@ -328,13 +448,19 @@ class DecodeEndpoint(EndpointBase):
             self._end_lease(rec)
 
     def _end_lease(self, rec: DecodeRequest) -> None:
+        self._quarantine.remove(rec.generation)
         self._leases.release(rec.generation)
         self._by_gen.pop(rec.generation, None)
         self._changed = True
 
     # -- chunk notifications (progress thread) ---------------------------------------------------------
     def _pump(self) -> bool:
-        notifications = self.transport.get_notifications()
+        try:
+            notifications = self.transport.get_notifications()
+        except KVFerryError as exc:  # the transport's trouble fails requests by their deadlines, not the loop
+            self.num_bad_messages += 1
+            log.warning("decode: reading notifications failed: %s", exc)
+            return False
         for agent, data in notifications:
             link = self._by_agent.get(agent)
             try:
@@ -404,6 +530,11 @@ class DecodeEndpoint(EndpointBase):
         super()._set_state(rec, state)
         if was_live and not rec.is_live:
             self._num_live -= 1
+            if state is RequestState.FAILED and isinstance(rec, DecodeRequest):
+                # Failed with its lease held: a writer may still write it, so its pages are quarantined.
+                pages = self._leases.num_pages(rec.generation)
+                if pages:
+                    self._quarantine.add(rec.generation, pages)
 
     def _tick(self, now: float) -> None:
         for link in list(self._links.values()):
@@ -414,39 +545,77 @@ class DecodeEndpoint(EndpointBase):
 
     def _tick_link(self, link: Link, now: float) -> None:
         if link.state == "connecting" and now > link.deadline:
-            self._link_failed(link, HandshakeError(f"no handshake answer from prefill {link.address} "
-                                                   f"within the deadline"))
-        elif link.state == "established":
-            if now - link.last_seen > self.options.peer_timeout:
-                self._link_dead(link, PeerLost(f"prefill {link.address} silent for "
-                                               f"{now - link.last_seen:.2f} s (peer_timeout "
-                                               f"{self.options.peer_timeout} s)"))
-            elif now - link.last_sent >= self.options.heartbeat_interval:
-                self._send(link, wire.Heartbeat())
+            self._link_failed(link, HandshakeError(
+                f"no handshake answer from prefill {link.address} within the deadline (if something answers "
+                f"at that address, its answer may exceed max_message_bytes={self.options.max_message_bytes})"))
+        elif link.state != "established":
+            return
+        elif now - link.last_seen > self.options.peer_timeout:
+            self._link_dead(link, PeerLost(f"prefill {link.address} silent for {now - link.last_seen:.2f} s "
+                                           f"(peer_timeout {self.options.peer_timeout} s)"))
+        elif now - link.last_sent >= self.options.heartbeat_interval:
+            self._send(link, wire.Heartbeat())
+
+    def _check_silence(self, now: float) -> None:
+        """Nothing before reading: decode posts no writes, so frames queued during its own stall can only
+        make it talk to a prefill that dropped it, which answers with Bye (the link then dies)."""
 
     def _tick_requests(self, now: float) -> None:
         for rec in list(self._by_gen.values()):
             if rec.is_live and now > rec.deadline:
                 self._fail_req(rec, TransferTimeout(f"request {rec.request_id!r} not done within "
                                                     f"{self.options.request_timeout} s"), "decode deadline passed")
+        if self._quarantine.num_leases and now >= self._next_quarantine_check:
+            self._next_quarantine_check = now + 0.05   # /proc reads: a few per dead link, 20 times a second
+            self._check_quarantine(now)
+
+    def _check_quarantine(self, now: float) -> None:
+        """A part whose link is gone leaves quarantine ``lease_grace`` after its writer is certainly gone;
+        while it may still write, decode keeps reconnecting to it to ask for its acknowledgement."""
+        gone: dict[Link, bool] = {}
+        for rec in list(self._by_gen.values()):
             for part in list(rec.parts.values()):
-                if not part.settled and part.release_at is not None and now >= part.release_at:
+                link = part.link
+                if part.settled or link.state == "established":
+                    continue
+                if part.release_at is None:
+                    if link not in gone:
+                        gone[link] = writer_gone(self.transport, link)
+                    if gone[link]:
+                        part.release_at = now + self.options.lease_grace
+                elif now >= part.release_at:
                     self._settle(rec, part)
+        for link, is_gone in gone.items():
+            if not is_gone and not self._closing:
+                self._recover(link, now)
+
+    def _recover(self, dead: Link, now: float) -> None:
+        """Handshake again with the prefill behind ``dead`` (every ``peer_timeout`` while none is open): a
+        stalled prefill that resumed then settles what decode quarantined (``_resettle``), and serves
+        again. Only an acknowledgement or a certain death frees pages a live writer may still reach."""
+        current = self._links.get(dead.address)
+        if now < dead.retry_at or (current is not None and current.state in ("connecting", "established")):
+            return
+        dead.retry_at = now + self.options.peer_timeout
+        link = Link(dead.address, now + self.options.handshake_timeout)
+        link.expect = (dead.rank, dead.tp_size)
+        self._links[dead.address] = link
+        self._open_link(link)
 
     def _link_dead(self, link: Link, error: KVFerryError) -> None:
-        """Fail the requests the link writes (and abort them on the other ranks writing them); keep each
-        one's lease ``lease_grace`` longer (a write of the dead rank may still be landing)."""
+        """Fail the requests the link writes (and abort them on the other ranks writing them). Their
+        pages stay quarantined until that prefill settles them (after a reconnect) or is certainly gone."""
         if link.state != "established":
             return
         link.state = "dead"
-        release_at = time.monotonic() + self.options.lease_grace
+        link.error = error
         for rec in list(self._by_gen.values()):
             part = rec.parts.get(link)
             if part is not None and not part.settled:
                 self._fail_req(rec, error, f"prefill rank {link.rank} ({link.address}) is lost")
-                part.release_at = release_at
         self._close_link(link)
-        self._by_agent.pop(link.agent, None)
+        if self._by_agent.get(link.agent) is link:
+            self._by_agent.pop(link.agent)
         with contextlib.suppress(TransportError):  # the peer is gone either way
             self.transport.remove_peer(link.agent)
         self._changed = True
@@ -459,13 +628,29 @@ class DecodeEndpoint(EndpointBase):
     def _send(self, link: Link, msg: Any) -> None:
         self._send_raw(link, wire.encode(msg))
 
-    def _send_raw(self, link: Link, data: bytes) -> None:
+    def _send_raw(self, link: Link, data: bytes, *, quiet: bool = True) -> None:
+        """Send without blocking. A failed send (``zmq.Again``: the connection is gone and no message
+        can queue; any other ZMQ error) fails this link, never the loop; ``quiet=False`` raises instead."""
         if link.sock is None:
             return
-        link.sock.send(data, zmq.NOBLOCK)
+        try:
+            link.sock.send(data, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if not quiet:
+                raise
+            self._dropped(link, f"send failed: {exc}")
+            return
         link.last_sent = time.monotonic()
 
     def _close_link(self, link: Link) -> None:
+        if link.monitor is not None:
+            self._poller.unregister(link.monitor)
+            self._monitors.pop(link.monitor, None)
+            with contextlib.suppress(zmq.ZMQError):
+                if link.sock is not None:
+                    link.sock.disable_monitor()
+                link.monitor.close(0)
+            link.monitor = None
         if link.sock is not None:
             self._poller.unregister(link.sock)
             self._by_sock.pop(link.sock, None)
@@ -487,6 +672,9 @@ class DecodeEndpoint(EndpointBase):
 
     def _close_sockets(self) -> None:
         for link in self._links.values():
+            if link.monitor is not None:
+                link.monitor.close(0)
+                link.monitor = None
             if link.sock is not None:
                 link.sock.close(FLUSH_MS)  # let the last Result and Bye leave; bounded if the peer is gone
                 link.sock = None

@@ -3,8 +3,9 @@
 Part of the control plane, above ``endpoints`` and ``links``, below ``decode``. At equal TP a request has one
 part; when decode runs fewer TP ranks than prefill, each prefill rank it needs writes its heads and is tracked
 apart. A part is *settled* once no write of it can still land (every chunk's notification arrived, the rank
-confirmed with a settled Fail, or it died and ``lease_grace`` passed); the request's lease ends only when
-every part is. Records are mutated only under the endpoint's lock.
+confirmed with a settled Fail, or it is certainly gone and ``lease_grace`` passed since); the request's lease
+ends only when every part is (until then a failed request's pages are quarantined, see ``quarantine``).
+Records are mutated only under the endpoint's lock.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Part:
         self.num_chunks: int | None = None
         self.settled = False
         self.told = False   # that prefill knows the request ended: it failed it, or we sent Abort/Result
-        self.release_at: float | None = None   # set when the writer died: settled then
+        self.release_at: float | None = None   # set once the writer is certainly gone: settled then
 
     @property
     def is_complete(self) -> bool:

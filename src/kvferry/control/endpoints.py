@@ -4,7 +4,13 @@ Part of the control plane, above ``states`` and the transports, below ``prefill`
 endpoint runs exactly one progress thread. It alone touches the ZMQ sockets and the transport (neither is
 thread-safe; NIXL also needs the receiving side to call ``get_notifications`` regularly, which this thread
 does). Public methods may be called from any thread: they take the endpoint's lock, change request records,
-queue what must be sent, and wake the thread. ``wait`` blocks on a condition the thread signals.
+queue what must be sent, and wake the thread.
+
+Blocking calls (``wait``, ``connect``, ``close``) are bounded by their own deadline whatever the thread does:
+they wait on a separate, briefly held signal (not on the endpoint's lock, which a stalled thread may hold)
+and take the endpoint's lock only with a timeout. The thread cannot die silently: a socket or transport
+error is handled where it happens (a failed send fails that peer, not the loop), and if the loop still
+stops, every request and every link fails at once with ``EndpointClosed``, the cause chained.
 
 The thread polls ZMQ with a timeout when nothing is in flight, and spins with a short sleep while a
 write or a notification is outstanding (NIXL notifications wake no file descriptor). The sleep starts at
@@ -56,8 +62,10 @@ class EndpointOptions:
     * ``heartbeat_interval``: how often each side tells the other it is alive.
     * ``peer_timeout``: silence after which the peer is declared dead and its requests fail (``PeerLost``).
     * ``request_timeout``: a request not done by then fails on this side (``TransferTimeout``).
-    * ``lease_grace``: after the writer is known dead, how long decode still keeps its pages leased (a
-      write posted just before the death may still be landing).
+    * ``lease_grace``: how long decode still keeps a failed request's pages after their writer is
+      *certainly* gone (its process gone on this host, or the transport guarantees it cannot write). No
+      longer a timer after a peer is declared dead: a silent peer may be stalled, not dead, and resume
+      writing; its pages stay quarantined until it acknowledges or is certainly gone (docs/fencing.md).
     * ``handshake_timeout``: default bound of ``DecodeEndpoint.connect`` and of a half-open handshake.
     * ``busy_poll``: sleep between progress iterations while something is in flight, right after one
       that found work; each idle iteration doubles it, up to ``busy_poll_max`` (never below ``busy_poll``).
@@ -138,6 +146,12 @@ class EndpointBase:
         self._closing = False
         self._close_deadline = 0.0
         self._crashed: BaseException | None = None
+        # Waiters sleep on this, not on ``_cond``: re-acquiring the endpoint's lock after a wake-up would
+        # block for as long as a stalled progress thread holds it. ``_version`` counts the thread's news.
+        self._signal = threading.Condition(threading.Lock())
+        self._version = 0
+        # When the current iteration's poll returned: what frames read in it are stamped with (see _step).
+        self._recv_time = time.monotonic()
         self.num_bad_messages = 0
         self._ctx = zmq.Context()
         self._poller = zmq.Poller()
@@ -174,20 +188,20 @@ class EndpointBase:
         deadline is ``options.request_timeout``). ``KeyError`` for an unknown id.
         """
         deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                rec = self._record(request_id)
-                if rec.state is RequestState.DONE:
-                    return
-                if rec.state is RequestState.FAILED:
-                    err = rec.error
-                    reason = str(err) if err is not None else "failed"
-                    raise RequestFailed(request_id, reason) from err
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransferTimeout(f"{self._role}: request {request_id!r} still {rec.state.value} "
-                                          f"after waiting {timeout:.3f} s")
-                self._cond.wait(left)
+        seen: list[RequestRecord] = []
+
+        def ended() -> bool:
+            seen[:] = [self._record(request_id)]
+            return not seen[0].is_live
+
+        if not self._wait_for(ended, deadline):
+            state = seen[0].state.value if seen else "unknown (the endpoint's lock stayed busy)"
+            raise TransferTimeout(f"{self._role}: request {request_id!r} still {state} "
+                                  f"after waiting {timeout:.3f} s")
+        rec = seen[0]
+        if rec.state is RequestState.FAILED:
+            err = rec.error
+            raise RequestFailed(request_id, str(err) if err is not None else "failed") from err
 
     @property
     def num_live_requests(self) -> int:
@@ -197,11 +211,17 @@ class EndpointBase:
 
     def close(self, timeout: float = 5.0) -> None:
         """Fail what is live, let the peer settle, say goodbye, stop the thread. Idempotent, blocking."""
-        with self._lock:
+        # Bounded even when a stalled progress thread holds the lock: then the flag is set without it
+        # (a plain store; the thread reads it on its next iteration).
+        got = self._lock.acquire(timeout=timeout)
+        try:
             if self._closing:
                 return
             self._closing = True
             self._close_deadline = time.monotonic() + timeout
+        finally:
+            if got:
+                self._lock.release()
         self._wake()
         self._thread.join(timeout + 2.0)
         if self._owns_transport:
@@ -217,6 +237,40 @@ class EndpointBase:
         self.close()
 
     # -- helpers for subclasses ------------------------------------------------------------------------
+    def _wait_for(self, done: Callable[[], bool], deadline: float) -> bool:
+        """Block until ``done()`` (run under the lock) is true: True; or until ``deadline``: False.
+
+        Bounded by ``deadline`` alone: the lock is taken with a timeout, the sleep is on ``_signal``.
+        Raises ``EndpointClosed`` (cause chained) once the progress thread has died, and whatever
+        ``done`` raises."""
+        while True:
+            with self._signal:
+                version = self._version
+            if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                return False
+            try:
+                if done():  # first: a crash failed every record and link, each with its own answer
+                    return True
+                self._raise_if_crashed()
+            finally:
+                self._lock.release()
+            with self._signal:
+                while self._version == version:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._signal.wait(left)
+
+    def _notify(self) -> None:
+        """Wake every waiter (``_wait_for``): something they may be waiting for changed."""
+        with self._signal:
+            self._version += 1
+            self._signal.notify_all()
+
+    def _raise_if_crashed(self) -> None:
+        if self._crashed is not None:
+            raise EndpointClosed(f"{self._role} progress loop stopped: {self._crashed!r}") from self._crashed
+
     def _record(self, request_id: str) -> RequestRecord:
         rec = self._records.get(request_id)
         if rec is None:
@@ -224,8 +278,7 @@ class EndpointBase:
         return rec
 
     def _check_open(self) -> None:
-        if self._crashed is not None:
-            raise EndpointClosed(f"{self._role} progress thread crashed: {self._crashed!r}") from self._crashed
+        self._raise_if_crashed()
         if self._closing:
             raise EndpointClosed(f"{self._role} endpoint is closed")
 
@@ -265,6 +318,10 @@ class EndpointBase:
     def _new_socket(self, kind: int) -> zmq.Socket:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        # libzmq enforces the cap before a byte of the message is buffered (receiving it first and
+        # checking after would let any peer make us allocate what it likes), but it does so by dropping
+        # the connection without a word; decode watches its connections (a socket monitor) and names
+        # the likely cause in a ConnectionDropped.
         sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
         # No send high-water mark: control messages are small and must not be dropped; a dead peer's
         # queue is bounded by peer_timeout, after which its socket is closed.
@@ -279,15 +336,25 @@ class EndpointBase:
                     if self._closing and self._shutdown_step():
                         break
                 self._step()
-        except BaseException as exc:  # fail closed: a dead progress thread fails every request
-            log.exception("%s progress thread crashed", self._role)
-            with self._cond:
-                self._crashed = exc
-                for rec in self._records.values():
-                    self._fail(rec, KVFerryError(f"{self._role} progress thread crashed: {exc!r}"))
-                self._cond.notify_all()
+        except BaseException as exc:  # fail closed: a dead progress thread fails every request and link
+            log.exception("%s progress loop stopped", self._role)
+            self._crash(exc)
         finally:
-            self._close_sockets()
+            with contextlib.suppress(zmq.ZMQError, OSError):
+                self._close_sockets()
+
+    def _crash(self, exc: BaseException) -> None:
+        error = EndpointClosed(f"{self._role} progress loop stopped: {exc!r}")
+        error.__cause__ = exc
+        with self._lock:
+            self._crashed = exc
+            for rec in self._records.values():
+                with contextlib.suppress(KVFerryError):  # a record the crash left half-changed: fail it anyway
+                    self._fail(rec, error)
+                if rec.is_live:
+                    rec.state, rec.error = RequestState.FAILED, error
+            self._fail_peers(error)
+        self._notify()
 
     def _step(self) -> None:
         with self._lock:
@@ -295,6 +362,11 @@ class EndpointBase:
             timeout_ms = 0 if busy else self._idle_timeout_ms()
         events = dict(self._poller.poll(timeout_ms))
         with self._cond:
+            # Frames read in this iteration are stamped with the time the poll returned, and peers are
+            # checked before any is read: frames that queued up while this process stalled must not make
+            # a peer that has declared us dead look alive.
+            self._recv_time = time.monotonic()
+            self._check_silence(self._recv_time)
             if events.pop(self._wake_r, None):
                 self._drain_wake()
             calls, self._calls = self._calls, []
@@ -305,9 +377,9 @@ class EndpointBase:
             if self._pump() or events or calls:
                 self._idle_spins = 0
             self._tick(time.monotonic())
-            if self._changed:
-                self._changed = False
-                self._cond.notify_all()
+            changed, self._changed = self._changed, False
+        if changed:
+            self._notify()
         if busy and not events:
             self._busy_wait()
 
@@ -336,6 +408,9 @@ class EndpointBase:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
+            except zmq.ZMQError as exc:  # this socket is broken: its peer fails, the loop goes on
+                self._socket_failed(sock, exc)
+                return
             try:
                 self._on_frames(sock, frames)
             except KVFerryError as exc:
@@ -358,6 +433,18 @@ class EndpointBase:
         raise NotImplementedError
 
     def _tick(self, now: float) -> None:
+        raise NotImplementedError
+
+    def _check_silence(self, now: float) -> None:
+        """Before this iteration reads: judge the peers that must have declared us dead (our own stall)."""
+        raise NotImplementedError
+
+    def _socket_failed(self, sock: Any, exc: zmq.ZMQError) -> None:
+        """A receive on ``sock`` raised: fail what it serves."""
+        raise NotImplementedError
+
+    def _fail_peers(self, error: KVFerryError) -> None:
+        """The loop stopped: every peer (link, session) fails with ``error``; nothing is sent."""
         raise NotImplementedError
 
     def _shutdown_step(self) -> bool:

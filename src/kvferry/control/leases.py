@@ -2,10 +2,10 @@
 
 Part of the control plane, above the plan layer's page validator, below ``decode``. Decode leases its pages to
 a request when it announces it; the lease ends only when the endpoint knows nothing more can be written there
-(every write confirmed done, the writer confirmed its handles settled, or the writer is known dead and its
-deadline passed). Reusing a page while a write to it is still in flight is the bug this table exists to make
-impossible: ``acquire`` refuses, before anything moves, pages that are out of range, repeated, or held by a
-live lease.
+(every write confirmed done, the writer confirmed its handles settled, or the writer is certainly gone and
+``lease_grace`` passed since: see ``quarantine``). Reusing a page while a write to it is still in flight is
+the bug this table exists to make impossible: ``acquire`` refuses, before anything moves, pages that are
+out of range, repeated, or held by a live lease.
 
 Not thread-safe on its own: the endpoint calls it under its lock.
 """
@@ -42,6 +42,11 @@ class LeaseTable:
     @property
     def num_leased_pages(self) -> int:
         return sum(len(p) for _, pages in self._leases.values() for p in pages.values())
+
+    def num_pages(self, lease_id: int) -> int:
+        """Pages held by ``lease_id`` (0 when it holds none)."""
+        entry = self._leases.get(lease_id)
+        return 0 if entry is None else sum(len(p) for p in entry[1].values())
 
     def holds(self, lease_id: int) -> bool:
         return lease_id in self._leases

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvferry.control.liveness import ProcessIdentity
 from kvferry.errors import KVFerryError, PeerLost, UsageError
 from kvferry.integrity import DigestMode
 from kvferry.layout.spec import Layout
@@ -27,6 +28,7 @@ class Link:
     def __init__(self, address: str, deadline: float) -> None:
         self.address = address
         self.sock: Any = None
+        self.monitor: Any = None   # the socket's monitor: tells when libzmq dropped the connection
         self.state = "connecting"
         self.error: KVFerryError | None = None
         self.deadline = deadline
@@ -35,11 +37,13 @@ class Link:
         self.hello = b""
         self.server_nonce: bytes | None = None
         self.agent = ""
+        self.process: ProcessIdentity | None = None   # prefill's process, from its Welcome
         self.digest_mode = DigestMode.OFF
         self.last_seen = self.last_sent = time.monotonic()
         # The prefill's place in its TP group (from its manifest); ``expect``: what connect_all asked for.
         self.rank, self.tp_size = 0, 1
         self.expect: tuple[int, int] | None = None
+        self.retry_at = 0.0   # once dead with quarantined pages: when decode may next try to reconnect
         # Across TP sizes: buffer -> the slice of each page this prefill rank writes here (digest checks).
         self.slices: dict[str, PageSlice] | None = None
 

@@ -7,7 +7,9 @@ decode's page list, the last one marked), or restricted to some buffers (layer b
 first. Each chunk becomes one transport write whose notification carries the chunk's digests. A request is
 ``DONE`` here once every write completed and decode reported the bytes verified. Whenever a request fails,
 decode is told with ``Fail(settled=True)`` only after every write of it has settled, because decode frees the
-pages then.
+pages then. Right before each write prefill checks that the session is alive and the request current; a
+session it declared dead keeps its writes in flight until they finish (never cancelled blind), and a decode
+that reconnects is told, generation by generation, once they have (docs/fencing.md).
 
 This module runs the protocol; the parts it drives live beside it: ``sessions`` (the decode peers),
 ``admission`` (what a Hello must show), ``prefill_requests`` (records, chunk specs, request groups across
@@ -17,6 +19,7 @@ TP), ``coverage`` (cells written by chunked sends) and ``digests`` (what each no
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import time
 from collections.abc import Iterable, Mapping
@@ -30,6 +33,7 @@ from kvferry.control.admission import check_auth, check_hello
 from kvferry.control.coverage import cover
 from kvferry.control.digests import chunk_digests, source_digests
 from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions, as_secret, auth_mac
+from kvferry.control.liveness import this_process
 from kvferry.control.prefill_requests import (
     ChunkSpec,
     PrefillRequest,
@@ -42,6 +46,7 @@ from kvferry.control.prefill_requests import (
 from kvferry.control.sessions import Session, drop_half_open
 from kvferry.control.states import RequestState
 from kvferry.errors import (
+    EndpointClosed,
     IntegrityError,
     KVFerryError,
     PeerLost,
@@ -60,6 +65,8 @@ from kvferry.plan.planner import plan_pages
 from kvferry.transport import TransferHandle, Transport
 
 __all__ = ["PrefillEndpoint"]
+
+log = logging.getLogger("kvferry.control")
 
 
 class PrefillEndpoint(EndpointBase):
@@ -90,6 +97,8 @@ class PrefillEndpoint(EndpointBase):
         self._digest_rng = np.random.default_rng()  # sampling for send()'s digests
         # What close() fails live requests with; decode hears of it as PeerLost (see _send_fail).
         self._close_error = KVFerryError("prefill endpoint closing")
+        self._process = this_process()   # reported in Welcome: decode ends quarantines once it is gone
+        self._unpeer: set[str] = set()    # decode agents to forget once no write to them is in flight
         self._thread.start()
 
     # -- public API: any thread ------------------------------------------------------------------------
@@ -217,12 +226,29 @@ class PrefillEndpoint(EndpointBase):
         digests = chunk_digests(mode, spec.digests, pairs, plan, rec.generation, index)
         chunk = wire.Chunk(rec.request_id, rec.generation, index, spec.last, rec.next_chunk if spec.last else 0,
                            digests)
+        self._check_current(rec, session)
         handle = self.transport.write(plan, session.agent, wire.encode(chunk), label=f"{rec.request_id}#{index}")
         rec.handles.append(handle)
         self._dirty.add(rec)
         rec.last_posted = spec.last
         if rec.state is not RequestState.TRANSFERRING:
             self._set_state(rec, RequestState.TRANSFERRING)
+
+    def _check_current(self, rec: PrefillRequest, session: Session) -> None:
+        """Right before a write: the session is alive by our own clock and the request still current.
+
+        Not the fence (a stall right after this check still posts; decode's quarantine keeps those pages
+        from any other request until we settle), but it keeps a prefill that resumes from a stall from
+        writing for a decode that has long given up on it."""
+        # Judged by what decode heard from us (its peer_timeout runs from our last message), not by what
+        # we heard from it: frames it sent before giving up on us may still be queued here.
+        unheard = time.monotonic() - session.last_sent
+        if session.state != "established" or session.suspect or unheard > self.options.peer_timeout:
+            raise PeerLost(f"{session.label} heard nothing from this prefill for {unheard:.2f} s (peer_timeout "
+                           f"{self.options.peer_timeout} s) and has declared it dead: not writing request "
+                           f"{rec.request_id!r}")
+        if not rec.is_live or rec.session is not session:
+            raise PeerLost(f"request {rec.request_id!r} generation {rec.generation} is no longer current")
 
     def _plan(self, session: Session, pairs: dict[str, tuple[np.ndarray, np.ndarray]],
               buffer_ids: np.ndarray | None) -> Plan:
@@ -293,12 +319,15 @@ class PrefillEndpoint(EndpointBase):
                 and session.state == "established"):
             self._send_fail(rec, settled=True)
             rec.fail_sent = True
-        if not rec.is_live and (rec.fail_sent or rec.state is RequestState.DONE or session is None
-                                or session.state != "established"):
+        if not rec.is_live and not rec.handles and (rec.fail_sent or rec.state is RequestState.DONE
+                                                    or session is None or session.state != "established"):
             self._active.discard(rec)
 
     def _pump(self) -> bool:
-        self.transport.get_notifications()  # prefill expects none; the call drives the backend's progress
+        try:
+            self.transport.get_notifications()  # prefill expects none; the call drives the backend's progress
+        except KVFerryError as exc:  # handles report their own failures; the loop goes on
+            log.warning("prefill: driving the transport failed: %s", exc)
         settled = False
         for rec in list(self._dirty):
             if rec.handles:
@@ -307,6 +336,8 @@ class PrefillEndpoint(EndpointBase):
             if not rec.handles or rec not in self._active:
                 self._dirty.discard(rec)
                 settled = True
+        if self._unpeer and settled:
+            self._forget_peers()
         return settled
 
     # -- messages (progress thread) --------------------------------------------------------------------
@@ -322,10 +353,12 @@ class PrefillEndpoint(EndpointBase):
                 self._reject(identity, str(exc))  # e.g. another protocol version: say why, in a Reject
             raise
         if session is not None:
-            session.last_seen = time.monotonic()
+            session.last_seen = self._recv_time
         if isinstance(msg, wire.Hello):
             self._on_hello(identity, session, msg, data)
         elif session is None:
+            # A session we declared dead (or never had) must handshake again, not be heard silently.
+            self._send_raw(identity, wire.encode(wire.Bye("unknown session: handshake again")))
             raise ProtocolError(f"{type(msg).__name__} before Hello")
         elif session.state == "challenged":
             self._on_auth(session, msg)
@@ -403,12 +436,26 @@ class PrefillEndpoint(EndpointBase):
             self._fail_req(rec, IntegrityError(f"{session.label} rejected the bytes: {msg.reason}"))
 
     def _on_abort(self, session: Session, msg: wire.Abort) -> None:
-        rec = self._match(session, msg.request_id, msg.generation)
-        if rec is None:  # never bound under this generation: nothing of it can land
-            self._send(session, wire.Fail(msg.request_id, msg.generation, "unknown request", "error", True))
+        rec = self._match(session, msg.request_id, msg.generation) or self._in_flight(session, msg)
+        if rec is None:  # no write of this generation is in flight, from any session with this decode
+            self._send(session, wire.Fail(msg.request_id, msg.generation, "unknown request or settled", "error",
+                                          True))
             return
         self._fail_req(rec, KVFerryError(f"aborted by {session.label}: {msg.reason}"))
+        rec.session = session  # a reconnected decode asking about its old session: answer on this one
         rec.fail_sent = False  # decode waits for a settled Fail for this generation, even a repeated one
+        self._active.add(rec)
+        self._dirty.add(rec)
+
+    def _in_flight(self, session: Session, msg: wire.Abort) -> PrefillRequest | None:
+        """A record still writing this generation to this decode (its agent), in any session: an older
+        session's, or an older incarnation of the request id that ``_match`` does not see."""
+        for rec in self._active:
+            old = rec.session
+            if (rec.handles and rec.request_id == msg.request_id and rec.generation == msg.generation
+                    and old is not None and old.agent == session.agent):
+                return rec
+        return None
 
     def _match(self, session: Session, request_id: str, generation: int) -> PrefillRequest | None:
         rec = self._records.get(request_id)
@@ -450,9 +497,11 @@ class PrefillEndpoint(EndpointBase):
         session.state = "established"
         proof = b"" if self._secret is None else auth_mac(self._secret, b"prefill", session.hello.nonce,
                                                          session.nonce, session.hello_bytes)
+        me = self._process
         self._send(session, wire.Welcome(secrets.token_hex(8), self.memory.manifest(), self.transport_metadata,
                                          proof, self.options.heartbeat_interval,
-                                         self.digest_mode.stronger(session.digest_mode)))
+                                         self.digest_mode.stronger(session.digest_mode), me.host, me.pid,
+                                         me.started))
 
     def _reject(self, identity: bytes, reason: str) -> None:
         self._sessions.pop(identity, None)
@@ -475,12 +524,34 @@ class PrefillEndpoint(EndpointBase):
     def _tick_session(self, session: Session, now: float) -> None:
         if session.state == "challenged" and now > session.deadline:
             self._sessions.pop(session.identity, None)
-        elif session.state == "established":
-            if now - session.last_seen > self.options.peer_timeout:
-                self._session_dead(session, PeerLost(f"{session.label} silent for {now - session.last_seen:.2f} s "
-                                                     f"(peer_timeout {self.options.peer_timeout} s)"))
-            elif now - session.last_sent >= self.options.heartbeat_interval:
-                self._send(session, wire.Heartbeat())
+        elif session.state != "established":
+            return
+        elif session.suspect:
+            self._session_dead(session, PeerLost(f"{session.label} heard nothing from this prefill for more than "
+                                                 f"peer_timeout {self.options.peer_timeout} s (this process "
+                                                 "stalled): it has declared us dead"))
+        elif now - session.last_seen > self.options.peer_timeout:
+            self._session_dead(session, PeerLost(f"{session.label} silent for {now - session.last_seen:.2f} s "
+                                                 f"(peer_timeout {self.options.peer_timeout} s)"))
+        elif now - session.last_sent >= self.options.heartbeat_interval:
+            self._send(session, wire.Heartbeat())
+
+    def _check_silence(self, now: float) -> None:
+        # Before reading: a session we sent nothing to for longer than peer_timeout (this process stalled)
+        # has been declared dead by its decode, whatever frames queued meanwhile say. It posts nothing
+        # more; what those frames report (a verdict, an abort) is still read, then _tick ends the session.
+        for session in self._sessions.values():
+            if session.state == "established" and now - session.last_sent > self.options.peer_timeout:
+                session.suspect = True
+
+    def _socket_failed(self, sock: Any, exc: zmq.ZMQError) -> None:
+        # The one ROUTER serves every decode: without it this endpoint cannot go on. Stop the loop, which
+        # fails every request and session with the cause.
+        raise EndpointClosed(f"prefill: receiving on {self.address} failed: {exc}") from exc
+
+    def _fail_peers(self, error: KVFerryError) -> None:
+        for session in self._sessions.values():
+            session.state = "dead"
 
     def _session_dead(self, session: Session, error: KVFerryError) -> None:
         """Fail the session's requests, release their handles, forget the peer; others go on."""
@@ -493,15 +564,25 @@ class PrefillEndpoint(EndpointBase):
             if rec.session is session:
                 self._fail_req(rec, error)
                 self._poll_handles(rec)
-                for handle in rec.handles:  # decode treats us as dead too and keeps its pages lease_grace
-                    handle.release()
-                rec.handles = []
-                self._active.discard(rec)
-                self._dirty.discard(rec)
+                # Writes still in flight are not cancelled blind: they finish (or fail) under _pump, and
+                # decode keeps the pages quarantined until we tell a reconnected decode they did.
+                if not rec.handles:
+                    self._active.discard(rec)
+                    self._dirty.discard(rec)
         self._sessions.pop(session.identity, None)
-        with contextlib.suppress(TransportError):
-            self.transport.remove_peer(session.agent)
+        self._unpeer.add(session.agent)
+        self._forget_peers()
         self._changed = True
+
+    def _forget_peers(self) -> None:
+        """Remove from the transport the decode agents no session uses and no write in flight targets
+        (removing one under a write in flight could fail it halfway, with no word on what landed)."""
+        busy = {s.agent for s in self._sessions.values()}
+        busy.update(r.session.agent for r in self._active if r.handles and r.session is not None)
+        for agent in self._unpeer - busy:
+            self._unpeer.discard(agent)
+            with contextlib.suppress(TransportError):
+                self.transport.remove_peer(agent)
 
     # -- sockets (progress thread) ---------------------------------------------------------------------
     def _send(self, session: Session, msg: Any) -> None:

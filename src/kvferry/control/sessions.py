@@ -40,6 +40,9 @@ class Session:
         self.planner: TPPlanner | None = None
         self._writes: dict[str, np.ndarray] = {}
         self.last_seen = self.last_sent = time.monotonic()
+        # Set when this process sent it nothing for longer than peer_timeout (a stall): decode has declared
+        # us dead, so nothing more is posted, and the session ends once the frames already queued are read.
+        self.suspect = False
 
     @property
     def label(self) -> str:

@@ -14,6 +14,13 @@ Flow (decode D, prefill P)::
     NIXL    Chunk (request, generation, chunk, last, digests), delivered after the chunk's write landed
     D -> P  Result (ok or not, after digests verified)       either  Abort / Fail (settled: no write can land)
     either  Heartbeat, Bye
+
+Fencing (docs/fencing.md): the Welcome names prefill's process (host, pid, start time) so decode can tell
+when the writer is gone. A decode that reconnects to a prefill it declared dead sends an Abort for every
+(request, generation) it quarantined with that prefill; prefill answers each with ``Fail(settled=True)``
+once no write of that generation is in flight, from any of its sessions with that decode. Prefill answers a
+frame from a session it no longer knows (declared dead, or never seen) with a Bye: the stale decode must
+handshake again rather than be heard silently.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ __all__ = ["KINDS", "PROTOCOL_VERSION", "Abort", "Ack", "Announce", "Auth", "Bye
 
 # Bump when any message's fields, their meaning, or the flow above changes. Peers with another version are
 # refused at the handshake; Envelope and Reject keep their shape across versions so the refusal is readable.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2   # 2: Welcome names prefill's process; Abort after a reconnect asks for settlement
 
 # Caps on untrusted input, far above real use and far below what exhausts memory.
 MAX_ID_LEN = 256
@@ -98,6 +105,11 @@ class Welcome(_Msg):
     proof: Mac                  # empty without a secret; else HMAC proving prefill knows it too
     heartbeat_interval: Seconds
     digest_mode: Id
+    # Prefill's process (liveness.ProcessIdentity): decode ends a quarantine early only when this process is
+    # certainly gone. Defaults mean "not reported": only an acknowledgement ends the quarantine then.
+    host: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    pid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)] = 0
+    started: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0
 
 
 class Reject(_Msg):

@@ -112,6 +112,13 @@ class Transport(ABC):
         The receiving side must call this regularly: with no progress thread, nothing else does.
         """
 
+    def peer_may_write(self, peer: str) -> bool:
+        """False only when this transport guarantees that ``peer`` can no longer write into this side's
+        memory (decode's quarantine ends on it). The default, True, guarantees nothing: over NIXL a
+        one-sided write needs no help from this side, and only the control plane can tell that the
+        writer's process is gone."""
+        return True
+
     @abstractmethod
     def close(self) -> None:
         """Release everything. Idempotent."""

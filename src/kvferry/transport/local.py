@@ -110,6 +110,13 @@ class LocalTransport(Transport):
             out.append(self._inbox.popleft())
         return out
 
+    def peer_may_write(self, peer: str) -> bool:
+        """A local peer writes here only through ``write``, which needs it open and holding this agent as a
+        peer (``add_peer``): closed, collected, or without that entry, it cannot write."""
+        with _REGISTRY_LOCK:
+            writer = _REGISTRY.get(peer)
+        return writer is not None and not writer._closed and self._name in writer._peers
+
     def close(self) -> None:
         self._closed = True
         self._peers.clear()

@@ -45,6 +45,9 @@ class FaultyTransport(Transport):
     def remove_peer(self, peer: str) -> None:
         self.inner.remove_peer(peer)
 
+    def peer_may_write(self, peer: str) -> bool:
+        return self.inner.peer_may_write(peer)
+
     def write(self, plan: Plan, peer: str, notif: bytes, label: str = "") -> TransferHandle:
         from kvferry.diagnostics.faults import FaultKind
 
