@@ -210,7 +210,8 @@ class EndpointBase:
             return sum(1 for r in self._records.values() if r.is_live)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Fail what is live, let the peer settle, say goodbye, stop the thread. Idempotent, blocking."""
+        """Fail what is live, let the peer settle, say goodbye, stop the thread. Idempotent, blocking:
+        returns within ``timeout`` plus 2 s (the last messages' flush) whatever the thread does."""
         # Bounded even when a stalled progress thread holds the lock: then the flag is set without it
         # (a plain store; the thread reads it on its next iteration).
         got = self._lock.acquire(timeout=timeout)
@@ -224,6 +225,12 @@ class EndpointBase:
                 self._lock.release()
         self._wake()
         self._thread.join(timeout + 2.0)
+        if self._thread.is_alive():
+            # Stuck (a stalled backend call): closing the transport or terminating the ZMQ context under
+            # it could crash or block without bound. Leave them to the process; the thread is a daemon.
+            log.warning("%s: progress thread still running after close(timeout=%s); resources left open",
+                        self._role, timeout)
+            return
         if self._owns_transport:
             self.transport.close()
         self._ctx.term()
@@ -349,10 +356,7 @@ class EndpointBase:
         with self._lock:
             self._crashed = exc
             for rec in self._records.values():
-                with contextlib.suppress(KVFerryError):  # a record the crash left half-changed: fail it anyway
-                    self._fail(rec, error)
-                if rec.is_live:
-                    rec.state, rec.error = RequestState.FAILED, error
+                self._fail(rec, error)
             self._fail_peers(error)
         self._notify()
 
