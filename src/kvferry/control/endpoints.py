@@ -69,7 +69,8 @@ class EndpointOptions:
     * ``handshake_timeout``: default bound of ``DecodeEndpoint.connect`` and of a half-open handshake.
     * ``busy_poll``: sleep between progress iterations while something is in flight, right after one
       that found work; each idle iteration doubles it, up to ``busy_poll_max`` (never below ``busy_poll``).
-    * ``max_message_bytes``: ZMQ drops peers that send larger messages.
+    * ``max_message_bytes``: ZMQ drops peers that send larger messages (silently: decode notices the
+      drop and fails the link with an error naming this limit).
     """
 
     heartbeat_interval: float = 0.5
