@@ -328,8 +328,8 @@ class EndpointBase:
         sock.setsockopt(zmq.LINGER, 0)
         # libzmq enforces the cap before a byte of the message is buffered (receiving it first and
         # checking after would let any peer make us allocate what it likes), but it does so by dropping
-        # the connection without a word; decode watches its connections (a socket monitor) and names
-        # the likely cause in a ConnectionDropped.
+        # the connection without a word; decode watches its connections (a socket monitor) and fails the
+        # link at once with an error naming this limit as the likely cause.
         sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
         # No send high-water mark: control messages are small and must not be dropped; a dead peer's
         # queue is bounded by peer_timeout, after which its socket is closed.
