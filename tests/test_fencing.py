@@ -382,6 +382,7 @@ def test_sigstopped_prefill_process_writes_only_into_quarantine() -> None:
                 done += 1
             assert decode.num_quarantined_pages == NUM_X     # the writer lives: only its word ends this
             p1.proc.send_signal(signal.SIGCONT)              # it posts its write now, to pages decode gave up
+            t_cont = time.monotonic()
             # The defect's write happens (cma needs nothing from decode, and stale metadata still
             # writes), and lands in the quarantined pages only.
             _until(lambda: _holds(dst, src1, PAGES_A, SRC_A), 5)
@@ -390,6 +391,7 @@ def test_sigstopped_prefill_process_writes_only_into_quarantine() -> None:
                 assert _holds(dst, src2, _block(i)[1], _block(i)[0]), f"b{i} was overwritten"
             # Decode reconnects by itself; prefill 1 settles what decode failed: X is free only then.
             _until(lambda: decode.num_quarantined_pages == 0, 10)
+            released_after = time.monotonic() - t_cont       # an upper bound: checked after the bytes
             assert p1.address in decode.peers
             _until(lambda: decode.num_leased_pages == 0, 5)
             src, _ = _block(0)
@@ -399,7 +401,8 @@ def test_sigstopped_prefill_process_writes_only_into_quarantine() -> None:
             time.sleep(0.2)
             assert _holds(dst, src2, PAGES_A, src)
             print(f"late write landed in quarantine: {late}; peak quarantined pages "
-                  f"{decode.peak_quarantined_pages}; {done} requests served meanwhile")
+                  f"{decode.peak_quarantined_pages}; {done} requests served meanwhile; released "
+                  f"{released_after:.2f} s after SIGCONT")
     finally:
         with contextlib.suppress(ProcessLookupError):
             p1.proc.send_signal(signal.SIGCONT)
