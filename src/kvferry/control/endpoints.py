@@ -69,7 +69,8 @@ class EndpointOptions:
     * ``handshake_timeout``: default bound of ``DecodeEndpoint.connect`` and of a half-open handshake.
     * ``busy_poll``: sleep between progress iterations while something is in flight, right after one
       that found work; each idle iteration doubles it, up to ``busy_poll_max`` (never below ``busy_poll``).
-    * ``max_message_bytes``: ZMQ drops peers that send larger messages.
+    * ``max_message_bytes``: ZMQ drops peers that send larger messages (silently: decode notices the
+      drop and fails the link with an error naming this limit).
     """
 
     heartbeat_interval: float = 0.5
@@ -210,7 +211,8 @@ class EndpointBase:
             return sum(1 for r in self._records.values() if r.is_live)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Fail what is live, let the peer settle, say goodbye, stop the thread. Idempotent, blocking."""
+        """Fail what is live, let the peer settle, say goodbye, stop the thread. Idempotent, blocking:
+        returns within ``timeout`` plus 2 s (the last messages' flush) whatever the thread does."""
         # Bounded even when a stalled progress thread holds the lock: then the flag is set without it
         # (a plain store; the thread reads it on its next iteration).
         got = self._lock.acquire(timeout=timeout)
@@ -224,6 +226,12 @@ class EndpointBase:
                 self._lock.release()
         self._wake()
         self._thread.join(timeout + 2.0)
+        if self._thread.is_alive():
+            # Stuck (a stalled backend call): closing the transport or terminating the ZMQ context under
+            # it could crash or block without bound. Leave them to the process; the thread is a daemon.
+            log.warning("%s: progress thread still running after close(timeout=%s); resources left open",
+                        self._role, timeout)
+            return
         if self._owns_transport:
             self.transport.close()
         self._ctx.term()
@@ -320,8 +328,8 @@ class EndpointBase:
         sock.setsockopt(zmq.LINGER, 0)
         # libzmq enforces the cap before a byte of the message is buffered (receiving it first and
         # checking after would let any peer make us allocate what it likes), but it does so by dropping
-        # the connection without a word; decode watches its connections (a socket monitor) and names
-        # the likely cause in a ConnectionDropped.
+        # the connection without a word; decode watches its connections (a socket monitor) and fails the
+        # link at once with an error naming this limit as the likely cause.
         sock.setsockopt(zmq.MAXMSGSIZE, self.options.max_message_bytes)
         # No send high-water mark: control messages are small and must not be dropped; a dead peer's
         # queue is bounded by peer_timeout, after which its socket is closed.
@@ -349,10 +357,7 @@ class EndpointBase:
         with self._lock:
             self._crashed = exc
             for rec in self._records.values():
-                with contextlib.suppress(KVFerryError):  # a record the crash left half-changed: fail it anyway
-                    self._fail(rec, error)
-                if rec.is_live:
-                    rec.state, rec.error = RequestState.FAILED, error
+                self._fail(rec, error)
             self._fail_peers(error)
         self._notify()
 

@@ -577,9 +577,10 @@ class PrefillEndpoint(EndpointBase):
     def _forget_peers(self) -> None:
         """Remove from the transport the decode agents no session uses and no write in flight targets
         (removing one under a write in flight could fail it halfway, with no word on what landed)."""
-        busy = {s.agent for s in self._sessions.values()}
-        busy.update(r.session.agent for r in self._active if r.handles and r.session is not None)
-        for agent in self._unpeer - busy:
+        in_use = {s.agent for s in self._sessions.values()}
+        self._unpeer -= in_use  # a session with that decode again: its own death will ask anew
+        writing = {r.session.agent for r in self._active if r.handles and r.session is not None}
+        for agent in self._unpeer - writing:
             self._unpeer.discard(agent)
             with contextlib.suppress(TransportError):
                 self.transport.remove_peer(agent)
