@@ -234,3 +234,11 @@ def _assert_no_wrong_bytes(bytes_wrong: int, wrong_pages: int) -> None:
         pytest.xfail(f"{bytes_wrong} bytes wrong in {wrong_pages} pages: known defect, stalled prefill writes "
                      "into re-leased pages (awaiting the control-plane fencing fix)")
     assert bytes_wrong == 0
+
+
+def test_cli_prints_the_fault_schedule_without_running(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvferry.cli.main import main
+
+    assert main(["chaos", "--schedule", "--duration", "60", "--seed", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [event.describe() for event in fault_schedule(chaos_config())]
