@@ -121,6 +121,7 @@ class ChaosSupervisor:
         self.admitted: dict[int, int] = {}           # session -> requests admitted (decode resumes there)
         self.resume_at: tuple[str, float] | None = None   # (side, when) a stopped side gets SIGCONT
         self.final: dict[str, Any] | None = None
+        self.draining = False
         self.error: str | None = None
         self.started = 0.0
         self.last_progress = 0.0
@@ -153,6 +154,7 @@ class ChaosSupervisor:
 
     def _drain(self) -> None:
         """Decode stops admitting, finishes what is live, waits for leases, sweeps its pages, reports."""
+        self.draining = True
         self._send(self.sides["decode"].worker.conn, ("drain",))
         deadline = time.monotonic() + self.config.drain_s
         while self.final is None and time.monotonic() < deadline:
@@ -197,7 +199,10 @@ class ChaosSupervisor:
         self._spawn(side)
 
     def _spawn(self, side: str) -> None:
-        self.sides[side] = SideProcess(side, self.config, self.relay.address, dict(self.admitted))
+        proc = SideProcess(side, self.config, self.relay.address, dict(self.admitted))
+        self.sides[side] = proc
+        if self.draining and side == "decode":  # a decode that crashed while draining: its successor drains
+            self._send(proc.worker.conn, ("drain",))
 
     # -- messages --------------------------------------------------------------------------------------
     def _pump(self, timeout: float) -> None:

@@ -154,7 +154,6 @@ class ChaosDecodeSide(Side):
             pages = self._allocate(spec)
             if pages is None:
                 break  # first come, first served: a large turn is not overtaken by smaller ones
-            self._recheck(pages)
             try:
                 self.link.announce(spec.request_id, pages)
             except PeerLost:
@@ -165,6 +164,8 @@ class ChaosDecodeSide(Side):
                 self._report(spec, f"LeaseError: {exc}", Check(), 0.0)
                 self._advance(session, k)
                 continue
+            # Safe after the announce: prefill writes nothing of this request before our "start" below.
+            self._recheck(pages)
             heapq.heappop(self.ready)
             self.parent.send(("start", g))
             self.live[spec.request_id] = Live(spec, pages, time.monotonic())

@@ -131,7 +131,10 @@ class Relay:
                 elif key.data == "wake":
                     self._drain_wake()
                 elif key.data in self._ends:
-                    self._service(key.data, mask)
+                    try:
+                        self._service(key.data, mask)
+                    except (OSError, ValueError, KeyError):  # one broken pair must not stop the relay
+                        self._drop(key.data)
             while not self._commands.empty():
                 self._commands.get_nowait()()
 
@@ -227,7 +230,8 @@ class Relay:
                 continue
             self._ends.discard(one)
             if one.events:
-                self._sel.unregister(one.sock)
+                with contextlib.suppress(KeyError, ValueError):  # already closed under us
+                    self._sel.unregister(one.sock)
                 one.events = 0
             with contextlib.suppress(OSError):
                 one.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
