@@ -29,7 +29,8 @@ class WorkloadConfig:
     ``num_pages`` or ``budget_bytes`` sizes the preset (``DEFAULT_BUDGET`` when neither is given);
     ``knobs`` are extra preset keyword arguments. ``inject`` names a fault from ``kvferry.diagnostics.faults``,
     applied on the prefill side only. ``timeout_s`` bounds the whole run, startup included;
-    ``request_timeout_s`` bounds each request from announce to completion.
+    ``request_timeout_s`` bounds each request from announce to completion. ``peer_timeout_s`` and
+    ``lease_grace_s`` set the endpoints' options of those names when given.
     """
 
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
@@ -42,6 +43,9 @@ class WorkloadConfig:
     inject: str | None = None
     timeout_s: float = 600.0
     request_timeout_s: float = 60.0
+    # Liveness knobs of both endpoints (None: EndpointOptions' defaults); the chaos run makes them short.
+    peer_timeout_s: float | None = None
+    lease_grace_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in ("nixl", "local"):

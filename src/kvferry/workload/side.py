@@ -112,7 +112,15 @@ def recv_message(conn: Connection, kind: str, timeout: float) -> list[Any]:
 def endpoint_options(config: WorkloadConfig) -> Any:
     from kvferry.control import EndpointOptions
 
-    return EndpointOptions(request_timeout=config.request_timeout_s)
+    liveness: dict[str, float] = {}
+    if config.peer_timeout_s is not None:
+        # Four heartbeats per peer_timeout: one late heartbeat on a busy 2-core box must not kill a peer.
+        default = EndpointOptions().heartbeat_interval
+        liveness.update(peer_timeout=config.peer_timeout_s,
+                        heartbeat_interval=min(default, config.peer_timeout_s / 4))
+    if config.lease_grace_s is not None:
+        liveness["lease_grace"] = config.lease_grace_s
+    return EndpointOptions(request_timeout=config.request_timeout_s, **liveness)
 
 
 def check_state(endpoint: Any, request_id: str) -> bool:

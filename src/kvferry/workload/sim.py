@@ -274,3 +274,17 @@ def check_pages(pages_view: np.ndarray, pages: np.ndarray, keys: np.ndarray) -> 
         np.bitwise_xor(words, _ramp(page_bytes), out=words)
         bad[sel] = (words != keys[sel, None]).any(axis=1)
     return bad
+
+
+def wrong_bytes(pages_view: np.ndarray, pages: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Per page of ``pages``, how many of its bytes differ from key ``i``'s content (int64; 0 where intact).
+
+    ``check_pages`` finds the bad pages (the fast word compare); only those are compared byte by byte.
+    """
+    counts = np.zeros(len(pages), dtype=np.int64)
+    bad = np.flatnonzero(check_pages(pages_view, pages, keys))
+    page_bytes = pages_view.shape[1]
+    for i in bad.tolist():
+        expected = _expected(keys[i:i + 1], page_bytes)[0]
+        counts[i] = int(np.count_nonzero(pages_view[pages[i]] != expected))
+    return counts

@@ -46,20 +46,28 @@ class Reports:
 class Worker:
     """One side, in a spawned process (``nixl``) or a daemon thread (``local``), with its parent pipe."""
 
-    def __init__(self, side: str, config: WorkloadConfig, router: Connection, ctx: Any) -> None:
+    def __init__(self, side: str, config: Any, router: Connection, ctx: Any,
+                 target: Callable[..., None] | None = None, extra: tuple[Any, ...] = ()) -> None:
+        """``target(side, config, router, parent, own_process, *extra)`` runs the side (default ``side_main``)."""
         self.side = side
         self.conn, child = mp.Pipe() if ctx is None else ctx.Pipe()
-        args = (side, config, router, child, ctx is not None)
+        args = (side, config, router, child, ctx is not None, *extra)
+        target = target or side_main
         if ctx is None:
-            self._runner: Any = threading.Thread(target=side_main, args=args, name=f"kvferry-{side}", daemon=True)
+            self._runner: Any = threading.Thread(target=target, args=args, name=f"kvferry-{side}", daemon=True)
         else:
-            self._runner = ctx.Process(target=side_main, args=args, name=f"kvferry-{side}", daemon=True)
+            self._runner = ctx.Process(target=target, args=args, name=f"kvferry-{side}", daemon=True)
 
     def start(self) -> None:
         self._runner.start()
 
     def alive(self) -> bool:
         return self._runner.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        """The side's process id (None for a thread, or before ``start``)."""
+        return getattr(self._runner, "pid", None)
 
     def describe_exit(self) -> str:
         code = getattr(self._runner, "exitcode", None)
