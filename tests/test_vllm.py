@@ -18,7 +18,6 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
 
 from .vllm_pd import (
     close_llm,
-    first_page_flip,
     generate_pd,
     greedy,
     make_llm,
@@ -32,7 +31,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 NUM_PROMPTS = 40
 MAX_TOKENS = 16
-assert first_page_flip  # referenced by name in the faulty prefill's config
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +85,7 @@ def test_decode_tokens_equal_one_instance(prefill: Any, decode: Any, prompts: li
 def test_a_page_corrupted_in_flight_fails_the_request_visibly(model: Path, decode: Any, prompts: list[Any],
                                                               expected: list[list[int]]) -> None:
     # Full digests: one corrupted page in a request is always found (sampled digests may miss one page).
-    faulty = make_llm(model, "kv_producer", {"transport": "tests.vllm_pd:first_page_flip", "digest_mode": "full"})
+    faulty = make_llm(model, "kv_producer", {"transport": "tests.vllm_faults:first_page_flip", "digest_mode": "full"})
     try:
         outputs = generate_pd(faulty, decode, prompts, MAX_TOKENS)
     finally:

