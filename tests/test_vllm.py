@@ -8,6 +8,7 @@ vLLM instance without disaggregation; a request may fail visibly, never return d
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from .vllm_pd import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
+DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
 NUM_PROMPTS = 40
 MAX_TOKENS = 16
 
@@ -55,7 +57,9 @@ def expected(model: Path, prompts: list[Any]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def decode(model: Path, expected: list[list[int]]) -> Iterator[Any]:
-    llm = make_llm(model, "kv_consumer")
+    # "off" is the least this decode accepts: each prefill's own digest mode applies (the stronger wins),
+    # so one decode serves the checked runs and the unchecked control.
+    llm = make_llm(model, "kv_consumer", {"digest_mode": "off"})
     yield llm
     close_llm(llm)
 
@@ -97,6 +101,20 @@ def test_a_page_corrupted_in_flight_fails_the_request_visibly(model: Path, decod
     assert reasons.count("error") == len(prompts), reasons
 
 
+def test_without_digests_the_same_corruption_changes_tokens(model: Path, decode: Any, prompts: list[Any],
+                                                            expected: list[list[int]]) -> None:
+    """The control for the test above: the corruption is one the tokens show, so catching it matters."""
+    faulty = make_llm(model, "kv_producer", {"transport": "tests.vllm_faults:first_page_flip", "digest_mode": "off"})
+    try:
+        outputs = generate_pd(faulty, decode, prompts, MAX_TOKENS)
+    finally:
+        close_llm(faulty)
+    assert all(out.outputs[0].finish_reason == "length" for out in outputs)
+    differ = sum(got != e for got, e in zip(tokens(outputs), expected))
+    print(f"without digests, {differ}/{len(prompts)} prompts decoded different tokens")
+    assert differ >= len(prompts) // 2
+
+
 def test_another_block_size_is_refused_at_the_handshake(model: Path, decode: Any, prompts: list[Any]) -> None:
     # The refusal names the first difference ("pool 'group0': tokens_per_page differs: local 64, remote 32"):
     # test_vllm_adapter checks the message; the engines' logs are not this process's to read.
@@ -106,3 +124,19 @@ def test_another_block_size_is_refused_at_the_handshake(model: Path, decode: Any
     finally:
         close_llm(other)
     assert [out.outputs[0].finish_reason for out in outputs] == ["error"] * 4
+
+
+def test_the_vllm_page_runs(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/vllm.md's ```py blocks (its ```python blocks, which need no vLLM, run in test_docs)."""
+    from vllm import LLM
+
+    monkeypatch.setenv("KVFERRY_VLLM_MODEL", str(model))
+    namespace: dict[str, Any] = {"__name__": "docs_vllm"}
+    try:
+        for i, code in enumerate(re.findall(r"^```py\n(.*?)^```", DOC.read_text(), re.S | re.M)):
+            exec(compile(code, f"vllm.md[py block {i}]", "exec"), namespace)
+        assert [out.outputs[0].finish_reason for out in namespace["outputs"]] == ["length"] * 3
+    finally:
+        for value in namespace.values():
+            if isinstance(value, LLM):
+                close_llm(value)

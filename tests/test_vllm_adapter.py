@@ -137,6 +137,8 @@ def test_a_page_corrupted_in_flight_is_reported_failed_not_received(caplog: pyte
         assert decode.failed == {"d-r"} and decode.recving == {"d-r"}
         assert "did not verify" in caplog.text and "digest" in caplog.text
         assert not decode.worker.decode.holds_lease("p-r")   # reported only once no write can land
+        wait_for(lambda: (prefill.step(), "p-r" in prefill.sending)[-1])   # prefill's blocks go back too
+        assert prefill.worker.prefill.num_live_handles == 0
         np.testing.assert_array_equal(prefill.caches[LAYERS[0]][1:4], kv_caches(64)[LAYERS[0]][1:4])
     finally:
         decode.worker.close()
@@ -178,3 +180,14 @@ def test_a_remote_prefill_with_a_local_prefix_hit_is_computed_here() -> None:
     assert scheduler.matched_tokens("d", 70, params, 32) == (0, False)
     assert scheduler.matched_tokens("d", 71, params, 0) == (0, False)   # not the prompt prefill computed
     assert scheduler.matched_tokens("d", 70, None, 0) == (0, False)
+
+
+def test_the_adapter_imports_neither_vllm_nor_torch() -> None:
+    """Only ``kvferry.integrations.vllm`` (the class vLLM loads) imports vLLM; the halves it drives do not."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvferry.integrations.vllm_worker, kvferry.integrations.vllm_layout; "
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

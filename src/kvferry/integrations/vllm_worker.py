@@ -158,11 +158,17 @@ class WorkerSide:
         self._sending.add(send.request_id)
 
     def _sent(self, request_id: str) -> bool:
+        """Whether vLLM may free the request's blocks: no write of it can still read them. DONE means
+        decode verified every write. FAILED may leave a posted write unsettled, and the endpoint counts
+        unsettled writes only in total, so a failed request's blocks wait until none is in flight."""
         assert self.prefill is not None
         state = self.prefill.poll(request_id)
-        if state is RequestState.FAILED:
-            log.warning("kvferry: prefill request %s failed: %s", request_id, self.prefill.failure(request_id))
-        return state in (RequestState.DONE, RequestState.FAILED)
+        if state is RequestState.DONE:
+            return True
+        if state is not RequestState.FAILED or self.prefill.num_live_handles:
+            return False
+        log.warning("kvferry: prefill request %s failed: %s", request_id, self.prefill.failure(request_id))
+        return True
 
     # -- decode ----------------------------------------------------------------------------------------
     def _announce(self, recv: RecvSpec) -> None:
