@@ -8,7 +8,10 @@ vLLM instance without disaggregation; a request may fail visibly, never return d
 
 from __future__ import annotations
 
+import asyncio
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,12 +22,15 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
 
 from .vllm_pd import (
     close_llm,
+    free_port,
     generate_pd,
     greedy,
     make_llm,
     make_prompts,
     metric,
+    serve_command,
     tokens,
+    wait_healthy,
     write_model,
 )
 
@@ -140,3 +146,47 @@ def test_the_vllm_page_runs(model: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         for value in namespace.values():
             if isinstance(value, LLM):
                 close_llm(value)
+
+
+@pytest.fixture(scope="module")
+def proxy(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Two ``vllm serve`` processes (prefill, decode) and ``kvferry vllm-proxy`` in front: its URL."""
+    ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
+    logs = tmp_path_factory.mktemp("serve")
+    commands = {"prefill": serve_command(model, ports["prefill"], "kv_producer"),
+                "decode": serve_command(model, ports["decode"], "kv_consumer"),
+                "proxy": [sys.executable, "-m", "kvferry", "vllm-proxy", "--port", str(ports["proxy"]),
+                          "--prefill", f"http://127.0.0.1:{ports['prefill']}",
+                          "--decode", f"http://127.0.0.1:{ports['decode']}"]}
+    procs = {name: subprocess.Popen(cmd, stdout=(logs / f"{name}.log").open("wb"), stderr=subprocess.STDOUT)
+             for name, cmd in commands.items()}
+    try:
+        for name in commands:
+            wait_healthy(f"http://127.0.0.1:{ports[name]}", list(procs.values()))
+        yield f"http://127.0.0.1:{ports['proxy']}"
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(timeout=60)
+
+
+def test_online_through_two_servers_and_the_proxy(proxy: str, model: Path, prompts: list[Any],
+                                                  expected: list[list[int]]) -> None:
+    import aiohttp
+
+    async def complete(session: aiohttp.ClientSession, prompt: Any) -> dict[str, Any]:
+        body = {"model": str(model), "prompt": prompt["prompt_token_ids"], "max_tokens": MAX_TOKENS,
+                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+        async with session.post(proxy + "/v1/completions", json=body) as answer:
+            assert answer.status == 200, await answer.text()
+            return await answer.json()
+
+    async def all_at_once() -> list[dict[str, Any]]:
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(complete(session, p) for p in prompts))
+
+    answers = asyncio.run(all_at_once())
+    got = [answer["choices"][0]["token_ids"] for answer in answers]
+    equal = sum(g == e for g, e in zip(got, expected))
+    assert equal == len(prompts), f"{equal}/{len(prompts)} prompts decoded the same tokens as one instance"

