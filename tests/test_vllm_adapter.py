@@ -191,3 +191,18 @@ def test_the_adapter_imports_neither_vllm_nor_torch() -> None:
             "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_request_asks_for_remote_kv_once() -> None:
+    """A decode request preempted after its KV arrived recomputes locally: prefill's copy is gone."""
+    scheduler = SchedulerSide(groups())
+    params = {"do_remote_prefill": True, "kvferry_address": "tcp://x", "kvferry_request_id": "p",
+              "remote_num_tokens": 70}
+    assert scheduler.matched_tokens("d", 70, params, 0) == (70, True)
+    scheduler.after_alloc("d", params, ([1, 2, 3],), 70)
+    assert len(scheduler.take_plan().recvs) == 1
+    scheduler.on_worker_output((), ("d",))
+    assert scheduler.matched_tokens("d", 70, params, 0) == (0, False)
+    scheduler.after_alloc("d", params, ([4, 5, 6],), 70)
+    assert scheduler.take_plan().recvs == ()
+    assert scheduler.finished("d", params, ([4, 5, 6],), 86, completed=True) == (False, None)

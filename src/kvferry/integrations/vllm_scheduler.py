@@ -78,6 +78,7 @@ class SchedulerSide:
     _aborts: list[str] = field(default_factory=list)
     _loading: set[str] = field(default_factory=set)     # decode: announce staged, not yet reported back
     _holding: set[str] = field(default_factory=set)     # blocks vLLM keeps until the worker reports them
+    _taken: set[str] = field(default_factory=set)       # decode: KV already asked for, never twice
 
     # -- decode ----------------------------------------------------------------------------------------
     def matched_tokens(self, request_id: str, num_prompt_tokens: int, params: Mapping[str, Any] | None,
@@ -86,8 +87,8 @@ class SchedulerSide:
         from prefill, loaded asynchronously. A local prefix-cache hit is not combined with a transfer
         (prefill sends the whole prompt's blocks, and decode's cached blocks may be shared): the request
         is then prefilled here, and prefill releases its blocks at its request deadline."""
-        if not _wants_remote_prefill(params) or request_id in self._loading:
-            return 0, False
+        if not _wants_remote_prefill(params) or request_id in self._taken:
+            return 0, False   # asked once: a preempted request recomputes here, prefill's copy is gone
         assert params is not None
         if num_computed_tokens > 0 or int(params.get(NUM_TOKENS_KEY, -1)) != num_prompt_tokens:
             return 0, False
@@ -96,12 +97,13 @@ class SchedulerSide:
     def after_alloc(self, request_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[Sequence[int]],
                     num_external_tokens: int) -> None:
         """vLLM's ``update_state_after_alloc``: stage the announce of decode's blocks for the worker."""
-        if num_external_tokens <= 0 or not _wants_remote_prefill(params) or request_id in self._loading:
+        if num_external_tokens <= 0 or not _wants_remote_prefill(params) or request_id in self._taken:
             return
         assert params is not None
         pages = request_pages(block_ids, self.groups, num_external_tokens)
         self._recvs.append(RecvSpec(request_id, str(params[TRANSFER_ID_KEY]), str(params[ADDRESS_KEY]), pages))
         self._loading.add(request_id)
+        self._taken.add(request_id)
 
     # -- both ------------------------------------------------------------------------------------------
     def finished(self, request_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[Sequence[int]],
@@ -112,6 +114,7 @@ class SchedulerSide:
         worker reports that no write can land in them any more. Prefill, ``completed`` (stopped or at its
         length, not aborted): keep the blocks until decode has them, and hand out the transfer params.
         """
+        self._taken.discard(request_id)
         if request_id in self._loading:
             self._aborts.append(request_id)
             self._holding.add(request_id)
