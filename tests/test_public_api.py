@@ -38,10 +38,10 @@ def test_errors_form_one_hierarchy() -> None:
 
 
 def test_import_stays_light() -> None:
-    """The planner and CLI must not pay for zmq, nixl or torch at import time."""
+    """The planner and CLI must not pay for zmq, nixl, torch or vLLM at import time."""
     import subprocess
     import sys
 
-    code = "import sys, kvferry; print(sorted(m for m in ('zmq', 'nixl', 'torch') if m in sys.modules))"
+    code = "import sys, kvferry; print(sorted(m for m in ('zmq', 'nixl', 'torch', 'vllm') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,0 +1,151 @@
+"""kvferry's vLLM connector against vLLM's own NixlConnector: TTFT and KV arrival at concurrency 1 and 32.
+
+Run under ``.venv-vllm`` (``make test-vllm`` sets it up)::
+
+    LD_PRELOAD=.venv-vllm/lib/libiomp5.so .venv-vllm/bin/python bench/vllm_connectors.py --json out.json
+
+A tiny random Llama (2 layers, written with transformers, fp32, 32-token blocks) so that on 2 CPU cores the
+figures show the transfer path rather than the model. Per connector: one prefill and one decode instance
+(engine cores in their own processes, as ``vllm serve`` runs them), 4 warm-up requests, then ``--requests``
+prompts of 2-400 tokens one at a time (concurrency 1) and all at once (concurrency 32).
+
+* TTFT: prefill's first-token latency (the prompt computed) + decode's first-token latency (KV arrived,
+  the last prompt token computed, one token sampled), both measured by vLLM per request. The offline
+  API hands a batch to decode only when all of prefill's requests returned; a proxy forwards each as it
+  finishes, so the sum is what a client behind a proxy would see, less the proxy's own hop.
+* KV arrival: decode's queued -> scheduled time: a remote-prefilled request is queued, waits for its KV
+  (``WAITING_FOR_REMOTE_KVS``), and is scheduled once its KV arrived (or failed).
+
+Every request's tokens are checked against one plain instance; a run with a differing token fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
+       "TORCHDYNAMO_DISABLE": "1", "KMP_BLOCKTIME": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+MAX_TOKENS = 16
+WARMUP = 4
+COMMON = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=32,
+              enable_prefix_caching=False, max_model_len=1024, max_num_seqs=64, disable_log_stats=False,
+              gpu_memory_utilization=0.15)
+
+
+def connector_config(name: str, role: str) -> dict[str, Any]:
+    if name == "kvferry":
+        return {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
+                "kv_role": role}
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+
+def write_model(path: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                         initializer_range=0.2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_prompts(num: int, seed: int) -> list[Any]:
+    from vllm.inputs import TokensPrompt
+
+    rng = np.random.default_rng(seed)
+    return [TokensPrompt(prompt_token_ids=rng.integers(3, 1000, int(n)).tolist()) for n in rng.integers(2, 400, num)]
+
+
+def greedy(max_tokens: int, params: dict[str, Any] | None = None) -> Any:
+    from vllm import SamplingParams
+
+    extra = None if params is None else {"kv_transfer_params": params}
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
+
+
+def start(model: Path, kv_transfer_config: dict[str, Any] | None, side_port: int | None = None) -> Any:
+    from vllm import LLM
+
+    if side_port is not None:   # NixlConnector's side channel: one port per instance, read at start-up
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_port)
+    return LLM(model=str(model), kv_transfer_config=kv_transfer_config, **COMMON)
+
+
+def stop(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+def pd_round(prefill: Any, decode: Any, prompts: list[Any]) -> list[dict[str, Any]]:
+    """One batch through prefill then decode; per request: tokens, TTFT parts, KV arrival."""
+    firsts = prefill.generate(prompts, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+    outs = decode.generate(prompts, [greedy(MAX_TOKENS, f.kv_transfer_params) for f in firsts], use_tqdm=False)
+    return [{"tokens": list(o.outputs[0].token_ids), "error": o.outputs[0].finish_reason != "length",
+             "ttft": f.metrics.first_token_latency + o.metrics.first_token_latency,
+             "kv_arrival": o.metrics.scheduled_ts - o.metrics.queued_ts} for f, o in zip(firsts, outs)]
+
+
+def measure(name: str, model: Path, prompts: list[Any], expected: list[list[int]]) -> dict[str, Any]:
+    nixl = name == "nixl"
+    prefill = start(model, connector_config(name, "kv_producer"), 5601 if nixl else None)
+    decode = start(model, connector_config(name, "kv_consumer"), 5611 if nixl else None)
+    try:
+        pd_round(prefill, decode, make_prompts(WARMUP, seed=1))
+        conc1 = [r for p in prompts for r in pd_round(prefill, decode, [p])]
+        conc32 = pd_round(prefill, decode, prompts)
+    finally:
+        stop(decode)
+        stop(prefill)
+    out: dict[str, Any] = {}
+    for label, rows in (("1", conc1), (str(len(prompts)), conc32)):
+        equal = sum(r["tokens"] == e for r, e in zip(rows, expected))
+        out[label] = {"equal": equal, "errors": sum(r["error"] for r in rows),
+                      **{f"{key}_{q}_ms": float(np.percentile([r[key] for r in rows], q) * 1e3)
+                         for key in ("ttft", "kv_arrival") for q in (50, 99)}}
+        if equal != len(rows):
+            raise SystemExit(f"{name} at concurrency {label}: {equal}/{len(rows)} prompts equal one instance")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--connectors", default="kvferry,nixl")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    for key, value in ENV.items():
+        os.environ.setdefault(key, value)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_model(Path(tmp) / "tiny-llama")
+        prompts = make_prompts(args.requests, seed=0)
+        plain = start(model, None)
+        expected = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)]
+        stop(plain)
+        results = {}
+        for name in args.connectors.split(","):
+            started = time.perf_counter()
+            results[name] = measure(name, model, prompts, expected)
+            print(f"{name} ({time.perf_counter() - started:.0f} s): {json.dumps(results[name])}", flush=True)
+    print("| connector | concurrency | tokens equal | TTFT p50 / p99 ms | KV arrival p50 / p99 ms |")
+    print("|---|---|---|---|---|")
+    for name, by_conc in results.items():
+        for conc, r in by_conc.items():
+            print(f"| {name} | {conc} | {r['equal']}/{args.requests} | {r['ttft_50_ms']:.1f} / {r['ttft_99_ms']:.1f} "
+                  f"| {r['kv_arrival_50_ms']:.1f} / {r['kv_arrival_99_ms']:.1f} |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""``KVFerryConnector``: kvferry as a vLLM v1 KV connector (prefill pushes, decode verifies).
+
+The top of the integrations layer, above ``vllm_scheduler`` and ``vllm_worker``, which hold the logic; this
+module only adapts vLLM's types to theirs. vLLM loads it with::
+
+    kv_transfer_config={"kv_connector": "KVFerryConnector",
+                        "kv_connector_module_path": "kvferry.integrations.vllm",
+                        "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+                        "kv_connector_extra_config": {...}}   # WorkerConfig's fields
+
+vLLM builds two instances per engine: a scheduler-side one (in the engine core) and a worker-side one (in
+each worker); they talk only through the per-step ``KVFerryMetadata`` and the worker's transfer results.
+Imported only when vLLM loads it (``import kvferry`` never imports vLLM or torch).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from kvferry.errors import UsageError
+from kvferry.integrations.vllm_layout import GroupSpec, memory_from_kv_caches
+from kvferry.integrations.vllm_scheduler import SchedulerSide, StepPlan
+from kvferry.integrations.vllm_worker import WorkerConfig, WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVFerryConnector", "KVFerryHandshake", "KVFerryMetadata"]
+
+log = logging.getLogger("kvferry.vllm")
+
+_ROLES = {"kv_producer": "producer", "kv_consumer": "consumer", "kv_both": "both"}
+
+
+@dataclass(frozen=True)
+class KVFerryMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step: the step's sends, announces and aborts."""
+
+    plan: StepPlan
+
+
+@dataclass(frozen=True)
+class KVFerryHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once at start-up: where the worker's prefill endpoint listens."""
+
+    address: str | None
+
+
+class KVFerryConnector(KVConnectorBase_V1):
+    """kvferry's vLLM connector. Each hook's contract is vLLM's (``KVConnectorBase_V1``); what it does here
+    is one call into the scheduler-side or worker-side half."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        if transfer.kv_role not in _ROLES:
+            raise UsageError(f"kvferry connector: kv_role must be one of {sorted(_ROLES)}, got {transfer.kv_role!r}")
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise UsageError("kvferry connector: tensor parallelism is not supported yet (tensor_parallel_size 1)")
+        self._config = WorkerConfig.from_extra(_ROLES[transfer.kv_role], transfer.kv_connector_extra_config)
+        self._groups = _groups(kv_cache_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self._groups)
+
+    # -- worker side -----------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Called once, after vLLM allocated its KV cache: bind it and start this worker's endpoints."""
+        cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
+        memory = memory_from_kv_caches(kv_caches, self._groups, self._kv_cache_config.num_blocks,
+                                       cache_dtype=cache_dtype, kinds=_kinds(self._vllm_config, kv_caches))
+        self._worker = WorkerSide(self._config, memory)
+        log.info("kvferry: %s registered %d buffers in %d pools (%.1f MiB), prefill address %s",
+                 self._config.role, len(memory.layout.buffers), len(memory.layout.pools),
+                 memory.layout.nbytes / 2**20, self._worker.address)
+
+    def get_handshake_metadata(self) -> KVFerryHandshake | None:
+        return KVFerryHandshake(self._worker.address) if self._worker is not None else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVFerryMetadata) and self._worker is not None
+        self._worker.start(metadata.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return   # asynchronous loads only: a request runs once its whole KV arrived
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return   # prefill sends whole requests from request_finished's blocks, not layer by layer
+
+    def wait_for_save(self) -> None:
+        return   # sends are asynchronous; their blocks stay held until get_transfer_results reports them
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sending, recving, failed = self._worker.results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    # -- scheduler side --------------------------------------------------------------------------------
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        handshake = metadata.get(0)
+        if isinstance(handshake, KVFerryHandshake) and self._scheduler is not None:
+            self._scheduler.address = handshake.address
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request.request_id, request.num_prompt_tokens,
+                                              request.kv_transfer_params, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(range(len(self._groups)))   # a transfer fills the request's blocks in every group
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request.request_id, request.kv_transfer_params, blocks.get_block_ids(),
+                                    num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return KVFerryMetadata(self._scheduler.take_plan())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_worker_output(tuple(connector_output.finished_sending or ()),
+                                         tuple(connector_output.finished_recving or ()))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        assert self._scheduler is not None
+        completed = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        return self._scheduler.finished(request.request_id, request.kv_transfer_params, (block_ids,),
+                                        request.num_computed_tokens, completed)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
+
+def _groups(kv_cache_config: KVCacheConfig) -> tuple[GroupSpec, ...]:
+    groups = tuple(GroupSpec(tuple(g.layer_names), int(g.kv_cache_spec.block_size))
+                   for g in kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        # vLLM turns the hybrid allocator off for connectors without SupportsHMA, so this means a model
+        # whose groups cannot be merged: not supported yet.
+        raise UsageError(f"kvferry connector: {len(groups)} KV cache groups; one is supported so far")
+    return groups
+
+
+def _kinds(vllm_config: VllmConfig, kv_caches: dict[str, Any]) -> dict[str, str]:
+    """Each layer's buffer kind: ``kv/<attention backend>[/<CPU ISA>]``. What a block holds depends on the
+    kernel, so two instances on different kernels must not exchange blocks: the handshake compares kinds."""
+    import torch
+
+    isa = ""
+    if any(t.device.type == "cpu" for t in kv_caches.values()):
+        isa = "/" + str(torch.backends.cpu.get_cpu_capability())
+    context = vllm_config.compilation_config.static_forward_context
+    kinds = {}
+    for layer in kv_caches:
+        backend = getattr(getattr(context.get(layer), "attn_backend", None), "get_name", lambda: "unknown")()
+        kinds[layer] = f"kv/{backend}{isa}"
+    return kinds

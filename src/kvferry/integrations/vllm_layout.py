@@ -1,0 +1,118 @@
+"""vLLM's KV cache as a kvferry layout: one buffer per layer tensor, one pool per KV cache group.
+
+Part of the integrations layer, above ``layout`` and below ``vllm_worker``. vLLM hands a connector one
+tensor per attention layer (``register_kv_caches``) and, per KV cache group, one block table per request.
+Block ``j`` of a request holds tokens ``[j * block_size, (j + 1) * block_size)``, so a request's block ids
+*are* its page list. Each layer's tensor becomes its own ``Buffer`` with its own page size and page count,
+read off the tensor itself; each group becomes a ``Pool`` whose page index is the group's block id.
+
+Pages are whole blocks. What a block holds inside depends on the attention kernel (the CPU fp32 kernel
+stores each head's K transposed, then its V), so slicing tokens or heads out of a block by the tensor's
+shape would be wrong; copying whole blocks between two instances of the same kernel is always right, and
+the kernel's name goes into each buffer's ``kind`` so the handshake refuses two different ones.
+
+No vLLM import here: tensors are duck-typed (``shape``, ``dtype``, ``data_ptr``), so numpy arrays work too.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvferry.errors import LayoutError
+from kvferry.layout import Buffer, KVMemory, Layout, Pool
+
+__all__ = ["GroupSpec", "memory_from_kv_caches", "num_blocks_for", "pool_name", "request_pages"]
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """One vLLM KV cache group: the layers sharing one block table, and the tokens per block."""
+
+    layer_names: tuple[str, ...]
+    block_size: int
+
+
+def pool_name(group: int) -> str:
+    """The pool of KV cache group ``group``: pools are named by position, as vLLM's block tables are."""
+    return f"group{group}"
+
+
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks holding the first ``num_tokens`` tokens (the last one possibly partly filled)."""
+    return -(-num_tokens // block_size)
+
+
+def request_pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec],
+                  num_tokens: int) -> dict[str, list[int]]:
+    """A request's page list per pool: the blocks holding its first ``num_tokens`` tokens, in token order.
+
+    ``block_ids[g]`` is the request's block table in group ``g`` (vLLM's ``KVCacheBlocks.get_block_ids()``).
+    Raises ``LayoutError`` when a group's table is shorter than the tokens need.
+    """
+    if len(block_ids) != len(groups):
+        raise LayoutError(f"{len(block_ids)} block tables for {len(groups)} KV cache groups")
+    pages: dict[str, list[int]] = {}
+    for index, (table, group) in enumerate(zip(block_ids, groups)):
+        need = num_blocks_for(num_tokens, group.block_size)
+        if len(table) < need:
+            raise LayoutError(f"{pool_name(index)}: {num_tokens} tokens need {need} blocks of "
+                              f"{group.block_size} tokens, the block table has {len(table)}")
+        pages[pool_name(index)] = [int(b) for b in table[:need]]
+    return pages
+
+
+def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSpec], num_blocks: int, *,
+                          cache_dtype: str = "auto", kinds: Mapping[str, str] | None = None) -> KVMemory:
+    """Bind vLLM's per-layer KV tensors as a ``KVMemory``: a pool per group, a buffer per tensor.
+
+    A tensor is ``[num_blocks, ...]`` (one buffer named after the layer) or ``[2, num_blocks, ...]`` (K and
+    V apart, as the CUDA flash-attention layout: two buffers ``<layer>.k`` and ``<layer>.v``). Anything
+    else raises ``LayoutError`` naming the layer and shape. ``cache_dtype`` is vLLM's ``cache_dtype``
+    (``"auto"``: the tensor's own dtype); ``kinds`` maps a layer to its buffer kind (default ``"kv"``).
+    """
+    pools: list[Pool] = []
+    arrays: dict[str, Any] = {}
+    for index, group in enumerate(groups):
+        buffers = []
+        for layer in group.layer_names:
+            if layer not in kv_caches:
+                raise LayoutError(f"{pool_name(index)}: layer {layer!r} has no registered KV tensor")
+            kind = (kinds or {}).get(layer, "kv")
+            for name, view in _block_views(layer, kv_caches[layer], num_blocks):
+                buffers.append(Buffer(name, _nbytes(view) // num_blocks, num_blocks, _dtype(view, cache_dtype),
+                                      kind, _layer_index(layer)))
+                arrays[name] = view
+        pools.append(Pool(pool_name(index), buffers, tokens_per_page=group.block_size))
+    return KVMemory.from_arrays(Layout(pools), arrays)
+
+
+def _block_views(layer: str, tensor: Any, num_blocks: int) -> list[tuple[str, Any]]:
+    shape = tuple(tensor.shape)
+    if shape and shape[0] == num_blocks:
+        return [(layer, tensor)]
+    if len(shape) > 1 and shape[0] == 2 and shape[1] == num_blocks:
+        return [(f"{layer}.k", tensor[0]), (f"{layer}.v", tensor[1])]
+    raise LayoutError(f"layer {layer!r}: KV tensor of shape {shape} has no block dimension of {num_blocks} "
+                      f"blocks first (expected [num_blocks, ...] or [2, num_blocks, ...])")
+
+
+def _nbytes(tensor: Any) -> int:
+    if hasattr(tensor, "nbytes") and not hasattr(tensor, "element_size"):
+        return int(tensor.nbytes)   # numpy
+    return int(tensor.numel()) * int(tensor.element_size())
+
+
+def _dtype(tensor: Any, cache_dtype: str) -> str:
+    if cache_dtype != "auto":
+        return cache_dtype
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _layer_index(layer: str) -> int | None:
+    match = _LAYER_INDEX.search(layer + ".")
+    return int(match.group(1)) if match else None

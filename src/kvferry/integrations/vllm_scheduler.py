@@ -1,0 +1,147 @@
+"""The scheduler-side half of kvferry's vLLM connector: which requests move, which blocks, when.
+
+Part of the integrations layer, above ``vllm_layout``, below ``vllm`` (the connector class vLLM loads, which
+forwards its scheduler hooks here). Plain Python over vLLM's values (request ids, prompt lengths, block
+tables as lists), so it runs without vLLM. It never touches memory or sockets: it stages, per engine step,
+a ``StepPlan`` that vLLM carries to the worker-side half (``vllm_worker``), and learns from the worker's
+reports which requests' blocks vLLM may free.
+
+The hand-off, as vLLM's own disaggregated flow does it:
+
+1. Prefill gets the request with ``kv_transfer_params={"do_remote_decode": True}`` and ``max_tokens=1``.
+   When it finishes, ``finished`` keeps its blocks (``delay_free``), stages a send of them, and returns
+   the transfer parameters (prefill's address, the transfer id, the prompt length) that vLLM puts on the
+   request output.
+2. Decode gets the same prompt with those parameters. ``matched_tokens`` says every prompt token arrives
+   from outside, asynchronously; ``after_alloc`` stages an announce of decode's blocks. vLLM recomputes
+   only the last prompt token itself, to sample from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvferry.integrations.vllm_layout import GroupSpec, request_pages
+
+__all__ = ["RecvSpec", "SchedulerSide", "SendSpec", "StepPlan", "transfer_params"]
+
+# The keys kvferry adds to a request's kv_transfer_params (the rest are vLLM's own PD conventions).
+ADDRESS_KEY = "kvferry_address"
+TRANSFER_ID_KEY = "kvferry_request_id"
+NUM_TOKENS_KEY = "remote_num_tokens"
+
+
+@dataclass(frozen=True, slots=True)
+class SendSpec:
+    """Prefill: write ``pages`` (pool -> block ids, in token order) of ``request_id`` once decode announces."""
+
+    request_id: str
+    pages: Mapping[str, Sequence[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class RecvSpec:
+    """Decode: lease ``pages`` of vLLM request ``request_id`` to transfer ``transfer_id`` from ``address``."""
+
+    request_id: str
+    transfer_id: str
+    address: str
+    pages: Mapping[str, Sequence[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What the worker-side half does at the next engine step."""
+
+    sends: tuple[SendSpec, ...] = ()
+    recvs: tuple[RecvSpec, ...] = ()
+    aborts: tuple[str, ...] = ()   # decode request ids whose transfer must stop (vLLM aborted them)
+
+
+def transfer_params(address: str, transfer_id: str, num_tokens: int) -> dict[str, Any]:
+    """The ``kv_transfer_params`` prefill returns, which the client passes on to decode unchanged."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, ADDRESS_KEY: address,
+            TRANSFER_ID_KEY: transfer_id, NUM_TOKENS_KEY: num_tokens}
+
+
+@dataclass
+class SchedulerSide:
+    """Per-engine scheduler state. ``address`` is this instance's prefill endpoint (None on a decode-only
+    instance, or until the workers report it through vLLM's handshake metadata)."""
+
+    groups: tuple[GroupSpec, ...]
+    address: str | None = None
+    _sends: list[SendSpec] = field(default_factory=list)
+    _recvs: list[RecvSpec] = field(default_factory=list)
+    _aborts: list[str] = field(default_factory=list)
+    _loading: set[str] = field(default_factory=set)     # decode: announce staged, not yet reported back
+    _holding: set[str] = field(default_factory=set)     # blocks vLLM keeps until the worker reports them
+    _taken: set[str] = field(default_factory=set)       # decode: KV already asked for, never twice
+
+    # -- decode ----------------------------------------------------------------------------------------
+    def matched_tokens(self, request_id: str, num_prompt_tokens: int, params: Mapping[str, Any] | None,
+                       num_computed_tokens: int) -> tuple[int, bool]:
+        """vLLM's ``get_num_new_matched_tokens``: every prompt token of a remote-prefilled request comes
+        from prefill, loaded asynchronously. A local prefix-cache hit is not combined with a transfer
+        (prefill sends the whole prompt's blocks, and decode's cached blocks may be shared): the request
+        is then prefilled here, and prefill releases its blocks at its request deadline."""
+        if not _wants_remote_prefill(params) or request_id in self._taken:
+            return 0, False   # asked once: a preempted request recomputes here, prefill's copy is gone
+        assert params is not None
+        if num_computed_tokens > 0 or int(params.get(NUM_TOKENS_KEY, -1)) != num_prompt_tokens:
+            return 0, False
+        return num_prompt_tokens, True
+
+    def after_alloc(self, request_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[Sequence[int]],
+                    num_external_tokens: int) -> None:
+        """vLLM's ``update_state_after_alloc``: stage the announce of decode's blocks for the worker."""
+        if num_external_tokens <= 0 or not _wants_remote_prefill(params) or request_id in self._taken:
+            return
+        assert params is not None
+        pages = request_pages(block_ids, self.groups, num_external_tokens)
+        self._recvs.append(RecvSpec(request_id, str(params[TRANSFER_ID_KEY]), str(params[ADDRESS_KEY]), pages))
+        self._loading.add(request_id)
+        self._taken.add(request_id)
+
+    # -- both ------------------------------------------------------------------------------------------
+    def finished(self, request_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[Sequence[int]],
+                 num_computed_tokens: int, completed: bool) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished``: whether vLLM must keep the blocks, and the params to return.
+
+        Decode, aborted while its KV was still arriving: stop the transfer and keep the blocks until the
+        worker reports that no write can land in them any more. Prefill, ``completed`` (stopped or at its
+        length, not aborted): keep the blocks until decode has them, and hand out the transfer params.
+        """
+        self._taken.discard(request_id)
+        if request_id in self._loading:
+            self._aborts.append(request_id)
+            self._holding.add(request_id)
+            return True, None
+        if not params or not params.get("do_remote_decode") or not completed or self.address is None:
+            return False, None
+        pages = request_pages(block_ids, self.groups, num_computed_tokens)
+        self._sends.append(SendSpec(request_id, pages))
+        self._holding.add(request_id)
+        return True, transfer_params(self.address, request_id, num_computed_tokens)
+
+    def take_plan(self) -> StepPlan:
+        """vLLM's ``build_connector_meta``: what was staged since the last step, handed over once."""
+        plan = StepPlan(tuple(self._sends), tuple(self._recvs), tuple(self._aborts))
+        self._sends, self._recvs, self._aborts = [], [], []
+        return plan
+
+    def on_worker_output(self, finished_sending: Sequence[str], finished_recving: Sequence[str]) -> None:
+        """vLLM's ``update_connector_output``: requests the worker is done with (vLLM frees their blocks)."""
+        for request_id in (*finished_sending, *finished_recving):
+            self._holding.discard(request_id)
+            self._loading.discard(request_id)
+
+    def has_pending_work(self) -> bool:
+        """Whether vLLM must keep stepping: staged work, or blocks held for a transfer still in flight."""
+        return bool(self._sends or self._recvs or self._aborts or self._holding)
+
+
+def _wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
+    return bool(params) and bool(params.get("do_remote_prefill")) and ADDRESS_KEY in params  # type: ignore[operator]

@@ -1,0 +1,216 @@
+"""The worker-side half of kvferry's vLLM connector: the endpoints, driven by the scheduler's step plans.
+
+Part of the integrations layer, above ``control`` and ``vllm_scheduler``, below ``vllm`` (the connector class,
+which forwards its worker hooks here). No vLLM import: the memory comes in as a ``KVMemory`` built by
+``vllm_layout``, the work as ``StepPlan``s, so the whole flow runs in tests with numpy memory.
+
+Push, as kvferry's endpoints are: decode announces (and leases) its blocks, prefill writes into them and
+reports digests, decode verifies. Prefill reports a request finished (vLLM frees its blocks) only once its
+endpoint says ``done`` or ``failed``; decode reports a failed request only once its pages are no longer
+leased, so vLLM neither decodes on KV that did not verify nor hands those blocks to another request while a
+late write could still land in them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
+from kvferry.errors import HandshakeError, IncompatiblePeer, KVFerryError, UsageError
+from kvferry.integrations.vllm_scheduler import RecvSpec, SendSpec, StepPlan
+from kvferry.layout import KVMemory
+from kvferry.transport import Transport, make_transport
+
+__all__ = ["WorkerConfig", "WorkerSide"]
+
+log = logging.getLogger("kvferry.vllm")
+
+ROLES = ("producer", "consumer", "both")
+# How long a prefill address whose handshake timed out is not retried (a refused layout is never retried).
+RETRY_AFTER = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """The connector's settings, from vLLM's ``kv_connector_extra_config`` (see docs/vllm.md).
+
+    ``transport``: ``"nixl"`` (between processes), ``"local"`` (one process) or ``"module:factory"``, a
+    callable taking the side (``"prefill"``/``"decode"``) and returning a ``Transport`` (tests inject
+    faults this way). ``host``/``port``: where prefill listens. ``digest_mode``: ``off``, ``sampled``,
+    ``full``. ``secret``: shared by both sides, or None. Times in seconds.
+    """
+
+    role: str
+    transport: str = "nixl"
+    host: str = "127.0.0.1"
+    port: int = 0
+    digest_mode: str = "sampled"
+    secret: str | None = None
+    request_timeout: float = 60.0
+    handshake_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise UsageError(f"kvferry connector: role must be one of {ROLES}, got {self.role!r}")
+
+    @classmethod
+    def from_extra(cls, role: str, extra: Mapping[str, Any] | None) -> WorkerConfig:
+        """Read ``kv_connector_extra_config``; unknown keys are refused (a typo would silently not apply)."""
+        known = {f.name for f in fields(cls)} - {"role"}
+        unknown = sorted(set(extra or {}) - known)
+        if unknown:
+            raise UsageError(f"kvferry connector: unknown kv_connector_extra_config keys {unknown} "
+                             f"(known: {sorted(known)})")
+        return cls(role, **dict(extra or {}))
+
+    def options(self) -> EndpointOptions:
+        return EndpointOptions(request_timeout=self.request_timeout, handshake_timeout=self.handshake_timeout)
+
+    def make_transport(self, side: str) -> Transport:
+        if ":" not in self.transport:
+            return make_transport(self.transport)
+        module, _, name = self.transport.partition(":")
+        transport = getattr(importlib.import_module(module), name)(side)
+        if not isinstance(transport, Transport):
+            raise UsageError(f"kvferry connector: {self.transport} returned {type(transport).__name__}, "
+                             "not a kvferry Transport")
+        return transport
+
+
+class WorkerSide:
+    """One vLLM worker's endpoints. ``start`` at each step, ``results`` after it; not thread-safe (vLLM
+    calls both from the worker's step)."""
+
+    def __init__(self, config: WorkerConfig, memory: KVMemory) -> None:
+        self.config = config
+        options = config.options()
+        self.prefill: PrefillEndpoint | None = None
+        self.decode: DecodeEndpoint | None = None
+        if config.role in ("producer", "both"):
+            self.prefill = PrefillEndpoint(memory, config.make_transport("prefill"), host=config.host,
+                                           port=config.port, secret=config.secret,
+                                           digest_mode=config.digest_mode, options=options)
+        if config.role in ("consumer", "both"):
+            self.decode = DecodeEndpoint(memory, config.make_transport("decode"), secret=config.secret,
+                                         digest_mode=config.digest_mode, options=options)
+        self._sending: set[str] = set()
+        self._recving: dict[str, str] = {}              # vLLM request id -> transfer id (prefill's id)
+        self._failed_now: dict[str, KVFerryError] = {}  # never announced: nothing leased, report at once
+        self._refused: dict[str, tuple[float, KVFerryError]] = {}   # address -> (retry at, why)
+        self.num_failed = 0
+
+    @property
+    def address(self) -> str | None:
+        """Where this worker's prefill endpoint listens (None on a consumer)."""
+        return self.prefill.address if self.prefill is not None else None
+
+    # -- per step --------------------------------------------------------------------------------------
+    def start(self, plan: StepPlan) -> None:
+        """Start this step's work: hand over prefill's KV, announce decode's blocks, stop aborted transfers.
+        Non-blocking, except the first handshake with a prefill address (bounded by ``handshake_timeout``)."""
+        for send in plan.sends:
+            self._send(send)
+        for recv in plan.recvs:
+            self._announce(recv)
+        for request_id in plan.aborts:   # after the announces: a request may be staged and aborted in one step
+            self._abort(request_id)
+
+    def results(self) -> tuple[set[str], set[str], set[str]]:
+        """``(finished_sending, finished_recving, failed_recving)`` since the last call, as vLLM's
+        ``get_transfer_results`` wants them: a failed receive is also a finished one."""
+        sending = {r for r in self._sending if self._sent(r)}
+        self._sending -= sending
+        recving: set[str] = set()
+        failed: set[str] = set()
+        for request_id, error in self._failed_now.items():
+            self._report_failure(request_id, error)
+            recving.add(request_id)
+            failed.add(request_id)
+        self._failed_now.clear()
+        for request_id, transfer_id in list(self._recving.items()):
+            outcome = self._received(transfer_id)
+            if outcome is not None:
+                del self._recving[request_id]
+                recving.add(request_id)
+                if not outcome:
+                    failed.add(request_id)
+        return sending, recving, failed
+
+    def close(self) -> None:
+        for endpoint in (self.decode, self.prefill):
+            if endpoint is not None:
+                endpoint.close()
+
+    # -- prefill ---------------------------------------------------------------------------------------
+    def _send(self, send: SendSpec) -> None:
+        assert self.prefill is not None, "a send staged on an instance without a prefill endpoint"
+        try:
+            self.prefill.send(send.request_id, send.pages)
+        except KVFerryError as exc:
+            # Nothing posted: vLLM may free the blocks at once (the request is reported finished below).
+            log.warning("kvferry: prefill request %s not sent: %s", send.request_id, exc)
+            return
+        self._sending.add(send.request_id)
+
+    def _sent(self, request_id: str) -> bool:
+        """Whether vLLM may free the request's blocks: no write of it can still read them. DONE means
+        decode verified every write. FAILED may leave a posted write unsettled, and the endpoint counts
+        unsettled writes only in total, so a failed request's blocks wait until none is in flight."""
+        assert self.prefill is not None
+        state = self.prefill.poll(request_id)
+        if state is RequestState.DONE:
+            return True
+        if state is not RequestState.FAILED or self.prefill.num_live_handles:
+            return False
+        log.warning("kvferry: prefill request %s failed: %s", request_id, self.prefill.failure(request_id))
+        return True
+
+    # -- decode ----------------------------------------------------------------------------------------
+    def _announce(self, recv: RecvSpec) -> None:
+        assert self.decode is not None, "a receive staged on an instance without a decode endpoint"
+        try:
+            self._connect(recv.address)
+            self.decode.announce(recv.transfer_id, recv.pages, peer=recv.address)
+        except KVFerryError as exc:
+            self._failed_now[recv.request_id] = exc
+            return
+        self._recving[recv.request_id] = recv.transfer_id
+
+    def _connect(self, address: str) -> None:
+        assert self.decode is not None
+        if address in self.decode.peers:
+            return
+        refused = self._refused.get(address)
+        if refused is not None and (isinstance(refused[1], IncompatiblePeer) or time.monotonic() < refused[0]):
+            raise refused[1]
+        try:
+            self.decode.connect(address)
+        except HandshakeError as exc:
+            self._refused[address] = (time.monotonic() + RETRY_AFTER, exc)
+            raise
+
+    def _received(self, transfer_id: str) -> bool | None:
+        """True: arrived and verified. False: failed and no write can land any more. None: not yet."""
+        assert self.decode is not None
+        state = self.decode.poll(transfer_id)
+        if state is RequestState.DONE:
+            return True
+        if state is not RequestState.FAILED or self.decode.holds_lease(transfer_id):
+            return None
+        self._report_failure(transfer_id, self.decode.failure(transfer_id))
+        return False
+
+    def _abort(self, request_id: str) -> None:
+        transfer_id = self._recving.get(request_id)
+        if transfer_id is not None and self.decode is not None:
+            self.decode.abort(transfer_id, "vLLM finished the request before its KV arrived")
+
+    def _report_failure(self, request_id: str, error: KVFerryError | None) -> None:
+        self.num_failed += 1
+        log.warning("kvferry: KV of request %s did not arrive or did not verify (%s); vLLM recomputes or fails "
+                    "it (kv_load_failure_policy)", request_id, error)

@@ -1,0 +1,208 @@
+"""kvferry's vLLM connector without vLLM: layouts from per-layer tensors, and both halves over the local
+transport with numpy "KV caches" shaped like vLLM-CPU's ([num_blocks, kv_heads, block_size, 2 x head_size]).
+
+The end-to-end test with real vLLM engines is tests/test_vllm.py (make test-vllm).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvferry.errors import LayoutError, UsageError
+from kvferry.integrations.vllm_layout import GroupSpec, memory_from_kv_caches, request_pages
+from kvferry.integrations.vllm_scheduler import SchedulerSide
+from kvferry.integrations.vllm_worker import WorkerConfig, WorkerSide
+
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def kv_caches(num_blocks: int, block_size: int = 32, seed: int | None = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shape = (num_blocks, 2, block_size, 64)
+    return {name: (rng.standard_normal(shape) if seed is not None else np.zeros(shape)).astype(np.float32)
+            for name in LAYERS}
+
+
+def groups(block_size: int = 32) -> tuple[GroupSpec, ...]:
+    return (GroupSpec(LAYERS, block_size),)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+class Instance:
+    """One side's two connector halves over a numpy KV cache, stepped by hand as vLLM's engine would."""
+
+    def __init__(self, role: str, caches: dict[str, np.ndarray], block_size: int = 32, **extra: Any) -> None:
+        self.caches = caches
+        memory = memory_from_kv_caches(caches, groups(block_size), len(caches[LAYERS[0]]))
+        self.worker = WorkerSide(WorkerConfig.from_extra(role, {"transport": "local", **extra}), memory)
+        self.scheduler = SchedulerSide(groups(block_size), self.worker.address)
+        self.sending: set[str] = set()
+        self.recving: set[str] = set()
+        self.failed: set[str] = set()
+
+    def step(self) -> None:
+        self.worker.start(self.scheduler.take_plan())
+        sending, recving, failed = self.worker.results()
+        self.scheduler.on_worker_output(tuple(sending), tuple(recving))
+        self.sending |= sending
+        self.recving |= recving
+        self.failed |= failed
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Instance, Instance]]:
+    prefill = Instance("producer", kv_caches(64))
+    decode = Instance("consumer", kv_caches(48, seed=None))
+    yield prefill, decode
+    decode.worker.close()
+    prefill.worker.close()
+
+
+def hand_over(prefill: Instance, decode: Instance, num_tokens: int, src: list[int], dst: list[int],
+              request_id: str = "r") -> dict[str, Any]:
+    delay, params = prefill.scheduler.finished(f"p-{request_id}", {"do_remote_decode": True}, (src,), num_tokens,
+                                               completed=True)
+    assert delay and params is not None
+    assert decode.scheduler.matched_tokens(f"d-{request_id}", num_tokens, params, 0) == (num_tokens, True)
+    decode.scheduler.after_alloc(f"d-{request_id}", params, (dst,), num_tokens)
+    return params
+
+
+def test_each_layer_tensor_is_its_own_buffer_of_whole_blocks() -> None:
+    memory = memory_from_kv_caches(kv_caches(10), groups(), 10)
+    assert [(b.name, b.page_bytes, b.num_pages, b.dtype, b.layer) for b in memory.layout.buffers] == [
+        (LAYERS[0], 2 * 32 * 64 * 4, 10, "float32", 0), (LAYERS[1], 2 * 32 * 64 * 4, 10, "float32", 1)]
+    assert memory.layout.pools[0].tokens_per_page == 32
+    split = {name: np.zeros((2, 10, 32, 2, 32), np.float16) for name in LAYERS}   # [2, blocks, ...]: K and V apart
+    names = [b.name for b in memory_from_kv_caches(split, groups(), 10, cache_dtype="fp8").layout.buffers]
+    assert names == [f"{LAYERS[0]}.k", f"{LAYERS[0]}.v", f"{LAYERS[1]}.k", f"{LAYERS[1]}.v"]
+    with pytest.raises(LayoutError, match=r"shape \(3, 10, 4\)"):
+        memory_from_kv_caches({name: np.zeros((3, 10, 4)) for name in LAYERS}, groups(), 10)
+
+
+def test_request_pages_are_the_blocks_under_its_tokens() -> None:
+    assert request_pages(([7, 3, 9, 4],), groups(), 65) == {"group0": [7, 3, 9]}
+    assert request_pages(([7, 3, 9, 4],), groups(), 64) == {"group0": [7, 3]}
+    with pytest.raises(LayoutError, match="need 3 blocks"):
+        request_pages(([7, 3],), groups(), 65)
+
+
+def test_unknown_extra_config_is_refused() -> None:
+    with pytest.raises(UsageError, match="digest_mod"):
+        WorkerConfig.from_extra("producer", {"digest_mod": "full"})
+
+
+@pytest.mark.parametrize("digest_mode", ["sampled", "full"])
+def test_decode_blocks_receive_prefill_blocks(digest_mode: str) -> None:
+    prefill = Instance("producer", kv_caches(64), digest_mode=digest_mode)
+    decode = Instance("consumer", kv_caches(48, seed=None))
+    try:
+        requests = {f"r{i}": (int(n), list(range(3 * i, 3 * i + 3)), [47 - 3 * i - j for j in range(3)])
+                    for i, n in enumerate([70, 65, 90, 33])}
+        for request_id, (num_tokens, src, dst) in requests.items():
+            hand_over(prefill, decode, num_tokens, src, dst, request_id)
+        wait_for(lambda: (prefill.step(), decode.step(), len(decode.recving) == len(requests))[-1])
+        wait_for(lambda: (prefill.step(), len(prefill.sending) == len(requests))[-1])
+        assert not decode.failed
+        for num_tokens, src, dst in requests.values():
+            used = -(-num_tokens // 32)
+            for layer in LAYERS:   # every byte of every block under the prompt arrived
+                np.testing.assert_array_equal(decode.caches[layer][dst[:used]], prefill.caches[layer][src[:used]])
+        assert not prefill.scheduler.has_pending_work() and not decode.scheduler.has_pending_work()
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
+def test_a_page_corrupted_in_flight_is_reported_failed_not_received(caplog: pytest.LogCaptureFixture) -> None:
+    prefill = Instance("producer", kv_caches(64), transport="tests.vllm_faults:first_page_flip_local",
+                       digest_mode="full")
+    decode = Instance("consumer", kv_caches(48, seed=None))
+    try:
+        with caplog.at_level(logging.WARNING, "kvferry.vllm"):
+            hand_over(prefill, decode, 70, [1, 2, 3], [10, 11, 12])
+            wait_for(lambda: (prefill.step(), decode.step(), bool(decode.recving))[-1])
+        assert decode.failed == {"d-r"} and decode.recving == {"d-r"}
+        assert "did not verify" in caplog.text and "digest" in caplog.text
+        assert not decode.worker.decode.holds_lease("p-r")   # reported only once no write can land
+        wait_for(lambda: (prefill.step(), "p-r" in prefill.sending)[-1])   # prefill's blocks go back too
+        assert prefill.worker.prefill.num_live_handles == 0
+        np.testing.assert_array_equal(prefill.caches[LAYERS[0]][1:4], kv_caches(64)[LAYERS[0]][1:4])
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
+def test_another_block_size_is_refused_naming_the_difference(caplog: pytest.LogCaptureFixture) -> None:
+    prefill = Instance("producer", kv_caches(32, block_size=64), block_size=64)
+    decode = Instance("consumer", kv_caches(48, seed=None))
+    try:
+        params = prefill.scheduler.finished("p-r", {"do_remote_decode": True}, ([1, 2],), 70, completed=True)[1]
+        decode.scheduler.after_alloc("d-r", params, ([10, 11, 12],), 70)
+        with caplog.at_level(logging.WARNING, "kvferry.vllm"):
+            decode.step()
+        assert decode.failed == {"d-r"}
+        assert "pool 'group0': tokens_per_page differs" in caplog.text
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
+def test_decode_abort_keeps_blocks_until_the_lease_ends(pair: tuple[Instance, Instance]) -> None:
+    prefill, decode = pair
+    params = prefill.scheduler.finished("p-r", {"do_remote_decode": True}, ([1, 2, 3],), 70, completed=True)[1]
+    prefill.scheduler.take_plan()   # prefill never sends: decode waits until vLLM aborts the request
+    decode.scheduler.after_alloc("d-r", params, ([10, 11, 12],), 70)
+    decode.step()
+    assert decode.scheduler.finished("d-r", params, ([10, 11, 12],), 0, completed=False) == (True, None)
+    wait_for(lambda: (decode.step(), bool(decode.recving))[-1])
+    assert decode.failed == {"d-r"}
+    assert not decode.worker.decode.holds_lease("p-r")
+    assert not decode.scheduler.has_pending_work()
+
+
+def test_a_remote_prefill_with_a_local_prefix_hit_is_computed_here() -> None:
+    scheduler = SchedulerSide(groups())
+    params = {"do_remote_prefill": True, "kvferry_address": "tcp://x", "kvferry_request_id": "p",
+              "remote_num_tokens": 70}
+    assert scheduler.matched_tokens("d", 70, params, 32) == (0, False)
+    assert scheduler.matched_tokens("d", 71, params, 0) == (0, False)   # not the prompt prefill computed
+    assert scheduler.matched_tokens("d", 70, None, 0) == (0, False)
+
+
+def test_the_adapter_imports_neither_vllm_nor_torch() -> None:
+    """Only ``kvferry.integrations.vllm`` (the class vLLM loads) imports vLLM; the halves it drives do not."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvferry.integrations.vllm_worker, kvferry.integrations.vllm_layout; "
+            "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_request_asks_for_remote_kv_once() -> None:
+    """A decode request preempted after its KV arrived recomputes locally: prefill's copy is gone."""
+    scheduler = SchedulerSide(groups())
+    params = {"do_remote_prefill": True, "kvferry_address": "tcp://x", "kvferry_request_id": "p",
+              "remote_num_tokens": 70}
+    assert scheduler.matched_tokens("d", 70, params, 0) == (70, True)
+    scheduler.after_alloc("d", params, ([1, 2, 3],), 70)
+    assert len(scheduler.take_plan().recvs) == 1
+    scheduler.on_worker_output((), ("d",))
+    assert scheduler.matched_tokens("d", 70, params, 0) == (0, False)
+    scheduler.after_alloc("d", params, ([4, 5, 6],), 70)
+    assert scheduler.take_plan().recvs == ()
+    assert scheduler.finished("d", params, ([4, 5, 6],), 86, completed=True) == (False, None)

