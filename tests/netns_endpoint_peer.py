@@ -35,8 +35,9 @@ from netns_peer import check_rank, full_arrays, rank_memory
 from tp_endpoint_peer import Req, send, small_model, workload
 
 SEED = 11
-# Generous for a 2-core host running both sides' UCX progress; a stall still fails well inside the test.
-OPTIONS = {"heartbeat_interval": 0.2, "peer_timeout": 2.0, "lease_grace": 1.0, "request_timeout": 30.0}
+# Generous for a 2-core host running both sides' UCX progress (a prefill whose loop sent nothing for
+# peer_timeout ends its sessions itself, see docs/fencing.md); a stall still fails well inside the test.
+OPTIONS = {"heartbeat_interval": 0.2, "peer_timeout": 5.0, "lease_grace": 1.0, "request_timeout": 30.0}
 
 
 def run_prefill(cfg: dict[str, Any]) -> None:
