@@ -1,0 +1,180 @@
+"""Per-request CPU of kvferry's own work before NIXL sees a row (issue 13), by component.
+
+Components, each the median (or ``--stat min``) of ``--repeat`` calls, warm and "cold" (after a 3 MiB copy
+that evicts the caches, as a transfer does between two requests):
+
+* ``plan_transfer``: validated, compact plan;
+* ``region_check``: the transport's check of the plan's rows against both sides' regions;
+* ``rows``: the N x 3 rows a transport posts (written into a reused buffer; before issue 13: the plan's
+  fresh ``src_descs``/``dst_descs``);
+* ``total``: all three for one request, as ``NixlTransport.write`` runs them.
+
+Cases: the DeepSeek-V3.2 request of ``bench/plan.py`` (512 pages x 183 buffers) and the 1.2 MiB and 16 MiB
+requests of ``kvferry bench``'s bandwidth section (8 layers of deepseek_v32, 16 buffers). Synthetic
+addresses: nothing is copied.
+
+With ``--posting`` it also times what one write costs in place: two NIXL agents in this process, kvferry
+(``plan_transfer`` + ``NixlTransport.write``) against raw NIXL posting the same rows (``get_xfer_descs``,
+``initialize_xfer``, ``transfer``), interleaved, the copy included (cma copies inside ``transfer``).
+
+Runs against whichever kvferry is importable, so the same command measures an older checkout:
+``git archive <commit> src | tar -x -C /tmp/before`` then ``PYTHONPATH=/tmp/before/src python bench/overhead.py``.
+
+    PYTHONPATH=src .venv/bin/python bench/overhead.py [--repeat 300] [--stat median|min] [--posting] [--json out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvferry.benchmark import suite
+from kvferry.layout.memory import KVMemory
+from kvferry.plan.planner import plan_transfer
+from kvferry.transport import base
+
+NEW = hasattr(base, "RowBuffer")  # issue 13's transport; older checkouts materialise rows on the plan
+_EVICT = np.ones(3 << 20, dtype=np.uint8), np.empty(3 << 20, dtype=np.uint8)
+
+
+def timed(fn: Callable[[], object], repeat: int, cold: bool, stat: str) -> float:
+    fn()
+    samples = []
+    for _ in range(repeat):
+        if cold:
+            np.copyto(_EVICT[1], _EVICT[0])
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return (min(samples) if stat == "min" else statistics.median(samples)) * 1e6
+
+
+def cases() -> dict[str, tuple[Any, int, int]]:
+    return {"v32_512_pages": (suite.planner_layout(20_000), 512, 20_000),
+            "bench_1.2MiB": (suite.transfer_layout(100), 3, 100),
+            "bench_16MiB": (suite.transfer_layout(400), 43, 400)}
+
+
+def components(repeat: int, stat: str) -> dict[str, Any]:
+    return {name: _case(layout, pages, capacity, repeat, stat) for name, (layout, pages, capacity) in cases().items()}
+
+
+def _case(layout: Any, pages: int, capacity: int, repeat: int, stat: str) -> dict[str, Any]:
+    src, dst = suite.synthetic_memory(layout, 1 << 40), suite.synthetic_memory(layout, 1 << 44)
+    rng = np.random.default_rng(0)
+    req = {"kv": (suite.random_runs(rng, pages, capacity), suite.random_runs(rng, pages, capacity))}
+    plan = plan_transfer(src, dst, req)
+    sd, dd = plan.src_descs, plan.dst_descs
+    buf = base.RowBuffer() if NEW else None
+
+    def plan_only() -> None:
+        plan_transfer(src, dst, req)
+
+    def check() -> None:
+        if NEW:
+            base.check_plan_in_regions(plan, src, dst, "p", "l")
+        else:
+            base.check_rows_in_regions(sd, src, "source", "p", "l")
+            base.check_rows_in_regions(dd, dst, "destination", "p", "l")
+
+    def plan_and_rows() -> None:
+        p = plan_transfer(src, dst, req)
+        if NEW:
+            buf.rows(p)
+        else:
+            p.src_descs, p.dst_descs  # noqa: B018 - materialise both sides
+
+    def total() -> None:
+        p = plan_transfer(src, dst, req)
+        if NEW:
+            base.check_plan_in_regions(p, src, dst, "p", "l")
+            buf.rows(p)
+        else:
+            base.check_rows_in_regions(p.src_descs, src, "source", "p", "l")
+            base.check_rows_in_regions(p.dst_descs, dst, "destination", "p", "l")
+
+    row: dict[str, Any] = {"rows": plan.num_descriptors}
+    for cold in (False, True):
+        r = {"plan_transfer": timed(plan_only, repeat, cold, stat), "region_check": timed(check, repeat, cold, stat)}
+        r["rows"] = timed(plan_and_rows, repeat, cold, stat) - r["plan_transfer"]
+        r["total"] = timed(total, repeat, cold, stat)
+        row["cold" if cold else "warm"] = {k: round(v, 1) for k, v in r.items()}
+    return row
+
+
+def posting(pages: int, repeat: int, stat: str) -> dict[str, Any]:
+    """kvferry's write against raw NIXL posting the same rows, two agents in this process."""
+    from kvferry.transport.nixl import NixlHandle, NixlTransport
+
+    layout = suite.transfer_layout(pages * 4 + 64)
+    src_mem, dst_mem = KVMemory.allocate(layout), KVMemory.allocate(layout)
+    a, b = NixlTransport(), NixlTransport()
+    try:
+        meta_a, meta_b = a.register(src_mem), b.register(dst_mem)
+        peer = a.add_peer(meta_b)
+        b.add_peer(meta_a)
+        dst = a._peers[peer].memory  # the peer's memory as its manifest describes it
+        rng = np.random.default_rng(0)
+        cap = layout.pools[0].min_pages
+        req = {"kv": (suite.random_runs(rng, pages, cap), suite.random_runs(rng, pages, cap))}
+        plan = plan_transfer(src_mem, dst, req)
+        sd, dd, agent = plan.src_descs, plan.dst_descs, a.agent
+
+        def kvferry(tag: bytes) -> Any:
+            return a.write(plan_transfer(src_mem, dst, req), peer, tag, label="bench")
+
+        def raw(tag: bytes) -> Any:
+            xfer = agent.initialize_xfer("WRITE", agent.get_xfer_descs(sd, "DRAM"), agent.get_xfer_descs(dd, "DRAM"),
+                                         peer, tag)
+            return NixlHandle(a, xfer, peer, "raw", done=agent.transfer(xfer) == "DONE")
+
+        samples: dict[str, list[float]] = {"kvferry": [], "raw": []}
+        for i in range(repeat + 20):
+            for name, post in (("kvferry", kvferry), ("raw", raw)):
+                tag = f"{name}-{i}".encode()
+                t0 = time.perf_counter()
+                handle = post(tag)
+                elapsed = time.perf_counter() - t0
+                while not handle.poll():
+                    b.get_notifications()
+                handle.release()
+                seen: list[bytes] = []
+                while tag not in seen:
+                    seen += [msg for _, msg in b.get_notifications()]
+                if i >= 20:
+                    samples[name].append(elapsed)
+        pick = min if stat == "min" else statistics.median
+        k, r = pick(samples["kvferry"]) * 1e6, pick(samples["raw"]) * 1e6
+        return {"pages": pages, "rows": plan.num_descriptors, "nbytes": plan.nbytes, "kvferry_us": round(k, 1),
+                "raw_rows_us": round(r, 1), "ratio": round(r / k, 3)}
+    finally:
+        a.close()
+        b.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=300)
+    ap.add_argument("--stat", choices=("median", "min"), default="median")
+    ap.add_argument("--posting", action="store_true", help="also time one write in place over NIXL")
+    ap.add_argument("--json", help="also write the figures to this file")
+    args = ap.parse_args(argv)
+    out: dict[str, Any] = {"version": "issue-13" if NEW else "before issue 13", "stat": args.stat,
+                           "components_us": components(args.repeat, args.stat)}
+    if args.posting:
+        out["posting"] = [posting(pages, args.repeat, args.stat) for pages in (3, 43)]
+    print(json.dumps(out, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
