@@ -243,3 +243,38 @@ def test_the_oracle_counts_a_byte_changed_in_a_finished_requests_free_page() -> 
     assert result.error is None, result.error
     assert (result.bytes_wrong_later, result.wrong_pages, result.bytes_wrong_at_completion) == (1, 1, 0)
     assert not result.ok
+
+
+@pytest.mark.xfail(strict=False, reason="control-plane bug found by the chaos soak: PrefillEndpoint._establish adds "
+                   "the new session's transport peer, then _session_dead of the old session of the same agent "
+                   "removes it (transport.remove_peer), so every later write fails 'unknown peer'")
+def test_decode_reconnecting_before_prefill_notices_keeps_its_transport_peer() -> None:
+    """After a cut, decode (short peer_timeout) gives prefill up and reconnects while prefill (long peer_timeout)
+    still holds the old session of the same transport agent: the new session must be able to move bytes."""
+    from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint
+    from kvferry.layout.memory import KVMemory
+
+    from .control_peer import announce, make_layout, run_prefill, wait_all
+    from .control_peer import workload as control_workload
+
+    prefill = PrefillEndpoint(KVMemory.allocate(make_layout("prefill")), "local",
+                              options=EndpointOptions(heartbeat_interval=0.1, peer_timeout=30.0))
+    decode = DecodeEndpoint(KVMemory.allocate(make_layout("decode")), "local",
+                            options=EndpointOptions(heartbeat_interval=0.05, peer_timeout=0.3, lease_grace=0.1))
+    host, port = prefill.address.removeprefix("tcp://").rsplit(":", 1)
+    try:
+        with Relay((host, int(port))) as relay:
+            decode.connect(relay.address)
+            relay.cut()
+            deadline = time.monotonic() + 10
+            while decode.peers and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not decode.peers, "decode never noticed the cut"
+            decode.connect(relay.address, timeout=5.0)
+            reqs = control_workload(2, seed=5)
+            announce(decode, reqs)
+            run_prefill(prefill, reqs)
+            assert wait_all(decode, [r.rid for r in reqs], timeout=10) == {r.rid: "done" for r in reqs}
+    finally:
+        decode.close()
+        prefill.close()
