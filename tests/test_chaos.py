@@ -222,23 +222,59 @@ def test_one_minute_chaos_run_reports_and_cleans_up() -> None:
     assert result.requests_done > 0 and result.pages_verified > 0 and result.pages_rechecked > 0
     assert result.leaked_leases == 0, result.extra
     assert multiprocessing.active_children() == []
-    _assert_no_wrong_bytes(result.bytes_wrong, result.wrong_pages)
+    # Strict: every run so far (60 s runs, the ten-minute soak in bench/RESULTS.md) found 0. The known fencing
+    # defect (a stalled prefill writing into pages decode re-leased) has not shown on one host, where NIXL
+    # copies inside the prefill's write call (a write frozen by SIGSTOP lands right after SIGCONT, before decode
+    # can re-lease anything); if it ever does, this is the line that must say so.
+    assert result.bytes_wrong == 0, (result.wrong_pages, result.fault_log)
 
 
-def _assert_no_wrong_bytes(bytes_wrong: int, wrong_pages: int) -> None:
-    if bytes_wrong:
-        # The oracle is strict; main has a known control-plane defect (a stalled prefill's posted write can
-        # land in pages decode re-leased after peer_timeout + lease_grace). Until the fencing fix merges,
-        # report it as an expected failure instead of weakening the check. The lead flips this to a plain
-        # assert once the fix is in.
-        pytest.xfail(f"{bytes_wrong} bytes wrong in {wrong_pages} pages: known defect, stalled prefill writes "
-                     "into re-leased pages (awaiting the control-plane fencing fix)")
-    assert bytes_wrong == 0
+@needs_nixl
+@pytest.mark.nixl
+@pytest.mark.slow
+def test_the_oracle_counts_a_byte_changed_in_a_finished_requests_free_page() -> None:
+    """0 bytes wrong must mean something: one byte flipped in a page a DONE request left behind (what a
+    late write would do) is found at the page's reuse or in the final sweep, and fails the run."""
+    from kvferry.workload.chaos import run_chaos
+
+    config = chaos_config(duration_s=10.0, mean_gap_s=1e6, scribble_at_s=6.0)
+    assert fault_schedule(config) == ()
+    result = run_chaos(config)
+    assert result.error is None, result.error
+    assert (result.bytes_wrong_later, result.wrong_pages, result.bytes_wrong_at_completion) == (1, 1, 0)
+    assert not result.ok
 
 
-def test_cli_prints_the_fault_schedule_without_running(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvferry.cli.main import main
+@pytest.mark.xfail(strict=False, reason="control-plane bug found by the chaos soak: PrefillEndpoint._establish adds "
+                   "the new session's transport peer, then _session_dead of the old session of the same agent "
+                   "removes it (transport.remove_peer), so every later write fails 'unknown peer'")
+def test_decode_reconnecting_before_prefill_notices_keeps_its_transport_peer() -> None:
+    """After a cut, decode (short peer_timeout) gives prefill up and reconnects while prefill (long peer_timeout)
+    still holds the old session of the same transport agent: the new session must be able to move bytes."""
+    from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint
+    from kvferry.layout.memory import KVMemory
 
-    assert main(["chaos", "--schedule", "--duration", "60", "--seed", "3"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines == [event.describe() for event in fault_schedule(chaos_config())]
+    from .control_peer import announce, make_layout, run_prefill, wait_all
+    from .control_peer import workload as control_workload
+
+    prefill = PrefillEndpoint(KVMemory.allocate(make_layout("prefill")), "local",
+                              options=EndpointOptions(heartbeat_interval=0.1, peer_timeout=30.0))
+    decode = DecodeEndpoint(KVMemory.allocate(make_layout("decode")), "local",
+                            options=EndpointOptions(heartbeat_interval=0.05, peer_timeout=0.3, lease_grace=0.1))
+    host, port = prefill.address.removeprefix("tcp://").rsplit(":", 1)
+    try:
+        with Relay((host, int(port))) as relay:
+            decode.connect(relay.address)
+            relay.cut()
+            deadline = time.monotonic() + 10
+            while decode.peers and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not decode.peers, "decode never noticed the cut"
+            decode.connect(relay.address, timeout=5.0)
+            reqs = control_workload(2, seed=5)
+            announce(decode, reqs)
+            run_prefill(prefill, reqs)
+            assert wait_all(decode, [r.rid for r in reqs], timeout=10) == {r.rid: "done" for r in reqs}
+    finally:
+        decode.close()
+        prefill.close()

@@ -122,6 +122,7 @@ class ChaosSupervisor:
         self.resume_at: tuple[str, float] | None = None   # (side, when) a stopped side gets SIGCONT
         self.final: dict[str, Any] | None = None
         self.draining = False
+        self.scribble_at = config.scribble_at_s
         self.error: str | None = None
         self.started = 0.0
         self.last_progress = 0.0
@@ -148,6 +149,9 @@ class ChaosSupervisor:
                 self.resume_at = None
             if self.faults and self.resume_at is None and self.faults[0].at_s <= now:
                 self._apply(self.faults.popleft(), now)
+            if self.scribble_at is not None and now >= self.scribble_at:
+                self.scribble_at = None
+                self._send(self.sides["decode"].worker.conn, ("scribble",))
         if self.resume_at is not None:  # the duration ended inside a stall
             self.sides[self.resume_at[0]].signal(signal.SIGCONT)
             self.resume_at = None

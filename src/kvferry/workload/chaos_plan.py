@@ -35,6 +35,8 @@ class ChaosConfig:
     ``quiet_s`` before the duration is up. A stall (SIGSTOP) lasts ``peer_timeout + lease_grace`` plus
     ``stall_extra_s`` (drawn uniformly from that range), so the other side always gives the stalled one
     up. ``weights`` are the odds of stop, kill and cut. ``drain_s`` bounds the drain after the duration.
+    ``scribble_at_s`` (tests only) has decode flip one byte of a page a DONE request left, at that moment:
+    the run must then report exactly that byte wrong.
     """
 
     workload: WorkloadConfig
@@ -46,6 +48,7 @@ class ChaosConfig:
     stall_extra_s: tuple[float, float] = (0.3, 1.5)
     weights: tuple[float, float, float] = (0.4, 0.3, 0.3)
     drain_s: float = 30.0
+    scribble_at_s: float | None = None   # tests only, see above
 
     def __post_init__(self) -> None:
         wl = self.workload

@@ -132,6 +132,8 @@ class ChaosDecodeSide(Side):
         while self.parent.poll():
             kind = self.parent.recv()[0]
             self.stopped |= kind == "stop"
+            if kind == "scribble":
+                self._scribble()
             if kind == "drain" and not self.draining:
                 self.draining = True
                 wl = self.config
@@ -248,6 +250,14 @@ class ChaosDecodeSide(Side):
             for owner, (mine, pos) in self.ledger.holders(pool, ids).items():
                 check.merge(self._verify(owner, {pool: mine}, {pool: pos}))
         return check
+
+    def _scribble(self) -> None:
+        """The oracle's self-test: change one byte of one free page a DONE request left, as a late write
+        into a finished request's page would (all its 8 bits, so the byte count is exact)."""
+        for pool, ids in self.ledger.all_owned().items():
+            if len(ids):
+                self.views[self.layout.pool(pool).buffers[0].name][ids[0], 0] ^= 0xFF
+                return
 
     def _nbytes(self, pages: dict[str, np.ndarray]) -> int:
         return sum(len(ids) * sum(b.page_bytes for b in self.layout.pool(p).buffers) for p, ids in pages.items())
