@@ -1,5 +1,5 @@
 # The two commands of the README. Each sets up .venv on first use (scripts/setup.sh), then runs.
-.PHONY: setup demo test test-fast lint bench
+.PHONY: setup demo test test-fast lint bench setup-sglang test-sglang
 
 setup:
 	bash scripts/setup.sh
@@ -19,3 +19,11 @@ lint: setup
 
 bench: setup
 	.venv/bin/kvferry bench
+
+# SGLang's transfer layer on a CPU torch, in its own venv (scripts/setup-sglang.sh, docs/sglang.md).
+setup-sglang:
+	@[ -x .venv-sglang/bin/python ] && .venv-sglang/bin/python -c "import sglang, kvferry" 2>/dev/null \
+		|| bash scripts/setup-sglang.sh
+
+test-sglang: setup-sglang
+	.venv-sglang/bin/python -m pytest -q tests/test_sglang.py
