@@ -157,12 +157,34 @@ def state_list(args: Any, pages: dict[str, list[int]]) -> list[list[int] | None]
     return [pages.get(f"state{c}") for c in range(len(args.state_types))]
 
 
+def host_memory_shim() -> None:
+    """SGLang's NIXL backend registers and addresses state buffers (and some descriptor lists) as VRAM
+    whatever their memory kind; on a machine without a GPU, UCX refuses that (NIXL_ERR_BACKEND). For the
+    comparison only, map VRAM to DRAM in this process's NIXL agent: on GPU boxes those buffers are VRAM
+    and nothing changes; here it lets SGLang's own address arithmetic run on host memory."""
+    from nixl._api import nixl_agent
+
+    def dram(value: Any) -> Any:
+        return "DRAM" if value == "VRAM" else value
+
+    for name in ("register_memory", "deregister_memory", "get_xfer_descs", "get_reg_descs", "prep_xfer_dlist"):
+        original = getattr(nixl_agent, name)
+
+        def wrapped(self: Any, *a: Any, _original: Any = original, **kw: Any) -> Any:
+            return _original(self, *[dram(x) if isinstance(x, str) else x for x in a],
+                             **{k: dram(v) if isinstance(v, str) else v for k, v in kw.items()})
+
+        setattr(nixl_agent, name, wrapped)
+
+
 def make_manager(cfg: dict[str, Any], role: str, args: Any) -> tuple[Any, Any]:
     from sglang.srt.disaggregation import utils as dutils
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import get_context
 
     load_plugins()
+    if cfg["backend"] == "nixl" and cfg.get("host_shim", True):
+        host_memory_shim()
     backend = dutils.TransferBackend(cfg["backend"])
     mode = dutils.DisaggregationMode.PREFILL if role == "prefill" else dutils.DisaggregationMode.DECODE
     server = None
@@ -245,6 +267,8 @@ def run_decode(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, An
                 rec.send_metadata(np.asarray(r["dst"]["kv"], dtype=np.int32), r["aux_dst"],
                                   state_list(args, r["dst"]))
                 announced.add(room)
+                if cfg.get("abort_every") and (room - 1000) % cfg["abort_every"] == 0:
+                    rec.abort()  # the client went away after decode published its pages
             elif state in (KVPoll.Success, KVPoll.Failed):
                 done[room] = _outcome(rec, state)
                 latency[room] = time.perf_counter() - first_announce.get(room, start)
@@ -294,7 +318,7 @@ def main() -> None:
     import torch
 
     setup_context(cfg)
-    pool = build_pool(cfg["pool"])
+    pool = build_pool(cfg.get(f"{role}_pool", cfg["pool"]))
     aux = torch.zeros(AUX_SLOTS, AUX_ITEM, dtype=torch.uint8)
     args = build_kv_args(pool, aux)
     bufs = buffers(args)
