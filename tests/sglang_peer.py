@@ -218,6 +218,10 @@ def run_prefill(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, A
                     last = k + chunk >= len(kv)
                     s.send(kv[k:k + chunk], state_list(args, r["src"]) if last else None)
                 sent.add(room)
+                if cfg.get("die_after") and len(sent) >= cfg["die_after"]:
+                    # A prefill crash with writes in flight: decode must fail what did not finish.
+                    print(json.dumps({"role": "prefill", "died_after": len(sent)}), flush=True)
+                    os._exit(1)
             elif state in (KVPoll.Success, KVPoll.Failed):
                 done[room] = _outcome(s, state)
         time.sleep(0.001)

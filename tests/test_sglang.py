@@ -115,6 +115,19 @@ def test_abort_on_decode_fails_those_requests_on_both_sides() -> None:
     assert_exact(decode)
 
 
+def test_prefill_crash_fails_the_unfinished_requests_on_decode() -> None:
+    """Prefill dies (os._exit) right after posting the writes of its 32nd request: decode finishes what
+    had arrived, fails the rest with kvferry's reason (the peer is lost) through SGLang's
+    KVTransferError, and no page outside the requests' own is touched."""
+    prefill, decode = run_pair("kvferry", "v4", die_after=32)
+    assert prefill == {"role": "prefill", "died_after": 32}
+    failed = [v for v in decode["outcomes"].values() if v != "ok"]
+    assert len(decode["outcomes"]) == N and len(failed) >= N - 32, Counter(decode["outcomes"].values())
+    assert all("KVTransferError" in v for v in failed), failed[:3]
+    assert any("silent for" in v and "peer_timeout" in v for v in failed), failed[:3]
+    assert_exact(decode)
+
+
 def test_plugin_resolves_kvferry_and_keeps_nixl() -> None:
     """SGLang's load_plugins() with SGLANG_PLUGINS=kvferry: TransferBackend("kvferry") resolves wherever
     SGLang converts the flag, get_kv_class returns kvferry's classes, "nixl" still returns SGLang's."""
