@@ -10,7 +10,7 @@ pages under PD. SGLang itself is not imported: ``KVArgs`` is read through its at
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,7 +178,3 @@ def chunk_pages(names: PoolNames, kv_indices: Any, start: int, last: bool, aux_i
         pages.update(_tail_pages(names, aux_index, state_indices))
     return pages, {names.kv: start}
 
-
-def describe(memory: KVMemory) -> Mapping[str, tuple[int, int]]:
-    """Buffer -> (page_bytes, num_pages): what a log line or an error should show."""
-    return {b.name: (b.page_bytes, b.num_pages) for b in memory.layout.buffers}

@@ -37,8 +37,8 @@ def get_kv_class_around(original: Any, transfer_backend: Any, class_type: Any) -
 
     from kvferry.integrations.sglang import conn
 
-    if class_type == KVClassType.KVARGS:
-        return original(_as_original("nixl"), class_type)
+    if class_type == KVClassType.KVARGS:  # every backend shares SGLang's KVArgs container
+        return original(transfer_backend, class_type)
     return {KVClassType.MANAGER: conn.KVFerryKVManager, KVClassType.SENDER: conn.KVFerryKVSender,
             KVClassType.RECEIVER: conn.KVFerryKVReceiver,
             KVClassType.BOOTSTRAP_SERVER: conn.KVFerryKVBootstrapServer}.get(class_type)
