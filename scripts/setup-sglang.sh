@@ -5,7 +5,7 @@
 # nvidia wheels. The transfer layer (disaggregation/*, mem_cache pools, plugins) needs none of them, so:
 # CPU torch first, sglang with --no-deps, then only the packages its imports ask for, every one under a
 # constraints file that holds torch where it is (an unpinned torchvision silently swaps in a CUDA torch).
-# Recipe: /work/shared/SGLANG-NOTES.md. Timed on a 2-core machine: see docs/sglang.md.
+# Time on a 2-core machine, empty venv to done: 1.5 min idle, 4.8 min under load (docs/sglang.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
