@@ -211,7 +211,11 @@ def run_prefill(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, A
             if room in done:
                 continue
             state = s.poll()
-            if state == KVPoll.WaitingForInput and room not in sent:
+            if state == KVPoll.WaitingForInput and room not in sent and \
+                    cfg.get("prefill_abort_every") and (room - 1000) % cfg["prefill_abort_every"] == 1:
+                s.abort()  # e.g. the prefill scheduler aborted the request before its forward pass
+                sent.add(room)
+            elif state == KVPoll.WaitingForInput and room not in sent:
                 kv = np.asarray(r["src"]["kv"], dtype=np.int32)
                 s.init(len(kv), r["aux_src"])
                 for k in range(0, len(kv), chunk):  # chunked prefill: one send per chunk

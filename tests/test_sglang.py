@@ -115,6 +115,17 @@ def test_abort_on_decode_fails_those_requests_on_both_sides() -> None:
     assert_exact(decode)
 
 
+def test_abort_on_prefill_fails_those_requests_on_both_sides() -> None:
+    prefill, decode = run_pair("kvferry", "mla", prefill_abort_every=4)
+    aborted = {str(1000 + i) for i in range(1, N, 4)}
+    for room, outcome in decode["outcomes"].items():
+        assert (outcome == "ok") == (room not in aborted), (room, outcome)
+    for room in aborted:
+        assert "aborted by prefill" in decode["outcomes"][room], decode["outcomes"][room]
+        assert "Aborted" in prefill["outcomes"][room]
+    assert_exact(decode)
+
+
 def test_prefill_crash_fails_the_unfinished_requests_on_decode() -> None:
     """Prefill dies (os._exit) right after posting the writes of its 32nd request: decode finishes what
     had arrived, fails the rest with kvferry's reason (the peer is lost) through SGLang's
