@@ -203,6 +203,7 @@ def run_prefill(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, A
     senders = {r["room"]: cls(mgr, addr, r["room"]) for r in reqs}
     sent: set[int] = set()
     done: dict[int, Any] = {}
+    metrics: dict[str, list[Any]] = {}
     start = time.perf_counter()
     chunk = cfg.get("chunk_pages", 1)
     while len(done) < len(reqs) and time.perf_counter() - start < DEADLINE:
@@ -228,9 +229,11 @@ def run_prefill(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, A
                     os._exit(1)
             elif state in (KVPoll.Success, KVPoll.Failed):
                 done[room] = _outcome(s, state)
+                metric = s.get_transfer_metric()
+                metrics[str(room)] = [metric.transfer_total_bytes, metric.transfer_latency_s]
         time.sleep(0.001)
     return {"role": "prefill", "outcomes": {str(k): v for k, v in done.items()},
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start, "metrics": metrics}
 
 
 def _outcome(obj: Any, state: Any) -> str:

@@ -75,6 +75,9 @@ def test_kvferry_backend_moves_every_byte(pool: str) -> None:
     assert _ok(prefill) == N and _ok(decode) == N, (Counter(prefill["outcomes"].values()),
                                                     Counter(decode["outcomes"].values()))
     assert_exact(decode)
+    # SGLang's transfer metric: its byte count (pages x item lengths) and kvferry's first-send-to-Success time
+    for total_bytes, latency in prefill["metrics"].values():
+        assert total_bytes > 0 and latency is not None and latency > 0
     RESULTS["kvferry", pool] = decode
 
 
