@@ -1,5 +1,5 @@
 # The two commands of the README. Each sets up .venv on first use (scripts/setup.sh), then runs.
-.PHONY: setup demo test test-fast lint bench setup-vllm test-vllm
+.PHONY: setup demo test test-fast lint bench setup-vllm test-vllm setup-sglang test-sglang
 
 setup:
 	bash scripts/setup.sh
@@ -28,3 +28,11 @@ setup-vllm:
 test-vllm: setup-vllm
 	LD_PRELOAD="$$(ls $(CURDIR)/.venv-vllm/lib/libiomp5.so 2>/dev/null)" \
 		.venv-vllm/bin/python -m pytest -q tests/test_vllm.py tests/test_vllm_adapter.py
+
+# SGLang's transfer layer on a CPU torch, in its own venv (scripts/setup-sglang.sh, docs/sglang.md).
+setup-sglang:
+	@[ -x .venv-sglang/bin/python ] && .venv-sglang/bin/python -c "import sglang, kvferry" 2>/dev/null \
+		|| bash scripts/setup-sglang.sh
+
+test-sglang: setup-sglang
+	.venv-sglang/bin/python -m pytest -q tests/test_sglang.py

@@ -1,8 +1,8 @@
 """Engine integrations: adapters that drive kvferry's endpoints from an inference engine's hooks.
 
-Above ``control`` (the endpoints) and everything below it; beside ``workload``; below ``diagnostics`` and
-``cli``. An adapter turns what the engine registers into a ``Layout`` and ``KVMemory``, maps the engine's
-block ids to pages, and reports failures the way the engine expects. Engine packages (``vllm``, ``torch``)
+Above ``control`` (the endpoints) and everything below it; beside ``workload``; below the benchmark suite
+and ``cli``. An adapter turns what the engine registers into a ``Layout`` and ``KVMemory``, maps the engine's
+block ids to pages, and reports failures the way the engine expects. Engine packages (``vllm``, ``sglang``, ``torch``)
 are imported only inside the adapter modules that need them, and nothing here is imported by
 ``import kvferry``.
 
@@ -11,4 +11,6 @@ are imported only inside the adapter modules that need them, and nothing here is
 * ``vllm_scheduler`` / ``vllm_worker``: the scheduler-side and worker-side halves of the connector, plain
   Python over kvferry's endpoints.
 * ``vllm``: ``KVFerryConnector``, the class vLLM loads (``kv_connector_module_path="kvferry.integrations.vllm"``).
+* ``sglang``: a transfer backend for SGLang's disaggregation, loaded as an SGLang plugin
+  (``SGLANG_PLUGINS=kvferry``, ``--disaggregation-transfer-backend kvferry``).
 """

@@ -1,0 +1,284 @@
+"""kvferry as an SGLang disaggregation transfer backend: manager, sender, receiver, bootstrap server.
+
+The classes subclass SGLang's ``Common*`` ones (its schedulers use members beyond the abstract interface)
+and keep SGLang's bootstrap flow: prefill ranks register with the bootstrap server, decode looks them up
+with ``try_ensure_parallel_info`` and ``init``. What travels differs: the rank port a prefill registers is
+its kvferry ``PrefillEndpoint``, the decode manager's ``DecodeEndpoint`` connects to it (the handshake
+compares the full layouts, buffer by buffer), and every request moves as a kvferry request named by its
+bootstrap room, with leases, deadlines and page digests. Failures land in SGLang's ``failure_records`` so
+``failure_exception`` raises ``KVTransferError`` with kvferry's reason, and the request fails instead of
+decoding on bad KV.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferDestination
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
+
+from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
+from kvferry.errors import KVFerryError, UsageError
+from kvferry.integrations.sglang.layout import PoolNames, chunk_pages, kvargs_memory, request_pages
+
+__all__ = ["KVFerryKVBootstrapServer", "KVFerryKVManager", "KVFerryKVReceiver", "KVFerryKVSender"]
+
+logger = logging.getLogger(__name__)
+
+_POLL = {RequestState.BOOTSTRAPPING: KVPoll.Bootstrapping, RequestState.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
+         RequestState.TRANSFERRING: KVPoll.Transferring, RequestState.DONE: KVPoll.Success,
+         RequestState.FAILED: KVPoll.Failed}
+
+
+# What an endpoint raises for a request id it has not heard of (the peer has not announced it yet).
+_UNKNOWN = (KeyError, UsageError)
+
+
+def _room_id(room: int) -> str:
+    return f"room-{room}"
+
+
+def _memory_device(args: KVArgs, server_args: Any) -> tuple[str, int]:
+    """Where SGLang's pools live: NIXL registers CUDA pointers as VRAM, host ones as DRAM."""
+    kinds = getattr(args, "kv_data_mem_kinds", None)
+    on_host = (kinds and all(str(k).upper() == "DRAM" for k in kinds)) or \
+        str(getattr(server_args, "device", "cuda")) == "cpu"
+    return ("cpu", 0) if on_host else ("cuda", int(getattr(args, "gpu_id", 0) or 0))
+
+
+class KVFerryKVManager(CommonKVManager):
+    """One per scheduler rank. Prefill: a ``PrefillEndpoint`` whose port is the rank port registered with
+    the bootstrap server. Decode: one ``DecodeEndpoint`` connected to every prefill rank it pairs with."""
+
+    supports_role_switch = False
+    reports_transfer_latency = True
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
+                 is_mla_backend: bool | None = False) -> None:
+        device, device_id = _memory_device(args, server_args)
+        # Built first: a KVArgs kvferry cannot describe fails the manager, before any bootstrap side effect.
+        self.kvferry_memory, self.pool_names = kvargs_memory(args, device=device, device_id=device_id)
+        self.kvferry_options = EndpointOptions(
+            request_timeout=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
+            handshake_timeout=10.0)
+        self.prefill_endpoint: PrefillEndpoint | None = None
+        self.decode_endpoint: DecodeEndpoint | None = None
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        # SGLang's PULL socket carries its own backends' messages; kvferry's endpoint replaces it.
+        self.server_socket.close(linger=0)
+        if disaggregation_mode == DisaggregationMode.DECODE:
+            self.decode_endpoint = DecodeEndpoint(self.kvferry_memory, "nixl", options=self.kvferry_options)
+
+    def register_to_bootstrap(self) -> None:
+        """Bind the prefill endpoint on this rank's IP and register its port as the rank port."""
+        if self.prefill_endpoint is None:
+            self.prefill_endpoint = PrefillEndpoint(self.kvferry_memory, "nixl", host=self.local_ip,
+                                                    options=self.kvferry_options)
+        self.rank_port = int(self.prefill_endpoint.address.rsplit(":", 1)[1])
+        super().register_to_bootstrap()
+
+    def connect_prefill(self, address: str) -> None:
+        """Decode: handshake with a prefill rank once (layouts compared buffer by buffer)."""
+        assert self.decode_endpoint is not None
+        if address not in self.decode_endpoint.peers:
+            self.decode_endpoint.connect(address)
+
+    def fail(self, room: int, reason: str) -> None:
+        self.record_failure(room, reason)
+        self.update_status(room, KVPoll.Failed)
+
+    def teardown(self) -> None:
+        for endpoint in (self.prefill_endpoint, self.decode_endpoint):
+            if endpoint is not None:
+                endpoint.close()
+
+    @property
+    def endpoint(self) -> PrefillEndpoint | DecodeEndpoint:
+        endpoint = self.prefill_endpoint or self.decode_endpoint
+        assert endpoint is not None
+        return endpoint
+
+
+def _endpoint_poll(mgr: KVFerryKVManager, room: int) -> tuple[KVPoll | None, str | None]:
+    """The kvferry request's state as a ``KVPoll`` (None while the endpoint has not heard of it), and the
+    failure reason when it failed."""
+    try:
+        state = mgr.endpoint.poll(_room_id(room))
+    except _UNKNOWN:
+        return None, None
+    if state is RequestState.FAILED:
+        return KVPoll.Failed, str(mgr.endpoint.failure(_room_id(room)) or "kvferry request failed")
+    return _POLL[state], None
+
+
+def _abort(mgr: KVFerryKVManager, room: int, reason: str) -> None:
+    """Abort the kvferry request; one the endpoint never heard of has nothing in flight to stop."""
+    with contextlib.suppress(*_UNKNOWN):
+        mgr.endpoint.abort(_room_id(room), reason)
+
+
+class KVFerryKVSender(CommonKVSender):
+    """Prefill side of one request: each ``send`` (one per chunk) is a kvferry ``send`` of that chunk."""
+
+    kv_mgr: KVFerryKVManager
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        super().init(num_kv_indices, aux_index)
+
+    def send(self, kv_indices: Any, state_indices: list | None = None, num_kv_tokens: int | None = None,
+             **_: Any) -> None:
+        if self.conclude_state in (KVPoll.Success, KVPoll.Failed):
+            return
+        start = self.curr_idx
+        self.curr_idx += len(kv_indices)
+        last = self.curr_idx == self.num_kv_indices
+        if self._transfer_start_time is None:
+            self._transfer_start_time = time.perf_counter()
+        names: PoolNames = self.kv_mgr.pool_names
+        try:
+            pages, offsets = chunk_pages(names, kv_indices, start, last, self.aux_index, state_indices)
+            if pages or last:
+                self.kv_mgr.endpoint.send(_room_id(self.bootstrap_room), pages, offset=offsets, last=last)
+        except KVFerryError as exc:
+            self._fail(f"kvferry send failed: {exc}")
+            return
+        self._record_transfer_indices(kv_indices, state_indices if last else None)
+
+    def poll(self) -> KVPoll:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        status, reason = _endpoint_poll(self.kv_mgr, self.bootstrap_room)
+        if status is None:   # decode has not announced the request yet: SGLang's bootstrap timeout applies
+            return self._poll_with_status(self.kv_mgr.check_status)
+        if reason is not None:
+            self.kv_mgr.record_failure(self.bootstrap_room, reason)
+        self.kv_mgr.update_status(self.bootstrap_room, status)
+        return self._poll_with_status(self.kv_mgr.check_status)
+
+    def abort(self) -> None:
+        _abort(self.kv_mgr, self.bootstrap_room, "aborted by SGLang (AbortReq)")
+        super().abort()
+
+    def _fail(self, reason: str) -> None:
+        self.kv_mgr.fail(self.bootstrap_room, reason)
+        _abort(self.kv_mgr, self.bootstrap_room, reason)
+        self.conclude_state = KVPoll.Failed
+
+
+class KVFerryKVReceiver(CommonKVReceiver):
+    """Decode side of one request: ``init`` resolves and handshakes with the prefill rank(s),
+    ``send_metadata`` announces (leases) the destination pages to kvferry."""
+
+    kv_mgr: KVFerryKVManager
+
+    def init(self, prefill_dp_rank: int) -> None:
+        if self.conclude_state == KVPoll.Failed:
+            return
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        if info is None:
+            self._fail(f"prefill at bootstrap address {self.bootstrap_addr} is unknown or down "
+                       f"(try_ensure_parallel_info found no parallel info)")
+            return
+        if info.attn_tp_size != self.kv_mgr.attn_tp_size or info.pp_size != 1 or info.attn_cp_size != 1:
+            self._fail(f"kvferry's SGLang backend moves equal TP only for now: prefill attn TP "
+                       f"{info.attn_tp_size} CP {info.attn_cp_size} PP {info.pp_size}, decode attn TP "
+                       f"{self.kv_mgr.attn_tp_size}")
+            return
+        self.prefill_info = info
+        self.target_tp_rank = info.target_tp_rank
+        self.target_tp_ranks = info.target_tp_ranks
+        self.target_cp_ranks = info.target_cp_ranks
+        self.target_pp_ranks = info.target_pp_ranks
+        self.required_dst_info_num = info.required_dst_info_num
+        self.required_prefill_response_num = info.required_prefill_response_num
+        self.prefill_dp_rank = prefill_dp_rank
+        self._setup_bootstrap_infos()   # calls _register_kv_args: the kvferry handshake
+        if self.conclude_state == KVPoll.Failed or self.bootstrap_infos is None:
+            return
+        self.peer_addresses = [self._address(i) for i in self.bootstrap_infos if not i.get("is_dummy")]
+        self.kv_mgr.update_status(self.bootstrap_room, KVPoll.WaitingForInput)
+
+    @staticmethod
+    def _address(info: dict) -> str:
+        return f"tcp://{info['rank_ip']}:{info['rank_port']}"
+
+    def _register_kv_args(self) -> bool:
+        """SGLang's registration step, done as kvferry's handshake: it refuses a prefill whose layout
+        differs in any buffer (name, dtype, page size), with the first difference as the reason."""
+        if self.bootstrap_infos is None:
+            return False
+        try:
+            for info in self.bootstrap_infos:
+                self.kv_mgr.connect_prefill(self._address(info))
+        except KVFerryError as exc:
+            self._fail(f"kvferry handshake with prefill failed: {exc}")
+            return False
+        return True
+
+    def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: list | None = None,
+                      decode_prefix_len: int | None = None,
+                      destination: KVTransferDestination = KVTransferDestination.DEVICE, **_: Any) -> None:
+        if self.conclude_state == KVPoll.Failed:
+            return
+        if destination != KVTransferDestination.DEVICE:
+            raise NotImplementedError("kvferry: host KV destinations are not supported")
+        if decode_prefix_len:
+            # Prefill would skip the prefix, but kvferry's announce carries no prefix length to tell it so.
+            self._fail(f"kvferry does not support decode-side prefix reuse yet (decode_prefix_len="
+                       f"{decode_prefix_len})")
+            return
+        try:
+            pages = request_pages(self.kv_mgr.pool_names, kv_indices, aux_index, state_indices)
+            peer = self.peer_addresses[0] if len(self.peer_addresses) == 1 else self.peer_addresses
+            self.kv_mgr.endpoint.announce(_room_id(self.bootstrap_room), pages, peer=peer)
+        except KVFerryError as exc:
+            self._fail(f"kvferry announce failed: {exc}")
+            return
+        self.init_time = time.time()
+
+    def poll(self) -> KVPoll:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        status, reason = _endpoint_poll(self.kv_mgr, self.bootstrap_room)
+        if status is None:
+            return super().poll()
+        if status is KVPoll.Bootstrapping:
+            status = KVPoll.WaitingForInput   # announced, prefill not yet confirmed: still waiting
+        if reason is not None:
+            self.kv_mgr.record_failure(self.bootstrap_room, reason)
+        if status in (KVPoll.Success, KVPoll.Failed):
+            self.kv_mgr.update_status(self.bootstrap_room, status)
+            self.conclude_state = status
+        return status
+
+    def abort(self) -> None:
+        _abort(self.kv_mgr, self.bootstrap_room, "aborted by SGLang (AbortReq)")
+        super().abort()
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        # kvferry's abort tells every prefill rank writing the request itself; SGLang's own notification
+        # would go to a ZMQ PULL socket kvferry does not run.
+        self.abort_notified = True
+
+    def is_abort_release_safe(self) -> bool:
+        """True once no write of this request can still land in its pages (kvferry's lease ended)."""
+        assert self.kv_mgr.decode_endpoint is not None
+        return not self.kv_mgr.decode_endpoint.holds_lease(_room_id(self.bootstrap_room))
+
+    def _fail(self, reason: str) -> None:
+        self.kv_mgr.fail(self.bootstrap_room, reason)
+        self.conclude_state = KVPoll.Failed
+
+
+class KVFerryKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's bootstrap server as is: it maps (dp, cp, tp, pp) ranks to the kvferry endpoint ports."""

@@ -1,0 +1,180 @@
+"""SGLang's ``KVArgs`` as a kvferry ``Layout`` bound to memory, and SGLang's indices as pages per pool.
+
+SGLang hands its pools to the transfer layer as parallel pointer/length/item-length lists: the main KV
+entries (``kv_data_*``), the metadata buffers (``aux_data_*``) and one list per typed state component
+(``state_data_*``: SWA, the DSA indexer's keys, DeepSeek-V4's request state...). Here each list becomes a
+pool and each entry a buffer whose slot count is its own ``len // item_len``: never another entry's, which
+is the mistake (``kv_data_lens[0] // kv_item_lens[0]`` applied to every entry) that scrambled bf16 index-K
+pages under PD. SGLang itself is not imported: ``KVArgs`` is read through its attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvferry.errors import LayoutError, UsageError
+from kvferry.layout import Buffer, KVMemory, Layout, Pool
+
+__all__ = [
+    "AUX_POOL",
+    "KV_POOL",
+    "SUPPORTED_STATE_TYPES",
+    "PoolNames",
+    "chunk_pages",
+    "kvargs_memory",
+    "request_pages",
+    "state_pool_name",
+]
+
+KV_POOL = "kv"
+AUX_POOL = "aux"
+
+# State components whose indices are plain slot numbers, one per item, addressed in every entry of the
+# component. DSA_TAIL's indices encode a live subrange of one ring row instead, so it is refused rather
+# than moved wrongly.
+SUPPORTED_STATE_TYPES = frozenset({"mamba", "swa", "dsa", "swa_ring", "c128_state", "request_row",
+                                   "block_scale", "block_scale_swa", "qsa_pending", "qsa_compressed",
+                                   "minimax_index_k", "minimax_dense_kv"})
+
+
+def state_pool_name(index: int, state_type: str) -> str:
+    return f"state{index}.{state_type}"
+
+
+@dataclass(frozen=True)
+class PoolNames:
+    """Which kvferry pool carries what: the KV pool, the aux pool (if any), one pool per state component
+    (None where the component has no buffers)."""
+
+    kv: str
+    aux: str | None
+    states: tuple[str | None, ...]
+
+
+def _type_value(state_type: Any) -> str:
+    return str(getattr(state_type, "value", state_type))
+
+
+def _entries(ptrs: Sequence[int], lens: Sequence[int], items: Sequence[int], what: str) -> list[tuple[int, int, int]]:
+    if not len(ptrs) == len(lens) == len(items):
+        raise LayoutError(f"KVArgs {what}: {len(ptrs)} pointers, {len(lens)} lengths, {len(items)} item lengths")
+    out = []
+    for i, (ptr, nbytes, item) in enumerate(zip(ptrs, lens, items)):
+        if int(item) <= 0 or int(nbytes) < int(item):
+            raise LayoutError(f"KVArgs {what}[{i}]: {nbytes} bytes cannot hold one {item}-byte item")
+        # The tail past the last whole item is never addressed by an index: bind whole items only.
+        out.append((int(ptr), int(nbytes) // int(item) * int(item), int(item)))
+    return out
+
+
+def _layer(layer_ids: Sequence[int] | None, i: int, count: int) -> int | None:
+    if layer_ids is None or len(layer_ids) != count:
+        return None
+    return int(layer_ids[i]) if int(layer_ids[i]) >= 0 else None
+
+
+def _pool(name: str, kind: str, dtype: str, entries: list[tuple[int, int, int]],
+          layer_ids: Sequence[int] | None, tokens_per_page: int | None) -> Pool:
+    buffers = [Buffer(f"{name}.{i}", item, nbytes // item, dtype, kind, _layer(layer_ids, i, len(entries)))
+               for i, (_, nbytes, item) in enumerate(entries)]
+    return Pool(name, buffers, tokens_per_page=tokens_per_page)
+
+
+def _kv_dtype(args: Any) -> str:
+    # The handshake compares dtypes: folding SGLang's KV byte layout in makes two sides that read the same
+    # bytes differently (DeepSeek-V4's layouts) incompatible before a byte moves.
+    dtype = str(getattr(args, "kv_cache_dtype_str", None) or "auto")
+    layout = getattr(args, "kv_layout", None)
+    return f"{dtype}/{layout}" if layout else dtype
+
+
+def kvargs_memory(args: Any, *, device: str = "cpu", device_id: int = 0) -> tuple[KVMemory, PoolNames]:
+    """Bind ``args`` (SGLang's ``KVArgs``) as a kvferry ``KVMemory``, and say which pool is which."""
+    kv_entries = _entries(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, "kv_data")
+    if not kv_entries:
+        raise LayoutError("KVArgs has no KV entries")
+    pools = [_pool(KV_POOL, "kv", _kv_dtype(args), kv_entries, getattr(args, "kv_layer_ids", None),
+                   int(getattr(args, "page_size", 1) or 1))]
+    entries = list(kv_entries)
+    aux_entries = _entries(getattr(args, "aux_data_ptrs", None) or [], getattr(args, "aux_data_lens", None) or [],
+                           getattr(args, "aux_item_lens", None) or [], "aux_data")
+    aux = AUX_POOL if aux_entries else None
+    if aux_entries:
+        pools.append(_pool(AUX_POOL, "aux", "uint8", aux_entries, None, None))
+        entries += aux_entries
+    states: list[str | None] = []
+    for i, st in enumerate(getattr(args, "state_types", None) or []):
+        pool, comp = _state_pool(args, i, _type_value(st))
+        states.append(pool.name if pool is not None else None)
+        if pool is not None:
+            pools.append(pool)
+            entries += comp
+    layout = Layout(pools)
+    ptrs, lens, items = zip(*entries)
+    memory = KVMemory.from_pointers(layout, ptrs, lens, items, device=device, device_id=device_id)
+    return memory, PoolNames(KV_POOL, aux, tuple(states))
+
+
+def _state_pool(args: Any, i: int, state_type: str) -> tuple[Pool | None, list[tuple[int, int, int]]]:
+    ptrs = _nth(getattr(args, "state_data_ptrs", None), i)
+    if not ptrs:
+        return None, []
+    if state_type not in SUPPORTED_STATE_TYPES:
+        raise LayoutError(f"KVArgs state component {i} ({state_type}): not supported by kvferry's SGLang "
+                          f"backend (its indices are not plain slot numbers)")
+    comp = _entries(ptrs, _nth(args.state_data_lens, i), _nth(args.state_item_lens, i), f"state_data[{i}]")
+    kind = "index_k" if state_type == "dsa" else "state"
+    name = state_pool_name(i, state_type)
+    return _pool(name, kind, state_type, comp, _nth(getattr(args, "state_layer_ids", None), i), None), comp
+
+
+def _nth(lists: Sequence[Any] | None, i: int) -> Any:
+    return lists[i] if lists is not None and i < len(lists) else []
+
+
+def _as_pages(indices: Any) -> np.ndarray:
+    arr = np.asarray(indices if indices is not None else [], dtype=np.int64).reshape(-1)
+    if arr.size and arr.min() < 0:
+        raise UsageError(f"negative page index {int(arr.min())}: SGLang passes -1 for unallocated slots")
+    return arr
+
+
+def _tail_pages(names: PoolNames, aux_index: int | None, state_indices: Sequence[Any] | None) -> dict[str, np.ndarray]:
+    """The pools carried once per request, with the last chunk: aux and the state components."""
+    pages: dict[str, np.ndarray] = {}
+    if names.aux is not None and aux_index is not None:
+        pages[names.aux] = _as_pages([aux_index])
+    for i, indices in enumerate(state_indices or []):
+        pool = names.states[i] if i < len(names.states) else None
+        if indices is None:
+            continue
+        arr = _as_pages(indices)
+        if arr.size and pool is None:
+            raise UsageError(f"state component {i} has indices but no buffers in KVArgs")
+        if arr.size:
+            pages[pool] = arr  # type: ignore[index]
+    return pages
+
+
+def request_pages(names: PoolNames, kv_indices: Any, aux_index: int | None,
+                  state_indices: Sequence[Any] | None) -> dict[str, np.ndarray]:
+    """Decode's whole request (``send_metadata``'s arguments) as pages per pool."""
+    return {names.kv: _as_pages(kv_indices), **_tail_pages(names, aux_index, state_indices)}
+
+
+def chunk_pages(names: PoolNames, kv_indices: Any, start: int, last: bool, aux_index: int | None,
+                state_indices: Sequence[Any] | None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """One prefill ``send`` call as (pages, offsets): the chunk's KV pages land at decode's positions
+    ``start..``; aux and state pages travel with the last chunk, as SGLang's own backends send them."""
+    pages: dict[str, np.ndarray] = {}
+    kv = _as_pages(kv_indices)
+    if kv.size:
+        pages[names.kv] = kv
+    if last:
+        pages.update(_tail_pages(names, aux_index, state_indices))
+    return pages, {names.kv: start}
+

@@ -1,0 +1,355 @@
+"""One side (prefill or decode) of a PD transfer through SGLang's own transfer-layer classes, no model.
+
+Run under .venv-sglang by tests/test_sglang.py: ``python tests/sglang_peer.py prefill|decode '<json>'``.
+Builds a real SGLang memory pool on CPU (MLA, the DSA indexer pool with fp8 or bf16 index keys, or
+DeepSeek-V4's), fills it with seeded bytes, builds ``KVArgs`` the way SGLang's schedulers do
+(``get_kv_transfer_buf_infos`` + ``setup_state_kv_args``), picks the backend through
+``get_kv_class(TransferBackend(name), ...)`` (``kvferry`` through SGLang's ``load_plugins()``), and drives
+the sender or receiver of every request in SGLang's call order. Prefill also hosts the bootstrap server.
+Prints one JSON line with the outcome; decode's line includes the byte check of every buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("SGLANG_DISAGGREGATION_NIXL_BACKEND", "UCX")
+os.environ.setdefault("SGLANG_PLUGINS", "kvferry")
+
+AUX_SLOTS, AUX_ITEM = 96, 64
+DEADLINE = 90.0
+
+
+def setup_context(cfg: dict[str, Any]) -> None:
+    from sglang.srt.runtime_context import get_context, get_parallel
+
+    get_context().override_server_args(
+        device="cpu", tp_size=1, pp_size=1, dp_size=1, disaggregation_transfer_backend=cfg["backend"],
+        disaggregation_bootstrap_port=cfg["port"], host="127.0.0.1").install()
+    get_parallel().override_permanently(attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
+                                        pp_group=None, attn_dcp_size=1)
+
+
+def build_pool(kind: str) -> Any:
+    import torch
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+    from sglang.srt.mem_cache.index_key_cache import IndexKeyCache
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
+
+    if kind == "mla":
+        return MLATokenToKVPool(size=8192, page_size=64, dtype=torch.bfloat16, kv_lora_rank=64,
+                                qk_rope_head_dim=16, layer_num=2, device="cpu", enable_memory_saver=False)
+    if kind.startswith("dsa"):
+        class BF16IndexKeyCache(IndexKeyCache):
+            # SGLang 0.5.23 stores index keys as fp8 + scales (132 B/token). The seed's build stored them
+            # in bf16 (256 B/token) within the same byte budget: fewer index pages than KV pages.
+            def _buffer_shape(self, num_pages: int) -> tuple[int, int]:
+                rows, fp8_row = super()._buffer_shape(num_pages)
+                bf16_row = self.pool.page_size * self.pool.index_head_dim * 2
+                return rows * fp8_row // bf16_row, bf16_row
+
+        class BF16IndexDSAPool(DSATokenToKVPool):
+            def _create_index_key_cache(self) -> IndexKeyCache:
+                return BF16IndexKeyCache(self, self.index_buf_size)
+
+        cls = BF16IndexDSAPool if kind == "dsa_bf16" else DSATokenToKVPool
+        return cls(size=8192, page_size=64, kv_lora_rank=64, dtype=torch.bfloat16, qk_rope_head_dim=16,
+                   layer_num=2, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=80)
+    if kind == "v4":
+        return DeepSeekV4TokenToKVPool(
+            max_num_reqs=72, swa_size=8192, c4_size=8192, c128_size=8192, c4_state_pool_size=512,
+            c128_state_pool_size=512, page_size=256, swa_page_size=64, dtype=torch.uint8,
+            c4_state_dtype=torch.float32, c128_state_dtype=torch.float32, qk_nope_head_dim=448,
+            qk_rope_head_dim=64, indexer_head_dim=128, layer_num=4, device="cpu", enable_memory_saver=False,
+            compression_ratios=[0, 4, 128, 4])
+    raise ValueError(kind)
+
+
+def build_kv_args(pool: Any, aux: Any) -> Any:
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos, setup_state_kv_args
+
+    args = KVArgs()
+    args.engine_rank, args.pp_rank, args.system_dp_rank, args.rust_http_port = 0, 0, 0, None
+    args.kv_cache_dtype_str = "bf16"
+    args.kv_layout = getattr(pool, "kv_layout", None)
+    args.kv_layout = None if args.kv_layout is None else str(getattr(args.kv_layout, "value", args.kv_layout))
+    args.prefill_start_layer, args.prefill_end_layer = 0, None
+    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = get_kv_transfer_buf_infos(pool)
+    args.kv_layer_ids = []
+    args.num_draft_entries = 0
+    args.page_size = pool.page_size
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [aux.data_ptr()], [aux.nbytes], [AUX_ITEM]
+    args.ib_device, args.gpu_id = None, 0
+    args.kv_data_mem_kinds = ["DRAM"] * len(args.kv_data_ptrs)
+    setup_state_kv_args(args, pool)
+    return args
+
+
+@dataclass(frozen=True)
+class Buf:
+    """One entry of KVArgs as (pool, pointer, bytes, item bytes): what the byte check walks."""
+
+    group: str
+    ptr: int
+    nbytes: int
+    item: int
+
+    def view(self) -> np.ndarray:
+        import ctypes
+
+        raw = (ctypes.c_uint8 * (self.nbytes // self.item * self.item)).from_address(self.ptr)
+        return np.frombuffer(raw, dtype=np.uint8).reshape(-1, self.item)
+
+
+def buffers(args: Any) -> list[Buf]:
+    out = [Buf("kv", p, n, i) for p, n, i in zip(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)]
+    out += [Buf("aux", p, n, i) for p, n, i in zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)]
+    for c, (ptrs, lens, items) in enumerate(zip(args.state_data_ptrs, args.state_data_lens, args.state_item_lens)):
+        out += [Buf(f"state{c}", p, n, i) for p, n, i in zip(ptrs, lens, items)]
+    return out
+
+
+def fill(bufs: list[Buf], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for b in bufs:
+        v = b.view()
+        v[...] = rng.integers(0, 256, size=v.shape, dtype=np.uint8)
+
+
+def capacities(bufs: list[Buf]) -> dict[str, int]:
+    """Slots addressable in each index space: an index addresses every entry of its group."""
+    caps: dict[str, int] = {}
+    for b in bufs:
+        caps[b.group] = min(caps.get(b.group, 1 << 62), b.nbytes // b.item)
+    return caps
+
+
+def requests(caps: dict[str, int], n: int, seed: int, pages_per_req: int) -> list[dict[str, Any]]:
+    """``n`` requests: random source pages (may repeat across requests), distinct destination pages per
+    index space, and the top page of every space used on both sides by some request."""
+    rng = np.random.default_rng(seed)
+    groups = [g for g in caps if g != "aux"]
+    per = {g: pages_per_req if g == "kv" else 1 for g in groups}
+    dst = {g: rng.permutation(np.arange(caps[g]))[: n * per[g]] for g in groups}
+    for g in groups:  # the highest page of every space is some request's destination...
+        if caps[g] - 1 not in dst[g]:
+            dst[g][rng.integers(len(dst[g]))] = caps[g] - 1
+    reqs = []
+    for i in range(n):
+        src = {g: rng.integers(0, caps[g], per[g]) for g in groups}
+        reqs.append({"room": 1000 + i, "src": {g: v.tolist() for g, v in src.items()},
+                     "dst": {g: dst[g][i * per[g]:(i + 1) * per[g]].tolist() for g in groups},
+                     "aux_src": i % AUX_SLOTS, "aux_dst": AUX_SLOTS - 1 - i % AUX_SLOTS})
+    for g in groups:  # ...and its source
+        reqs[int(rng.integers(n))]["src"][g][0] = caps[g] - 1
+    return reqs
+
+
+def state_list(args: Any, pages: dict[str, list[int]]) -> list[list[int] | None]:
+    return [pages.get(f"state{c}") for c in range(len(args.state_types))]
+
+
+def host_memory_shim() -> None:
+    """SGLang's NIXL backend registers and addresses state buffers (and some descriptor lists) as VRAM
+    whatever their memory kind; on a machine without a GPU, UCX refuses that (NIXL_ERR_BACKEND). For the
+    comparison only, map VRAM to DRAM in this process's NIXL agent: on GPU boxes those buffers are VRAM
+    and nothing changes; here it lets SGLang's own address arithmetic run on host memory."""
+    from nixl._api import nixl_agent
+
+    def dram(value: Any) -> Any:
+        return "DRAM" if value == "VRAM" else value
+
+    for name in ("register_memory", "deregister_memory", "get_xfer_descs", "get_reg_descs", "prep_xfer_dlist"):
+        original = getattr(nixl_agent, name)
+
+        def wrapped(self: Any, *a: Any, _original: Any = original, **kw: Any) -> Any:
+            return _original(self, *[dram(x) if isinstance(x, str) else x for x in a],
+                             **{k: dram(v) if isinstance(v, str) else v for k, v in kw.items()})
+
+        setattr(nixl_agent, name, wrapped)
+
+
+def make_manager(cfg: dict[str, Any], role: str, args: Any) -> tuple[Any, Any]:
+    from sglang.srt.disaggregation import utils as dutils
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import get_context
+
+    load_plugins()
+    if cfg["backend"] == "nixl" and cfg.get("host_shim", True):
+        host_memory_shim()
+    backend = dutils.TransferBackend(cfg["backend"])
+    mode = dutils.DisaggregationMode.PREFILL if role == "prefill" else dutils.DisaggregationMode.DECODE
+    server = None
+    if role == "prefill":
+        server = dutils.get_kv_class(backend, dutils.KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", cfg["port"])
+    mgr = dutils.get_kv_class(backend, dutils.KVClassType.MANAGER)(args, mode, get_context().server_args, True)
+    return mgr, server
+
+
+def run_prefill(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    from sglang.srt.disaggregation import utils as dutils
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    cls = dutils.get_kv_class(dutils.TransferBackend(cfg["backend"]), dutils.KVClassType.SENDER)
+    addr = f"127.0.0.1:{cfg['port']}"
+    senders = {r["room"]: cls(mgr, addr, r["room"]) for r in reqs}
+    sent: set[int] = set()
+    done: dict[int, Any] = {}
+    metrics: dict[str, list[Any]] = {}
+    start = time.perf_counter()
+    chunk = cfg.get("chunk_pages", 1)
+    while len(done) < len(reqs) and time.perf_counter() - start < DEADLINE:
+        for r in reqs:
+            room, s = r["room"], senders[r["room"]]
+            if room in done:
+                continue
+            state = s.poll()
+            if state == KVPoll.WaitingForInput and room not in sent and \
+                    cfg.get("prefill_abort_every") and (room - 1000) % cfg["prefill_abort_every"] == 1:
+                s.abort()  # e.g. the prefill scheduler aborted the request before its forward pass
+                sent.add(room)
+            elif state == KVPoll.WaitingForInput and room not in sent:
+                kv = np.asarray(r["src"]["kv"], dtype=np.int32)
+                s.init(len(kv), r["aux_src"])
+                for k in range(0, len(kv), chunk):  # chunked prefill: one send per chunk
+                    last = k + chunk >= len(kv)
+                    s.send(kv[k:k + chunk], state_list(args, r["src"]) if last else None)
+                sent.add(room)
+                if cfg.get("die_after") and len(sent) >= cfg["die_after"]:
+                    # A prefill crash with writes in flight: decode must fail what did not finish.
+                    print(json.dumps({"role": "prefill", "died_after": len(sent)}), flush=True)
+                    os._exit(1)
+            elif state in (KVPoll.Success, KVPoll.Failed):
+                done[room] = _outcome(s, state)
+                metric = s.get_transfer_metric()
+                metrics[str(room)] = [metric.transfer_total_bytes, metric.transfer_latency_s]
+        time.sleep(0.001)
+    return {"role": "prefill", "outcomes": {str(k): v for k, v in done.items()},
+            "seconds": time.perf_counter() - start, "metrics": metrics}
+
+
+def _outcome(obj: Any, state: Any) -> str:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    if state == KVPoll.Success:
+        return "ok"
+    try:
+        obj.failure_exception()
+    except Exception as exc:  # SGLang raises KVTransferError: its text is what a user sees
+        return f"failed: {exc}"
+    return "failed"
+
+
+def run_decode(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    from sglang.srt.disaggregation import utils as dutils
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    addr = f"127.0.0.1:{cfg['port']}"
+    t0 = time.perf_counter()
+    while not mgr.try_ensure_parallel_info(addr):
+        if time.perf_counter() - t0 > 60:
+            raise SystemExit("prefill never registered")
+        time.sleep(0.1)
+    cls = dutils.get_kv_class(dutils.TransferBackend(cfg["backend"]), dutils.KVClassType.RECEIVER)
+    receivers = {r["room"]: cls(mgr, addr, r["room"]) for r in reqs}
+    for rec in receivers.values():
+        rec.init(0)
+    announced: set[int] = set()
+    done: dict[int, str] = {}
+    start = time.perf_counter()
+    first_announce: dict[int, float] = {}
+    latency: dict[int, float] = {}
+    while len(done) < len(reqs) and time.perf_counter() - start < DEADLINE:
+        for r in reqs:
+            room, rec = r["room"], receivers[r["room"]]
+            if room in done:
+                continue
+            state = rec.poll()
+            if state == KVPoll.WaitingForInput and room not in announced:
+                first_announce[room] = time.perf_counter()
+                rec.send_metadata(np.asarray(r["dst"]["kv"], dtype=np.int32), r["aux_dst"],
+                                  state_list(args, r["dst"]))
+                announced.add(room)
+                if cfg.get("abort_every") and (room - 1000) % cfg["abort_every"] == 0:
+                    rec.abort()  # the client went away after decode published its pages
+            elif state in (KVPoll.Success, KVPoll.Failed):
+                done[room] = _outcome(rec, state)
+                latency[room] = time.perf_counter() - first_announce.get(room, start)
+        time.sleep(0.001)
+    elapsed = time.perf_counter() - start
+    return {"role": "decode", "outcomes": {str(k): v for k, v in done.items()}, "seconds": elapsed,
+            "mean_latency_s": float(np.mean(list(latency.values()))) if latency else None}
+
+
+def check_bytes(bufs: list[Buf], cfg: dict[str, Any], reqs: list[dict[str, Any]],
+                outcomes: dict[str, str]) -> dict[str, Any]:
+    """Every destination page of every buffer against its source page (regenerated from the prefill
+    seed), every other page against decode's own fill. Pages of failed requests are not judged."""
+    src_bufs = [Buf(b.group, 0, b.nbytes, b.item) for b in bufs]
+    rng = np.random.default_rng(cfg["seed"])
+    src = [rng.integers(0, 256, size=(b.nbytes // b.item, b.item), dtype=np.uint8) for b in src_bufs]
+    rng = np.random.default_rng(cfg["seed"] + 1)
+    before = [rng.integers(0, 256, size=(b.nbytes // b.item, b.item), dtype=np.uint8) for b in bufs]
+    report: dict[str, Any] = {"pages_checked": 0, "bytes_checked": 0, "bad_pages": [], "touched_elsewhere": []}
+    for bi, b in enumerate(bufs):
+        got = b.view()
+        expect = before[bi].copy()
+        judged = np.zeros(len(got), dtype=bool)
+        for r in reqs:
+            ok = outcomes.get(str(r["room"])) == "ok"
+            pairs = [(r["aux_src"], r["aux_dst"])] if b.group == "aux" else \
+                list(zip(r["src"].get(b.group, []), r["dst"].get(b.group, [])))
+            for s, d in pairs:
+                if ok:
+                    expect[d] = src[bi][s]
+                judged[d] = judged[d] or not ok
+        mismatched = np.flatnonzero(np.any(got != expect, axis=1) & ~judged)
+        dst_pages = {d for r in reqs for d in (r["dst"].get(b.group, []) if b.group != "aux" else [r["aux_dst"]])}
+        for p in mismatched[:5]:
+            where = report["bad_pages"] if int(p) in dst_pages else report["touched_elsewhere"]
+            where.append({"buffer": bi, "group": b.group, "page": int(p), "item": b.item})
+        report["num_bad_pages"] = report.get("num_bad_pages", 0) + int(sum(int(p) in dst_pages for p in mismatched))
+        report["num_touched_elsewhere"] = report.get("num_touched_elsewhere", 0) + \
+            int(sum(int(p) not in dst_pages for p in mismatched))
+        report["pages_checked"] += len(got)
+        report["bytes_checked"] += got.size
+    return report
+
+
+def main() -> None:
+    role, cfg = sys.argv[1], json.loads(sys.argv[2])
+    import torch
+
+    setup_context(cfg)
+    pool = build_pool(cfg.get(f"{role}_pool", cfg["pool"]))
+    aux = torch.zeros(AUX_SLOTS, AUX_ITEM, dtype=torch.uint8)
+    args = build_kv_args(pool, aux)
+    bufs = buffers(args)
+    fill(bufs, cfg["seed"] if role == "prefill" else cfg["seed"] + 1)
+    reqs = requests(capacities(bufs), cfg["n"], cfg["seed"] + 7, cfg.get("pages_per_req", 2))
+    try:
+        mgr, _server = make_manager(cfg, role, args)
+    except Exception as exc:
+        print(json.dumps({"role": role, "refused": f"{type(exc).__name__}: {exc}"}), flush=True)
+        return
+    out = run_prefill(cfg, mgr, args, reqs) if role == "prefill" else run_decode(cfg, mgr, args, reqs)
+    if role == "decode":
+        out["check"] = check_bytes(bufs, cfg, reqs, out["outcomes"])
+        out["capacities"] = capacities(bufs)
+    out["slots"] = [b.nbytes // b.item for b in bufs]
+    print(json.dumps(out), flush=True)
+    if role == "prefill":
+        time.sleep(cfg.get("linger", 3.0))  # let decode finish its last polls before the endpoint goes
+    os._exit(0)  # SGLang's threads (bootstrap server, NIXL workers) are not daemons everywhere
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""SGLang's KVArgs as a kvferry layout, without SGLang: the adapter reads KVArgs through its attributes,
+so a namespace with the same lists stands in. Runs in CI (no SGLang there)."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvferry import KVMemory, LayoutError, plan_transfer
+from kvferry.errors import PlanError, UsageError
+from kvferry.integrations.sglang.layout import chunk_pages, kvargs_memory, request_pages
+
+
+def _kvargs(arrays: dict[str, list[np.ndarray]], states: list[tuple[str, list[np.ndarray]]]) -> SimpleNamespace:
+    def lists(arrs: list[np.ndarray]) -> tuple[list[int], list[int], list[int]]:
+        return [a.ctypes.data for a in arrs], [a.nbytes for a in arrs], [a.shape[1] for a in arrs]
+
+    kv, aux = lists(arrays["kv"]), lists(arrays["aux"])
+    st = [lists(a) for _, a in states]
+    return SimpleNamespace(
+        kv_data_ptrs=kv[0], kv_data_lens=kv[1], kv_item_lens=kv[2], kv_layer_ids=[0, 1][:len(kv[0])],
+        aux_data_ptrs=aux[0], aux_data_lens=aux[1], aux_item_lens=aux[2], page_size=64,
+        kv_cache_dtype_str="fp8_e4m3", kv_layout="v4", state_types=[t for t, _ in states],
+        state_data_ptrs=[s[0] for s in st], state_data_lens=[s[1] for s in st], state_item_lens=[s[2] for s in st],
+        state_layer_ids=[[] for _ in st])
+
+
+def _seed_case() -> tuple[SimpleNamespace, dict[str, list[np.ndarray]]]:
+    """The seed's shape: a KV entry of 40 pages beside an index-K entry of 24 (bf16 in the same budget)."""
+    arrays = {"kv": [np.zeros((40, 584), np.uint8), np.zeros((24, 256), np.uint8)],
+              "aux": [np.zeros((8, 64), np.uint8)], "dsa": [np.zeros((24, 256), np.uint8)],
+              "swa": [np.zeros((5, 96), np.uint8), np.zeros((3, 32), np.uint8)]}
+    args = _kvargs(arrays, [("dsa", arrays["dsa"]), ("swa", arrays["swa"])])
+    return args, arrays
+
+
+def test_each_entry_keeps_its_own_slot_count() -> None:
+    args, _ = _seed_case()
+    memory, names = kvargs_memory(args)
+    slots = {b.name: b.num_pages for b in memory.layout.buffers}
+    assert slots == {"kv.0": 40, "kv.1": 24, "aux.0": 8, "state0.dsa.0": 24, "state1.swa.0": 5, "state1.swa.1": 3}
+    assert names.states == ("state0.dsa", "state1.swa") and names.aux == "aux"
+    assert memory.layout.buffer("kv.0").dtype == "fp8_e4m3/v4"   # the KV byte layout is part of the shape
+    assert memory.layout.buffer("state0.dsa.0").kind == "index_k"
+
+
+def test_pages_move_where_the_indices_say() -> None:
+    src_args, src = _seed_case()
+    dst_args, dst = _seed_case()
+    rng = np.random.default_rng(0)
+    for group in src.values():
+        for a in group:
+            a[...] = rng.integers(0, 256, a.shape, dtype=np.uint8)
+    src_mem, names = kvargs_memory(src_args)
+    dst_mem, _ = kvargs_memory(dst_args)
+    pages = request_pages(names, [23, 0], 7, [[23], [2]])
+    src_pages = request_pages(names, [5, 23], 1, [[0], [1]])
+    moved = {pool: (src_pages[pool], pages[pool]) for pool in pages}
+    plan = plan_transfer(src_mem, dst_mem, moved)
+    for (src_addr, nbytes, _), (dst_addr, _, _) in zip(plan.src_descs.tolist(), plan.dst_descs.tolist()):
+        ctypes.memmove(dst_addr, src_addr, nbytes)
+    assert np.array_equal(dst["kv"][1][[23, 0]], src["kv"][1][[5, 23]])
+    assert np.array_equal(dst["dsa"][0][23], src["dsa"][0][0])
+    assert np.array_equal(dst["swa"][1][2], src["swa"][1][1]) and np.array_equal(dst["aux"][0][7], src["aux"][0][1])
+    assert not dst["kv"][0][1:23].any()   # pages no index named stay as they were
+
+
+def test_an_index_past_one_entry_is_refused_not_wrapped() -> None:
+    """Page 30 exists in the 40-page KV entry but not in the 24-page index-K entry of the same pool: kvferry
+    refuses it (a buffer-0 slot count would have addressed past the end of the index-K entry)."""
+    args, _ = _seed_case()
+    memory, _names = kvargs_memory(args)
+    other = KVMemory.allocate(memory.layout)
+    with pytest.raises(PlanError, match=r"kv\.1"):
+        plan_transfer(memory, other, {"kv": (np.array([30]), np.array([30]))})
+
+
+def test_chunks_put_kv_at_offsets_and_the_tail_on_the_last() -> None:
+    args, _ = _seed_case()
+    _, names = kvargs_memory(args)
+    pages, offsets = chunk_pages(names, [4, 5], 2, False, 3, [[1], [2]])
+    assert set(pages) == {"kv"} and offsets == {"kv": 2}
+    pages, _ = chunk_pages(names, [], 4, True, 3, [[1], None])
+    assert set(pages) == {"aux", "state0.dsa"}
+    with pytest.raises(UsageError, match="negative"):
+        request_pages(names, [-1], None, None)
+
+
+def test_unsupported_state_and_bad_lists_are_refused() -> None:
+    args, _arrays = _seed_case()
+    args.state_types = ["dsa_tail", "swa"]
+    with pytest.raises(LayoutError, match="dsa_tail"):
+        kvargs_memory(args)
+    args, _ = _seed_case()
+    args.kv_item_lens = args.kv_item_lens[:1]
+    with pytest.raises(LayoutError, match="kv_data"):
+        kvargs_memory(args)
+
+
+def test_import_kvferry_does_not_import_sglang() -> None:
+    code = ("import sys, kvferry, kvferry.integrations.sglang, kvferry.integrations.sglang.layout; "
+            "print(any(m == 'sglang' or m.startswith('sglang.') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
