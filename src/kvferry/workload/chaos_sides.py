@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from kvferry.errors import KVFerryError, LeaseError, PeerLost, RequestFailed
+from kvferry.errors import KVFerryError, LeaseError, PeerLost
 from kvferry.workload.chaos_plan import ChaosConfig, RequestStream
-from kvferry.workload.decode import DecodeLink, failure_kind
+from kvferry.workload.decode import DecodeLink, failure_kind, poll_live, release_ended, request_bytes
 from kvferry.workload.prefill import PrefillSide
 from kvferry.workload.side import IDLE_S, PROGRESS_S, Live, Side
 from kvferry.workload.sim import RequestSpec, fill_pages, page_keys, wrong_bytes
@@ -136,8 +136,9 @@ class ChaosDecodeSide(Side):
                 self._scribble()
             if kind == "drain" and not self.draining:
                 self.draining = True
-                wl = self.config
-                self.drain_deadline = time.monotonic() + wl.request_timeout_s + self.chaos.stall_floor_s + 2.0
+                # A live request ends by its deadline; a failed one's lease by peer_timeout + lease_grace.
+                self.drain_deadline = (time.monotonic() + self.config.request_timeout_s + self.chaos.stall_floor_s
+                                       + 2.0)
 
     def _connect(self) -> None:
         now = time.monotonic()
@@ -179,20 +180,7 @@ class ChaosDecodeSide(Side):
         heapq.heappush(self.ready, (self.stream.index(session, k + 1), session, k + 1))
 
     def _poll(self) -> int:
-        finished = 0
-        now = time.monotonic()
-        for rid, live in list(self.live.items()):
-            try:
-                if not self.link.poll(rid):
-                    if now - live.started < self.config.request_timeout_s:
-                        continue
-                    self.link.abort(rid, "runner deadline")
-                    raise RequestFailed(rid, f"not done after {self.config.request_timeout_s:g} s (runner)")
-                self._finish(live, None)
-            except RequestFailed as exc:
-                self._finish(live, exc.reason)
-            finished += 1
-        return finished
+        return poll_live(self.link, self.live, self.config.request_timeout_s, self._finish)
 
     def _finish(self, live: Live, failure: str | None) -> None:
         spec = live.spec
@@ -201,7 +189,7 @@ class ChaosDecodeSide(Side):
         if failure is None:
             check = self._verify(spec.index, live.pages, None)
             self.ledger.own(spec.index, live.pages)
-            nbytes = self._nbytes(live.pages)
+            nbytes = request_bytes(self.layout, live.pages)
         if failure is not None and self.link.lease_held(spec.request_id):
             self.quarantine.append(live)  # a write may still land there: reuse only once the lease ends
         else:
@@ -218,11 +206,7 @@ class ChaosDecodeSide(Side):
                           check.pages, check.wrong_bytes, check.wrong_pages, nbytes, elapsed))
 
     def _release_quarantine(self) -> int:
-        ended = [q for q in self.quarantine if not self.link.lease_held(q.spec.request_id)]
-        for live in ended:
-            self.quarantine.remove(live)
-            self._free(live.pages)
-        return len(ended)
+        return release_ended(self.link, self.quarantine, self._free)
 
     # -- the oracle ------------------------------------------------------------------------------------
     def _verify(self, index: int, pages: dict[str, np.ndarray], positions: dict[str, np.ndarray] | None
@@ -258,9 +242,6 @@ class ChaosDecodeSide(Side):
             if len(ids):
                 self.views[self.layout.pool(pool).buffers[0].name][ids[0], 0] ^= 0xFF
                 return
-
-    def _nbytes(self, pages: dict[str, np.ndarray]) -> int:
-        return sum(len(ids) * sum(b.page_bytes for b in self.layout.pool(p).buffers) for p, ids in pages.items())
 
     # -- gauges and the end ----------------------------------------------------------------------------
     def _gauge(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 
 from kvferry.errors import RequestFailed
 from kvferry.layout.memory import KVMemory
+from kvferry.layout.spec import Layout
 from kvferry.workload.config import WorkloadConfig
 from kvferry.workload.side import IDLE_S, PROGRESS_S, Live, Side, check_state, endpoint_options, recv_message
 from kvferry.workload.sim import RequestSpec, check_pages
@@ -82,20 +84,7 @@ class DecodeSide(Side):
         return admitted
 
     def _poll(self) -> int:
-        finished = 0
-        now = time.monotonic()
-        for rid, live in list(self.live.items()):
-            try:
-                if not self.link.poll(rid):
-                    if now - live.started < self.config.request_timeout_s:
-                        continue
-                    self.link.abort(rid, "runner deadline")
-                    raise RequestFailed(rid, f"not done after {self.config.request_timeout_s:g} s (runner)")
-                self._finish(live, None)
-            except RequestFailed as exc:
-                self._finish(live, exc.reason)
-            finished += 1
-        return finished
+        return poll_live(self.link, self.live, self.config.request_timeout_s, self._finish)
 
     def _finish(self, live: Live, failure: str | None) -> None:
         elapsed = time.monotonic() - live.started
@@ -111,11 +100,7 @@ class DecodeSide(Side):
             heapq.heappush(self.ready, (following[0].index, live.spec.session))
 
     def _release_quarantine(self) -> int:
-        ended = [q for q in self.quarantine if not self.link.lease_held(q.spec.request_id)]
-        for live in ended:
-            self.quarantine.remove(live)
-            self._free(live.pages)
-        return len(ended)
+        return release_ended(self.link, self.quarantine, self._free)
 
     def _verify(self, live: Live, reported_done: bool) -> None:
         """Every page of every buffer against the pattern prefill wrote; counts per buffer."""
@@ -127,7 +112,7 @@ class DecodeSide(Side):
                 self.stats.silent += bad if reported_done else 0
 
     def _nbytes(self, pages: dict[str, np.ndarray]) -> int:
-        return sum(len(ids) * sum(b.page_bytes for b in self.layout.pool(p).buffers) for p, ids in pages.items())
+        return request_bytes(self.layout, pages)
 
     def _report_progress(self, total: int) -> None:
         now = time.monotonic()
@@ -176,6 +161,41 @@ class DecodeStats:
             "p99_ms": float(np.percentile(lat, 99)) if len(lat) else 0.0,
             "latencies_ms": lat.tolist(),
         }
+
+
+# -- what the stress and chaos decode sides share ---------------------------------------------------------
+def poll_live(link: DecodeLink, live: dict[str, Live], timeout_s: float,
+              finish: Callable[[Live, str | None], None]) -> int:
+    """Poll every live request; ``finish(live, None)`` when DONE, ``finish(live, reason)`` when it failed or
+    ran past ``timeout_s`` (then it is aborted first). Returns how many finished."""
+    finished = 0
+    now = time.monotonic()
+    for rid, one in list(live.items()):
+        try:
+            if not link.poll(rid):
+                if now - one.started < timeout_s:
+                    continue
+                link.abort(rid, "runner deadline")
+                raise RequestFailed(rid, f"not done after {timeout_s:g} s (runner)")
+            finish(one, None)
+        except RequestFailed as exc:
+            finish(one, exc.reason)
+        finished += 1
+    return finished
+
+
+def release_ended(link: DecodeLink, quarantine: list[Live], free: Callable[[dict[str, np.ndarray]], None]) -> int:
+    """Free the pages of quarantined (failed) requests whose lease has ended; returns how many."""
+    ended = [q for q in quarantine if not link.lease_held(q.spec.request_id)]
+    for one in ended:
+        quarantine.remove(one)
+        free(one.pages)
+    return len(ended)
+
+
+def request_bytes(layout: Layout, pages: dict[str, np.ndarray]) -> int:
+    """Bytes a request's pages hold across every buffer of their pools."""
+    return sum(len(ids) * sum(b.page_bytes for b in layout.pool(p).buffers) for p, ids in pages.items())
 
 
 def failure_kind(reason: str) -> str:
