@@ -9,6 +9,7 @@ vLLM instance without disaggregation; a request may fail visibly, never return d
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -186,7 +187,20 @@ def test_online_through_two_servers_and_the_proxy(proxy: str, model: Path, promp
         async with aiohttp.ClientSession() as session:
             return await asyncio.gather(*(complete(session, p) for p in prompts))
 
+    async def streamed(prompt: Any) -> list[int]:
+        body = {"model": str(model), "prompt": prompt["prompt_token_ids"], "max_tokens": MAX_TOKENS,
+                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, "stream": True}
+        got: list[int] = []
+        async with aiohttp.ClientSession() as session, session.post(proxy + "/v1/completions", json=body) as answer:
+            assert answer.status == 200, await answer.text()
+            async for line in answer.content:
+                text = line.decode().strip()
+                if text.startswith("data: {"):
+                    got.extend(json.loads(text[len("data: "):])["choices"][0].get("token_ids") or [])
+        return got
+
     answers = asyncio.run(all_at_once())
     got = [answer["choices"][0]["token_ids"] for answer in answers]
     equal = sum(g == e for g, e in zip(got, expected))
     assert equal == len(prompts), f"{equal}/{len(prompts)} prompts decoded the same tokens as one instance"
+    assert asyncio.run(streamed(prompts[0])) == expected[0]   # a streamed answer passes through the proxy

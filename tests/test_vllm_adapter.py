@@ -206,3 +206,10 @@ def test_a_request_asks_for_remote_kv_once() -> None:
     scheduler.after_alloc("d", params, ([4, 5, 6],), 70)
     assert scheduler.take_plan().recvs == ()
     assert scheduler.finished("d", params, ([4, 5, 6],), 86, completed=True) == (False, None)
+
+
+def test_the_proxy_command_is_registered(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvferry.cli import main
+
+    assert main(["vllm-proxy", "--help"]) == 0
+    assert "--prefill" in capsys.readouterr().out
