@@ -108,6 +108,23 @@ def test_a_page_corrupted_in_flight_fails_the_request_visibly(model: Path, decod
     assert reasons.count("error") == len(prompts), reasons
 
 
+def test_with_recompute_vllm_prefills_a_rejected_request_itself(model: Path, prompts: list[Any],
+                                                                  expected: list[list[int]]) -> None:
+    """kv_load_failure_policy="recompute": the same rejected KV, and decode computes the prompts itself."""
+    decode = make_llm(model, "kv_consumer", on_load_failure="recompute")
+    faulty = make_llm(model, "kv_producer", {"transport": "tests.vllm_faults:first_page_flip", "digest_mode": "full"})
+    try:
+        local = metric(decode, "vllm:prompt_tokens_by_source", "local_compute")
+        outputs = generate_pd(faulty, decode, prompts[:8], MAX_TOKENS)
+        recomputed = metric(decode, "vllm:prompt_tokens_by_source", "local_compute") - local
+    finally:
+        close_llm(faulty)
+        close_llm(decode)
+    assert tokens(outputs) == expected[:8]
+    assert all(out.outputs[0].finish_reason == "length" for out in outputs)
+    assert recomputed > 0, "decode computed no prompt token itself: the corrupted KV was used"
+
+
 def test_without_digests_the_same_corruption_changes_tokens(model: Path, decode: Any, prompts: list[Any],
                                                             expected: list[list[int]]) -> None:
     """The control for the test above: the corruption is one the tokens show, so catching it matters."""

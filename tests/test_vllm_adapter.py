@@ -137,6 +137,7 @@ def test_a_page_corrupted_in_flight_is_reported_failed_not_received(caplog: pyte
         assert decode.failed == {"d-r"} and decode.recving == {"d-r"}
         assert "did not verify" in caplog.text and "digest" in caplog.text
         assert not decode.worker.decode.holds_lease("p-r")   # reported only once no write can land
+        assert not decode.caches[LAYERS[0]][10:13].any() and not decode.caches[LAYERS[1]][10:13].any()
         wait_for(lambda: (prefill.step(), "p-r" in prefill.sending)[-1])   # prefill's blocks go back too
         assert prefill.worker.prefill.num_live_handles == 0
         np.testing.assert_array_equal(prefill.caches[LAYERS[0]][1:4], kv_caches(64)[LAYERS[0]][1:4])
