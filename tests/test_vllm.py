@@ -9,6 +9,7 @@ vLLM instance without disaggregation; a request may fail visibly, never return d
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -107,6 +108,23 @@ def test_a_page_corrupted_in_flight_fails_the_request_visibly(model: Path, decod
     assert reasons.count("error") == len(prompts), reasons
 
 
+def test_with_recompute_vllm_prefills_a_rejected_request_itself(model: Path, prompts: list[Any],
+                                                                  expected: list[list[int]]) -> None:
+    """kv_load_failure_policy="recompute": the same rejected KV, and decode computes the prompts itself."""
+    decode = make_llm(model, "kv_consumer", on_load_failure="recompute")
+    faulty = make_llm(model, "kv_producer", {"transport": "tests.vllm_faults:first_page_flip", "digest_mode": "full"})
+    try:
+        local = metric(decode, "vllm:prompt_tokens_by_source", "local_compute")
+        outputs = generate_pd(faulty, decode, prompts[:8], MAX_TOKENS)
+        recomputed = metric(decode, "vllm:prompt_tokens_by_source", "local_compute") - local
+    finally:
+        close_llm(faulty)
+        close_llm(decode)
+    assert tokens(outputs) == expected[:8]
+    assert all(out.outputs[0].finish_reason == "length" for out in outputs)
+    assert recomputed > 0, "decode computed no prompt token itself: the corrupted KV was used"
+
+
 def test_without_digests_the_same_corruption_changes_tokens(model: Path, decode: Any, prompts: list[Any],
                                                             expected: list[list[int]]) -> None:
     """The control for the test above: the corruption is one the tokens show, so catching it matters."""
@@ -186,7 +204,20 @@ def test_online_through_two_servers_and_the_proxy(proxy: str, model: Path, promp
         async with aiohttp.ClientSession() as session:
             return await asyncio.gather(*(complete(session, p) for p in prompts))
 
+    async def streamed(prompt: Any) -> list[int]:
+        body = {"model": str(model), "prompt": prompt["prompt_token_ids"], "max_tokens": MAX_TOKENS,
+                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, "stream": True}
+        got: list[int] = []
+        async with aiohttp.ClientSession() as session, session.post(proxy + "/v1/completions", json=body) as answer:
+            assert answer.status == 200, await answer.text()
+            async for line in answer.content:
+                text = line.decode().strip()
+                if text.startswith("data: {"):
+                    got.extend(json.loads(text[len("data: "):])["choices"][0].get("token_ids") or [])
+        return got
+
     answers = asyncio.run(all_at_once())
     got = [answer["choices"][0]["token_ids"] for answer in answers]
     equal = sum(g == e for g, e in zip(got, expected))
     assert equal == len(prompts), f"{equal}/{len(prompts)} prompts decoded the same tokens as one instance"
+    assert asyncio.run(streamed(prompts[0])) == expected[0]   # a streamed answer passes through the proxy

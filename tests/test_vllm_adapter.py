@@ -137,6 +137,7 @@ def test_a_page_corrupted_in_flight_is_reported_failed_not_received(caplog: pyte
         assert decode.failed == {"d-r"} and decode.recving == {"d-r"}
         assert "did not verify" in caplog.text and "digest" in caplog.text
         assert not decode.worker.decode.holds_lease("p-r")   # reported only once no write can land
+        assert not decode.caches[LAYERS[0]][10:13].any() and not decode.caches[LAYERS[1]][10:13].any()
         wait_for(lambda: (prefill.step(), "p-r" in prefill.sending)[-1])   # prefill's blocks go back too
         assert prefill.worker.prefill.num_live_handles == 0
         np.testing.assert_array_equal(prefill.caches[LAYERS[0]][1:4], kv_caches(64)[LAYERS[0]][1:4])
@@ -206,3 +207,10 @@ def test_a_request_asks_for_remote_kv_once() -> None:
     scheduler.after_alloc("d", params, ([4, 5, 6],), 70)
     assert scheduler.take_plan().recvs == ()
     assert scheduler.finished("d", params, ([4, 5, 6],), 86, completed=True) == (False, None)
+
+
+def test_the_proxy_command_is_registered(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvferry.cli import main
+
+    assert main(["vllm-proxy", "--help"]) == 0
+    assert "--prefill" in capsys.readouterr().out

@@ -57,13 +57,14 @@ def make_prompts(num_prompts: int, seed: int = 0) -> list[TokensPrompt]:
     return [TokensPrompt(prompt_token_ids=rng.integers(3, 1000, n).tolist()) for n in lengths]
 
 
-def make_llm(model: Path, role: str | None = None, extra: dict[str, Any] | None = None, **overrides: Any) -> LLM:
+def make_llm(model: Path, role: str | None = None, extra: dict[str, Any] | None = None, *,
+             on_load_failure: str = "fail", **overrides: Any) -> LLM:
     args: dict[str, Any] = dict(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
                                 block_size=BLOCK_SIZE, enable_prefix_caching=False, max_model_len=1024,
                                 max_num_seqs=64, disable_log_stats=False, gpu_memory_utilization=0.15)
     if role is not None:
         args["kv_transfer_config"] = {**CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra or {},
-                                      "kv_load_failure_policy": "fail"}
+                                      "kv_load_failure_policy": on_load_failure}
     args.update(overrides)
     return LLM(**args)
 

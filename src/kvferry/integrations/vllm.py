@@ -183,7 +183,7 @@ def _kinds(vllm_config: VllmConfig, kv_caches: dict[str, Any]) -> dict[str, str]
     if any(t.device.type == "cpu" for t in kv_caches.values()):
         isa = "/" + str(torch.backends.cpu.get_cpu_capability())
     context = vllm_config.compilation_config.static_forward_context
-    kinds = {}
+    kinds: dict[str, str] = {}
     for layer in kv_caches:
         backend = getattr(getattr(context.get(layer), "attn_backend", None), "get_name", lambda: "unknown")()
         kinds[layer] = f"kv/{backend}{isa}"

@@ -99,7 +99,7 @@ class WorkerSide:
             self.decode = DecodeEndpoint(memory, config.make_transport("decode"), secret=config.secret,
                                          digest_mode=config.digest_mode, options=options)
         self._sending: set[str] = set()
-        self._recving: dict[str, str] = {}              # vLLM request id -> transfer id (prefill's id)
+        self._recving: dict[str, RecvSpec] = {}         # by vLLM request id
         self._failed_now: dict[str, KVFerryError] = {}  # never announced: nothing leased, report at once
         self._refused: dict[str, tuple[float, KVFerryError]] = {}   # address -> (retry at, why)
         self.num_failed = 0
@@ -132,8 +132,8 @@ class WorkerSide:
             recving.add(request_id)
             failed.add(request_id)
         self._failed_now.clear()
-        for request_id, transfer_id in list(self._recving.items()):
-            outcome = self._received(transfer_id)
+        for request_id, recv in list(self._recving.items()):
+            outcome = self._received(recv)
             if outcome is not None:
                 del self._recving[request_id]
                 recving.add(request_id)
@@ -179,7 +179,7 @@ class WorkerSide:
         except KVFerryError as exc:
             self._failed_now[recv.request_id] = exc
             return
-        self._recving[recv.request_id] = recv.transfer_id
+        self._recving[recv.request_id] = recv
 
     def _connect(self, address: str) -> None:
         assert self.decode is not None
@@ -194,21 +194,34 @@ class WorkerSide:
             self._refused[address] = (time.monotonic() + RETRY_AFTER, exc)
             raise
 
-    def _received(self, transfer_id: str) -> bool | None:
-        """True: arrived and verified. False: failed and no write can land any more. None: not yet."""
+    def _received(self, recv: RecvSpec) -> bool | None:
+        """True: arrived and verified. False: failed and no write can land any more (its blocks are
+        zeroed). None: not yet."""
         assert self.decode is not None
-        state = self.decode.poll(transfer_id)
+        state = self.decode.poll(recv.transfer_id)
         if state is RequestState.DONE:
             return True
-        if state is not RequestState.FAILED or self.decode.holds_lease(transfer_id):
+        if state is not RequestState.FAILED or self.decode.holds_lease(recv.transfer_id):
             return None
-        self._report_failure(transfer_id, self.decode.failure(transfer_id))
+        self._clear(recv)
+        self._report_failure(recv.request_id, self.decode.failure(recv.transfer_id))
         return False
 
+    def _clear(self, recv: RecvSpec) -> None:
+        """Zero a failed receive's blocks. vLLM may recompute the request into them, and its attention
+        reads whole blocks, masking slots past the prompt: a NaN left there by bad bytes survives the mask
+        (NaN x 0 is NaN) and turns the recomputed request's tokens to garbage. Safe now: no write can land."""
+        assert self.decode is not None
+        memory = self.decode.memory
+        for pool, pages in recv.pages.items():
+            for buffer in memory.layout.pool(pool).buffers:
+                target = memory.owner(buffer.name)
+                (memory.array(buffer.name) if target is None else target)[list(pages)] = 0
+
     def _abort(self, request_id: str) -> None:
-        transfer_id = self._recving.get(request_id)
-        if transfer_id is not None and self.decode is not None:
-            self.decode.abort(transfer_id, "vLLM finished the request before its KV arrived")
+        recv = self._recving.get(request_id)
+        if recv is not None and self.decode is not None:
+            self.decode.abort(recv.transfer_id, "vLLM finished the request before its KV arrived")
 
     def _report_failure(self, request_id: str, error: KVFerryError | None) -> None:
         self.num_failed += 1
