@@ -21,7 +21,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.utils.monitor
@@ -158,8 +158,7 @@ class DecodeEndpoint(EndpointBase):
         (quarantined) until each confirms no write can land, or is certainly gone. No-op for a request
         already ended."""
         with self._lock:
-            rec = self._record(request_id)
-            assert isinstance(rec, DecodeRequest)
+            rec = cast(DecodeRequest, self._record(request_id))
             if self._fail(rec, KVFerryError(f"aborted by decode: {reason}")):
                 self._call_soon(lambda: self._abort_parts(rec, reason))
 

@@ -23,7 +23,7 @@ import logging
 import secrets
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zmq
@@ -122,10 +122,10 @@ class PrefillEndpoint(EndpointBase):
                                           self._digest_rng)
         with self._lock:
             self._check_open()
-            rec = self._records.get(request_id)
+            # This endpoint's records are all PrefillRequest: casts for the type checker, not checks.
+            rec = cast("PrefillRequest | None", self._records.get(request_id))
             if rec is None:
-                rec = self._new_request(request_id, RequestState.BOOTSTRAPPING)
-            assert isinstance(rec, PrefillRequest)
+                rec = cast(PrefillRequest, self._new_request(request_id, RequestState.BOOTSTRAPPING))
             if rec.state is RequestState.DONE:
                 raise UsageError(f"request {request_id!r} is already done")
             if rec.state is RequestState.FAILED:
@@ -146,8 +146,7 @@ class PrefillEndpoint(EndpointBase):
         """Non-blocking: fail the request and stop writing it. Decode hears of it (and frees its pages)
         only once every write already posted has settled. No-op for a request already ended."""
         with self._lock:
-            rec = self._record(request_id)
-            assert isinstance(rec, PrefillRequest)
+            rec = cast(PrefillRequest, self._record(request_id))
             self._fail_req(rec, KVFerryError(f"aborted by prefill: {reason}"))
 
     @property

@@ -97,7 +97,8 @@ class KVFerryConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
-        assert isinstance(metadata, KVFerryMetadata) and self._worker is not None
+        if not (isinstance(metadata, KVFerryMetadata) and self._worker is not None):
+            raise UsageError('kvferry connector: a worker-side hook needs KVFerryMetadata and the worker-side instance')
         self._worker.start(metadata.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -110,7 +111,8 @@ class KVFerryConnector(KVConnectorBase_V1):
         return   # sends are asynchronous; their blocks stay held until get_transfer_results reports them
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        assert self._worker is not None
+        if not self._worker is not None:
+            raise UsageError('kvferry connector: a worker-side hook was called on the scheduler-side instance')
         sending, recving, failed = self._worker.results()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
@@ -131,7 +133,8 @@ class KVFerryConnector(KVConnectorBase_V1):
             self._scheduler.address = handshake.address
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
+        if not self._scheduler is not None:
+            raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
         return self._scheduler.matched_tokens(request.request_id, request.num_prompt_tokens,
                                               request.kv_transfer_params, num_computed_tokens)
 
@@ -139,23 +142,28 @@ class KVFerryConnector(KVConnectorBase_V1):
         return tuple(range(len(self._groups)))   # a transfer fills the request's blocks in every group
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        assert self._scheduler is not None
+        if not self._scheduler is not None:
+            raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
         self._scheduler.after_alloc(request.request_id, request.kv_transfer_params, blocks.get_block_ids(),
                                     num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self._scheduler is not None
+        if not self._scheduler is not None:
+            raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
         return KVFerryMetadata(self._scheduler.take_plan())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        assert self._scheduler is not None
+        if not self._scheduler is not None:
+            raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
         self._scheduler.on_worker_output(tuple(connector_output.finished_sending or ()),
                                          tuple(connector_output.finished_recving or ()))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
-        assert self._scheduler is not None
+        if not self._scheduler is not None:
+
+            raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
         completed = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         return self._scheduler.finished(request.request_id, request.kv_transfer_params, (block_ids,),
                                         request.num_computed_tokens, completed)

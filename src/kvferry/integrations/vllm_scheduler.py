@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvferry.errors import UsageError
 from kvferry.integrations.vllm_layout import GroupSpec, request_pages
 
 __all__ = ["RecvSpec", "SchedulerSide", "SendSpec", "StepPlan", "transfer_params"]
@@ -89,7 +90,8 @@ class SchedulerSide:
         is then prefilled here, and prefill releases its blocks at its request deadline."""
         if not _wants_remote_prefill(params) or request_id in self._taken:
             return 0, False   # asked once: a preempted request recomputes here, prefill's copy is gone
-        assert params is not None
+        if not params is not None:
+            raise UsageError('kvferry connector: the request carries no kvferry transfer parameters')
         if num_computed_tokens > 0 or int(params.get(NUM_TOKENS_KEY, -1)) != num_prompt_tokens:
             return 0, False
         return num_prompt_tokens, True
@@ -99,7 +101,8 @@ class SchedulerSide:
         """vLLM's ``update_state_after_alloc``: stage the announce of decode's blocks for the worker."""
         if num_external_tokens <= 0 or not _wants_remote_prefill(params) or request_id in self._taken:
             return
-        assert params is not None
+        if not params is not None:
+            raise UsageError('kvferry connector: the request carries no kvferry transfer parameters')
         pages = request_pages(block_ids, self.groups, num_external_tokens)
         self._recvs.append(RecvSpec(request_id, str(params[TRANSFER_ID_KEY]), str(params[ADDRESS_KEY]), pages))
         self._loading.add(request_id)

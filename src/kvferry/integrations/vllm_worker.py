@@ -148,7 +148,8 @@ class WorkerSide:
 
     # -- prefill ---------------------------------------------------------------------------------------
     def _send(self, send: SendSpec) -> None:
-        assert self.prefill is not None, "a send staged on an instance without a prefill endpoint"
+        if not self.prefill is not None:
+            raise UsageError('a send staged on an instance without a prefill endpoint')
         try:
             self.prefill.send(send.request_id, send.pages)
         except KVFerryError as exc:
@@ -161,7 +162,8 @@ class WorkerSide:
         """Whether vLLM may free the request's blocks: no write of it can still read them. DONE means
         decode verified every write. FAILED may leave a posted write unsettled, and the endpoint counts
         unsettled writes only in total, so a failed request's blocks wait until none is in flight."""
-        assert self.prefill is not None
+        if not self.prefill is not None:
+            raise UsageError('kvferry connector: this instance has no prefill endpoint (see kv_role)')
         state = self.prefill.poll(request_id)
         if state is RequestState.DONE:
             return True
@@ -172,7 +174,8 @@ class WorkerSide:
 
     # -- decode ----------------------------------------------------------------------------------------
     def _announce(self, recv: RecvSpec) -> None:
-        assert self.decode is not None, "a receive staged on an instance without a decode endpoint"
+        if not self.decode is not None:
+            raise UsageError('a receive staged on an instance without a decode endpoint')
         try:
             self._connect(recv.address)
             self.decode.announce(recv.transfer_id, recv.pages, peer=recv.address)
@@ -182,7 +185,8 @@ class WorkerSide:
         self._recving[recv.request_id] = recv
 
     def _connect(self, address: str) -> None:
-        assert self.decode is not None
+        if not self.decode is not None:
+            raise UsageError('kvferry connector: this instance has no decode endpoint (see kv_role)')
         if address in self.decode.peers:
             return
         refused = self._refused.get(address)
@@ -197,7 +201,8 @@ class WorkerSide:
     def _received(self, recv: RecvSpec) -> bool | None:
         """True: arrived and verified. False: failed and no write can land any more (its blocks are
         zeroed). None: not yet."""
-        assert self.decode is not None
+        if not self.decode is not None:
+            raise UsageError('kvferry connector: this instance has no decode endpoint (see kv_role)')
         state = self.decode.poll(recv.transfer_id)
         if state is RequestState.DONE:
             return True
@@ -211,7 +216,8 @@ class WorkerSide:
         """Zero a failed receive's blocks. vLLM may recompute the request into them, and its attention
         reads whole blocks, masking slots past the prompt: a NaN left there by bad bytes survives the mask
         (NaN x 0 is NaN) and turns the recomputed request's tokens to garbage. Safe now: no write can land."""
-        assert self.decode is not None
+        if not self.decode is not None:
+            raise UsageError('kvferry connector: this instance has no decode endpoint (see kv_role)')
         memory = self.decode.memory
         for pool, pages in recv.pages.items():
             for buffer in memory.layout.pool(pool).buffers:
