@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from kvferry.cli.args import emit_json, make_console
 from kvferry.diagnostics.diff import DiffReport, diff_pages, indexer_topk_jaccard, plan_dump
 from kvferry.diagnostics.faults import FaultKind, FaultSpec, FaultSpecError
-from kvferry.errors import IntegrityError
-from kvferry.integrity.digests import DigestMode, PageMismatch, PageMismatchError, digest_plan, verify_digests
+from kvferry.errors import IntegrityError, PageMismatchError
+from kvferry.integrity.digests import DigestMode, PageMismatch, digest_plan, verify_digests
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.presets import PRESETS, get_preset
 from kvferry.layout.spec import Layout
@@ -117,8 +118,6 @@ def run_diff(args: argparse.Namespace) -> int:
     verdict, mismatches = _verify(scenario, args.digests, args.seed)
     jaccard = _jaccard(scenario, args.topk, args.seed)
     if args.json:
-        from kvferry.cli.args import emit_json
-
         emit_json({"preset": args.preset, "faults": [str(f) for f in args.inject], **report.to_dict(),
                    "digests": verdict, "jaccard": jaccard,
                    **({"plan": plan_dump(posted)} if args.plan else {})})
@@ -163,7 +162,6 @@ def _warn_outside(scenario: Scenario, faults: list[FaultSpec]) -> None:
 
 def _print(report: DiffReport, verdict: dict[str, Any], mismatches: list[PageMismatch],
            jaccard: dict[str, float], posted: TransferPlan | None) -> None:
-    from rich.console import Console
 
     from kvferry.diagnostics.render import (
         diff_headline,
@@ -174,9 +172,7 @@ def _print(report: DiffReport, verdict: dict[str, Any], mismatches: list[PageMis
         plan_table,
     )
 
-    console = Console(highlight=False)
-    if not console.is_terminal:
-        console.width = max(console.width, 140)
+    console = make_console()
     if posted is not None:
         console.print(plan_table(plan_dump(posted)))
     if report.diffs:
