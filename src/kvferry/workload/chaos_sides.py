@@ -18,7 +18,6 @@ import heapq
 import os
 import time
 import traceback
-from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -30,7 +29,7 @@ from kvferry.workload.chaos_plan import ChaosConfig, RequestStream
 from kvferry.workload.decode import DecodeLink, failure_kind, poll_live, release_ended, request_bytes
 from kvferry.workload.prefill import PrefillSide
 from kvferry.workload.side import IDLE_S, PROGRESS_S, Live, Side
-from kvferry.workload.sim import RequestSpec, fill_pages, page_keys, wrong_bytes
+from kvferry.workload.sim import RequestSpec, page_keys, wrong_bytes
 
 __all__ = ["ChaosDecodeSide", "ChaosPrefillSide", "Check", "PageLedger", "chaos_side_main"]
 
@@ -273,51 +272,14 @@ class ChaosDecodeSide(Side):
 class ChaosPrefillSide(PrefillSide):
     """Starts what the parent relays from decode until told to stop; a failed send is counted, not fatal."""
 
+    tolerate_failed_sends = True
+
     def __init__(self, config: ChaosConfig, router: Connection, parent: Connection) -> None:
         super().__init__(config.workload, router, parent)
         self.stream = RequestStream(config.workload)
-        self.waiting: deque[RequestSpec] = deque()
 
-    def run(self) -> dict[str, Any]:
-        self.router.send(("hello", self.link.address))
-        while not self.stopped:
-            self._read_router(block=not self.waiting and not self.live)
-            progressed = self._start() + self._poll()
-            self._check_stop()
-            if not progressed and (self.waiting or self.live):
-                time.sleep(IDLE_S)
-        return {"sent": self.sent, "failed": self.failed, "abandoned": len(self.live) + len(self.waiting)}
-
-    def _read_router(self, block: bool) -> None:
-        timeout = PROGRESS_S if block else 0
-        while self.router.poll(timeout):
-            timeout = 0
-            try:
-                kind, *body = self.router.recv()
-            except EOFError:
-                raise PeerLost("the parent closed the router pipe") from None
-            if kind == "start":
-                self.waiting.append(self.stream.spec(body[0]))
-
-    def _start(self) -> int:
-        started = 0
-        while self.waiting:
-            spec = self.waiting[0]
-            pages = self._allocate(spec)
-            if pages is None:
-                break  # pages come back as earlier sends complete
-            self.waiting.popleft()
-            for name, ids, keys in self._buffers(spec, pages):
-                fill_pages(self.views[name], ids, keys)
-            try:
-                self.link.send(spec.request_id, pages)
-            except KVFerryError:  # decode's announce came and failed already (it was lost or restarted)
-                self.failed += 1
-                self._free(pages)
-                continue
-            self.live[spec.request_id] = Live(spec, pages, time.monotonic())
-            started += 1
-        return started
+    def _spec(self, index: int) -> RequestSpec:
+        return self.stream.spec(index)  # requests replay the seed's sessions in rounds, with fresh ids
 
 
 def chaos_side_main(side: str, config: ChaosConfig, router: Connection, parent: Connection, own_process: bool,

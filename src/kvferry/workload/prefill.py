@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvferry.errors import PeerLost, RequestFailed
+from kvferry.errors import KVFerryError, PeerLost, RequestFailed
 from kvferry.layout.memory import KVMemory
 from kvferry.workload.config import WorkloadConfig
 from kvferry.workload.faults import FaultyTransport
@@ -27,6 +27,7 @@ class PrefillSide(Side):
 
     role = "prefill"
     seed_salt = 2
+    tolerate_failed_sends = False  # the chaos soak's prefill counts a refused send (decode restarted) as failed
 
     def __init__(self, config: WorkloadConfig, router: Connection, parent: Connection) -> None:
         super().__init__(config, router, parent)
@@ -59,7 +60,7 @@ class PrefillSide(Side):
             except EOFError:
                 raise PeerLost("the decode side closed the router pipe before its last request") from None
             if kind == "start":
-                self.waiting.append(self.schedule[body[0]])
+                self.waiting.append(self._spec(body[0]))
             elif kind == "stop":
                 self.decode_done = True  # nothing follows "stop"; the pipe may close any moment
 
@@ -73,10 +74,21 @@ class PrefillSide(Side):
             self.waiting.popleft()
             for name, ids, keys in self._buffers(spec, pages):
                 fill_pages(self.views[name], ids, keys)
+            try:
+                self.link.send(spec.request_id, pages)
+            except KVFerryError:  # decode's announce came and failed already (it was lost or restarted)
+                if not self.tolerate_failed_sends:
+                    raise
+                self.failed += 1
+                self._free(pages)
+                continue
             self.live[spec.request_id] = Live(spec, pages, time.monotonic())
-            self.link.send(spec.request_id, pages)
             started += 1
         return started
+
+    def _spec(self, index: int) -> RequestSpec:
+        """Request ``index`` of this run (both sides derive the same schedule from the seed)."""
+        return self.schedule[index]
 
     def _poll(self) -> int:
         finished = 0
