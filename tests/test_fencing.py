@@ -30,6 +30,7 @@ from kvferry.transport import LocalTransport
 from kvferry.transport.local import LocalHandle
 
 from .control_peer import fill, make_layout
+from .test_control_wire import FakePrefill  # a ROUTER speaking just enough protocol to be accepted
 
 SEED_1, SEED_2 = 7, 8          # the two prefills hold different bytes: a late write shows
 PAGES_A = {"main": np.array([10, 11, 12, 13]), "c4": np.array([5])}      # decode's pages X
@@ -208,32 +209,6 @@ def test_stall_before_the_check_writes_nothing(cfg: tuple[float, float, float],
 
 
 # -- defect 2: oversize frames, a stalled or dead loop ---------------------------------------------------------
-class RawPrefill:
-    """A ROUTER speaking just enough of the protocol to be accepted, with no size limit of its own."""
-
-    def __init__(self, ctx: zmq.Context) -> None:
-        self.mem = KVMemory.allocate(make_layout("prefill"))
-        self.transport = LocalTransport()
-        self.meta = self.transport.register(self.mem)
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVTIMEO, 3000)
-        self.sock.bind("tcp://127.0.0.1:0")
-        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.identity = b""
-
-    def recv(self) -> Any:
-        self.identity, data = self.sock.recv_multipart()
-        return wire.decode(data)
-
-    def send_raw(self, data: bytes) -> None:
-        self.sock.send_multipart([self.identity, data])
-
-    def welcome(self) -> None:
-        assert isinstance(self.recv(), wire.Hello)
-        self.send_raw(wire.encode(wire.Welcome("raw", self.mem.manifest(), self.meta, b"", 1.0, "off")))
-
-
 @pytest.fixture
 def ctx() -> Iterator[zmq.Context]:
     c = zmq.Context()
@@ -246,7 +221,7 @@ SMALL = EndpointOptions(heartbeat_interval=0.1, peer_timeout=10.0, lease_grace=0
 
 
 def test_oversize_answer_to_hello_fails_connect_in_time(ctx: zmq.Context) -> None:
-    raw = RawPrefill(ctx)
+    raw = FakePrefill(ctx)
     with DecodeEndpoint(_memory("decode", 999), "local", options=SMALL) as decode, \
             concurrent.futures.ThreadPoolExecutor(1) as pool:
         t0 = time.monotonic()
@@ -263,7 +238,7 @@ def test_oversize_answer_to_hello_fails_connect_in_time(ctx: zmq.Context) -> Non
 
 
 def test_oversize_frame_mid_session_fails_the_link_at_once(ctx: zmq.Context) -> None:
-    raw = RawPrefill(ctx)
+    raw = FakePrefill(ctx)
     with DecodeEndpoint(_memory("decode", 999), "local", options=SMALL, digest_mode="off") as decode, \
             concurrent.futures.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(decode.connect, raw.address, 3.0)
@@ -314,7 +289,7 @@ def test_waits_keep_their_deadlines_while_the_loop_holds_the_lock(monkeypatch: p
 
 def test_a_dead_loop_fails_every_waiter_and_link_at_once(ctx: zmq.Context, monkeypatch: pytest.MonkeyPatch) -> None:
     src, dst = _memory("prefill", SEED_1), _memory("decode", 999)
-    raw = RawPrefill(ctx)                                    # never answers: its handshake stays open
+    raw = FakePrefill(ctx)                                    # never answers: its handshake stays open
     with PrefillEndpoint(src, "local", options=SMALL) as prefill, \
             DecodeEndpoint(dst, "local", options=SMALL) as decode, \
             concurrent.futures.ThreadPoolExecutor(2) as pool:
