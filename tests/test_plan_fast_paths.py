@@ -343,3 +343,62 @@ def _regions(layout: Layout, base_addr: int) -> list[Region]:
         out.append(Region(b.name, addr, b.nbytes))
         addr += b.nbytes + 4096
     return out
+
+
+# -- page indices: what NixlTransport posts into its prepared per-page lists ------------------------------
+@given(data=st.data())
+def test_fill_selectors_gives_page_selectors_as_int32(data: st.DataObject) -> None:
+    src, dst = data.draw(bound_pair())
+    req = data.draw(requests(src, dst))
+    names = [b.name for b in src.layout.buffers]
+    subset = data.draw(st.none() | st.lists(st.sampled_from(names), unique=True, min_size=1))
+    plan = plan_transfer(src, dst, req, buffers=subset)
+    want_src, want_dst = plan.page_selectors()
+    got = np.full((2, plan.num_selectors), -7, dtype=np.int32)
+    plan.fill_selectors(got[0], got[1])
+    np.testing.assert_array_equal(got[0], want_src)
+    np.testing.assert_array_equal(got[1], want_dst)
+    sel = RowBuffer().selectors(plan)
+    np.testing.assert_array_equal(sel[0], want_src)
+    np.testing.assert_array_equal(sel[1], want_dst)
+    # the fast check that allows posting indices accepts every planner-built plan
+    assert base.pages_in_regions(plan, src, dst)
+
+
+def test_fill_selectors_refuses_a_wrong_buffer() -> None:
+    layout = Layout([Pool("p", [Buffer("b", 64, 8)], 64)])
+    plan = plan_transfer(KVMemory.allocate(layout), KVMemory.allocate(layout), {"p": ([0, 3], [1, 2])})
+    good = np.empty(2, dtype=np.int32)
+    for bad in (np.empty(3, np.int32), np.empty(2, np.int64), np.empty((2, 2), np.int32)[:, 0]):
+        with pytest.raises(PlanError, match="fill_selectors needs"):
+            plan.fill_selectors(bad, good)
+
+
+@pytest.mark.parametrize("many", [False, True])
+@pytest.mark.parametrize("side,page", [(0, 8), (1, 10), (0, -1), (1, -(2**63)), (1, 2**40)])
+def test_pages_outside_a_capacity_never_get_indices(small_plan, many: bool, side: int, page: int) -> None:
+    """A plan whose runs are fine but whose pages are not (tampered) may be posted as rows, never as page
+    indices: an index past a buffer's capacity would select a page of the next buffer."""
+    src, dst, plan = small_plan
+    pool_plan = plan.pools[0]
+    pages = [pool_plan.src_pages.copy(), pool_plan.dst_pages.copy()]
+    if many:
+        pages = [np.resize(p, 3 * base.FEW_RUNS) for p in pages]
+    pages[side][-1] = page
+    tampered = TransferPlan(src, dst, (PoolPlan(pool_plan.pool, pool_plan.buffer_ids, pages[0], pages[1],
+                                                pool_plan.runs, pool_plan.src, pool_plan.dst),))
+    assert base.pages_in_regions(plan, src, dst)
+    assert not base.pages_in_regions(tampered, src, dst)
+
+
+def test_short_runs_picks_indices_only_for_planner_plans_with_short_runs() -> None:
+    layout = Layout([Pool("p", [Buffer("a", 64, 100), Buffer("b", 32, 100)], 64)])
+    src, dst = KVMemory.allocate(layout), KVMemory.allocate(layout)
+    scattered = plan_transfer(src, dst, {"p": (list(range(0, 40, 2)), list(range(0, 40, 2)))})
+    long_runs = plan_transfer(src, dst, {"p": (list(range(40)), list(range(40, 80)))})
+    assert base.short_runs(scattered) and not base.short_runs(long_runs)
+
+    class Subclass(TransferPlan):
+        pass
+
+    assert not base.short_runs(Subclass(src, dst, scattered.pools))

@@ -139,7 +139,7 @@ def write_all(transport: NixlTransport, peer: PeerProcess, plans: list[TransferP
 
 
 # -- bytes ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("descriptors", ["dlist", "prepped"])
+@pytest.mark.parametrize("descriptors", ["auto", "dlist", "prepped"])
 def test_heterogeneous_requests_in_flight(pair, descriptors: str) -> None:
     transport, src, peer = pair
     transport.descriptors = descriptors  # type: ignore[assignment]
@@ -152,6 +152,28 @@ def test_heterogeneous_requests_in_flight(pair, descriptors: str) -> None:
     write_all(transport, peer, plans, descriptors)
     assert_memory(peer.call("dump"), expected_memory(dst.layout, src, plans))
     assert [p for p, _ in peer.call("take_notifs")] == [transport.agent_name] * len(plans)
+
+
+def test_auto_posts_page_indices_for_short_runs_and_rows_otherwise(pair) -> None:
+    """descriptors="auto": scattered pages go as indices into the prepared per-page lists, long runs as
+    rows; both land the same bytes."""
+    transport, src, peer = pair
+    transport.descriptors = "auto"
+    peer.call("fill", DST_SEED)
+    dst = remote_view(transport, peer)
+    scattered = plan_transfer(src, dst, {"c4": ([0, 2, 4, 6], [9, 7, 5, 3]), "state": ([1], [2])})
+    long_runs = plan_transfer(src, dst, {"c4": (list(range(2, 22)), list(range(10, 30)))})
+    agent = transport.agent
+    calls: list[str] = []
+    real_prepped, real_init = agent.make_prepped_xfer, agent.initialize_xfer
+    agent.make_prepped_xfer = lambda *a, **k: calls.append("indices") or real_prepped(*a, **k)
+    agent.initialize_xfer = lambda *a, **k: calls.append("rows") or real_init(*a, **k)
+    try:
+        write_all(transport, peer, [scattered, long_runs], "auto")
+    finally:
+        del agent.make_prepped_xfer, agent.initialize_xfer
+    assert calls == ["indices", "rows"]
+    assert_memory(peer.call("dump"), expected_memory(dst.layout, src, [scattered, long_runs]))
 
 
 def test_parity_with_local_transport(pair) -> None:

@@ -45,7 +45,7 @@ from kvferry.layout.memory import KVMemory, Region
 from kvferry.layout.presets import deepseek_v32
 from kvferry.layout.spec import Buffer, Layout, Pool
 from kvferry.plan.planner import TransferPlan, plan_transfer
-from kvferry.transport.base import RowBuffer, check_plan_in_regions
+from kvferry.transport.base import RowBuffer, check_plan_in_regions, pages_in_regions, short_runs
 from kvferry.version import __version__
 
 __all__ = ["MODES", "SuiteConfig", "bandwidth_sweep", "control_plane_run", "machine", "nixl_available",
@@ -232,9 +232,10 @@ def plan_case(pages: int, *, capacity: int = 20_000, mean_run: float = MEAN_RUN,
               layers: int = PLAN_LAYERS) -> dict[str, Any]:
     """Median planning times (us) of one request of ``pages`` pages: kvferry and both baselines.
 
-    kvferry is timed three ways: ``plan_transfer`` alone (the compact plan); plus the N x 3 arrays
-    materialised on the plan (``src_descs``/``dst_descs``); plus what a transport does before posting
-    (the region check and the rows written into its reused buffer, as ``NixlTransport.write`` does).
+    kvferry is timed four ways: ``plan_transfer`` alone (the compact plan); plus the N x 3 arrays
+    materialised on the plan (``src_descs``/``dst_descs``); plus the region check and the rows written
+    into a reused buffer (``NixlTransport(descriptors="dlist")``); plus what ``NixlTransport.write`` does
+    before NIXL by default (``descriptors="auto"``: page indices for short runs, else the rows).
 
     Checks first that the runs+loop baseline and kvferry produce the same rows in the same order, so the
     speeds compared are speeds of the same work. Raises ``AssertionError`` if they differ.
@@ -256,11 +257,25 @@ def plan_case(pages: int, *, capacity: int = 20_000, mean_run: float = MEAN_RUN,
     got_src, got_dst = rows.rows(plan)
     assert np.array_equal(got_src, base_s) and np.array_equal(got_dst, base_d)
 
-    def plan_and_post() -> None:
-        # What NixlTransport.write does before NIXL: the region check, then the rows into its buffer.
+    got_sel = rows.selectors(plan)
+    want_sel = plan.page_selectors()
+    assert np.array_equal(got_sel[0], want_sel[0]) and np.array_equal(got_sel[1], want_sel[1])
+
+    def plan_and_rows() -> None:
+        # What NixlTransport(descriptors="dlist").write does before NIXL: the region check, then the rows.
         p = plan_transfer(src, dst, req)
         check_plan_in_regions(p, src, dst, "bench", "bench")
         rows.rows(p)
+
+    def plan_and_post() -> None:
+        # What NixlTransport.write does before NIXL by default ("auto"): for short runs, runs and pages
+        # checked against the capacities, then int32 page indices into its prepared lists; else rows.
+        p = plan_transfer(src, dst, req)
+        if short_runs(p) and pages_in_regions(p, src, dst):
+            rows.selectors(p)
+        else:
+            check_plan_in_regions(p, src, dst, "bench", "bench")
+            rows.rows(p)
 
     def us(fn: Callable[[], object]) -> float:
         return timed_median(fn, max_repeats, budget_s, min_repeats) * 1e6
@@ -273,7 +288,10 @@ def plan_case(pages: int, *, capacity: int = 20_000, mean_run: float = MEAN_RUN,
         "runs_loop_us": us(lambda: runs_loop_descs(src, dst, s, d)),
         "kvferry_plan_us": us(lambda: plan_transfer(src, dst, req)),
         "kvferry_plan_expand_us": us(plan_and_expand),
+        "kvferry_plan_rows_us": us(plan_and_rows),
         "kvferry_plan_post_us": us(plan_and_post),
+        "kvferry_posts": "page indices" if short_runs(plan) and pages_in_regions(plan, src, dst) else "rows",
+        "kvferry_selectors": plan.num_selectors,
     }
 
 

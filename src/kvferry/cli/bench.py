@@ -206,7 +206,7 @@ def _plot_planning(plt: Any, results: dict[str, Any]) -> Any:
                               ("runs_loop_us", "runs + loop over buffers", "^:"),
                               ("kvferry_plan_us", "kvferry plan_transfer", "o-"),
                               ("kvferry_plan_expand_us", "kvferry plan + N x 3 arrays", "d-"),
-                              ("kvferry_plan_post_us", "kvferry plan + check + rows posted", "v-")):
+                              ("kvferry_plan_post_us", "kvferry plan + what the transport posts", "v-")):
         if all(key in r for r in rows):  # bench.json files from before the posted-rows figure lack it
             ax.plot(pages, [r[key] for r in rows], style, label=label)
     ax.set(xscale="log", yscale="log", xlabel="pages per request", ylabel="median time (us)",

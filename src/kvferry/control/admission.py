@@ -73,8 +73,8 @@ def _check_decode_rank(memory: KVMemory, transport: Transport, session: Session,
         return (f"decode rank {other.tp_rank} of TP {other.tp_size} needs prefill ranks {list(need)} of TP "
                 f"{local.tp_size}; this prefill is rank {local.tp_rank}")
     if local.tp_size != other.tp_size:
-        if getattr(transport, "descriptors", "dlist") != "dlist":
-            return "cross-TP writes move slices of pages: the transport must use descriptors='dlist'"
+        if getattr(transport, "descriptors", "dlist") == "prepped":  # "auto" posts TP plans as rows
+            return "cross-TP writes move slices of pages: the transport must use descriptors='dlist' or 'auto'"
         session.planner = TPPlanner(memory, remote)  # slices derived once per session
     return None
 

@@ -143,6 +143,33 @@ class TransferPlan:
             row = end
 
     @cached_property
+    def num_selectors(self) -> int:
+        """Entries per side of ``page_selectors()``: one per (buffer, page)."""
+        return sum(len(p.src_pages) * len(p.buffer_ids) for p in self.pools)
+
+    def fill_selectors(self, src_out: np.ndarray, dst_out: np.ndarray) -> None:
+        """Write ``page_selectors()`` as int32 (what NIXL's ``make_prepped_xfer`` takes) into caller-owned
+        C-contiguous arrays of ``num_selectors`` entries: a transport's reused buffer. Same values, same order.
+
+        The caller guarantees that every index fits int32 (the transport posts indices only into lists of
+        fewer than 2**31 pages, for plans whose pages it checked against the capacities): the additions run
+        in int32, one broadcast add per pool and side, contiguous along the pages.
+        """
+        n = self.num_selectors
+        for out in (src_out, dst_out):
+            if out.shape != (n,) or out.dtype is not _I32 or not out.flags.c_contiguous:
+                raise PlanError(f"fill_selectors needs C-contiguous ({n},) int32 arrays, got {out.shape} {out.dtype}")
+        pos = 0
+        for pool_plan in self.pools:
+            b, p = len(pool_plan.buffer_ids), len(pool_plan.src_pages)
+            end = pos + b * p
+            for arrays, pages, out in ((pool_plan.src, pool_plan.src_pages, src_out),
+                                       (pool_plan.dst, pool_plan.dst_pages, dst_out)):
+                np.add(arrays.flat_start.astype(_I32)[:, None], pages.astype(_I32)[None, :],
+                       out=out[pos:end].reshape(b, p))
+            pos = end
+
+    @cached_property
     def _row_offsets(self) -> np.ndarray:
         return np.cumsum([0, *(p.num_rows for p in self.pools)])
 
@@ -337,6 +364,7 @@ def _matrix_pattern(max_runs: int) -> np.ndarray:
 
 
 _U64 = np.dtype(np.uint64)
+_I32 = np.dtype(np.int32)
 _MATRIX_PATTERN = _matrix_pattern(_MATMUL_MAX_ROWS)  # a pool on the matmul path has at most this many runs
 
 

@@ -29,7 +29,8 @@ from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
 from kvferry.plan.planner import TransferPlan
 
-__all__ = ["RowBuffer", "TransferHandle", "Transport", "check_plan_in_regions", "check_rows_in_regions"]
+__all__ = ["RowBuffer", "TransferHandle", "Transport", "check_plan_in_regions", "check_rows_in_regions",
+           "pages_in_regions", "short_runs"]
 
 
 class TransferHandle(ABC):
@@ -151,6 +152,32 @@ def check_plan_in_regions(plan: Plan, src: KVMemory, dst: KVMemory, peer: str, l
     check_rows_in_regions(plan.dst_descs, dst, "destination", peer, label)
 
 
+def pages_in_regions(plan: Plan, src: KVMemory, dst: KVMemory) -> bool:
+    """True when ``check_plan_in_regions``'s fast path proves every row *and every page* of ``plan`` inside
+    ``src``'s and ``dst``'s buffers: the condition for posting ``page_selectors()`` as indices into lists
+    prepared from those regions (an index is a buffer's first page plus a page below the pool's smallest
+    capacity, so it selects a page of that very buffer). False means nothing; check the rows instead."""
+    return type(plan) is TransferPlan and _runs_inside(plan, src, dst, True)
+
+
+# A transport that can post page indices (NIXL's prepared lists) does so while a plan's runs average at
+# most this many pages: one index costs NIXL's make_prepped_xfer ~16 ns, one row ~80 ns in NIXL
+# (get_xfer_descs on both sides, initialize_xfer) plus ~3 ns to write it here (bench/overhead.py).
+INDEX_MAX_MEAN_RUN = 4
+
+
+def short_runs(plan: Plan) -> bool:
+    """True for a planner-built plan whose page runs average at most ``INDEX_MAX_MEAN_RUN`` pages."""
+    if type(plan) is not TransferPlan:
+        return False
+    pools = plan.pools
+    if len(pools) == 1:
+        pool_plan = pools[0]
+        return len(pool_plan.src_pages) <= INDEX_MAX_MEAN_RUN * pool_plan.runs.shape[1]
+    return (sum(len(p.src_pages) for p in pools)
+            <= INDEX_MAX_MEAN_RUN * sum(p.runs.shape[1] for p in pools))
+
+
 # Up to this many runs in a pool the fast check runs on Python lists.
 FEW_RUNS = 32
 
@@ -193,7 +220,14 @@ def _runs_inside(plan: TransferPlan, src: KVMemory, dst: KVMemory, selectors: bo
 
 def _pages_inside(src_pages: np.ndarray, src_cap: int, dst_pages: np.ndarray, dst_cap: int) -> bool:
     for pages, cap in ((src_pages, src_cap), (dst_pages, dst_cap)):
-        if pages.dtype != np.int64 or (len(pages) and int(np.maximum.reduce(pages.view(np.uint64))) >= cap):
+        if pages.dtype != np.int64 or pages.ndim != 1:
+            return False
+        if len(pages) <= FEW_RUNS:
+            # Python ints for a few pages (fewer calls); negative pages fail ``min``.
+            listed = pages.tolist()
+            if listed and (min(listed) < 0 or max(listed) >= cap):
+                return False
+        elif int(np.maximum.reduce(pages.view(np.uint64))) >= cap:  # as uint64, negatives are > 2**63
             return False
     return True
 
@@ -248,6 +282,21 @@ class RowBuffer:
 
     def __init__(self) -> None:
         self._buf = np.empty((2, 0, 3), dtype=np.uint64)
+        self._idx = np.empty(0, dtype=np.int32)
+
+    def selectors(self, plan: TransferPlan) -> tuple[np.ndarray, np.ndarray]:
+        """(source, destination) int32 ``page_selectors()`` of ``plan`` in a reused buffer; only for
+        plans ``pages_in_regions`` accepted, indexing lists of fewer than 2**31 pages (see
+        ``TransferPlan.fill_selectors``). Valid until the next call, like ``rows``."""
+        n = plan.num_selectors
+        if 2 * n > len(self._idx):
+            if n > 3 * self.MAX_ROWS:
+                src, dst = plan.page_selectors()
+                return src.astype(np.int32), dst.astype(np.int32)
+            self._idx = np.empty(max(2 * n, min(2 * len(self._idx), 6 * self.MAX_ROWS)), dtype=np.int32)
+        src, dst = self._idx[:n], self._idx[n:2 * n]
+        plan.fill_selectors(src, dst)
+        return src, dst
 
     def rows(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
         """(source rows, destination rows) of ``plan``, each N x 3 uint64 C-contiguous."""

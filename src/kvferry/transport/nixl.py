@@ -18,11 +18,17 @@ Choices, measured on a 2-core CPU-only host with nixl 1.5.1 (numbers in ``bench/
 * **Environment defaults**, set only when the variable is unset: ``NIXL_LOG_LEVEL=WARN`` (the Python
   wrapper otherwise logs every agent and backend creation at INFO level to *stdout*, where a CLI's
   ``--json`` output goes).
-* **Descriptors**: ``descriptors="dlist"`` (default) posts the plan's coalesced rows as a per-request
-  descriptor list; ``"prepped"`` indexes per-page lists prepared once per side (``prep_xfer_dlist`` +
-  ``make_prepped_xfer`` with ``plan.page_selectors()``). Throughput is the same (the copy dominates and
-  NIXL merges adjacent pages); dlist builds its handle faster for large requests, needs no per-peer state
-  proportional to the peer's whole pool, and cannot go stale. See the benchmark for the figures.
+* **Descriptors**: ``descriptors="dlist"`` posts the plan's coalesced rows as a per-request descriptor
+  list; ``"prepped"`` indexes per-page lists prepared once per side (``prep_xfer_dlist`` +
+  ``make_prepped_xfer`` with ``plan.page_selectors()``); ``"auto"`` (default) picks per plan. The per-page
+  lists are prepared from one *strided* row per buffer (NIXL's N x 5 form, ``(address, page_bytes,
+  device, page_bytes, pages)``): ~45 us and no per-page state, even for a 3.7M-page pool. Throughput is
+  the same either way (NIXL merges adjacent pages into one transfer); what differs is the cost of building
+  the handle. ``make_prepped_xfer`` costs ~16 ns per page index where rows cost kvferry ~3 ns to write
+  plus NIXL ~80 ns (``get_xfer_descs`` twice and ``initialize_xfer``): for the DeepSeek-V3.2 request of
+  ``bench/plan.py`` (512 pages in runs of ~2.5, 183 buffers) 1.5 ms against 3.1 ms. ``"auto"`` posts
+  indices for planner-built whole-page plans whose runs average at most ``base.INDEX_MAX_MEAN_RUN`` pages and
+  rows for everything else (long runs, TP slices, the fault injector's plans).
 
 Behaviour callers must know:
 
@@ -63,7 +69,14 @@ from kvferry.codec import decode_versioned, encode
 from kvferry.errors import PeerLost, TransportError, UsageError
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
-from kvferry.transport.base import RowBuffer, TransferHandle, Transport, check_plan_in_regions
+from kvferry.transport.base import (
+    RowBuffer,
+    TransferHandle,
+    Transport,
+    check_plan_in_regions,
+    pages_in_regions,
+    short_runs,
+)
 
 __all__ = ["ENV_DEFAULTS", "NixlHandle", "NixlTransport"]
 
@@ -75,7 +88,11 @@ ENV_DEFAULTS: dict[str, str] = {"NIXL_LOG_LEVEL": "WARN"}
 # Bump when _Metadata's fields or their meaning change.
 METADATA_VERSION = 1
 
-Descriptors = Literal["dlist", "prepped"]
+Descriptors = Literal["auto", "dlist", "prepped"]
+# What a write posts (``NixlTransport._check_plan``).
+_ROWS, _FAST_INDICES, _PLAN_INDICES = "rows", "fast indices", "plan indices"
+# make_prepped_xfer takes int32 indices: lists of more pages than this are never indexed.
+_MAX_INDEXED_PAGES = (1 << 31) - 1
 _COUNTER = itertools.count()
 _MEM_TYPE = {"cpu": "DRAM", "cuda": "VRAM"}
 
@@ -221,6 +238,7 @@ class _Peer:
     memory: KVMemory                       # from the peer's manifest: addresses only
     prepped: Any = None                    # nixl_prepped_dlist_handle over memory.page_descs(), lazily
     mem_type: str = field(default="DRAM")
+    indexable: bool = False                # its per-page list has int32 indices (< 2**31 pages)
 
 
 class NixlTransport(Transport):
@@ -232,10 +250,10 @@ class NixlTransport(Transport):
 
     name = "nixl"
 
-    def __init__(self, agent_name: str | None = None, *, descriptors: Descriptors = "dlist",
+    def __init__(self, agent_name: str | None = None, *, descriptors: Descriptors = "auto",
                  progress_thread: bool = False, num_threads: int = 0) -> None:
-        if descriptors not in ("dlist", "prepped"):
-            raise UsageError(f"descriptors must be 'dlist' or 'prepped', got {descriptors!r}")
+        if descriptors not in ("auto", "dlist", "prepped"):
+            raise UsageError(f"descriptors must be 'auto', 'dlist' or 'prepped', got {descriptors!r}")
         self._name = agent_name or f"kvferry-{socket.gethostname()}-{os.getpid()}-{next(_COUNTER)}"
         self.descriptors: Descriptors = descriptors
         self._progress_thread = progress_thread
@@ -245,6 +263,7 @@ class NixlTransport(Transport):
         self._mem_type = "DRAM"
         self._reg_descs: list[Any] = []
         self._local_prepped: Any = None
+        self._local_indexable = False
         self._metadata = b""
         self._peers: dict[str, _Peer] = {}
         self._handles: set[NixlHandle] = set()
@@ -284,6 +303,7 @@ class NixlTransport(Transport):
             self._reg_descs.append(self._agent.register_memory(regs, self._mem_type))
             meta = self._agent.get_agent_metadata()
         self._memory = memory
+        self._local_indexable = _indexable(memory)
         self._metadata = encode(
             _Metadata(METADATA_VERSION, self._name, bytes(meta), memory.manifest()))
         return self._metadata
@@ -302,7 +322,8 @@ class NixlTransport(Transport):
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded != meta.agent:
             raise TransportError(f"peer metadata names agent {meta.agent!r} but its NIXL part {loaded!r}")
-        self._peers[meta.agent] = _Peer(meta.agent, remote, mem_type=_memory_type(remote, "peer"))
+        self._peers[meta.agent] = _Peer(meta.agent, remote, mem_type=_memory_type(remote, "peer"),
+                                        indexable=_indexable(remote))
         return meta.agent
 
     def remove_peer(self, peer: str) -> None:
@@ -326,7 +347,7 @@ class NixlTransport(Transport):
         peer's, or any row leaves a registered region. On one host the copy happens inside this call.
         """
         state = self._peer(peer)
-        self._check_plan(plan, state, label)
+        indices = self._check_plan(plan, state, label)
         notif = bytes(notif)
         if plan.num_descriptors == 0:
             self.send_notification(peer, notif)  # nothing to move; the peer still hears "done"
@@ -335,7 +356,7 @@ class NixlTransport(Transport):
         # only when something failed.
         agent = self._agent
         try:
-            xfer = self._make_xfer(plan, state, notif)
+            xfer = self._make_xfer(plan, state, notif, indices)
         except Exception as exc:
             if not _is_backend_error(exc):
                 raise
@@ -354,31 +375,35 @@ class NixlTransport(Transport):
         self._handles.add(handle)
         return handle
 
-    def _make_xfer(self, plan: Plan, state: _Peer, notif: bytes) -> Any:
+    def _make_xfer(self, plan: Plan, state: _Peer, notif: bytes, indices: str) -> Any:
         agent = self._agent
-        if self.descriptors == "dlist":
+        if indices is _ROWS:
             # NIXL copies the rows into its own lists, so the reused buffer is free again on return.
             src_rows, dst_rows = self._rows.rows(plan)
             src = agent.get_xfer_descs(src_rows, self._mem_type)
             dst = agent.get_xfer_descs(dst_rows, state.mem_type)
             return agent.initialize_xfer("WRITE", src, dst, state.name, notif)
-        src_idx, dst_idx = plan.page_selectors()
-        return agent.make_prepped_xfer("WRITE", self._local_list(), src_idx.astype(np.int32),
-                                       self._remote_list(state), dst_idx.astype(np.int32), notif)
+        if indices is _FAST_INDICES:
+            # NIXL reads the indices during the call only: the reused buffer is free again on return.
+            src_idx, dst_idx = self._rows.selectors(plan)
+        else:  # "prepped" forced on a plan the fast check did not vouch for: its own selectors
+            src_sel, dst_sel = plan.page_selectors()
+            src_idx, dst_idx = src_sel.astype(np.int32), dst_sel.astype(np.int32)
+        return agent.make_prepped_xfer("WRITE", self._local_list(), src_idx, self._remote_list(state), dst_idx,
+                                       notif)
 
     def _local_list(self) -> Any:
         # One descriptor per page of every local buffer, prepared once: make_prepped_xfer then costs
-        # ~0.02-0.08 us per page instead of a list built per request.
+        # ~0.02 us per page instead of a list built per request.
         if self._local_prepped is None:
             assert self._memory is not None
             with _nixl_errors("preparing the local page list", "-"):
-                self._local_prepped = self._agent.prep_xfer_dlist(
-                    "NIXL_INIT_AGENT", self._memory.page_descs(), self._mem_type)
+                self._local_prepped = _prep_pages(self._agent, "NIXL_INIT_AGENT", self._memory, self._mem_type)
         return self._local_prepped
 
     def _remote_list(self, state: _Peer) -> Any:
         if state.prepped is None:
-            state.prepped = self._agent.prep_xfer_dlist(state.name, state.memory.page_descs(), state.mem_type)
+            state.prepped = _prep_pages(self._agent, state.name, state.memory, state.mem_type)
         return state.prepped
 
     def send_notification(self, peer: str, message: bytes) -> None:
@@ -429,7 +454,9 @@ class NixlTransport(Transport):
             raise TransportError(f"unknown peer {peer!r} (add_peer first; known: {sorted(self._peers)})")
         return state
 
-    def _check_plan(self, plan: Plan, state: _Peer, label: str) -> None:
+    def _check_plan(self, plan: Plan, state: _Peer, label: str) -> str:
+        """Refuse a plan outside the registered regions; say what to post: ``_ROWS``, ``_FAST_INDICES``
+        (int32 page indices written here) or ``_PLAN_INDICES`` (the plan's own ``page_selectors``)."""
         if self._memory is None:
             raise TransportError("register memory before writing")
         if not _same_binding(plan.src_memory, self._memory):
@@ -437,8 +464,15 @@ class NixlTransport(Transport):
         if not _same_binding(plan.dst_memory, state.memory):
             raise TransportError(f"write {label!r}: the plan's destination is not peer {state.name!r}'s "
                                  f"memory as its metadata describes it (stale manifest?)")
-        check_plan_in_regions(plan, self._memory, state.memory, state.name, label,
-                              selectors=self.descriptors == "prepped")
+        mode = self.descriptors
+        if (mode != "dlist" and self._local_indexable and state.indexable
+                and (mode == "prepped" or short_runs(plan)) and pages_in_regions(plan, self._memory, state.memory)):
+            # Every run and page checked against both sides' capacities: each index selects a page of
+            # its own buffer, in lists prepared from the registered regions (NIXL refuses an index past
+            # a list's end), so the indices are bounds-checked by construction.
+            return _FAST_INDICES
+        check_plan_in_regions(plan, self._memory, state.memory, state.name, label, selectors=mode == "prepped")
+        return _PLAN_INDICES if mode == "prepped" else _ROWS
 
     def _track(self, handle: NixlHandle) -> NixlHandle:
         self._handles.add(handle)
@@ -452,6 +486,26 @@ class NixlTransport(Transport):
 def _decode_metadata(data: bytes) -> _Metadata:
     return decode_versioned(data, _Metadata, version=METADATA_VERSION, what="NIXL peer metadata",
                             error=TransportError)
+
+
+def _indexable(memory: KVMemory) -> bool:
+    return sum(b.num_pages for b in memory.layout.buffers) <= _MAX_INDEXED_PAGES
+
+
+def _prep_pages(agent: Any, name: str, memory: KVMemory, mem_type: str) -> Any:
+    """A prepared list of every page of every buffer of ``memory``, in ``page_descs()`` order.
+
+    Built from NIXL's strided form, one row ``(address, page_bytes, device, page_bytes, pages)`` per
+    buffer: NIXL expands it itself (~45 us for 3.7M pages, against a 3.7M-row array built and handed over
+    here). NIXL refuses it when any page lies outside the registered regions it knows for that agent.
+    """
+    strided = np.array([(r.address, b.page_bytes, r.device_id, b.page_bytes, b.num_pages)
+                        for b, r in zip(memory.layout.buffers, memory.regions)], dtype=np.uint64)
+    try:
+        return agent.prep_xfer_dlist(name, strided, mem_type)
+    except (TypeError, ValueError):
+        # A NIXL without the strided form: one row per page, the same list built here.
+        return agent.prep_xfer_dlist(name, memory.page_descs(), mem_type)
 
 
 def _memory_type(memory: KVMemory, side: str) -> str:
