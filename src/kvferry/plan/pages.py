@@ -27,7 +27,7 @@ _INT64_MAX = np.iinfo(np.int64).max
 
 def as_pages(pool: str, side: Side, value: Any, error: type[KVFerryError] = PlanError) -> np.ndarray:
     """``value`` as a fresh 1-D int64 page array, or ``error`` naming the pool and side."""
-    arr = np.asarray(value)
+    arr = value if type(value) is np.ndarray else np.asarray(value)
     if arr.ndim != 1:
         raise error(f"pool {pool!r}: {side} pages must be a 1-D sequence, got shape {arr.shape}")
     if arr.size == 0:
@@ -103,7 +103,7 @@ def validate_pages(layout: Layout, side: Side, pages: Mapping[str, Any], error: 
 def validate_pairs(src: Layout, dst: Layout, pages: PagesArg) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """pool -> (source pages, destination pages), each side checked against its own layout, of equal
     lengths, destinations unique. Raises ``PlanError`` before anything is planned."""
-    if not isinstance(pages, Mapping):
+    if type(pages) is not dict and not isinstance(pages, Mapping):  # the exact type first: ABC checks are slow
         raise PlanError(f"pages must be a mapping pool -> (source pages, destination pages), "
                         f"got {type(pages).__name__}")
     out = {}

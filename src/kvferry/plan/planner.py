@@ -319,19 +319,16 @@ def joint_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
 
 def _joint_runs_few(src: list[int], dst: list[int]) -> np.ndarray:
     """``joint_runs`` on Python lists: for a few pages, fewer calls than numpy needs."""
-    firsts = [src[0], dst[0]]
-    lengths = []
+    src_firsts, dst_firsts, lengths = [src[0]], [dst[0]], []
     start = 0
     for i in range(1, len(src)):
         if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
-            firsts += (src[i], dst[i])
+            src_firsts.append(src[i])
+            dst_firsts.append(dst[i])
             lengths.append(i - start)
             start = i
     lengths.append(len(src) - start)
-    runs = np.empty((3, len(lengths)), dtype=np.int64)
-    runs[:2] = np.array(firsts, dtype=np.int64).reshape(-1, 2).T
-    runs[2] = lengths
-    return readonly(runs)
+    return readonly(np.array((src_firsts, dst_firsts, lengths), dtype=np.int64))  # one numpy call
 
 
 def coalesce_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -157,7 +157,21 @@ def pages_in_regions(plan: Plan, src: KVMemory, dst: KVMemory) -> bool:
     ``src``'s and ``dst``'s buffers: the condition for posting ``page_selectors()`` as indices into lists
     prepared from those regions (an index is a buffer's first page plus a page below the pool's smallest
     capacity, so it selects a page of that very buffer). False means nothing; check the rows instead."""
-    return type(plan) is TransferPlan and _runs_inside(plan, src, dst, True)
+    if type(plan) is not TransferPlan:
+        return False
+    # Indices come from the pages alone (never from the runs), so the pages and the vectors are checked.
+    src_mem, dst_mem = plan.src_memory, plan.dst_memory
+    if not (_same_binding(src_mem, src) and _same_binding(dst_mem, dst)):
+        return False
+    for pool_plan in plan.pools:
+        src_arrays, dst_arrays = pool_plan.src, pool_plan.dst
+        if not (src_mem.built_here(src_arrays) and dst_mem.built_here(dst_arrays)
+                and len(src_arrays.flat_start) == len(dst_arrays.flat_start) == len(pool_plan.buffer_ids)
+                and len(pool_plan.src_pages) == len(pool_plan.dst_pages)
+                and _pages_inside(pool_plan.src_pages, src_arrays.min_pages, pool_plan.dst_pages,
+                                  dst_arrays.min_pages)):
+            return False
+    return True
 
 
 # A transport that can post page indices (NIXL's prepared lists) does so while a plan's runs average at
@@ -268,6 +282,21 @@ def check_rows_in_regions(descs: np.ndarray, memory: KVMemory, side: str, peer: 
             f"len={int(length[bad])}, dev={int(dev[bad])}) is outside every registered {side} region")
 
 
+# Up to this many indices per side, ``RowBuffer.selectors`` builds Python lists (NIXL takes them as they
+# are): after a transfer has evicted the caches, a few numpy calls cost more than the list itself.
+FEW_SELECTORS = 256
+
+
+def _few_selectors(plan: TransferPlan) -> tuple[list[int], list[int]]:
+    src: list[int] = []
+    dst: list[int] = []
+    for pool_plan in plan.pools:
+        src_pages, dst_pages = pool_plan.src_pages.tolist(), pool_plan.dst_pages.tolist()
+        src += [first + page for first in pool_plan.src.flat_start.tolist() for page in src_pages]
+        dst += [first + page for first in pool_plan.dst.flat_start.tolist() for page in dst_pages]
+    return src, dst
+
+
 class RowBuffer:
     """The N x 3 rows a transport posts, for plans the planner built written into one reused buffer.
 
@@ -284,11 +313,13 @@ class RowBuffer:
         self._buf = np.empty((2, 0, 3), dtype=np.uint64)
         self._idx = np.empty(0, dtype=np.int32)
 
-    def selectors(self, plan: TransferPlan) -> tuple[np.ndarray, np.ndarray]:
-        """(source, destination) int32 ``page_selectors()`` of ``plan`` in a reused buffer; only for
-        plans ``pages_in_regions`` accepted, indexing lists of fewer than 2**31 pages (see
-        ``TransferPlan.fill_selectors``). Valid until the next call, like ``rows``."""
+    def selectors(self, plan: TransferPlan) -> tuple[np.ndarray | list[int], np.ndarray | list[int]]:
+        """(source, destination) ``page_selectors()`` of ``plan``: int32 in a reused buffer (valid until the
+        next call, like ``rows``), or Python lists up to ``FEW_SELECTORS``. Only for plans
+        ``pages_in_regions`` accepted, indexing lists of fewer than 2**31 pages (``TransferPlan.fill_selectors``)."""
         n = plan.num_selectors
+        if n <= FEW_SELECTORS:
+            return _few_selectors(plan)
         if 2 * n > len(self._idx):
             if n > 3 * self.MAX_ROWS:
                 src, dst = plan.page_selectors()
