@@ -25,6 +25,7 @@ buffer from the plan's pages with ``seed``, so different buffers cover different
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -170,17 +171,19 @@ def _from_msg(msg: _DigestsMsg) -> PageDigests:
     if len(msg.digests) % 8 or len(msg.buffer_ids) != 4 * n or len(msg.pages) != 8 * n:
         raise IntegrityError(f"malformed page digests: array sizes disagree ({len(msg.buffer_ids)} B of ids, "
                              f"{len(msg.pages)} B of pages, {len(msg.digests)} B of digests)")
-    ids = np.frombuffer(msg.buffer_ids, dtype="<u4").astype(np.uint32)
-    pages = np.frombuffer(msg.pages, dtype="<i8").astype(np.int64)
+    # Read-only views of the message's bytes (no copy on a little-endian host; converted elsewhere).
+    ids = np.frombuffer(msg.buffer_ids, dtype="<u4").astype(np.uint32, copy=False)
+    pages = np.frombuffer(msg.pages, dtype="<i8").astype(np.int64, copy=False)
     if mode is DigestMode.OFF and n:
         raise IntegrityError(f"malformed page digests: mode 'off' with {n} entries")
-    if n and int(ids.max()) >= len(msg.buffer_names):
-        raise IntegrityError(f"malformed page digests: buffer id {int(ids.max())} but only "
+    # ufunc reductions: ndarray.max/min add a Python-level wrapper (this runs per chunk).
+    if n and int(np.maximum.reduce(ids)) >= len(msg.buffer_names):
+        raise IntegrityError(f"malformed page digests: buffer id {int(np.maximum.reduce(ids))} but only "
                              f"{len(msg.buffer_names)} buffer names")
-    if n and int(pages.min()) < 0:
-        raise IntegrityError(f"malformed page digests: negative page {int(pages.min())}")
+    if n and int(np.minimum.reduce(pages)) < 0:
+        raise IntegrityError(f"malformed page digests: negative page {int(np.minimum.reduce(pages))}")
     return PageDigests(mode, tuple(msg.buffer_names), readonly(ids), readonly(pages),
-                       readonly(np.frombuffer(msg.digests, dtype="<u8").astype(np.uint64)), msg.shape)
+                       readonly(np.frombuffer(msg.digests, dtype="<u8").astype(np.uint64, copy=False)), msg.shape)
 
 
 # -- prefill side ------------------------------------------------------------------------------------------
@@ -254,8 +257,11 @@ class SourceDigests:
         if not self.pool_names:
             return PageDigests.empty(self.mode, self.shape)
         lists = [np.asarray(dst_pages[p], dtype=np.int64) for p in self.pool_names]
-        starts = np.cumsum([0] + [len(x) for x in lists[:-1]])
-        pages = np.concatenate(lists)[starts[self.pool_ids] + self.positions]
+        if len(lists) == 1:
+            pages = lists[0][self.positions]
+        else:
+            starts = np.array(list(itertools.accumulate([len(x) for x in lists[:-1]], initial=0)), dtype=np.int64)
+            pages = np.concatenate(lists)[starts[self.pool_ids] + self.positions]
         return PageDigests(self.mode, self.buffer_names, self.buffer_ids, readonly(pages), self.digests, self.shape)
 
 
@@ -274,20 +280,26 @@ def _digest_cells(memory: KVMemory, cells: _Cells, mode: DigestMode | str, seed:
     if mode is DigestMode.OFF or not cells:
         return SourceDigests(mode, (), *_empty_entries(), shape=shape)
     rng = _rng(seed) if mode is DigestMode.SAMPLED else None
+    # ndarray methods, not the numpy functions of the same name: those add a Python-level dispatch that
+    # cost more than the work on these few-entry arrays (this runs per chunk).
     local, gids, pools, pos, src = [], [], [], [], []
+    first = 0                                                   # plan-wide number of the pool's first buffer
     for p, (_, ids, pages) in enumerate(cells):
         chosen = _choose(rng, len(ids), len(pages), mode, k)   # [buffers of the pool, picks]: positions
-        first = sum(len(c[1]) for c in cells[:p])               # plan-wide number of the pool's first buffer
-        local.append(np.repeat(np.arange(first, first + len(ids), dtype=np.uint32), chosen.shape[1]))
-        gids.append(np.repeat(ids, chosen.shape[1]))
-        pools.append(np.full(chosen.size, p, dtype=np.int64))
+        picks = chosen.shape[1]
+        local.append(np.arange(first, first + len(ids), dtype=np.uint32).repeat(picks))
+        gids.append(ids.repeat(picks))
+        pools.append(np.zeros(chosen.size, dtype=np.int64) + p)
         pos.append(chosen.ravel())
         src.append(pages[chosen].ravel())
+        first += len(ids)
     bufs = memory.layout.buffers
     names = tuple(bufs[g].name for c in cells for g in c[1].tolist())
-    digests = hash_cells(memory, np.concatenate(gids), np.concatenate(src), slices, "src")
-    return SourceDigests(mode, names, readonly(np.concatenate(local)), tuple(c[0] for c in cells),
-                         readonly(np.concatenate(pools)), readonly(np.concatenate(pos)), readonly(digests), shape)
+    one = len(cells) == 1
+    cat = (lambda parts: parts[0]) if one else np.concatenate
+    digests = hash_cells(memory, cat(gids), cat(src), slices, "src")
+    return SourceDigests(mode, names, readonly(cat(local)), tuple(c[0] for c in cells),
+                         readonly(cat(pools)), readonly(cat(pos)), readonly(digests), shape)
 
 
 def _rng(seed: int | np.random.Generator) -> np.random.Generator:
@@ -310,7 +322,9 @@ def _choose(rng: np.random.Generator | None, num_buffers: int, num_pages: int, m
     # k smallest of uniform keys = k pages without replacement, independently for each buffer; sorted
     # so the hashes read memory in page order.
     keys = rng.random((num_buffers, num_pages))
-    return np.sort(np.argpartition(keys, k - 1, axis=1)[:, :k], axis=1)
+    chosen = keys.argpartition(k - 1, axis=1)[:, :k]
+    chosen.sort(axis=1)  # in place, on the view: a method call rather than np.sort's dispatch and copy
+    return chosen
 
 
 # -- decode side -------------------------------------------------------------------------------------------
@@ -335,8 +349,9 @@ def verify_digests(memory: KVMemory, digests: PageDigests,
     if slices is not None:
         _check_written(memory, gids, slices)
     actual = hash_cells(memory, gids, digests.pages, slices, "dst")
-    bad = np.flatnonzero(actual != digests.digests)
-    if len(bad):
+    differ = actual != digests.digests
+    if differ.any():
+        bad = np.flatnonzero(differ)
         bad = bad[np.argsort(digests.buffer_ids[bad], kind="stable")]  # buffer by buffer, as listed
         raise PageMismatchError([_mismatch(memory, digests, int(i), int(actual[i])) for i in bad.tolist()],
                                 len(digests), digests.mode.value)
@@ -344,10 +359,9 @@ def verify_digests(memory: KVMemory, digests: PageDigests,
 
 def _local_buffer_ids(memory: KVMemory, digests: PageDigests) -> np.ndarray:
     """Each entry's buffer as an index into this side's ``layout.buffers``; unknown names refused."""
-    by_name = hash_index(memory).by_name
-    table = np.array([by_name.get(n, -1) for n in digests.buffer_names], dtype=np.int64)
+    table, known = hash_index(memory).buffer_table(digests.buffer_names)
     gids = table[digests.buffer_ids]
-    if (gids < 0).any():
+    if not known and (gids < 0).any():
         name = digests.buffer_names[int(digests.buffer_ids[np.argmax(gids < 0)])]
         raise IntegrityError(f"page digests name buffer {name!r}, which this layout does not have")
     return gids
@@ -356,7 +370,8 @@ def _local_buffer_ids(memory: KVMemory, digests: PageDigests) -> np.ndarray:
 def _check_page_range(memory: KVMemory, digests: PageDigests, gids: np.ndarray) -> None:
     pages = digests.pages
     caps = hash_index(memory).num_pages[gids]
-    bad = (pages < 0) | (pages >= caps)
+    # As uint64 a negative page is above every capacity: one comparison bounds both ends.
+    bad = pages.view(np.uint64) >= caps.view(np.uint64)
     if bad.any():
         i = int(np.argmax(bad))
         raise IntegrityError(f"page digests name page {int(pages[i])} of buffer "

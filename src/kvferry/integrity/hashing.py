@@ -45,9 +45,24 @@ class HashIndex:
     page_bytes: np.ndarray               # int64 [buffers]
     views: tuple[memoryview | None, ...]  # flat bytes of each host buffer; None: GPU or not readable here
     all_host: bool                       # every view present: the fast path needs no per-call check
+    # Buffer-name tuples seen in digests (decode gets the same one with every chunk) -> their indices.
+    tables: dict[tuple[str, ...], tuple[np.ndarray, bool]]
+
+    def buffer_table(self, names: tuple[str, ...]) -> tuple[np.ndarray, bool]:
+        """(int64 index of each name into layout.buffers, -1 where unknown; True when none is unknown),
+        built once per distinct tuple (at most ``_MAX_TABLES`` kept: the names come from the wire)."""
+        hit = self.tables.get(names)
+        if hit is None:
+            table = readonly(np.array([self.by_name.get(n, -1) for n in names], dtype=np.int64))
+            hit = (table, bool(len(table) == 0 or int(np.minimum.reduce(table)) >= 0))
+            if len(self.tables) >= _MAX_TABLES:
+                self.tables.clear()
+            self.tables[names] = hit
+        return hit
 
 
 _INDEXES: weakref.WeakKeyDictionary[KVMemory, HashIndex] = weakref.WeakKeyDictionary()
+_MAX_TABLES = 64
 
 
 def hash_index(memory: KVMemory) -> HashIndex:
@@ -59,7 +74,7 @@ def hash_index(memory: KVMemory) -> HashIndex:
         index = HashIndex({b.name: i for i, b in enumerate(bufs)},
                           readonly(np.array([b.num_pages for b in bufs], dtype=np.int64)),
                           readonly(np.array([b.page_bytes for b in bufs], dtype=np.int64)), views,
-                          all(v is not None for v in views))
+                          all(v is not None for v in views), {})
         _INDEXES[memory] = index   # a race builds it twice, harmlessly
     return index
 
