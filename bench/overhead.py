@@ -7,7 +7,11 @@ that evicts the caches, as a transfer does between two requests):
 * ``region_check``: the transport's check of the plan's rows against both sides' regions;
 * ``rows``: the N x 3 rows a transport posts (written into a reused buffer; before issue 13: the plan's
   fresh ``src_descs``/``dst_descs``);
-* ``total``: all three for one request, as ``NixlTransport.write`` runs them.
+* ``total``: all three for one request, as ``NixlTransport(descriptors="dlist").write`` runs them;
+* ``index_check`` and ``indices`` (issue 13's default, ``descriptors="auto"``): the check of pages and
+  vectors that lets the transport post page indices, and the int32 indices into its prepared lists;
+  ``total_auto``: plan, then what ``NixlTransport.write`` runs by default for that plan (indices for runs
+  of at most ``base.INDEX_MAX_MEAN_RUN`` pages on average, else the row check and the rows).
 
 Cases: the DeepSeek-V3.2 request of ``bench/plan.py`` (512 pages x 183 buffers) and the 1.2 MiB and 16 MiB
 requests of ``kvferry bench``'s bandwidth section (8 layers of deepseek_v32, 16 buffers). Synthetic
@@ -17,15 +21,21 @@ With ``--posting`` it also times what one write costs in place: two NIXL agents 
 (``plan_transfer`` + ``NixlTransport.write``) against raw NIXL posting the same rows (``get_xfer_descs``,
 ``initialize_xfer``, ``transfer``), interleaved, the copy included (cma copies inside ``transfer``).
 
+With ``--bandwidth 1,4,16`` it also runs the bandwidth rows of ``kvferry bench`` at those sizes (MiB; a
+decode process of its own, end to end to the notification seen there, kvferry and raw NIXL taken in turn
+``--bandwidth-repeats`` times, medians) and reports kvferry / raw NIXL posting the same rows.
+
 Runs against whichever kvferry is importable, so the same command measures an older checkout:
 ``git archive <commit> src | tar -x -C /tmp/before`` then ``PYTHONPATH=/tmp/before/src python bench/overhead.py``.
 
-    PYTHONPATH=src .venv/bin/python bench/overhead.py [--repeat 300] [--stat median|min] [--posting] [--json out]
+    PYTHONPATH=src .venv/bin/python bench/overhead.py [--repeat 300] [--stat median|min] [--posting]
+        [--bandwidth 1,4,16 [--bandwidth-repeats 15]] [--json out]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -40,6 +50,7 @@ from kvferry.plan.planner import plan_transfer
 from kvferry.transport import base
 
 NEW = hasattr(base, "RowBuffer")  # issue 13's transport; older checkouts materialise rows on the plan
+INDICES = hasattr(base, "pages_in_regions")  # issue 13, second round: page indices into prepared lists
 _EVICT = np.ones(3 << 20, dtype=np.uint8), np.empty(3 << 20, dtype=np.uint8)
 
 
@@ -99,11 +110,32 @@ def _case(layout: Any, pages: int, capacity: int, repeat: int, stat: str) -> dic
             base.check_rows_in_regions(p.src_descs, src, "source", "p", "l")
             base.check_rows_in_regions(p.dst_descs, dst, "destination", "p", "l")
 
+    def index_check() -> None:
+        base.pages_in_regions(plan, src, dst)
+
+    def plan_and_indices() -> None:
+        buf.selectors(plan_transfer(src, dst, req))
+
+    def total_auto() -> None:
+        p = plan_transfer(src, dst, req)
+        if base.short_runs(p) and base.pages_in_regions(p, src, dst):
+            buf.selectors(p)
+        else:
+            base.check_plan_in_regions(p, src, dst, "p", "l")
+            buf.rows(p)
+
     row: dict[str, Any] = {"rows": plan.num_descriptors}
+    if INDICES:
+        row["indices"] = plan.num_selectors
+        row["auto_posts"] = "indices" if base.short_runs(plan) else "rows"
     for cold in (False, True):
         r = {"plan_transfer": timed(plan_only, repeat, cold, stat), "region_check": timed(check, repeat, cold, stat)}
         r["rows"] = timed(plan_and_rows, repeat, cold, stat) - r["plan_transfer"]
         r["total"] = timed(total, repeat, cold, stat)
+        if INDICES:
+            r["index_check"] = timed(index_check, repeat, cold, stat)
+            r["indices"] = timed(plan_and_indices, repeat, cold, stat) - r["plan_transfer"]
+            r["total_auto"] = timed(total_auto, repeat, cold, stat)
         row["cold" if cold else "warm"] = {k: round(v, 1) for k, v in r.items()}
     return row
 
@@ -158,17 +190,33 @@ def posting(pages: int, repeat: int, stat: str) -> dict[str, Any]:
         b.close()
 
 
+def bandwidth(sizes_mib: list[float], repeats: int) -> list[dict[str, Any]]:
+    """``kvferry bench``'s bandwidth rows at ``sizes_mib``, with kvferry / raw NIXL (same rows) ratios."""
+    config = dataclasses.replace(suite.MODES["quick"], sizes_mib=tuple(sizes_mib), repeats=repeats)
+    rows = suite.transfer_sections(config, lambda _msg: None, latency=False)[0]["rows"]
+    return [{"mib": round(r["nbytes"] / 2**20, 2), "rows": r["descriptors"],
+             "kvferry_gbps": round(r["kvferry_gbps"], 3), "raw_nixl_rows_gbps": round(r["raw_nixl_rows_gbps"], 3),
+             "raw_nixl_gbps": round(r["raw_nixl_gbps"], 3),
+             "ratio_vs_same_rows": round(r["kvferry_gbps"] / r["raw_nixl_rows_gbps"], 3)} for r in rows]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=300)
     ap.add_argument("--stat", choices=("median", "min"), default="median")
     ap.add_argument("--posting", action="store_true", help="also time one write in place over NIXL")
+    ap.add_argument("--bandwidth", metavar="MIB", help="also the bandwidth rows at these sizes, e.g. 1,4,16")
+    ap.add_argument("--bandwidth-repeats", type=int, default=15)
+    ap.add_argument("--no-components", action="store_true", help="skip the per-component timings")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
-    out: dict[str, Any] = {"version": "issue-13" if NEW else "before issue 13", "stat": args.stat,
-                           "components_us": components(args.repeat, args.stat)}
+    out: dict[str, Any] = {"version": "issue-13" if NEW else "before issue 13", "stat": args.stat}
+    if not args.no_components:
+        out["components_us"] = components(args.repeat, args.stat)
     if args.posting:
         out["posting"] = [posting(pages, args.repeat, args.stat) for pages in (3, 43)]
+    if args.bandwidth:
+        out["bandwidth"] = bandwidth([float(x) for x in args.bandwidth.split(",")], args.bandwidth_repeats)
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:

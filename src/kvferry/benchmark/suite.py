@@ -542,11 +542,6 @@ def _verify(peer: _Peer, plan: TransferPlan, rng: np.random.Generator) -> None:
 
 
 # -- bandwidth and latency -------------------------------------------------------------------------------
-def _median_of(sample: Callable[[], float], repeats: int) -> float:
-    sample()  # warm-up: connection, first touch, caches
-    return statistics.median(sample() for _ in range(repeats))
-
-
 def _request(rng: np.random.Generator, num_pages: int, capacity: int) -> PagesArg:
     return {"kv": (random_runs(rng, num_pages, capacity), random_runs(rng, num_pages, capacity))}
 
@@ -572,15 +567,30 @@ def _bandwidth_case(peer: _Peer, config: SuiteConfig, rng: np.random.Generator, 
     n = plan.nbytes
     say(f"bandwidth: {n / MiB:.1f} MiB")
     a, b = scratch[0][:n], scratch[1][:n]
-    times = {"memcpy": timed_median(lambda: np.copyto(b, a), config.repeats, 0, config.repeats),
-             "kvferry": _median_of(lambda: peer.end_to_end(peer.write(req)), config.repeats)}
+    times = {"memcpy": timed_median(lambda: np.copyto(b, a), config.repeats, 0, config.repeats)}
+    kvferry = peer.write(req)
+    peer.end_to_end(kvferry)
     _verify(peer, plan, rng)  # before the raw rows overwrite the first pages of every buffer
+    posters = {"kvferry": kvferry}
     if peer.can_raw:
-        whole = peer.raw_write(_per_buffer_rows(peer.src, num_pages), _per_buffer_rows(peer.dst, num_pages))
-        same_rows = peer.raw_write(plan.src_descs, plan.dst_descs)
-        times["raw_nixl"] = _median_of(lambda: peer.end_to_end(whole), config.repeats)
-        times["raw_nixl_rows"] = _median_of(lambda: peer.end_to_end(same_rows), config.repeats)
+        posters["raw_nixl"] = peer.raw_write(_per_buffer_rows(peer.src, num_pages),
+                                             _per_buffer_rows(peer.dst, num_pages))
+        posters["raw_nixl_rows"] = peer.raw_write(plan.src_descs, plan.dst_descs)
+    times.update(_round_robin(peer, posters, config.repeats))
     return _bandwidth_row(num_pages, plan, times)
+
+
+def _round_robin(peer: _Peer, posters: dict[str, Callable[[bytes], None]], repeats: int) -> dict[str, float]:
+    """Median end-to-end seconds of each poster, one warm-up each, then ``repeats`` rounds taking them in
+    turn: load that comes and goes on a shared machine then hits every method alike (timing all of one
+    method's repeats before the next lets a burst land on one of them only)."""
+    samples: dict[str, list[float]] = {name: [] for name in posters}
+    for post in posters.values():
+        peer.end_to_end(post)
+    for _ in range(repeats):
+        for name, post in posters.items():
+            samples[name].append(peer.end_to_end(post))
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def _bandwidth_row(num_pages: int, plan: TransferPlan, times: dict[str, float]) -> dict[str, Any]:
@@ -652,8 +662,10 @@ def _transfer_description() -> str:
             f"{lay.nbytes / MiB:.3f} MiB per 64-token page, page runs of mean length {MEAN_RUN:g}")
 
 
-def transfer_sections(config: SuiteConfig, say: ProgressFn) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Bandwidth and latency over one decode peer (NIXL in a child process when nixl is installed)."""
+def transfer_sections(config: SuiteConfig, say: ProgressFn, *,
+                      latency: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Bandwidth and latency (unless ``latency`` is False) over one decode peer (NIXL in a child process
+    when nixl is installed)."""
     page = transfer_layout(1).nbytes
     sizes = [max(1, round(s * MiB / page)) for s in config.sizes_mib]
     latency_pages = -(-LATENCY_TOKENS // PLAN_TOKENS_PER_PAGE)
@@ -665,6 +677,8 @@ def transfer_sections(config: SuiteConfig, say: ProgressFn) -> tuple[dict[str, A
         peer.start()
         say(f"bandwidth over {peer.transport}")
         bandwidth = bandwidth_sweep(peer, config, sizes, say)
+        if not latency:
+            return bandwidth, None
         say(f"latency over {peer.transport}")
         return bandwidth, round_trips(peer, config, latency_pages)
     finally:
