@@ -25,6 +25,19 @@ With ``--bandwidth 1,4,16`` it also runs the bandwidth rows of ``kvferry bench``
 decode process of its own, end to end to the notification seen there, kvferry and raw NIXL taken in turn
 ``--bandwidth-repeats`` times, medians) and reports kvferry / raw NIXL posting the same rows.
 
+With ``--handles`` it also times, for the DeepSeek-V3.2-shaped request (61 x 3 buffers of 20,000 pages, 512
+pages in runs of mean length 4; page sizes cut to 16-48 bytes so that both sides fit in ~100 MB: the cost
+of a handle depends on its descriptor count, not on page sizes), everything up to NIXL's ``transfer`` in
+one process with two agents, each method in fresh processes (three each, medians of 35 calls):
+kvferry's write by default (plan, checks, page indices, ``make_prepped_xfer``),
+kvferry with ``descriptors="dlist"`` (plan, checks, rows, ``get_xfer_descs`` twice, ``initialize_xfer``)
+and raw NIXL posting the plan's rows (the last two steps only). The handle is released untransferred.
+
+With ``--control`` it also times, per request of ``bench/control.py`` (16 pages, 2 pools, 12 buffers), the
+control plane's own steps in one process, warm: prefill's ``make_spec`` and ``plan_pages``, the sampled
+digests (``source_digests`` in ``send``, ``chunk_digests`` at posting), decode's ``PageDigests.from_bytes``
+and ``verify_digests``.
+
 Runs against whichever kvferry is importable, so the same command measures an older checkout:
 ``git archive <commit> src | tar -x -C /tmp/before`` then ``PYTHONPATH=/tmp/before/src python bench/overhead.py``.
 
@@ -38,6 +51,8 @@ import argparse
 import dataclasses
 import json
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -190,6 +205,96 @@ def posting(pages: int, repeat: int, stat: str) -> dict[str, Any]:
         b.close()
 
 
+def control_steps(repeat: int, stat: str) -> dict[str, float]:
+    """Per-request CPU of the control plane's planning and sampled-digest steps (us), in this process."""
+    import control  # bench/control.py, beside this file
+    from kvferry.control.digests import chunk_digests, source_digests
+    from kvferry.control.prefill_requests import make_spec
+    from kvferry.integrity import digests
+    from kvferry.plan.planner import plan_pages
+
+    src, dst = control.memory("prefill"), control.memory("decode")
+    rng = np.random.default_rng(0)
+    spec = make_spec(src, control.src_pages(0), 0, True, None)
+    dpages = control.dst_pages(0, 64)
+    pairs = {p: (spec.src[p], np.asarray(dpages[p], dtype=np.int64)) for p in spec.src}
+    plan = plan_pages(src, dst, pairs, spec.buffer_ids)
+    sd = source_digests(src, "sampled", spec.src, spec.buffers, rng)
+    wire_bytes = chunk_digests("sampled", sd, pairs, plan, 1, 0)
+    # decode checks digests of its own pages: made from them here, as if the bytes had landed
+    mine = digests.digest_pages(dst, {p: pairs[p][1] for p in pairs}, "sampled", seed=rng)
+    landed = mine.keyed({p: pairs[p][1] for p in pairs})
+    steps = {
+        "make_spec": lambda: make_spec(src, control.src_pages(0), 0, True, None),
+        "plan_pages": lambda: plan_pages(src, dst, pairs, spec.buffer_ids),
+        "source_digests": lambda: source_digests(src, "sampled", spec.src, spec.buffers, rng),
+        "chunk_digests": lambda: chunk_digests("sampled", sd, pairs, plan, 1, 0),
+        "from_bytes": lambda: digests.PageDigests.from_bytes(wire_bytes),
+        "verify_digests": lambda: digests.verify_digests(dst, landed),
+    }
+    return {name: round(timed(fn, repeat, False, stat), 1) for name, fn in steps.items()}
+
+
+def handles(rounds: int = 3) -> dict[str, Any]:
+    """Handle creation for the V3.2-shaped request, each method in fresh processes (``handles_one``), medians
+    of ``rounds`` processes: NIXL's allocations make a method pay for another's freed memory when they
+    share a process, and the figures then swap places from run to run."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(rounds):
+        for method in ("auto", "dlist", "raw"):
+            proc = subprocess.run([sys.executable, __file__, "--handles-one", method], capture_output=True,
+                                  text=True, check=True)
+            runs.setdefault(method, []).append(json.loads(proc.stdout))
+    out: dict[str, Any] = {k: runs["auto"][0][k] for k in ("rows", "indices")}
+    for method, rs in runs.items():
+        for key in ("cpu_us", "wall_us"):
+            out[f"{method}_{key}"] = round(statistics.median(r[key] for r in rs), 1)
+    return out
+
+
+def handles_one(method: str, calls: int = 40) -> dict[str, Any]:
+    """One method's handle creation, ``calls`` times in this process (first 5 dropped): CPU and wall us."""
+    from kvferry.layout.spec import Buffer, Layout, Pool
+    from kvferry.transport.nixl import NixlTransport
+
+    cap = 20_000
+    bufs = [Buffer(f"L{layer}.{role}", pb, cap, "fp8", role, layer)
+            for layer in range(suite.PLAN_LAYERS) for role, pb in (("mla", 48), ("idx", 16), ("idx_bf16", 32))]
+    layout = Layout([Pool("kv", bufs, 64)])
+    a, b = NixlTransport(descriptors="dlist" if method == "dlist" else "auto"), NixlTransport()
+    try:
+        meta_a = a.register(KVMemory.allocate(layout))
+        peer = a.add_peer(b.register(KVMemory.allocate(layout)))
+        b.add_peer(meta_a)
+        src, dst = a._memory, a._peers[peer].memory
+        rng = np.random.default_rng(0)
+        req = {"kv": (suite.random_runs(rng, 512, cap), suite.random_runs(rng, 512, cap))}
+        plan = plan_transfer(src, dst, req)
+        sd, dd, agent, state = plan.src_descs, plan.dst_descs, a.agent, a._peers[peer]
+
+        def kvferry() -> Any:
+            p = plan_transfer(src, dst, req)
+            return a._make_xfer(p, state, b"x", a._check_plan(p, state, "bench"))
+
+        def raw() -> Any:
+            return agent.initialize_xfer("WRITE", agent.get_xfer_descs(sd, "DRAM"), agent.get_xfer_descs(dd, "DRAM"),
+                                         peer, b"x")
+
+        make = raw if method == "raw" else kvferry
+        cpu, wall = [], []
+        for _ in range(calls):
+            c0, t0 = time.thread_time(), time.perf_counter()
+            handle = make()
+            cpu.append(time.thread_time() - c0)
+            wall.append(time.perf_counter() - t0)
+            handle.release()
+        return {"rows": plan.num_descriptors, "indices": plan.num_selectors,
+                "cpu_us": statistics.median(cpu[5:]) * 1e6, "wall_us": statistics.median(wall[5:]) * 1e6}
+    finally:
+        a.close()
+        b.close()
+
+
 def bandwidth(sizes_mib: list[float], repeats: int) -> list[dict[str, Any]]:
     """``kvferry bench``'s bandwidth rows at ``sizes_mib``, with kvferry / raw NIXL (same rows) ratios."""
     config = dataclasses.replace(suite.MODES["quick"], sizes_mib=tuple(sizes_mib), repeats=repeats)
@@ -208,13 +313,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bandwidth", metavar="MIB", help="also the bandwidth rows at these sizes, e.g. 1,4,16")
     ap.add_argument("--bandwidth-repeats", type=int, default=15)
     ap.add_argument("--no-components", action="store_true", help="skip the per-component timings")
+    ap.add_argument("--control", action="store_true", help="also the control plane's per-request steps")
+    ap.add_argument("--handles", action="store_true", help="also NIXL handle creation for the V3.2 request")
+    ap.add_argument("--handles-one", choices=("auto", "dlist", "raw"), help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
+    if args.handles_one:
+        print(json.dumps(handles_one(args.handles_one)))
+        return 0
     out: dict[str, Any] = {"version": "issue-13" if NEW else "before issue 13", "stat": args.stat}
     if not args.no_components:
         out["components_us"] = components(args.repeat, args.stat)
     if args.posting:
         out["posting"] = [posting(pages, args.repeat, args.stat) for pages in (3, 43)]
+    if args.handles:
+        out["handles_v32"] = handles()
+    if args.control:
+        out["control_steps_us"] = control_steps(max(args.repeat, 1000), args.stat)
     if args.bandwidth:
         out["bandwidth"] = bandwidth([float(x) for x in args.bandwidth.split(",")], args.bandwidth_repeats)
     print(json.dumps(out, indent=1))
