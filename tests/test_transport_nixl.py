@@ -176,6 +176,23 @@ def test_auto_posts_page_indices_for_short_runs_and_rows_otherwise(pair) -> None
     assert_memory(peer.call("dump"), expected_memory(dst.layout, src, [scattered, long_runs]))
 
 
+def test_prepared_page_lists_refuse_indices_past_their_end(pair) -> None:
+    """The lists auto indexes are prepared from the regions (NIXL's strided form): NIXL refuses an index
+    past a list's end, the guard under kvferry's own page check."""
+    transport, src, peer = pair
+    state = transport._peers[peer.name]
+    local, remote = transport._local_list(), transport._remote_list(state)
+    agent = transport.agent
+    # Last page of the last buffer on each side (same page size): the one valid pair, then one past each end.
+    ends = [sum(b.num_pages for b in mem.layout.buffers) for mem in (src, state.memory)]
+    last_src, last_dst = (np.array([n - 1], dtype=np.int32) for n in ends)
+    agent.make_prepped_xfer("WRITE", local, last_src, remote, last_dst, b"x").release()
+    for src_idx, dst_idx in ((last_src + 1, last_dst), (last_src, last_dst + 1), (last_src, np.int32([-1]))):
+        with pytest.raises(Exception) as info:
+            agent.make_prepped_xfer("WRITE", local, src_idx, remote, dst_idx, b"x")
+        assert type(info.value).__name__ == "nixlInvalidParamError"
+
+
 def test_parity_with_local_transport(pair) -> None:
     """Same plans, same starting bytes: LocalTransport's destination equals NixlTransport's, byte for byte."""
     transport, src, peer = pair
