@@ -358,9 +358,11 @@ def test_fill_selectors_gives_page_selectors_as_int32(data: st.DataObject) -> No
     plan.fill_selectors(got[0], got[1])
     np.testing.assert_array_equal(got[0], want_src)
     np.testing.assert_array_equal(got[1], want_dst)
-    sel = RowBuffer().selectors(plan)
-    np.testing.assert_array_equal(sel[0], want_src)
-    np.testing.assert_array_equal(sel[1], want_dst)
+    for few in (0, 1 << 30):  # Python lists and the reused int32 buffer
+        with mock.patch.object(base, "FEW_SELECTORS", few):
+            sel = RowBuffer().selectors(plan)
+        np.testing.assert_array_equal(sel[0], want_src)
+        np.testing.assert_array_equal(sel[1], want_dst)
     # the fast check that allows posting indices accepts every planner-built plan
     assert base.pages_in_regions(plan, src, dst)
 
@@ -372,6 +374,9 @@ def test_fill_selectors_refuses_a_wrong_buffer() -> None:
     for bad in (np.empty(3, np.int32), np.empty(2, np.int64), np.empty((2, 2), np.int32)[:, 0]):
         with pytest.raises(PlanError, match="fill_selectors needs"):
             plan.fill_selectors(bad, good)
+    for bad in (np.empty((2, 3), np.int32), np.empty((2, 2), np.int64), np.empty((2, 2), np.int32).T.copy().T):
+        with pytest.raises(PlanError, match="fill_selector_pair needs"):
+            plan.fill_selector_pair(bad)
 
 
 @pytest.mark.parametrize("many", [False, True])

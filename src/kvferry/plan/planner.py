@@ -149,24 +149,38 @@ class TransferPlan:
 
     def fill_selectors(self, src_out: np.ndarray, dst_out: np.ndarray) -> None:
         """Write ``page_selectors()`` as int32 (what NIXL's ``make_prepped_xfer`` takes) into caller-owned
-        C-contiguous arrays of ``num_selectors`` entries: a transport's reused buffer. Same values, same order.
-
-        The caller guarantees that every index fits int32 (the transport posts indices only into lists of
-        fewer than 2**31 pages, for plans whose pages it checked against the capacities): the additions run
-        in int32, one broadcast add per pool and side, contiguous along the pages.
-        """
+        C-contiguous arrays of ``num_selectors`` entries. Same values, same order. ``fill_selector_pair``
+        writes both sides with fewer calls, into one (2, n) array."""
         n = self.num_selectors
         for out in (src_out, dst_out):
             if out.shape != (n,) or out.dtype is not _I32 or not out.flags.c_contiguous:
                 raise PlanError(f"fill_selectors needs C-contiguous ({n},) int32 arrays, got {out.shape} {out.dtype}")
+        both = np.empty((2, n), dtype=_I32)
+        self.fill_selector_pair(both)
+        src_out[...], dst_out[...] = both
+
+    def fill_selector_pair(self, out: np.ndarray) -> None:
+        """``page_selectors()`` as int32 into a caller-owned C-contiguous (2, ``num_selectors``) array (a
+        transport's reused buffer): row 0 the source side, row 1 the destination side.
+
+        The caller guarantees that every index fits int32 (the transport posts indices only into lists of
+        fewer than 2**31 pages, for plans whose pages it checked against the capacities): the additions run
+        in int32, one broadcast add per pool for both sides, contiguous along the pages.
+        """
+        n = self.num_selectors
+        if out.shape != (2, n) or out.dtype is not _I32 or not out.flags.c_contiguous:
+            raise PlanError(f"fill_selector_pair needs a C-contiguous (2, {n}) int32 array, got {out.shape} "
+                            f"{out.dtype}")
         pos = 0
         for pool_plan in self.pools:
             b, p = len(pool_plan.buffer_ids), len(pool_plan.src_pages)
             end = pos + b * p
-            for arrays, pages, out in ((pool_plan.src, pool_plan.src_pages, src_out),
-                                       (pool_plan.dst, pool_plan.dst_pages, dst_out)):
-                np.add(arrays.flat_start.astype(_I32)[:, None], pages.astype(_I32)[None, :],
-                       out=out[pos:end].reshape(b, p))
+            # (2, B, 1) first pages + (2, 1, P) pages: both sides in one call (a view: no copy).
+            firsts = np.array((pool_plan.src.flat_start, pool_plan.dst.flat_start), dtype=_I32)
+            pages = np.array((pool_plan.src_pages, pool_plan.dst_pages), dtype=_I32)
+            block = out[:, pos:end]
+            block.shape = (2, b, p)  # raises rather than copy: the add must land in ``out``
+            np.add(firsts[:, :, None], pages[:, None, :], out=block)
             pos = end
 
     @cached_property

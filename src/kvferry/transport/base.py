@@ -325,9 +325,9 @@ class RowBuffer:
                 src, dst = plan.page_selectors()
                 return src.astype(np.int32), dst.astype(np.int32)
             self._idx = np.empty(max(2 * n, min(2 * len(self._idx), 6 * self.MAX_ROWS)), dtype=np.int32)
-        src, dst = self._idx[:n], self._idx[n:2 * n]
-        plan.fill_selectors(src, dst)
-        return src, dst
+        both = self._idx[:2 * n].reshape(2, n)
+        plan.fill_selector_pair(both)
+        return both[0], both[1]
 
     def rows(self, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
         """(source rows, destination rows) of ``plan``, each N x 3 uint64 C-contiguous."""
