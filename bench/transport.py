@@ -6,7 +6,8 @@ is prefill. A request is timed from ``plan_transfer`` to the notification's arri
 
 * ``memcpy``: ``np.copyto`` of the request's byte count, one contiguous block, in this process;
 * ``local rows``: planning plus the plan's rows memmoved in this process (what ``LocalTransport`` does);
-* ``kvferry dlist`` / ``kvferry prepped``: ``NixlTransport.write`` with each descriptor strategy;
+* ``kvferry auto`` / ``kvferry dlist`` / ``kvferry prepped``: ``NixlTransport.write`` with each descriptor
+  strategy (``auto``, the default, posts page indices for runs of <= 4 pages on average, else rows);
 * ``raw 1 desc/buffer``: NIXL WRITE of the same byte count as one descriptor per buffer (no planning);
 * ``raw prepped/page``: NIXL ``make_prepped_xfer`` with one index per page over prepared per-page lists.
 
@@ -216,6 +217,7 @@ def run_cases(bench: Bench, scratch: KVMemory, args: argparse.Namespace) -> list
             "memcpy": memcpy(plan.nbytes),
             "local rows": local_rows(plan, scratch, pages),
             "kvferry dlist": bench.kvferry(pages, "dlist"),
+            "kvferry auto": bench.kvferry(pages, "auto"),
             "kvferry prepped": bench.kvferry(pages, "prepped"),
             "raw 1 desc/buffer": bench.raw_per_buffer(case.num_pages),
             "raw prepped/page": bench.raw_prepped(plan),

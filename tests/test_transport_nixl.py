@@ -384,3 +384,28 @@ def test_import_is_lazy_and_host_memory_needs_no_torch(pair) -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
     _, _, peer = pair
     assert peer.call("modules") == []  # a registered host-memory peer loaded neither nixl's meta package nor torch
+
+
+def test_auto_posts_rows_when_nixl_cannot_prepare_page_lists(pair, monkeypatch) -> None:
+    """A backend that refuses the per-page lists (say, the strided form for some memory type) makes
+    "auto" fall back to rows for that peer, checked as rows; the write still lands."""
+    transport, src, peer = pair
+    transport.descriptors = "auto"
+    peer.call("fill", DST_SEED)
+    state = transport._peers[peer.name]
+    dst = remote_view(transport, peer)
+    saved = state.prepped, state.indexable
+
+    def refuse(*args, **kwargs):
+        raise TransportError("no per-page lists here")
+
+    monkeypatch.setattr(transport, "_remote_list", refuse)
+    state.prepped = None
+    try:
+        plan = plan_transfer(src, dst, {"c4": ([0, 2, 4, 6], [9, 7, 5, 3])})
+        write_all(transport, peer, [plan], "fallback")
+        assert not state.indexable
+        assert_memory(peer.call("dump"), expected_memory(dst.layout, src, [plan]))
+    finally:
+        monkeypatch.undo()
+        state.prepped, state.indexable = saved

@@ -392,6 +392,23 @@ class NixlTransport(Transport):
         return agent.make_prepped_xfer("WRITE", self._local_list(), src_idx, self._remote_list(state), dst_idx,
                                        notif)
 
+    def _lists_ready(self, state: _Peer) -> bool:
+        """Both per-page lists prepared (once); False, and rows from then on for this peer, when NIXL
+        cannot prepare them (a backend without the strided form for this memory type, say): "auto" then
+        behaves as "dlist" rather than failing writes that rows would carry."""
+        if state.prepped is not None and self._local_prepped is not None:
+            return True
+        try:
+            self._local_list()
+            self._remote_list(state)
+        except Exception as exc:
+            if not (_is_backend_error(exc) or isinstance(exc, TransportError)):
+                raise
+            log.warning("peer %r: NIXL could not prepare per-page lists (%s); posting rows instead", state.name, exc)
+            state.indexable = False
+            return False
+        return True
+
     def _local_list(self) -> Any:
         # One descriptor per page of every local buffer, prepared once: make_prepped_xfer then costs
         # ~0.02 us per page instead of a list built per request.
@@ -466,7 +483,8 @@ class NixlTransport(Transport):
                                  f"memory as its metadata describes it (stale manifest?)")
         mode = self.descriptors
         if (mode != "dlist" and self._local_indexable and state.indexable
-                and (mode == "prepped" or short_runs(plan)) and pages_in_regions(plan, self._memory, state.memory)):
+                and (mode == "prepped" or short_runs(plan)) and pages_in_regions(plan, self._memory, state.memory)
+                and (mode == "prepped" or self._lists_ready(state))):
             # Every run and page checked against both sides' capacities: each index selects a page of
             # its own buffer, in lists prepared from the registered regions (NIXL refuses an index past
             # a list's end), so the indices are bounds-checked by construction.
@@ -504,7 +522,8 @@ def _prep_pages(agent: Any, name: str, memory: KVMemory, mem_type: str) -> Any:
     try:
         return agent.prep_xfer_dlist(name, strided, mem_type)
     except (TypeError, ValueError):
-        # A NIXL without the strided form: one row per page, the same list built here.
+        # A NIXL without the strided form (its wrapper hands None on): one row per page, built here. A
+        # backend error is raised instead; "auto" then posts rows (``NixlTransport._lists_ready``).
         return agent.prep_xfer_dlist(name, memory.page_descs(), mem_type)
 
 
