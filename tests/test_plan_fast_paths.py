@@ -407,3 +407,36 @@ def test_short_runs_picks_indices_only_for_planner_plans_with_short_runs() -> No
         pass
 
     assert not base.short_runs(Subclass(src, dst, scattered.pools))
+
+
+# -- plan_transfer's path for a few pages --------------------------------------------------------------------
+def _plan_or_error(src: KVMemory, dst: KVMemory, req: dict, few: bool) -> object:
+    with mock.patch.object(planner, "_plan_few", planner._plan_few if few else (lambda *_: None)):
+        try:
+            plan = plan_transfer(src, dst, req)
+        except PlanError as exc:
+            return str(exc)
+    return [(p.pool, p.buffer_ids.tolist(), p.src_pages.tolist(), p.dst_pages.tolist(), p.runs.tolist(),
+             p.src is src.pool_arrays[p.pool], p.dst is dst.pool_arrays[p.pool], p.src_pages.dtype.str,
+             p.src_pages.flags.writeable, p.runs.flags.writeable) for p in plan.pools]
+
+
+PAGE = st.one_of(st.integers(-3, 45), st.sampled_from([2**31, 2**63 - 1]))
+
+
+@given(data=st.data())
+def test_the_few_pages_path_plans_and_refuses_as_the_general_path(data: st.DataObject) -> None:
+    src, dst = data.draw(bound_pair())
+    if data.draw(st.booleans()):
+        req = data.draw(requests(src, dst, max_pages=40))   # valid; some above FEW_PAGES
+    else:                                                     # anything: out of range, repeats, lengths
+        pools = [p.name for p in src.layout.pools] + ["nope"]
+        req = {name: (data.draw(st.lists(PAGE, max_size=6)), data.draw(st.lists(PAGE, max_size=6)))
+               for name in data.draw(st.lists(st.sampled_from(pools), unique=True, min_size=1))}
+    dtype = data.draw(st.sampled_from([np.int64, np.int32, np.uint64, None]))
+    if dtype is not None:
+        try:
+            req = {k: (np.array(s, dtype=dtype), np.array(d, dtype=dtype)) for k, (s, d) in req.items()}
+        except OverflowError:
+            return
+    assert _plan_or_error(src, dst, req, few=True) == _plan_or_error(src, dst, req, few=False)

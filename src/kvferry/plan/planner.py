@@ -247,9 +247,48 @@ def plan_transfer(src: KVMemory, dst: KVMemory, pages: PagesArg,
     shapes differ, lengths differ, a destination page repeats, or a page is outside any buffer's capacity
     on its side.
     """
+    if buffers is None and type(pages) is dict:
+        plan = _plan_few(src, dst, pages)
+        if plan is not None:
+            return plan
     _check_shapes(src, dst)
     selected = select_buffers(src, buffers)
     return plan_pages(src, dst, validate_pairs(src.layout, dst.layout, pages), selected)
+
+
+def _plan_few(src: KVMemory, dst: KVMemory, pages: dict) -> TransferPlan | None:
+    """``plan_transfer``'s result for the common small request, in one function; None for anything else.
+
+    Accepts only what the general path accepts without a word: pools of both layouts, each a pair of 1-D
+    integer ndarrays of equal length, at most ``FEW_PAGES`` pages, every page below the pool's smallest
+    capacity on its side, destinations distinct. Anything else (lists, other types, any doubt) gets None
+    and the general path plans it or raises its ``PlanError``. Why a copy of that path's checks: right
+    after a transfer has evicted the caches, each of its ~15 functions and ~12 numpy calls costs 2-3x its
+    warm time, and for a request of a few pages that is most of what kvferry adds to the copy
+    (``bench/overhead.py --posting``); ``tests/test_plan_fast_paths.py`` checks the two agree.
+    """
+    if src.layout.shape_fingerprint != dst.layout.shape_fingerprint:
+        return None
+    src_pools, dst_pools = src.pool_arrays, dst.pool_arrays
+    plans = []
+    for name, pair in pages.items():
+        src_arrays, dst_arrays = src_pools.get(name), dst_pools.get(name)
+        if src_arrays is None or dst_arrays is None or type(pair) is not tuple or len(pair) != 2:
+            return None
+        s, d = pair
+        if (type(s) is not np.ndarray or type(d) is not np.ndarray or s.ndim != 1 or d.ndim != 1
+                or len(s) != len(d) or len(s) > FEW_PAGES or s.dtype.kind not in "iu" or d.dtype.kind not in "iu"):
+            return None
+        if not len(s):
+            continue  # an empty pool plans nothing (the general path drops it too)
+        src_list, dst_list = s.tolist(), d.tolist()
+        if (min(src_list) < 0 or max(src_list) >= src_arrays.min_pages or min(dst_list) < 0
+                or max(dst_list) >= dst_arrays.min_pages or len(set(dst_list)) != len(dst_list)):
+            return None
+        plans.append(PoolPlan(name, src_arrays.buffer_ids, readonly(np.array(src_list, dtype=np.int64)),
+                              readonly(np.array(dst_list, dtype=np.int64)), _joint_runs_few(src_list, dst_list),
+                              src_arrays, dst_arrays))
+    return TransferPlan(src, dst, tuple(plans))
 
 
 def plan_pages(src: KVMemory, dst: KVMemory, pairs: Mapping[str, tuple[np.ndarray, np.ndarray]],
