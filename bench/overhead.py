@@ -33,6 +33,10 @@ kvferry's write by default (plan, checks, page indices, ``make_prepped_xfer``),
 kvferry with ``descriptors="dlist"`` (plan, checks, rows, ``get_xfer_descs`` twice, ``initialize_xfer``)
 and raw NIXL posting the plan's rows (the last two steps only). The handle is released untransferred.
 
+With ``--steps`` it also times each step of one write in place, right after the previous request's copy
+(two agents in this process, as ``--posting``; the 1.2 MiB request): ``plan_transfer``, the transport's
+check, the page indices, ``make_prepped_xfer``, ``transfer`` (the copy) and the handle.
+
 With ``--control`` it also times, per request of ``bench/control.py`` (16 pages, 2 pools, 12 buffers), the
 control plane's own steps in one process, warm: prefill's ``make_spec`` and ``plan_pages``, the sampled
 digests (``source_digests`` in ``send``, ``chunk_digests`` at posting), decode's ``PageDigests.from_bytes``
@@ -295,6 +299,55 @@ def handles_one(method: str, calls: int = 40) -> dict[str, Any]:
         b.close()
 
 
+def steps(repeat: int, stat: str, pages: int = 3) -> dict[str, float]:
+    """Each step of ``NixlTransport.write``'s default path in place, after the previous copy (us)."""
+    from kvferry.transport.nixl import NixlHandle, NixlTransport
+
+    layout = suite.transfer_layout(pages * 4 + 64)
+    src_mem, dst_mem = KVMemory.allocate(layout), KVMemory.allocate(layout)
+    a, b = NixlTransport(), NixlTransport()
+    try:
+        meta_a = a.register(src_mem)
+        peer = a.add_peer(b.register(dst_mem))
+        b.add_peer(meta_a)
+        state = a._peers[peer]
+        dst, agent = state.memory, a.agent
+        rng = np.random.default_rng(0)
+        cap = layout.pools[0].min_pages
+        req = {"kv": (suite.random_runs(rng, pages, cap), suite.random_runs(rng, pages, cap))}
+        names = ("plan_transfer", "check", "indices", "make_prepped_xfer", "transfer", "handle")
+        samples: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(repeat + 20):
+            tag = f"s{i}".encode()
+            t = [time.perf_counter()]
+            plan = plan_transfer(src_mem, dst, req)
+            t.append(time.perf_counter())
+            a._check_plan(plan, state, "bench")
+            t.append(time.perf_counter())
+            src_idx, dst_idx = a._rows.selectors(plan)
+            t.append(time.perf_counter())
+            xfer = agent.make_prepped_xfer("WRITE", a._local_list(), src_idx, a._remote_list(state), dst_idx, tag)
+            t.append(time.perf_counter())
+            status = agent.transfer(xfer)
+            t.append(time.perf_counter())
+            handle = NixlHandle(a, xfer, peer, "bench", done=status == "DONE")
+            t.append(time.perf_counter())
+            while not handle.poll():
+                b.get_notifications()
+            handle.release()
+            seen: list[bytes] = []
+            while tag not in seen:
+                seen += [msg for _, msg in b.get_notifications()]
+            if i >= 20:
+                for k, name in enumerate(names):
+                    samples[name].append(t[k + 1] - t[k])
+        pick = min if stat == "min" else statistics.median
+        return {name: round(pick(s) * 1e6, 1) for name, s in samples.items()}
+    finally:
+        a.close()
+        b.close()
+
+
 def bandwidth(sizes_mib: list[float], repeats: int) -> list[dict[str, Any]]:
     """``kvferry bench``'s bandwidth rows at ``sizes_mib``, with kvferry / raw NIXL (same rows) ratios."""
     config = dataclasses.replace(suite.MODES["quick"], sizes_mib=tuple(sizes_mib), repeats=repeats)
@@ -314,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bandwidth-repeats", type=int, default=15)
     ap.add_argument("--no-components", action="store_true", help="skip the per-component timings")
     ap.add_argument("--control", action="store_true", help="also the control plane's per-request steps")
+    ap.add_argument("--steps", action="store_true", help="also each step of a 1.2 MiB write in place")
     ap.add_argument("--handles", action="store_true", help="also NIXL handle creation for the V3.2 request")
     ap.add_argument("--handles-one", choices=("auto", "dlist", "raw"), help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write the figures to this file")
@@ -328,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         out["posting"] = [posting(pages, args.repeat, args.stat) for pages in (3, 43)]
     if args.handles:
         out["handles_v32"] = handles()
+    if args.steps:
+        out["steps_in_place_us"] = steps(args.repeat, args.stat)
     if args.control:
         out["control_steps_us"] = control_steps(max(args.repeat, 1000), args.stat)
     if args.bandwidth:
