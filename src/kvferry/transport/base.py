@@ -153,10 +153,13 @@ def check_plan_in_regions(plan: Plan, src: KVMemory, dst: KVMemory, peer: str, l
 
 
 def pages_in_regions(plan: Plan, src: KVMemory, dst: KVMemory) -> bool:
-    """True when ``check_plan_in_regions``'s fast path proves every row *and every page* of ``plan`` inside
-    ``src``'s and ``dst``'s buffers: the condition for posting ``page_selectors()`` as indices into lists
+    """True when every *page* of ``plan`` lies inside ``src``'s and ``dst``'s buffers, for a ``TransferPlan``
+    (exactly) whose per-buffer vectors are those memories' own (``built_here``, as the fast path of
+    ``check_plan_in_regions``): the condition for posting ``page_selectors()`` as indices into lists
     prepared from those regions (an index is a buffer's first page plus a page below the pool's smallest
-    capacity, so it selects a page of that very buffer). False means nothing; check the rows instead."""
+    capacity, so it selects a page of that very buffer). The runs are not looked at: indices never use
+    them, and a plan posted as rows goes through ``check_plan_in_regions``. False means nothing; check the
+    rows instead."""
     if type(plan) is not TransferPlan:
         return False
     # Indices come from the pages alone (never from the runs), so the pages and the vectors are checked.
