@@ -161,8 +161,16 @@ class PageDigests:
         """Decode untrusted bytes: sizes capped, arrays length- and range-checked; IntegrityError if not."""
         if isinstance(data, (bytes, bytearray, memoryview)) and len(data) > MAX_MESSAGE_BYTES:
             raise IntegrityError(f"page digests message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
-        return _from_msg(decode_versioned(data, _DigestsMsg, version=DIGESTS_VERSION, what="page digests",
-                                          error=IntegrityError))
+        # One decode on the happy path (decode_versioned peeks at the version first, a second pass over
+        # every chunk's digests); any failure goes the careful way, whose error names a version mismatch.
+        try:
+            msg = _DIGESTS_DECODER.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
+            msg = None
+        if msg is None or msg.version != DIGESTS_VERSION:
+            msg = decode_versioned(data, _DigestsMsg, version=DIGESTS_VERSION, what="page digests",
+                                   error=IntegrityError)
+        return _from_msg(msg)
 
 
 def _from_msg(msg: _DigestsMsg) -> PageDigests:
@@ -407,3 +415,4 @@ class _DigestsMsg(msgspec.Struct, forbid_unknown_fields=True):
     digests: Annotated[bytes, msgspec.Meta(max_length=8 * MAX_ENTRIES)]     # little-endian uint64
 
 
+_DIGESTS_DECODER = msgspec.msgpack.Decoder(_DigestsMsg)
