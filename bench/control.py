@@ -12,7 +12,10 @@ outstanding and reusing its pages as requests finish (so every announce goes thr
   coverage checks, digests (per ``--digests``) and the decode's verdict back to prefill included.
 
 Usage: ``python bench/control.py [--quick] [--requests N] [--in-flight N] [--digests off,sampled]
-[--repeats N] [--json]``. Clocks: latencies are measured in this process only.
+[--repeats N] [--json] [--profile]``. Clocks: latencies are measured in this process only. ``--profile``
+runs one control-plane run per digest mode with decode's progress thread and this (application) thread
+under ``cProfile`` and prints where each spends its time, waits included (cProfile's clock is wall time):
+it shows which calls block or hand off to another thread, not CPU alone.
 """
 
 from __future__ import annotations
@@ -242,6 +245,41 @@ def run_control(args: argparse.Namespace, digest: str) -> dict[str, Any]:
     return out
 
 
+def profile_control(args: argparse.Namespace, digest: str, top: int = 15) -> None:
+    """One control-plane run with decode's progress thread and this thread under cProfile; prints both."""
+    import cProfile
+    import pstats
+
+    from kvferry.control import endpoints
+
+    progress = cProfile.Profile()
+    run = endpoints.EndpointBase._run
+
+    def profiled_run(self: Any) -> None:
+        if type(self).__name__ != "DecodeEndpoint":
+            run(self)
+            return
+        progress.enable()
+        try:
+            run(self)
+        finally:
+            progress.disable()
+
+    endpoints.EndpointBase._run = profiled_run  # type: ignore[method-assign]
+    app = cProfile.Profile()
+    try:
+        app.enable()
+        result = run_control(args, digest)
+        app.disable()
+    finally:
+        endpoints.EndpointBase._run = run  # type: ignore[method-assign]
+    print(f"== digests {digest}: decode CPU {result['decode_cpu_us']:.0f} us/request (profiled), "
+          f"{args.requests} requests")
+    for name, prof in (("decode progress thread", progress), ("decode application thread", app)):
+        print(f"-- {name}, by own time (wall clock, waits included)")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def _summary(name: str, lat: list[float], wall: float, n: int, prefill_cpu: float,
              decode_cpu: float) -> dict[str, Any]:
     arr = np.array(lat) * 1e6
@@ -262,12 +300,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each kind; medians reported")
     ap.add_argument("--quick", action="store_true", help="200 requests, one repeat")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile decode's threads in one run per mode")
     args = ap.parse_args()
     if args.quick:
         args.requests, args.repeats = 200, 1
     warm_pages(args.requests, args.in_flight)
     if args.role == "prefill":
         (prefill_raw if args.mode == "raw" else prefill_control)(args)
+        return
+    if args.profile:
+        for digest in args.digests.split(","):
+            profile_control(args, digest)
         return
     # Runs interleaved, repeated, medians reported: on a shared 2-core machine one run is noise.
     runs: dict[str, list[dict[str, Any]]] = {}
