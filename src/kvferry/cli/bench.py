@@ -128,7 +128,7 @@ def _planning_table(results: dict[str, Any]) -> Table:
     pl = results["planning"]
     table = Table(title="Planning one request, median us", caption=pl["layout"])
     for col in ("pages", "rows per-page / kvferry", "per-page", "runs + loop", "kvferry plan",
-                "kvferry plan + arrays", "kvferry plan + posted rows", "plan speedup vs runs + loop"):
+                "kvferry plan + arrays", "kvferry plan + what is posted", "plan speedup vs runs + loop"):
         table.add_column(col, justify="right")
     for r in pl["rows"]:
         table.add_row(str(r["pages"]), f"{r['per_page_rows']:,} / {r['kvferry_rows']:,}",
