@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,18 +29,25 @@ from .vllm_pd import (
     greedy,
     make_llm,
     make_prompts,
+    make_sessions,
     metric,
     serve_command,
+    server_metric,
+    session_answers,
+    session_prompt,
     tokens,
     wait_healthy,
     write_model,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+# `make test` runs this file's tests but those marked slow (`make test-vllm-slow` runs those).
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
 NUM_PROMPTS = 40
 MAX_TOKENS = 16
+NUM_SESSIONS = 80
+NUM_TURNS = 3
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +61,25 @@ def prompts() -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def expected(model: Path, prompts: list[Any]) -> list[list[int]]:
-    """Greedy tokens from one vLLM instance without disaggregation (closed before the PD instances start)."""
+def sessions() -> list[list[list[int]]]:
+    return make_sessions(NUM_SESSIONS, NUM_TURNS)
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, prompts: list[Any], sessions: list[list[list[int]]]) -> dict[str, Any]:
+    """Greedy tokens from one vLLM instance without disaggregation (closed before the PD instances start):
+    the prompts' and every session turn's."""
     llm = make_llm(model)
     try:
-        return tokens(llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False))
+        return {"prompts": tokens(llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)),
+                "sessions": session_answers(llm, sessions, MAX_TOKENS)}
     finally:
         close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def expected(reference: dict[str, Any]) -> list[list[int]]:
+    return reference["prompts"]
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +187,8 @@ def test_the_vllm_page_runs(model: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.fixture(scope="module")
-def proxy(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Two ``vllm serve`` processes (prefill, decode) and ``kvferry vllm-proxy`` in front: its URL."""
+def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Two ``vllm serve`` processes (prefill, decode) and ``kvferry vllm-proxy`` in front: their URLs."""
     ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
     logs = tmp_path_factory.mktemp("serve")
     commands = {"prefill": serve_command(model, ports["prefill"], "kv_producer"),
@@ -181,7 +201,7 @@ def proxy(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
     try:
         for name in commands:
             wait_healthy(f"http://127.0.0.1:{ports[name]}", list(procs.values()))
-        yield f"http://127.0.0.1:{ports['proxy']}"
+        yield {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     finally:
         for proc in procs.values():
             proc.terminate()
@@ -189,9 +209,11 @@ def proxy(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
             proc.wait(timeout=60)
 
 
-def test_online_through_two_servers_and_the_proxy(proxy: str, model: Path, prompts: list[Any],
+def test_online_through_two_servers_and_the_proxy(servers: dict[str, str], model: Path, prompts: list[Any],
                                                   expected: list[list[int]]) -> None:
     import aiohttp
+
+    proxy = servers["proxy"]
 
     async def complete(session: aiohttp.ClientSession, prompt: Any) -> dict[str, Any]:
         body = {"model": str(model), "prompt": prompt["prompt_token_ids"], "max_tokens": MAX_TOKENS,
@@ -221,3 +243,37 @@ def test_online_through_two_servers_and_the_proxy(proxy: str, model: Path, promp
     equal = sum(g == e for g, e in zip(got, expected))
     assert equal == len(prompts), f"{equal}/{len(prompts)} prompts decoded the same tokens as one instance"
     assert asyncio.run(streamed(prompts[0])) == expected[0]   # a streamed answer passes through the proxy
+
+
+def test_80_multi_turn_sessions_through_the_proxy(servers: dict[str, str], model: Path,
+                                                  sessions: list[list[list[int]]], reference: dict[str, Any]) -> None:
+    """The seed's load, online: 80 sessions at once, each turn's prompt the previous prompt, its answer and
+    new user tokens; every answer equals one instance's, and decode computed no prompt token itself."""
+    import aiohttp
+
+    async def run_session(http: aiohttp.ClientSession, session: list[list[int]]) -> list[list[int]]:
+        answers: list[list[int]] = []
+        for _turn in session:
+            body = {"model": str(model), "prompt": session_prompt(session, answers), "max_tokens": MAX_TOKENS,
+                    "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+            async with http.post(servers["proxy"] + "/v1/completions", json=body) as answer:
+                assert answer.status == 200, await answer.text()
+                answers.append((await answer.json())["choices"][0]["token_ids"])
+        return answers
+
+    async def all_sessions() -> list[list[list[int]]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+            return await asyncio.gather(*(run_session(http, s) for s in sessions))
+
+    source = "vllm:prompt_tokens_by_source_total"
+    local, external = (server_metric(servers["decode"], source, s) for s in ("local_compute", "external_kv_transfer"))
+    started = time.perf_counter()
+    got = asyncio.run(all_sessions())
+    elapsed = time.perf_counter() - started
+    equal = sum(g == e for answers, want in zip(got, reference["sessions"]) for g, e in zip(answers, want))
+    prompt_tokens = sum(len(session_prompt(s, a[:t])) for s, a in zip(sessions, got) for t in range(NUM_TURNS))
+    print(f"{NUM_SESSIONS} sessions x {NUM_TURNS} turns through the proxy in {elapsed:.1f} s: "
+          f"{equal}/{NUM_SESSIONS * NUM_TURNS} answers equal one instance's ({prompt_tokens} prompt tokens)")
+    assert equal == NUM_SESSIONS * NUM_TURNS
+    assert server_metric(servers["decode"], source, "external_kv_transfer") - external == prompt_tokens
+    assert server_metric(servers["decode"], source, "local_compute") - local == 0

@@ -109,7 +109,7 @@ def test_decode_blocks_receive_prefill_blocks(digest_mode: str) -> None:
     prefill = Instance("producer", kv_caches(64), digest_mode=digest_mode)
     decode = Instance("consumer", kv_caches(48, seed=None))
     try:
-        requests = {f"r{i}": (int(n), list(range(3 * i, 3 * i + 3)), [47 - 3 * i - j for j in range(3)])
+        requests = {f"r{i}": (int(n), list(range(3 * i + 1, 3 * i + 4)), [47 - 3 * i - j for j in range(3)])
                     for i, n in enumerate([70, 65, 90, 33])}
         for request_id, (num_tokens, src, dst) in requests.items():
             hand_over(prefill, decode, num_tokens, src, dst, request_id)

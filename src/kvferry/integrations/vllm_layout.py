@@ -24,17 +24,42 @@ from typing import Any
 from kvferry.errors import LayoutError
 from kvferry.layout import Buffer, KVMemory, Layout, Pool
 
-__all__ = ["GroupSpec", "memory_from_kv_caches", "num_blocks_for", "pool_name", "request_pages"]
+__all__ = ["NULL_BLOCK", "GroupSpec", "memory_from_kv_caches", "num_blocks_for", "pool_name", "request_pages"]
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
+NULL_BLOCK = 0   # vLLM's null block: a placeholder in block tables (e.g. before a sliding window), never data
+
+
 @dataclass(frozen=True, slots=True)
 class GroupSpec:
-    """One vLLM KV cache group: the layers sharing one block table, and the tokens per block."""
+    """One vLLM KV cache group: the layers sharing one block table, the tokens per block, and for a
+    sliding-window group the window (tokens a query attends to, itself included; None: full attention)."""
 
     layer_names: tuple[str, ...]
     block_size: int
+    sliding_window: int | None = None
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        """The first block decode reads: it recomputes the last prompt token (to sample from it), whose
+        window reaches back to token ``num_tokens - window``; full attention reads from block 0."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_tokens - self.sliding_window) // self.block_size
+
+    def first_kept_block(self, num_tokens: int) -> int:
+        """The first block vLLM still holds once ``num_tokens`` tokens are computed: it frees every block
+        wholly before the window of the *next* token, ``num_tokens - window + 1`` (single_type_kv_cache_manager)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_tokens - self.sliding_window + 1) // self.block_size
+
+    def transferable(self, num_tokens: int) -> bool:
+        """Whether prefill still holds every block decode needs. Not when the token decode's recomputed
+        last token reaches back to is the last token of a block prefill freed (one prompt length in
+        ``block_size``): vLLM's prefill frees for its next token, not for decode's recompute."""
+        return self.first_kept_block(num_tokens) <= self.first_needed_block(num_tokens)
 
 
 def pool_name(group: int) -> str:
@@ -49,10 +74,13 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 
 def request_pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec],
                   num_tokens: int) -> dict[str, list[int]]:
-    """A request's page list per pool: the blocks holding its first ``num_tokens`` tokens, in token order.
+    """A request's page list per pool: the blocks decode reads for its first ``num_tokens`` tokens, in
+    token order (all of them under full attention, the window's under a sliding window). Both sides
+    compute the same positions from ``num_tokens``, so the lists pair up page by page.
 
     ``block_ids[g]`` is the request's block table in group ``g`` (vLLM's ``KVCacheBlocks.get_block_ids()``).
-    Raises ``LayoutError`` when a group's table is shorter than the tokens need.
+    Raises ``LayoutError`` when a group's table is shorter than the tokens need, or holds vLLM's null block
+    where KV must be (a sliding-window block already freed).
     """
     if len(block_ids) != len(groups):
         raise LayoutError(f"{len(block_ids)} block tables for {len(groups)} KV cache groups")
@@ -62,7 +90,12 @@ def request_pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec
         if len(table) < need:
             raise LayoutError(f"{pool_name(index)}: {num_tokens} tokens need {need} blocks of "
                               f"{group.block_size} tokens, the block table has {len(table)}")
-        pages[pool_name(index)] = [int(b) for b in table[:need]]
+        first = group.first_needed_block(num_tokens)
+        blocks = [int(b) for b in table[first:need]]
+        if NULL_BLOCK in blocks:
+            raise LayoutError(f"{pool_name(index)}: block {first + blocks.index(NULL_BLOCK)} of {num_tokens} "
+                              f"tokens is vLLM's null block (freed), its KV is needed")
+        pages[pool_name(index)] = blocks
     return pages
 
 
