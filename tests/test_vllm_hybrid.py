@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
 
-from kvferry.integrations.vllm_layout import GroupSpec
+from kvferry.integrations.vllm_layout import HYBRID_POOL, GroupSpec
 
 from .vllm_pd import BLOCK_SIZE, close_llm, greedy, make_llm, metric, tokens
 
@@ -104,8 +104,9 @@ def test_a_sliding_window_model_moves_both_groups_and_decodes_the_same_tokens(
     assert [bool(p.get("kvferry_address")) for p in params] == [n in moved for n in LENGTHS]
     assert metric(decode, "vllm:prompt_tokens_by_source", "external_kv_transfer") - external == sum(moved)
     assert metric(decode, "vllm:prompt_tokens_by_source", "local_compute") - local == sum(kept_here)
-    # Both pools moved: the full-attention group every block under the prompt, the sliding window at most
-    # the blocks its window spans.
+    # One pool over the overlaid groups; per moved prompt, the full-attention group's every block under the
+    # prompt and the sliding window's blocks from its first needed one.
     writes = [json.loads(line) for line in record.read_text().splitlines()]
-    assert sum(w.get("group1", 0) for w in writes) == sum(-(-n // BLOCK_SIZE) for n in moved)
-    assert 0 < sum(w.get("group0", 0) for w in writes) <= len(moved) * (WINDOW // BLOCK_SIZE + 1)
+    assert {pool for w in writes for pool in w} == {HYBRID_POOL}
+    assert sum(w[HYBRID_POOL] for w in writes) == sum(2 * -(-n // BLOCK_SIZE) - sliding.first_needed_block(n)
+                                                      for n in moved)

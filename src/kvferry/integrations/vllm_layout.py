@@ -21,10 +21,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
+
 from kvferry.errors import LayoutError
 from kvferry.layout import Buffer, KVMemory, Layout, Pool
+from kvferry.layout.spec import MAX_NAME_LEN
 
-__all__ = ["NULL_BLOCK", "GroupSpec", "memory_from_kv_caches", "num_blocks_for", "pool_name", "request_pages"]
+__all__ = ["HYBRID_POOL", "NULL_BLOCK", "GroupSpec", "memory_from_kv_caches", "num_blocks_for", "pool_name",
+           "request_pages"]
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
@@ -62,8 +66,12 @@ class GroupSpec:
         return self.first_kept_block(num_tokens) <= self.first_needed_block(num_tokens)
 
 
+HYBRID_POOL = "blocks"
+
+
 def pool_name(group: int) -> str:
-    """The pool of KV cache group ``group``: pools are named by position, as vLLM's block tables are."""
+    """The pool of KV cache group ``group`` when there is one group: pools are named by position, as vLLM's
+    block tables are. Several groups share one pool, ``HYBRID_POOL`` (see ``memory_from_kv_caches``)."""
     return f"group{group}"
 
 
@@ -96,18 +104,28 @@ def request_pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec
             raise LayoutError(f"{pool_name(index)}: block {first + blocks.index(NULL_BLOCK)} of {num_tokens} "
                               f"tokens is vLLM's null block (freed), its KV is needed")
         pages[pool_name(index)] = blocks
+    if len(groups) > 1:   # one pool over the overlaid groups: a block id is owned by one group at a time
+        return {HYBRID_POOL: [block for blocks in pages.values() for block in blocks]}
     return pages
 
 
 def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSpec], num_blocks: int, *,
                           cache_dtype: str = "auto", kinds: Mapping[str, str] | None = None) -> KVMemory:
-    """Bind vLLM's per-layer KV tensors as a ``KVMemory``: a pool per group, a buffer per tensor.
+    """Bind vLLM's per-layer KV tensors as a ``KVMemory``: a buffer per tensor, a pool per group.
 
     A tensor is ``[num_blocks, ...]`` (one buffer named after the layer) or ``[2, num_blocks, ...]`` (K and
     V apart, as the CUDA flash-attention layout: two buffers ``<layer>.k`` and ``<layer>.v``). Anything
     else raises ``LayoutError`` naming the layer and shape. ``cache_dtype`` is vLLM's ``cache_dtype``
     (``"auto"``: the tensor's own dtype); ``kinds`` maps a layer to its buffer kind (default ``"kv"``).
+
+    Several groups (vLLM's hybrid KV cache manager): vLLM overlays them, the i-th layer of each group on
+    the same bytes, which is sound because one block pool serves every group and a block id is owned by
+    one group at a time. Overlapping buffers cannot be told apart, so each distinct tensor is one buffer
+    (named after the layers on it) of one pool, ``HYBRID_POOL``, indexed by block id; a request's pages
+    there are its blocks in every group (``request_pages``).
     """
+    if len(groups) > 1:
+        return _hybrid_memory(kv_caches, groups, num_blocks, cache_dtype, kinds or {})
     pools: list[Pool] = []
     arrays: dict[str, Any] = {}
     for index, group in enumerate(groups):
@@ -122,6 +140,45 @@ def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSp
                 arrays[name] = view
         pools.append(Pool(pool_name(index), buffers, tokens_per_page=group.block_size))
     return KVMemory.from_arrays(Layout(pools), arrays)
+
+
+def _hybrid_memory(kv_caches: Mapping[str, Any], groups: Sequence[GroupSpec], num_blocks: int, cache_dtype: str,
+                   kinds: Mapping[str, str]) -> KVMemory:
+    """One pool over the distinct tensors of several overlaid groups (see ``memory_from_kv_caches``)."""
+    block_sizes = sorted({group.block_size for group in groups})
+    if len(block_sizes) != 1:
+        raise LayoutError(f"KV cache groups with different block sizes {block_sizes}: not supported")
+    regions: dict[tuple[int, int], list[tuple[str, str, Any]]] = {}   # (address, bytes) -> (name, layer, view)
+    for index, group in enumerate(groups):
+        for layer in group.layer_names:
+            if layer not in kv_caches:
+                raise LayoutError(f"group {index}: layer {layer!r} has no registered KV tensor")
+            for name, view in _block_views(layer, kv_caches[layer], num_blocks):
+                regions.setdefault((_address(view), _nbytes(view)), []).append((name, layer, view))
+    buffers = []
+    arrays: dict[str, Any] = {}
+    for on_it in regions.values():
+        name = _joined([view_name for view_name, _, _ in on_it])
+        view = on_it[0][2]
+        kind = "+".join(dict.fromkeys(kinds.get(layer, "kv") for _, layer, _ in on_it))
+        buffers.append(Buffer(name, _nbytes(view) // num_blocks, num_blocks, _dtype(view, cache_dtype), kind,
+                              _layer_index(on_it[0][1])))
+        arrays[name] = view
+    return KVMemory.from_arrays(Layout([Pool(HYBRID_POOL, buffers, tokens_per_page=block_sizes[0])]), arrays)
+
+
+def _joined(names: Sequence[str]) -> str:
+    """A buffer's name from the layers on it; past the name limit, the first and a hash of all."""
+    joined = "+".join(names)
+    if len(joined) <= MAX_NAME_LEN:
+        return joined
+    return f"{names[0]}+{len(names) - 1}:{xxhash.xxh64_hexdigest(joined)}"
+
+
+def _address(tensor: Any) -> int:
+    if hasattr(tensor, "data_ptr"):
+        return int(tensor.data_ptr())   # torch
+    return int(tensor.__array_interface__["data"][0])   # numpy
 
 
 def _block_views(layer: str, tensor: Any, num_blocks: int) -> list[tuple[str, Any]]:
