@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from kvferry.errors import UsageError
+
 pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
 
 from .vllm_pd import (
@@ -47,7 +49,8 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
 NUM_PROMPTS = 40
 MAX_TOKENS = 16
 NUM_SESSIONS = 80
-NUM_TURNS = 3
+NUM_TURNS = 5
+PORTS = {name: free_port() for name in ("prefill", "decode", "proxy")}
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +131,7 @@ def test_a_page_corrupted_in_flight_fails_the_request_visibly(model: Path, decod
     assert reasons.count("error") == len(prompts), reasons
 
 
+@pytest.mark.slow
 def test_with_recompute_vllm_prefills_a_rejected_request_itself(model: Path, prompts: list[Any],
                                                                   expected: list[list[int]]) -> None:
     """kv_load_failure_policy="recompute": the same rejected KV, and decode computes the prompts itself."""
@@ -145,6 +149,7 @@ def test_with_recompute_vllm_prefills_a_rejected_request_itself(model: Path, pro
     assert recomputed > 0, "decode computed no prompt token itself: the corrupted KV was used"
 
 
+@pytest.mark.slow
 def test_without_digests_the_same_corruption_changes_tokens(model: Path, decode: Any, prompts: list[Any],
                                                             expected: list[list[int]]) -> None:
     """The control for the test above: the corruption is one the tokens show, so catching it matters."""
@@ -170,6 +175,7 @@ def test_another_block_size_is_refused_at_the_handshake(model: Path, decode: Any
     assert [out.outputs[0].finish_reason for out in outputs] == ["error"] * 4
 
 
+@pytest.mark.slow
 def test_the_vllm_page_runs(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/vllm.md's ```py blocks (its ```python blocks, which need no vLLM, run in test_docs)."""
     from vllm import LLM
@@ -186,27 +192,41 @@ def test_the_vllm_page_runs(model: Path, monkeypatch: pytest.MonkeyPatch) -> Non
                 close_llm(value)
 
 
-@pytest.fixture(scope="module")
-def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """Two ``vllm serve`` processes (prefill, decode) and ``kvferry vllm-proxy`` in front: their URLs."""
-    ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
+@pytest.fixture(scope="module", autouse=True)
+def booting(model: Path, request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, subprocess.Popen[bytes]] | None]:
+    """Two ``vllm serve`` processes (prefill, decode) and ``kvferry vllm-proxy`` in front, started with the
+    module (when a selected test needs them) so that they boot while the offline tests run: on 2 cores
+    an instance's start is mostly one busy core."""
+    if not any("servers" in item.fixturenames for item in request.session.items):
+        yield None
+        return
     logs = tmp_path_factory.mktemp("serve")
-    commands = {"prefill": serve_command(model, ports["prefill"], "kv_producer"),
-                "decode": serve_command(model, ports["decode"], "kv_consumer"),
-                "proxy": [sys.executable, "-m", "kvferry", "vllm-proxy", "--port", str(ports["proxy"]),
-                          "--prefill", f"http://127.0.0.1:{ports['prefill']}",
-                          "--decode", f"http://127.0.0.1:{ports['decode']}"]}
+    commands = {"prefill": serve_command(model, PORTS["prefill"], "kv_producer"),
+                "decode": serve_command(model, PORTS["decode"], "kv_consumer"),
+                "proxy": [sys.executable, "-m", "kvferry", "vllm-proxy", "--port", str(PORTS["proxy"]),
+                          "--prefill", f"http://127.0.0.1:{PORTS['prefill']}",
+                          "--decode", f"http://127.0.0.1:{PORTS['decode']}"]}
     procs = {name: subprocess.Popen(cmd, stdout=(logs / f"{name}.log").open("wb"), stderr=subprocess.STDOUT)
              for name, cmd in commands.items()}
     try:
-        for name in commands:
-            wait_healthy(f"http://127.0.0.1:{ports[name]}", list(procs.values()))
-        yield {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
+        yield procs
     finally:
         for proc in procs.values():
             proc.terminate()
         for proc in procs.values():
             proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def servers(booting: dict[str, subprocess.Popen[bytes]] | None) -> dict[str, str]:
+    """The URLs of the two servers and the proxy, once all three answer ``/health``."""
+    if booting is None:
+        raise UsageError("the servers did not start: no selected test asked for them")
+    urls = {name: f"http://127.0.0.1:{port}" for name, port in PORTS.items()}
+    for url in urls.values():
+        wait_healthy(url, list(booting.values()))
+    return urls
 
 
 def test_online_through_two_servers_and_the_proxy(servers: dict[str, str], model: Path, prompts: list[Any],

@@ -22,7 +22,8 @@ from kvferry.integrations.vllm_layout import HYBRID_POOL, GroupSpec
 
 from .vllm_pd import BLOCK_SIZE, close_llm, greedy, make_llm, metric, tokens
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+# Three more vLLM instances: marked slow, out of `make test` (make test-vllm-slow).
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 WINDOW = 64
 MAX_TOKENS = 16
