@@ -297,3 +297,15 @@ def test_80_multi_turn_sessions_through_the_proxy(servers: dict[str, str], model
     assert equal == NUM_SESSIONS * NUM_TURNS
     assert server_metric(servers["decode"], source, "external_kv_transfer") - external == prompt_tokens
     assert server_metric(servers["decode"], source, "local_compute") - local == 0
+
+
+@pytest.mark.slow
+def test_the_connector_bench_against_nixlconnector_runs(tmp_path: Path) -> None:
+    """bench/vllm_connectors.py, small: kvferry's connector and vLLM's NixlConnector on the same prompts; the
+    bench exits non-zero when a token differs from one plain instance's (bench/RESULTS.md has a full run)."""
+    bench = Path(__file__).resolve().parents[1] / "bench" / "vllm_connectors.py"
+    out = tmp_path / "out.json"
+    subprocess.run([sys.executable, str(bench), "--requests", "4", "--json", str(out)], check=True, timeout=600)
+    results = json.loads(out.read_text())
+    assert {name: {conc: row["equal"] for conc, row in rows.items()} for name, rows in results.items()} == {
+        "kvferry": {"1": 4, "4": 4}, "nixl": {"1": 4, "4": 4}}

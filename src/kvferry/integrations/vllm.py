@@ -181,23 +181,38 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
 
 def _groups(kv_cache_config: KVCacheConfig) -> tuple[GroupSpec, ...]:
     """One GroupSpec per vLLM KV cache group. Attention groups only: full attention (every prompt block
-    moves) and sliding window (the window's blocks move). Other kinds (Mamba state, chunked local
-    attention, ...) keep KV of another shape and lifetime, which kvferry does not map yet."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
+    moves) and sliding window (the window's blocks move). Other kinds (Mamba state, chunked local or
+    middle-gap windows, ...) keep KV of another shape or lifetime, which kvferry does not map yet."""
     groups = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
-        if isinstance(spec, SlidingWindowSpec):
-            window: int | None = int(spec.sliding_window)
-        elif type(spec) is FullAttentionSpec:
-            window = None
-        else:
+        window = _window(spec)
+        if window == -1:
             raise UsageError(f"kvferry connector: KV cache group {index} is {type(spec).__name__} "
                              f"(layers {list(group.layer_names)}); only full and sliding-window attention are "
                              "supported")
         groups.append(GroupSpec(tuple(group.layer_names), int(spec.block_size), window))
     return tuple(groups)
+
+
+def _window(spec: Any) -> int | None:
+    """A group spec's sliding window; None for full attention; -1 for a kind kvferry does not map."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    if type(spec) in (SlidingWindowSpec, SlidingWindowMLASpec):
+        return int(spec.sliding_window)
+    if type(spec) in (FullAttentionSpec, MLAAttentionSpec):   # exact: subclasses change which blocks live
+        return None
+    if isinstance(spec, UniformTypeKVCacheSpecs):   # full-attention layers of different sizes, one table
+        windows = {_window(inner) for inner in spec.kv_cache_specs.values()}
+        return windows.pop() if len(windows) == 1 else -1
+    return -1
 
 
 def _kinds(vllm_config: VllmConfig, kv_caches: dict[str, Any], groups: tuple[GroupSpec, ...]) -> dict[str, str]:
