@@ -67,8 +67,9 @@ class KVFerryHandshake(KVConnectorHandshakeMetadata):
 class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
     """kvferry's vLLM connector. Each hook's contract is vLLM's (``KVConnectorBase_V1``); what it does here
     is one call into the scheduler-side or worker-side half. ``SupportsHMA``: vLLM keeps its hybrid KV cache
-    manager on, so a model with full-attention and sliding-window layers has a KV cache group (a kvferry
-    pool) per kind, and vLLM calls ``request_finished_all_groups`` with every group's blocks."""
+    manager on, so a model with full-attention and sliding-window layers has a KV cache group per kind
+    (overlaid in memory: one kvferry pool, see ``vllm_layout``), and vLLM calls
+    ``request_finished_all_groups`` with every group's blocks."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)

@@ -4,7 +4,9 @@ Part of the integrations layer, above ``layout`` and below ``vllm_worker``. vLLM
 tensor per attention layer (``register_kv_caches``) and, per KV cache group, one block table per request.
 Block ``j`` of a request holds tokens ``[j * block_size, (j + 1) * block_size)``, so a request's block ids
 *are* its page list. Each layer's tensor becomes its own ``Buffer`` with its own page size and page count,
-read off the tensor itself; each group becomes a ``Pool`` whose page index is the group's block id.
+read off the tensor itself; a single group becomes a ``Pool`` whose page index is the group's block id.
+Several groups (hybrid models: full attention beside sliding windows) share one pool, because vLLM lays
+them over the same memory (``memory_from_kv_caches``); a sliding-window group moves only its window's blocks.
 
 Pages are whole blocks. What a block holds inside depends on the attention kernel (the CPU fp32 kernel
 stores each head's K transposed, then its V), so slicing tokens or heads out of a block by the tensor's
