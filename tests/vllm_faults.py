@@ -6,6 +6,8 @@ the adapter tests in the default suite use it too.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import numpy as np
@@ -44,3 +46,17 @@ def first_page_flip(side: str) -> Transport:
 def first_page_flip_local(side: str) -> Transport:
     """In one process (the adapter tests)."""
     return FirstPageFlip(make_transport("local"))
+
+
+def recording_nixl(side: str) -> Transport:
+    """NIXL, plus one JSON line per write in ``$KVFERRY_VLLM_RECORD``: pool -> pages written. The hybrid
+    test reads it to see that every KV cache group's pool moved pages (the engines run in other processes)."""
+    from kvferry.transport.nixl import NixlTransport  # here: the default suite imports this module
+
+    class RecordingNixl(NixlTransport):
+        def write(self, plan: Any, peer: str, notif: bytes, label: str = "") -> Any:
+            with open(os.environ["KVFERRY_VLLM_RECORD"], "a") as record:
+                record.write(json.dumps({p.pool: len(p.dst_pages) for p in plan.pools}) + "\n")
+            return super().write(plan, peer, notif, label)
+
+    return RecordingNixl()

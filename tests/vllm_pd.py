@@ -57,6 +57,34 @@ def make_prompts(num_prompts: int, seed: int = 0) -> list[TokensPrompt]:
     return [TokensPrompt(prompt_token_ids=rng.integers(3, 1000, n).tolist()) for n in lengths]
 
 
+def make_sessions(num_sessions: int, num_turns: int, seed: int = 1) -> list[list[list[int]]]:
+    """Multi-turn chat sessions as token ids: per session, its first prompt (16-200 tokens), then the
+    tokens each later turn's user adds (8-64). A turn's prompt is the previous turn's prompt, the answer
+    to it, and the user's new tokens (``session_prompt``)."""
+    rng = np.random.default_rng(seed)
+    return [[rng.integers(3, 1000, int(rng.integers(16, 200))).tolist()]
+            + [rng.integers(3, 1000, int(rng.integers(8, 64))).tolist() for _ in range(num_turns - 1)]
+            for _ in range(num_sessions)]
+
+
+def session_prompt(session: Sequence[Sequence[int]], answers: Sequence[Sequence[int]]) -> list[int]:
+    """The prompt of turn ``len(answers)``: every earlier turn's user tokens and answer, then this turn's."""
+    prompt: list[int] = []
+    for user, answer in zip(session, answers):
+        prompt += [*user, *answer]
+    return prompt + list(session[len(answers)])
+
+
+def session_answers(llm: LLM, sessions: Sequence[Sequence[Sequence[int]]], max_tokens: int) -> list[list[list[int]]]:
+    """Every session's answers from one instance, turn by turn (a turn of all sessions in one batch)."""
+    answers: list[list[list[int]]] = [[] for _ in sessions]
+    for _turn in range(len(sessions[0])):
+        prompts = [TokensPrompt(prompt_token_ids=session_prompt(s, a)) for s, a in zip(sessions, answers)]
+        for done, got in zip(answers, tokens(llm.generate(prompts, greedy(max_tokens), use_tqdm=False))):
+            done.append(got)
+    return answers
+
+
 def make_llm(model: Path, role: str | None = None, extra: dict[str, Any] | None = None, *,
              on_load_failure: str = "fail", **overrides: Any) -> LLM:
     args: dict[str, Any] = dict(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
@@ -96,6 +124,14 @@ def tokens(outputs: Sequence[Any]) -> list[list[int]]:
 def metric(llm: LLM, name: str, source: str) -> float:
     """A counter of the instance's Prometheus metrics, by its ``source`` label."""
     return sum(m.value for m in llm.get_metrics() if m.name == name and m.labels.get("source") == source)
+
+
+def server_metric(url: str, name: str, source: str) -> float:
+    """A counter of a ``vllm serve`` process's ``/metrics``, by its ``source`` label."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and f'source="{source}"' in line)
 
 
 def free_port() -> int:

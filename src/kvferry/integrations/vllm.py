@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvferry.errors import UsageError
@@ -63,9 +64,12 @@ class KVFerryHandshake(KVConnectorHandshakeMetadata):
     address: str | None
 
 
-class KVFerryConnector(KVConnectorBase_V1):
+class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
     """kvferry's vLLM connector. Each hook's contract is vLLM's (``KVConnectorBase_V1``); what it does here
-    is one call into the scheduler-side or worker-side half."""
+    is one call into the scheduler-side or worker-side half. ``SupportsHMA``: vLLM keeps its hybrid KV cache
+    manager on, so a model with full-attention and sliding-window layers has a KV cache group per kind
+    (overlaid in memory: one kvferry pool, see ``vllm_layout``), and vLLM calls
+    ``request_finished_all_groups`` with every group's blocks."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -86,7 +90,8 @@ class KVFerryConnector(KVConnectorBase_V1):
         """Called once, after vLLM allocated its KV cache: bind it and start this worker's endpoints."""
         cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
         memory = memory_from_kv_caches(kv_caches, self._groups, self._kv_cache_config.num_blocks,
-                                       cache_dtype=cache_dtype, kinds=_kinds(self._vllm_config, kv_caches))
+                                       cache_dtype=cache_dtype,
+                                       kinds=_kinds(self._vllm_config, kv_caches, self._groups))
         self._worker = WorkerSide(self._config, memory)
         log.info("kvferry: %s registered %d buffers in %d pools (%.1f MiB), prefill address %s",
                  self._config.role, len(memory.layout.buffers), len(memory.layout.pools),
@@ -111,7 +116,7 @@ class KVFerryConnector(KVConnectorBase_V1):
         return   # sends are asynchronous; their blocks stay held until get_transfer_results reports them
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        if not self._worker is not None:
+        if self._worker is None:
             raise UsageError('kvferry connector: a worker-side hook was called on the scheduler-side instance')
         sending, recving, failed = self._worker.results()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
@@ -133,7 +138,7 @@ class KVFerryConnector(KVConnectorBase_V1):
             self._scheduler.address = handshake.address
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self._scheduler is not None:
+        if self._scheduler is None:
             raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
         return self._scheduler.matched_tokens(request.request_id, request.num_prompt_tokens,
                                               request.kv_transfer_params, num_computed_tokens)
@@ -142,30 +147,33 @@ class KVFerryConnector(KVConnectorBase_V1):
         return tuple(range(len(self._groups)))   # a transfer fills the request's blocks in every group
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if not self._scheduler is not None:
+        if self._scheduler is None:
             raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
         self._scheduler.after_alloc(request.request_id, request.kv_transfer_params, blocks.get_block_ids(),
                                     num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        if not self._scheduler is not None:
+        if self._scheduler is None:
             raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
         return KVFerryMetadata(self._scheduler.take_plan())
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if not self._scheduler is not None:
+        if self._scheduler is None:
             raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
         self._scheduler.on_worker_output(tuple(connector_output.finished_sending or ()),
                                          tuple(connector_output.finished_recving or ()))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))   # vLLM calls it only without HMA
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
-        if not self._scheduler is not None:
-
+        if self._scheduler is None:
             raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
         completed = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-        return self._scheduler.finished(request.request_id, request.kv_transfer_params, (block_ids,),
+        return self._scheduler.finished(request.request_id, request.kv_transfer_params, block_ids,
                                         request.num_computed_tokens, completed)
 
     def has_pending_push_work(self) -> bool:
@@ -173,26 +181,55 @@ class KVFerryConnector(KVConnectorBase_V1):
 
 
 def _groups(kv_cache_config: KVCacheConfig) -> tuple[GroupSpec, ...]:
-    groups = tuple(GroupSpec(tuple(g.layer_names), int(g.kv_cache_spec.block_size))
-                   for g in kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        # vLLM turns the hybrid allocator off for connectors without SupportsHMA, so this means a model
-        # whose groups cannot be merged: not supported yet.
-        raise UsageError(f"kvferry connector: {len(groups)} KV cache groups; one is supported so far")
-    return groups
+    """One GroupSpec per vLLM KV cache group. Attention groups only: full attention (every prompt block
+    moves) and sliding window (the window's blocks move). Other kinds (Mamba state, chunked local or
+    middle-gap windows, ...) keep KV of another shape or lifetime, which kvferry does not map yet."""
+    groups = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        window = _window(spec)
+        if window == -1:
+            raise UsageError(f"kvferry connector: KV cache group {index} is {type(spec).__name__} "
+                             f"(layers {list(group.layer_names)}); only full and sliding-window attention are "
+                             "supported")
+        groups.append(GroupSpec(tuple(group.layer_names), int(spec.block_size), window))
+    return tuple(groups)
 
 
-def _kinds(vllm_config: VllmConfig, kv_caches: dict[str, Any]) -> dict[str, str]:
-    """Each layer's buffer kind: ``kv/<attention backend>[/<CPU ISA>]``. What a block holds depends on the
-    kernel, so two instances on different kernels must not exchange blocks: the handshake compares kinds."""
+def _window(spec: Any) -> int | None:
+    """A group spec's sliding window; None for full attention; -1 for a kind kvferry does not map."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    if type(spec) in (SlidingWindowSpec, SlidingWindowMLASpec):
+        return int(spec.sliding_window)
+    if type(spec) in (FullAttentionSpec, MLAAttentionSpec):   # exact: subclasses change which blocks live
+        return None
+    if isinstance(spec, UniformTypeKVCacheSpecs):   # full-attention layers of different sizes, one table
+        windows = {_window(inner) for inner in spec.kv_cache_specs.values()}
+        return windows.pop() if len(windows) == 1 else -1
+    return -1
+
+
+def _kinds(vllm_config: VllmConfig, kv_caches: dict[str, Any], groups: tuple[GroupSpec, ...]) -> dict[str, str]:
+    """Each layer's buffer kind: ``kv/<attention backend>[/<CPU ISA>][/window<W>]``. What a block holds
+    depends on the kernel, and which blocks move on the window, so two instances that differ in either must
+    not exchange blocks: the handshake compares kinds."""
     import torch
 
     isa = ""
     if any(t.device.type == "cpu" for t in kv_caches.values()):
         isa = "/" + str(torch.backends.cpu.get_cpu_capability())
     context = vllm_config.compilation_config.static_forward_context
+    windows = {layer: group.sliding_window for group in groups for layer in group.layer_names}
     kinds: dict[str, str] = {}
     for layer in kv_caches:
         backend = getattr(getattr(context.get(layer), "attn_backend", None), "get_name", lambda: "unknown")()
-        kinds[layer] = f"kv/{backend}{isa}"
+        window = f"/window{windows[layer]}" if windows.get(layer) is not None else ""   # compared too
+        kinds[layer] = f"kv/{backend}{isa}{window}"
     return kinds

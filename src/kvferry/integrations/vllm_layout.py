@@ -4,7 +4,9 @@ Part of the integrations layer, above ``layout`` and below ``vllm_worker``. vLLM
 tensor per attention layer (``register_kv_caches``) and, per KV cache group, one block table per request.
 Block ``j`` of a request holds tokens ``[j * block_size, (j + 1) * block_size)``, so a request's block ids
 *are* its page list. Each layer's tensor becomes its own ``Buffer`` with its own page size and page count,
-read off the tensor itself; each group becomes a ``Pool`` whose page index is the group's block id.
+read off the tensor itself; a single group becomes a ``Pool`` whose page index is the group's block id.
+Several groups (hybrid models: full attention beside sliding windows) share one pool, because vLLM lays
+them over the same memory (``memory_from_kv_caches``); a sliding-window group moves only its window's blocks.
 
 Pages are whole blocks. What a block holds inside depends on the attention kernel (the CPU fp32 kernel
 stores each head's K transposed, then its V), so slicing tokens or heads out of a block by the tensor's
@@ -21,24 +23,57 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
+
 from kvferry.errors import LayoutError
 from kvferry.layout import Buffer, KVMemory, Layout, Pool
+from kvferry.layout.spec import MAX_NAME_LEN
 
-__all__ = ["GroupSpec", "memory_from_kv_caches", "num_blocks_for", "pool_name", "request_pages"]
+__all__ = ["HYBRID_POOL", "NULL_BLOCK", "GroupSpec", "memory_from_kv_caches", "num_blocks_for", "pool_name",
+           "request_pages"]
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
+NULL_BLOCK = 0   # vLLM's null block: a placeholder in block tables (e.g. before a sliding window), never data
+
+
 @dataclass(frozen=True, slots=True)
 class GroupSpec:
-    """One vLLM KV cache group: the layers sharing one block table, and the tokens per block."""
+    """One vLLM KV cache group: the layers sharing one block table, the tokens per block, and for a
+    sliding-window group the window (tokens a query attends to, itself included; None: full attention)."""
 
     layer_names: tuple[str, ...]
     block_size: int
+    sliding_window: int | None = None
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        """The first block decode reads: it recomputes the last prompt token (to sample from it), whose
+        window reaches back to token ``num_tokens - window``; full attention reads from block 0."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_tokens - self.sliding_window) // self.block_size
+
+    def first_kept_block(self, num_tokens: int) -> int:
+        """The first block vLLM still holds once ``num_tokens`` tokens are computed: it frees every block
+        wholly before the window of the *next* token, ``num_tokens - window + 1`` (single_type_kv_cache_manager)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_tokens - self.sliding_window + 1) // self.block_size
+
+    def transferable(self, num_tokens: int) -> bool:
+        """Whether prefill still holds every block decode needs. Not when the token decode's recomputed
+        last token reaches back to is the last token of a block prefill freed (one prompt length in
+        ``block_size``): vLLM's prefill frees for its next token, not for decode's recompute."""
+        return self.first_kept_block(num_tokens) <= self.first_needed_block(num_tokens)
+
+
+HYBRID_POOL = "blocks"
 
 
 def pool_name(group: int) -> str:
-    """The pool of KV cache group ``group``: pools are named by position, as vLLM's block tables are."""
+    """The pool of KV cache group ``group`` when there is one group: pools are named by position, as vLLM's
+    block tables are. Several groups share one pool, ``HYBRID_POOL`` (see ``memory_from_kv_caches``)."""
     return f"group{group}"
 
 
@@ -49,10 +84,13 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 
 def request_pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec],
                   num_tokens: int) -> dict[str, list[int]]:
-    """A request's page list per pool: the blocks holding its first ``num_tokens`` tokens, in token order.
+    """A request's page list per pool: the blocks decode reads for its first ``num_tokens`` tokens, in
+    token order (all of them under full attention, the window's under a sliding window). Both sides
+    compute the same positions from ``num_tokens``, so the lists pair up page by page.
 
     ``block_ids[g]`` is the request's block table in group ``g`` (vLLM's ``KVCacheBlocks.get_block_ids()``).
-    Raises ``LayoutError`` when a group's table is shorter than the tokens need.
+    Raises ``LayoutError`` when a group's table is shorter than the tokens need, or holds vLLM's null block
+    where KV must be (a sliding-window block already freed).
     """
     if len(block_ids) != len(groups):
         raise LayoutError(f"{len(block_ids)} block tables for {len(groups)} KV cache groups")
@@ -62,19 +100,34 @@ def request_pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec
         if len(table) < need:
             raise LayoutError(f"{pool_name(index)}: {num_tokens} tokens need {need} blocks of "
                               f"{group.block_size} tokens, the block table has {len(table)}")
-        pages[pool_name(index)] = [int(b) for b in table[:need]]
+        first = group.first_needed_block(num_tokens)
+        blocks = [int(b) for b in table[first:need]]
+        if NULL_BLOCK in blocks:
+            raise LayoutError(f"{pool_name(index)}: block {first + blocks.index(NULL_BLOCK)} of {num_tokens} "
+                              f"tokens is vLLM's null block (freed), its KV is needed")
+        pages[pool_name(index)] = blocks
+    if len(groups) > 1:   # one pool over the overlaid groups: a block id is owned by one group at a time
+        return {HYBRID_POOL: [block for blocks in pages.values() for block in blocks]}
     return pages
 
 
 def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSpec], num_blocks: int, *,
                           cache_dtype: str = "auto", kinds: Mapping[str, str] | None = None) -> KVMemory:
-    """Bind vLLM's per-layer KV tensors as a ``KVMemory``: a pool per group, a buffer per tensor.
+    """Bind vLLM's per-layer KV tensors as a ``KVMemory``: a buffer per tensor, a pool per group.
 
     A tensor is ``[num_blocks, ...]`` (one buffer named after the layer) or ``[2, num_blocks, ...]`` (K and
     V apart, as the CUDA flash-attention layout: two buffers ``<layer>.k`` and ``<layer>.v``). Anything
     else raises ``LayoutError`` naming the layer and shape. ``cache_dtype`` is vLLM's ``cache_dtype``
     (``"auto"``: the tensor's own dtype); ``kinds`` maps a layer to its buffer kind (default ``"kv"``).
+
+    Several groups (vLLM's hybrid KV cache manager): vLLM overlays them, the i-th layer of each group on
+    the same bytes, which is sound because one block pool serves every group and a block id is owned by
+    one group at a time. Overlapping buffers cannot be told apart, so each distinct tensor is one buffer
+    (named after the layers on it) of one pool, ``HYBRID_POOL``, indexed by block id; a request's pages
+    there are its blocks in every group (``request_pages``).
     """
+    if len(groups) > 1:
+        return _hybrid_memory(kv_caches, groups, num_blocks, cache_dtype, kinds or {})
     pools: list[Pool] = []
     arrays: dict[str, Any] = {}
     for index, group in enumerate(groups):
@@ -89,6 +142,45 @@ def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSp
                 arrays[name] = view
         pools.append(Pool(pool_name(index), buffers, tokens_per_page=group.block_size))
     return KVMemory.from_arrays(Layout(pools), arrays)
+
+
+def _hybrid_memory(kv_caches: Mapping[str, Any], groups: Sequence[GroupSpec], num_blocks: int, cache_dtype: str,
+                   kinds: Mapping[str, str]) -> KVMemory:
+    """One pool over the distinct tensors of several overlaid groups (see ``memory_from_kv_caches``)."""
+    block_sizes = sorted({group.block_size for group in groups})
+    if len(block_sizes) != 1:
+        raise LayoutError(f"KV cache groups with different block sizes {block_sizes}: not supported")
+    regions: dict[tuple[int, int], list[tuple[str, str, Any]]] = {}   # (address, bytes) -> (name, layer, view)
+    for index, group in enumerate(groups):
+        for layer in group.layer_names:
+            if layer not in kv_caches:
+                raise LayoutError(f"group {index}: layer {layer!r} has no registered KV tensor")
+            for name, view in _block_views(layer, kv_caches[layer], num_blocks):
+                regions.setdefault((_address(view), _nbytes(view)), []).append((name, layer, view))
+    buffers = []
+    arrays: dict[str, Any] = {}
+    for on_it in regions.values():
+        name = _joined([view_name for view_name, _, _ in on_it])
+        view = on_it[0][2]
+        kind = "+".join(dict.fromkeys(kinds.get(layer, "kv") for _, layer, _ in on_it))
+        buffers.append(Buffer(name, _nbytes(view) // num_blocks, num_blocks, _dtype(view, cache_dtype), kind,
+                              _layer_index(on_it[0][1])))
+        arrays[name] = view
+    return KVMemory.from_arrays(Layout([Pool(HYBRID_POOL, buffers, tokens_per_page=block_sizes[0])]), arrays)
+
+
+def _joined(names: Sequence[str]) -> str:
+    """A buffer's name from the layers on it; past the name limit, the first and a hash of all."""
+    joined = "+".join(names)
+    if len(joined) <= MAX_NAME_LEN:
+        return joined
+    return f"{names[0]}+{len(names) - 1}:{xxhash.xxh64_hexdigest(joined)}"
+
+
+def _address(tensor: Any) -> int:
+    if hasattr(tensor, "data_ptr"):
+        return int(tensor.data_ptr())   # torch
+    return int(tensor.__array_interface__["data"][0])   # numpy
 
 
 def _block_views(layer: str, tensor: Any, num_blocks: int) -> list[tuple[str, Any]]:

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvferry.errors import UsageError
+from kvferry.errors import LayoutError, UsageError
 from kvferry.integrations.vllm_layout import GroupSpec, request_pages
 
 __all__ = ["RecvSpec", "SchedulerSide", "SendSpec", "StepPlan", "transfer_params"]
@@ -32,6 +32,7 @@ __all__ = ["RecvSpec", "SchedulerSide", "SendSpec", "StepPlan", "transfer_params
 ADDRESS_KEY = "kvferry_address"
 TRANSFER_ID_KEY = "kvferry_request_id"
 NUM_TOKENS_KEY = "remote_num_tokens"
+SKIPPED_KEY = "kvferry_not_sent"   # why prefill sent nothing (decode then prefills the request itself)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,7 @@ class StepPlan:
     sends: tuple[SendSpec, ...] = ()
     recvs: tuple[RecvSpec, ...] = ()
     aborts: tuple[str, ...] = ()   # decode request ids whose transfer must stop (vLLM aborted them)
+    failures: tuple[tuple[str, str], ...] = ()   # decode (request id, why): KV promised to vLLM, cannot come
 
 
 def transfer_params(address: str, transfer_id: str, num_tokens: int) -> dict[str, Any]:
@@ -77,6 +79,7 @@ class SchedulerSide:
     _sends: list[SendSpec] = field(default_factory=list)
     _recvs: list[RecvSpec] = field(default_factory=list)
     _aborts: list[str] = field(default_factory=list)
+    _failures: list[tuple[str, str]] = field(default_factory=list)
     _loading: set[str] = field(default_factory=set)     # decode: announce staged, not yet reported back
     _holding: set[str] = field(default_factory=set)     # blocks vLLM keeps until the worker reports them
     _taken: set[str] = field(default_factory=set)       # decode: KV already asked for, never twice
@@ -90,10 +93,12 @@ class SchedulerSide:
         is then prefilled here, and prefill releases its blocks at its request deadline."""
         if not _wants_remote_prefill(params) or request_id in self._taken:
             return 0, False   # asked once: a preempted request recomputes here, prefill's copy is gone
-        if not params is not None:
+        if params is None:
             raise UsageError('kvferry connector: the request carries no kvferry transfer parameters')
         if num_computed_tokens > 0 or int(params.get(NUM_TOKENS_KEY, -1)) != num_prompt_tokens:
             return 0, False
+        if not all(group.transferable(num_prompt_tokens) for group in self.groups):
+            return 0, False   # prefill freed a sliding-window block decode needs (see GroupSpec.transferable)
         return num_prompt_tokens, True
 
     def after_alloc(self, request_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[Sequence[int]],
@@ -101,12 +106,16 @@ class SchedulerSide:
         """vLLM's ``update_state_after_alloc``: stage the announce of decode's blocks for the worker."""
         if num_external_tokens <= 0 or not _wants_remote_prefill(params) or request_id in self._taken:
             return
-        if not params is not None:
+        if params is None:
             raise UsageError('kvferry connector: the request carries no kvferry transfer parameters')
-        pages = request_pages(block_ids, self.groups, num_external_tokens)
-        self._recvs.append(RecvSpec(request_id, str(params[TRANSFER_ID_KEY]), str(params[ADDRESS_KEY]), pages))
         self._loading.add(request_id)
         self._taken.add(request_id)
+        try:
+            pages = request_pages(block_ids, self.groups, num_external_tokens)
+        except LayoutError as exc:   # vLLM waits for this KV now: the worker reports it failed
+            self._failures.append((request_id, str(exc)))
+            return
+        self._recvs.append(RecvSpec(request_id, str(params[TRANSFER_ID_KEY]), str(params[ADDRESS_KEY]), pages))
 
     # -- both ------------------------------------------------------------------------------------------
     def finished(self, request_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[Sequence[int]],
@@ -124,15 +133,20 @@ class SchedulerSide:
             return True, None
         if not params or not params.get("do_remote_decode") or not completed or self.address is None:
             return False, None
-        pages = request_pages(block_ids, self.groups, num_computed_tokens)
+        try:
+            if not all(group.transferable(num_computed_tokens) for group in self.groups):
+                raise LayoutError(f"a sliding window's first block is freed at {num_computed_tokens} tokens")
+            pages = request_pages(block_ids, self.groups, num_computed_tokens)
+        except LayoutError as exc:   # nothing to send: decode, finding no address, prefills the request
+            return False, {"do_remote_prefill": False, "do_remote_decode": False, SKIPPED_KEY: str(exc)}
         self._sends.append(SendSpec(request_id, pages))
         self._holding.add(request_id)
         return True, transfer_params(self.address, request_id, num_computed_tokens)
 
     def take_plan(self) -> StepPlan:
         """vLLM's ``build_connector_meta``: what was staged since the last step, handed over once."""
-        plan = StepPlan(tuple(self._sends), tuple(self._recvs), tuple(self._aborts))
-        self._sends, self._recvs, self._aborts = [], [], []
+        plan = StepPlan(tuple(self._sends), tuple(self._recvs), tuple(self._aborts), tuple(self._failures))
+        self._sends, self._recvs, self._aborts, self._failures = [], [], [], []
         return plan
 
     def on_worker_output(self, finished_sending: Sequence[str], finished_recving: Sequence[str]) -> None:
@@ -143,7 +157,7 @@ class SchedulerSide:
 
     def has_pending_work(self) -> bool:
         """Whether vLLM must keep stepping: staged work, or blocks held for a transfer still in flight."""
-        return bool(self._sends or self._recvs or self._aborts or self._holding)
+        return bool(self._sends or self._recvs or self._aborts or self._failures or self._holding)
 
 
 def _wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
-from kvferry.errors import HandshakeError, IncompatiblePeer, KVFerryError, UsageError
+from kvferry.errors import HandshakeError, IncompatiblePeer, KVFerryError, LayoutError, UsageError
 from kvferry.integrations.vllm_scheduler import RecvSpec, SendSpec, StepPlan
 from kvferry.layout import KVMemory
 from kvferry.transport import Transport, make_transport
@@ -119,6 +119,8 @@ class WorkerSide:
             self._announce(recv)
         for request_id in plan.aborts:   # after the announces: a request may be staged and aborted in one step
             self._abort(request_id)
+        for request_id, why in plan.failures:   # nothing announced, nothing leased: report at the next results
+            self._failed_now[request_id] = LayoutError(why)
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` since the last call, as vLLM's
@@ -148,7 +150,7 @@ class WorkerSide:
 
     # -- prefill ---------------------------------------------------------------------------------------
     def _send(self, send: SendSpec) -> None:
-        if not self.prefill is not None:
+        if self.prefill is None:
             raise UsageError('a send staged on an instance without a prefill endpoint')
         try:
             self.prefill.send(send.request_id, send.pages)
@@ -162,7 +164,7 @@ class WorkerSide:
         """Whether vLLM may free the request's blocks: no write of it can still read them. DONE means
         decode verified every write. FAILED may leave a posted write unsettled, and the endpoint counts
         unsettled writes only in total, so a failed request's blocks wait until none is in flight."""
-        if not self.prefill is not None:
+        if self.prefill is None:
             raise UsageError('kvferry connector: this instance has no prefill endpoint (see kv_role)')
         state = self.prefill.poll(request_id)
         if state is RequestState.DONE:
@@ -174,7 +176,7 @@ class WorkerSide:
 
     # -- decode ----------------------------------------------------------------------------------------
     def _announce(self, recv: RecvSpec) -> None:
-        if not self.decode is not None:
+        if self.decode is None:
             raise UsageError('a receive staged on an instance without a decode endpoint')
         try:
             self._connect(recv.address)
@@ -185,7 +187,7 @@ class WorkerSide:
         self._recving[recv.request_id] = recv
 
     def _connect(self, address: str) -> None:
-        if not self.decode is not None:
+        if self.decode is None:
             raise UsageError('kvferry connector: this instance has no decode endpoint (see kv_role)')
         if address in self.decode.peers:
             return
@@ -201,7 +203,7 @@ class WorkerSide:
     def _received(self, recv: RecvSpec) -> bool | None:
         """True: arrived and verified. False: failed and no write can land any more (its blocks are
         zeroed). None: not yet."""
-        if not self.decode is not None:
+        if self.decode is None:
             raise UsageError('kvferry connector: this instance has no decode endpoint (see kv_role)')
         state = self.decode.poll(recv.transfer_id)
         if state is RequestState.DONE:
@@ -216,7 +218,7 @@ class WorkerSide:
         """Zero a failed receive's blocks. vLLM may recompute the request into them, and its attention
         reads whole blocks, masking slots past the prompt: a NaN left there by bad bytes survives the mask
         (NaN x 0 is NaN) and turns the recomputed request's tokens to garbage. Safe now: no write can land."""
-        if not self.decode is not None:
+        if self.decode is None:
             raise UsageError('kvferry connector: this instance has no decode endpoint (see kv_role)')
         memory = self.decode.memory
         for pool, pages in recv.pages.items():
