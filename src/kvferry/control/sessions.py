@@ -43,6 +43,9 @@ class Session:
         # Set when this process sent it nothing for longer than peer_timeout (a stall): decode has declared
         # us dead, so nothing more is posted, and the session ends once the frames already queued are read.
         self.suspect = False
+        # The transfer mode agreed at the handshake, and decode's peer_timeout (pull mode's source hold).
+        self.mode = hello.mode
+        self.peer_timeout = hello.peer_timeout
 
     @property
     def label(self) -> str:

@@ -354,16 +354,55 @@ class NixlTransport(Transport):
         self._handles.add(handle)
         return handle
 
-    def _make_xfer(self, plan: Plan, state: _Peer, notif: bytes) -> Any:
+    def read(self, plan: Plan, peer: str, label: str = "") -> NixlHandle:
+        """Post ``plan`` as one NIXL READ from ``peer`` into this side's memory; see ``Transport.read``.
+
+        Refuses (``TransportError``) before posting when the plan's source is not the peer's memory as its
+        metadata describes it, its destination not this side's, or any row leaves a registered region. No
+        notification is sent: the handle alone says when every byte has landed here.
+        """
+        state = self._peer(peer)
+        self._check_read_plan(plan, state, label)
+        if plan.num_descriptors == 0:
+            return self._track(NixlHandle(self, None, peer, label, done=True))
+        what = f"read {label!r}"
+        try:
+            xfer = self._make_xfer(plan, state, b"", op="READ")
+        except Exception as exc:
+            if not _is_backend_error(exc):
+                raise
+            raise _translate(exc, "", what, peer) from exc
+        return self._post(xfer, peer, label, what)
+
+    def _post(self, xfer: Any, peer: str, label: str, what: str) -> NixlHandle:
+        try:
+            status = self._agent.transfer(xfer)
+        except Exception as exc:
+            xfer.release()
+            if not _is_backend_error(exc):
+                raise
+            raise _translate(exc, "", what, peer) from exc
+        if status == "ERR":
+            xfer.release()
+            raise _translate(None, status, what, peer)
+        return self._track(NixlHandle(self, xfer, peer, label, done=status == "DONE"))
+
+    def _make_xfer(self, plan: Plan, state: _Peer, notif: bytes, op: str = "WRITE") -> Any:
+        """A NIXL transfer of ``plan``'s rows. WRITE: local source, remote destination; READ: the plan's
+        source is the peer's (remote) memory and its destination local, so the roles of the rows swap."""
         agent = self._agent
         if self.descriptors == "dlist":
             # NIXL copies the rows into its own lists, so the reused buffer is free again on return.
             src_rows, dst_rows = self._rows.rows(plan)
-            src = agent.get_xfer_descs(src_rows, self._mem_type)
-            dst = agent.get_xfer_descs(dst_rows, state.mem_type)
-            return agent.initialize_xfer("WRITE", src, dst, state.name, notif)
+            if op == "READ":
+                src_rows, dst_rows = dst_rows, src_rows
+            local = agent.get_xfer_descs(src_rows, self._mem_type)
+            remote = agent.get_xfer_descs(dst_rows, state.mem_type)
+            return agent.initialize_xfer(op, local, remote, state.name, notif)
         src_idx, dst_idx = plan.page_selectors()
-        return agent.make_prepped_xfer("WRITE", self._local_list(), src_idx.astype(np.int32),
+        if op == "READ":
+            src_idx, dst_idx = dst_idx, src_idx
+        return agent.make_prepped_xfer(op, self._local_list(), src_idx.astype(np.int32),
                                        self._remote_list(state), dst_idx.astype(np.int32), notif)
 
     def _local_list(self) -> Any:
@@ -438,6 +477,18 @@ class NixlTransport(Transport):
             raise TransportError(f"write {label!r}: the plan's destination is not peer {state.name!r}'s "
                                  f"memory as its metadata describes it (stale manifest?)")
         check_plan_in_regions(plan, self._memory, state.memory, state.name, label,
+                              selectors=self.descriptors == "prepped")
+
+    def _check_read_plan(self, plan: Plan, state: _Peer, label: str) -> None:
+        if self._memory is None:
+            raise TransportError("register memory before reading")
+        if not _same_binding(plan.dst_memory, self._memory):
+            raise TransportError(f"read {label!r}: the plan's destination is not this transport's memory")
+        if not _same_binding(plan.src_memory, state.memory):
+            raise TransportError(f"read {label!r}: the plan's source is not peer {state.name!r}'s memory as its "
+                                 f"metadata describes it (stale manifest?)")
+        # Remote rows against the peer's regions as its metadata describes them, local rows against ours.
+        check_plan_in_regions(plan, state.memory, self._memory, state.name, label,
                               selectors=self.descriptors == "prepped")
 
     def _track(self, handle: NixlHandle) -> NixlHandle:
