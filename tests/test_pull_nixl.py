@@ -17,8 +17,11 @@ from kvferry.control import DecodeEndpoint, PrefillEndpoint
 from kvferry.errors import RequestFailed
 
 from .control_peer import announce, fill, make_layout, snapshot, verify, wait_all, workload
-from .test_control_nixl import OPTS, SEED, Peer, _idle, _until, peers  # noqa: F401 (peers: a fixture)
+from . import test_control_nixl
+from .test_control_nixl import OPTS, SEED, Peer, _idle, _until
 from .test_fencing import PAGES_A, SRC_A, _holds
+
+peers = test_control_nixl.peers   # the fixture that ends every peer process a test started
 
 pytest.importorskip("nixl")
 pytest.importorskip("kvferry.transport.nixl")
