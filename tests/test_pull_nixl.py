@@ -16,8 +16,8 @@ from kvferry import KVMemory, ModeMismatch, PeerLost
 from kvferry.control import DecodeEndpoint, PrefillEndpoint
 from kvferry.errors import RequestFailed
 
-from .control_peer import announce, fill, make_layout, snapshot, verify, wait_all, workload
 from . import test_control_nixl
+from .control_peer import announce, fill, make_layout, snapshot, verify, wait_all, workload
 from .test_control_nixl import OPTS, SEED, Peer, _idle, _until
 from .test_fencing import PAGES_A, SRC_A, _holds
 
