@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvferry import KVMemory, ModeMismatch, PeerLost
-from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
+from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState, wire
 from kvferry.errors import IntegrityError, RequestFailed, TransportError, UsageError
 from kvferry.plan import TransferPlan, plan_transfer
 from kvferry.transport import LocalTransport
@@ -277,3 +277,51 @@ def _hold_lock(ep: Any, seconds: float) -> None:
     """Stall ``ep``'s progress thread: hold the endpoint's lock, as a GC pause or SIGSTOP would."""
     with ep._lock:
         time.sleep(seconds)
+
+
+class StallingReader(LocalTransport):
+    """Decode's transport whose first read sleeps ``stall`` seconds before copying: decode's progress thread
+    stalls exactly between its last check (link current) and the read, holding its own lock."""
+
+    def __init__(self, stall: float) -> None:
+        super().__init__()
+        self.stall = stall
+        self.stalled = threading.Event()
+
+    def read(self, plan: TransferPlan, peer: str, label: str = "") -> LocalHandle:
+        if not self.stalled.is_set():
+            self.stalled.set()
+            time.sleep(self.stall)
+        return super().read(plan, peer, label)
+
+
+def test_stalled_reader_accepts_nothing_prefill_released() -> None:
+    """The late reader: decode stalls between its check and its read for longer than prefill's source hold
+    after the session's death. Prefill releases, its engine reuses the source pages, decode then copies the
+    new bytes, and its fence (not digests: they are off here) refuses them; the request is never DONE."""
+    opts = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.5, lease_grace=0.2, request_timeout=30.0)
+    src, dst = _memory("prefill", 7), _memory("decode", 999)
+    reader = StallingReader(stall=2 * 0.5 + 0.2 + 0.5 + 1.0)   # death (0.5 s) + hold (1.2 s) + a margin
+    with PrefillEndpoint(src, "local", options=opts, mode="pull", digest_mode="off") as prefill, \
+            DecodeEndpoint(dst, reader, options=opts, mode="pull", digest_mode="off") as decode:
+        decode.connect(prefill.address)
+        send = prefill._send
+        # Prefill's Bye would tell decode at once; drop it, so that only decode's own fence stands between
+        # the reused bytes and a DONE (a Bye can be lost: a connection cut, a relay).
+        prefill._send = lambda session, msg: None if isinstance(msg, wire.Bye) else send(session, msg)
+        decode.announce("a", PAGES_A)
+        prefill.send("a", SRC_A)
+        assert reader.stalled.wait(5)
+        with pytest.raises(RequestFailed) as info:
+            prefill.wait("a", 5)                               # decode silent: prefill declares it dead
+        assert isinstance(info.value.__cause__, PeerLost)
+        _until(lambda: not prefill.holds_source("a"), reader.stall)
+        for pool in src.layout.pools:                        # the engine reuses the released pages
+            for buf in pool.buffers:
+                src.array(buf.name)[SRC_A[pool.name]] ^= 0xFF
+        with pytest.raises(RequestFailed) as info:
+            decode.wait("a", 10)
+        assert isinstance(info.value.__cause__, PeerLost), info.value.__cause__
+        assert "stalled" in str(info.value.__cause__)
+        _until(lambda: not decode.holds_lease("a"), 2)
+    reader.close()
