@@ -320,7 +320,7 @@ class ChaosSupervisor:
             endpoint_quarantined_pages_peak=t.endpoint_quarantine_peak, faults=dict(t.faults),
             fault_log=tuple(t.fault_log), restarts=dict(t.restarts), side_errors=tuple(t.side_errors),
             options={"peer_timeout_s": float(wl.peer_timeout_s or 0), "lease_grace_s": float(wl.lease_grace_s or 0),
-                     "request_timeout_s": wl.request_timeout_s},
+                     "request_timeout_s": wl.request_timeout_s, "mode": wl.mode},
             error=self.error, extra={"final": final, "failure_examples": dict(t.examples)},
         )
 
