@@ -224,7 +224,7 @@ def run_control(args: argparse.Namespace, digest: str, transfer: str = "push") -
             for rid, slot in list(live):
                 start, end = decode.timing(rid)
                 if end is not None:
-                    decode.wait(rid, 0)               # raises if it failed: a failure is never counted
+                    decode.wait(rid, 5)               # ended: returns at once, or raises if it failed
                     lat.append(end - start)
                     live.remove((rid, slot))
                     free.append(slot)
