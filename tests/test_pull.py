@@ -325,3 +325,33 @@ def test_stalled_reader_accepts_nothing_prefill_released() -> None:
         assert "stalled" in str(info.value.__cause__)
         _until(lambda: not decode.holds_lease("a"), 2)
     reader.close()
+
+
+@pytest.mark.parametrize(("pages", "needle"), [
+    ({"main": np.array([0, 1, 2, 399])}, r"source page 399 is out of range"),   # valid for main.kv, not main.idx
+    ({"main": np.array([0, 1, 2, 3, 4, 5])}, r"chunk 0 covers positions 0..5, lease has 4"),
+])
+def test_a_bad_ready_fails_the_request_and_reads_nothing(pages: dict[str, np.ndarray], needle: str) -> None:
+    """A Ready is untrusted input: source pages outside prefill's layout, or more pages than the lease,
+    fail the request on both sides before anything is read."""
+    src, dst = _memories()
+    before = snapshot(dst)
+    with PrefillEndpoint(src, "local", options=OPTS, mode="pull") as prefill, \
+            DecodeEndpoint(dst, "local", options=OPTS, mode="pull") as decode:
+        decode.connect(prefill.address)
+        send = prefill._send
+
+        def forge(session: Any, msg: Any) -> None:
+            if isinstance(msg, wire.Ready):
+                msg = wire.Ready(msg.request_id, msg.generation, msg.chunk, msg.last, msg.num_chunks,
+                                 wire.encode_pages(pages), msg.offsets, msg.buffers, msg.digests)
+            send(session, msg)
+
+        prefill._send = forge
+        decode.announce("a", {"main": PAGES_A["main"]})
+        prefill.send("a", {"main": SRC_A["main"]})
+        for ep in (decode, prefill):
+            with pytest.raises(RequestFailed, match=needle):
+                ep.wait("a", 5)
+        _until(lambda: not decode.holds_lease("a") and not prefill.holds_source("a"))
+    assert all(np.array_equal(dst.array(k), v) for k, v in before.items())

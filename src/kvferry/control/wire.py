@@ -72,6 +72,7 @@ Mac = Annotated[bytes, msgspec.Meta(max_length=64)]
 Gen = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
 Mode = Annotated[str, msgspec.Meta(max_length=16)]
+Timeout = Annotated[float, msgspec.Meta(gt=0, le=1e9)]   # any EndpointOptions.peer_timeout
 PageBytes = Annotated[bytes, msgspec.Meta(max_length=MAX_PAGES_BYTES)]
 Pages = Annotated[dict[Annotated[str, msgspec.Meta(max_length=256)], PageBytes], msgspec.Meta(max_length=MAX_POOLS)]
 
@@ -97,7 +98,7 @@ class Hello(_Msg):
     digest_mode: Id             # the strongest digest mode wins between the two sides
     heartbeat_interval: Seconds
     mode: Mode = "push"         # the transfer mode decode asks for; prefill refuses one it does not accept
-    peer_timeout: Seconds = 5.0  # decode's: in pull mode prefill holds a dead session's sources for longer
+    peer_timeout: Timeout = 5.0  # decode's: in pull mode prefill holds a dead session's sources for longer
 
 
 class Challenge(_Msg):
@@ -121,7 +122,7 @@ class Welcome(_Msg):
     pid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)] = 0
     started: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0
     mode: Mode = "push"          # the mode agreed: decode refuses a Welcome naming another than it asked
-    peer_timeout: Seconds = 5.0  # prefill's: decode's pull-mode fence uses the shorter of the two
+    peer_timeout: Timeout = 5.0  # prefill's: decode's pull-mode fence uses the shorter of the two
 
 
 class Reject(_Msg):
