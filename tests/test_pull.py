@@ -355,3 +355,45 @@ def test_a_bad_ready_fails_the_request_and_reads_nothing(pages: dict[str, np.nda
                 ep.wait("a", 5)
         _until(lambda: not decode.holds_lease("a") and not prefill.holds_source("a"))
     assert all(np.array_equal(dst.array(k), v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_randomized_mix_of_modes_and_aborts(seed: int) -> None:
+    """One decode, a push prefill and a pull prefill; each request goes to one of them and is completed,
+    aborted by decode or aborted by prefill after its first chunk, at random. Every DONE request holds its
+    source bytes; at the end no lease, no quarantine, no source hold and no handle is left."""
+    import random
+
+    rng = random.Random(seed)
+    src_push, src_pull, dst = _memory("prefill", SEED), _memory("prefill", SEED), _memory("decode", 999)
+    reqs = workload(48, seed=seed)
+    with PrefillEndpoint(src_push, "local", options=OPTS) as pusher, \
+            PrefillEndpoint(src_pull, "local", options=OPTS, mode="pull") as puller, \
+            DecodeEndpoint(dst, "local", options=OPTS) as decode:
+        decode.connect(pusher.address)
+        decode.connect(puller.address, mode="pull")
+        fates: dict[str, str] = {}
+        for req in reqs:
+            prefill = rng.choice([pusher, puller])
+            fate = rng.choices(["done", "decode", "prefill"], weights=[3, 1, 1])[0]
+            if fate == "prefill" and len(req.sends) == 1:
+                fate = "decode"   # sent in one go: an aborted request sends nothing, prefill never hears of it
+            fates[req.rid] = fate
+            decode.announce(req.rid, req.dst, peer=prefill.address)
+            sends = req.sends if fate == "done" else req.sends[:1]
+            for s in sends:
+                if s is req.sends[-1] and fate != "done":
+                    break   # an aborted request never gets its last chunk
+                prefill.send(req.rid, s["pages"], offset=s["offset"], last=s["last"], buffers=s["buffers"])
+            if fate != "done":
+                (decode if fate == "decode" else prefill).abort(req.rid, "random abort")
+        results = wait_all(decode, [r.rid for r in reqs], 20)
+        for req in reqs:
+            if fates[req.rid] == "done":
+                assert results[req.rid] == "done", results[req.rid]
+                assert _holds(dst, src_push, req.dst, req.src), req.rid
+            else:
+                assert f"aborted by {fates[req.rid]}: random abort" in results[req.rid], results[req.rid]
+        _until(lambda: decode.num_live_leases == 0 and decode.num_quarantined_pages == 0, 5)
+        _until(lambda: not any(p.holds_source(r.rid) for p in (pusher, puller) for r in reqs), 5)
+        _assert_idle(pusher, puller, decode)

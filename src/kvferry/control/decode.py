@@ -688,7 +688,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
         self._changed = True
 
     def _shutdown_step(self) -> bool:
-        for rec in self._by_gen.values():
+        for rec in list(self._by_gen.values()):  # a pull request's lease may end as it fails
             self._fail_req(rec, KVFerryError("decode endpoint closing"), "decode closing")
         waiting = any(p.link.state == "established" and not p.settled
                       for r in self._by_gen.values() for p in r.parts.values())
