@@ -25,7 +25,15 @@ from kvferry.control.digests import verify_chunk
 from kvferry.control.links import Link
 from kvferry.control.pull import fence_s, welcome_mismatch
 from kvferry.control.states import RequestState
-from kvferry.errors import KVFerryError, LayoutError, PeerLost, PlanError, ProtocolError, TransportError
+from kvferry.errors import (
+    HandshakeError,
+    KVFerryError,
+    LayoutError,
+    PeerLost,
+    PlanError,
+    ProtocolError,
+    TransportError,
+)
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
 from kvferry.plan.pages import validate_pages
@@ -66,8 +74,8 @@ class PullReader:
             return None
         try:
             link.remote = KVMemory.from_manifest(msg.manifest)
-        except LayoutError as exc:  # check_welcome read it already; kept for the type checker's sake
-            return PlanError(f"prefill {link.address} sent a bad manifest: {exc}")
+        except LayoutError as exc:  # check_welcome read it already: unreachable unless that changes
+            return HandshakeError(f"prefill {link.address} sent a bad manifest: {exc}")
         opts = self.options
         link.fence_s = fence_s(opts.peer_timeout, msg.peer_timeout, opts.heartbeat_interval)
         link.expired = False
