@@ -95,7 +95,8 @@ def verdict(result: ChaosResult) -> str:
     if result.ok:
         return (f"PASS: {faults} faults in {result.duration_s:g} s; {result.requests_done} requests done, "
                 f"{result.requests_failed} failed; {result.pages_verified + result.pages_rechecked} page checks, "
-                f"0 bytes wrong, 0 leases leaked")
+                f"0 bytes wrong, 0 leases leaked"
+                + (", 0 source holds left" if result.options.get("mode") == "pull" else ""))
     parts = []
     if result.error:
         parts.append(f"run error: {result.error}")
@@ -108,6 +109,10 @@ def verdict(result: ChaosResult) -> str:
         parts.append("decode never reported after the drain (leases unknown)")
     if result.requests_done == 0:
         parts.append("no request completed")
+    if result.source_holds_left:
+        parts.append(f"{result.source_holds_left} source holds still held after the drain (pull mode)")
+    if result.source_holds_left is None:
+        parts.append("prefill never reported its source holds after the drain")
     return "FAIL: " + "; ".join(parts)
 
 
@@ -135,6 +140,8 @@ def _summary(r: ChaosResult) -> Table:
         ("bytes wrong anywhere", r.bytes_wrong),
         ("leases leaked after drain", "unknown" if r.leaked_leases is None else r.leaked_leases),
         ("pages quarantined at peak", r.quarantined_pages_peak),
+        ("source holds at peak / left after drain",
+         f"{r.source_holds_peak} / {'unknown' if r.source_holds_left is None else r.source_holds_left}"),
         ("restarts", ", ".join(f"{k} {v}" for k, v in r.restarts.items()) or "0"),
     ]
     rows += [(f"  failed: {kind}", count) for kind, count in r.failures.items()]

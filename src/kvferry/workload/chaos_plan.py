@@ -141,7 +141,8 @@ class RequestStream:
 
 @dataclass(frozen=True)
 class ChaosResult:
-    """What a chaos run did and found. ``ok``: no byte wrong anywhere, no lease leaked, the run ran.
+    """What a chaos run did and found. ``ok``: no byte wrong anywhere, no lease leaked, no source hold left
+    (pull mode), the run ran.
 
     ``bytes_wrong`` counts bytes that differed from what their page's owner (a request decode reported
     done) must hold: when the request completed, when its page was next reused, and at the end of the run
@@ -175,11 +176,15 @@ class ChaosResult:
     options: dict[str, Any]   # peer_timeout_s, lease_grace_s, request_timeout_s, mode
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # Pull mode: prefill's source holds (requests whose pages decode may still read) at the peak, and
+    # still held after the drain plus one hold period (None: prefill never reported after the drain).
+    source_holds_peak: int = 0
+    source_holds_left: int | None = 0
 
     @property
     def ok(self) -> bool:
         return (self.error is None and self.bytes_wrong == 0 and self.leaked_leases == 0
-                and self.requests_done > 0)
+                and self.requests_done > 0 and self.source_holds_left == 0)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "fault_log": list(self.fault_log), "side_errors": list(self.side_errors),
