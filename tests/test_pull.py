@@ -367,9 +367,11 @@ def test_randomized_mix_of_modes_and_aborts(seed: int) -> None:
     rng = random.Random(seed)
     src_push, src_pull, dst = _memory("prefill", SEED), _memory("prefill", SEED), _memory("decode", 999)
     reqs = workload(48, seed=seed)
-    with PrefillEndpoint(src_push, "local", options=OPTS) as pusher, \
-            PrefillEndpoint(src_pull, "local", options=OPTS, mode="pull") as puller, \
-            DecodeEndpoint(dst, "local", options=OPTS) as decode:
+    # Liveness is not under test here: a peer_timeout a loaded 2-core box cannot trip by accident.
+    opts = EndpointOptions(heartbeat_interval=0.2, peer_timeout=5.0, lease_grace=0.4, request_timeout=20.0)
+    with PrefillEndpoint(src_push, "local", options=opts) as pusher, \
+            PrefillEndpoint(src_pull, "local", options=opts, mode="pull") as puller, \
+            DecodeEndpoint(dst, "local", options=opts) as decode:
         decode.connect(pusher.address)
         decode.connect(puller.address, mode="pull")
         fates: dict[str, str] = {}
@@ -397,3 +399,18 @@ def test_randomized_mix_of_modes_and_aborts(seed: int) -> None:
         _until(lambda: decode.num_live_leases == 0 and decode.num_quarantined_pages == 0, 5)
         _until(lambda: not any(p.holds_source(r.rid) for p in (pusher, puller) for r in reqs), 5)
         _assert_idle(pusher, puller, decode)
+
+
+def test_pull_across_tp_sizes_is_refused_by_name() -> None:
+    """Pull mode is built for equal TP sizes: a decode rank of another TP size asking for it is refused at
+    the handshake, naming both TP sizes (push mode serves the same pair)."""
+    from .netns_peer import rank_memory
+    from .tp_endpoint_peer import small_model
+
+    full = small_model("head")
+    with PrefillEndpoint(rank_memory(full, 2, 0, None), "local", options=OPTS, mode=("push", "pull")) as p0, \
+            DecodeEndpoint(rank_memory(full, 1, 0, None), "local", options=OPTS, mode="pull") as decode:
+        with pytest.raises(ModeMismatch, match=r"pull mode is built for equal TP sizes only \(prefill TP 2, "
+                                               r"decode TP 1\)"):
+            decode.connect(p0.address, timeout=5)
+        assert decode.peers == [] and p0.peers == []

@@ -43,7 +43,7 @@ from kvferry.control.prefill_requests import (
     make_spec,
     num_decode_ranks,
 )
-from kvferry.control.pull import DEFAULT_MODE, accepted_modes, mode_refusal
+from kvferry.control.pull import DEFAULT_MODE, MODE_REFUSAL, accepted_modes, mode_refusal
 from kvferry.control.pull_source import PullSource
 from kvferry.control.sessions import Session, drop_half_open
 from kvferry.control.states import RequestState
@@ -534,8 +534,8 @@ class PrefillEndpoint(EndpointBase, PullSource):
             return mode_refusal(session.label, session.mode, self.modes)
         if session.mode == "pull" and session.planner is not None:
             decode_tp = session.remote.layout.tp_size if session.remote is not None else "?"
-            return (f"{session.label}: pull mode is built for equal TP sizes only (prefill TP "
-                    f"{self.memory.layout.tp_size}, decode TP {decode_tp}); connect in push mode")
+            return (f"{MODE_REFUSAL} 'pull' refused: {session.label}: pull mode is built for equal TP sizes "
+                    f"only (prefill TP {self.memory.layout.tp_size}, decode TP {decode_tp}); connect in push mode")
         return None
 
     def _reject(self, identity: bytes, reason: str) -> None:

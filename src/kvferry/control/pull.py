@@ -24,8 +24,8 @@ MODES = ("push", "pull")
 # Push stays the default: it needs no source hold on prefill, one message fewer per chunk, and every
 # engine integration was built and measured on it (bench/RESULTS.md compares the two).
 DEFAULT_MODE = "push"
-# Prefill's Reject reason for a mode it does not accept starts with this, so decode can name the error.
-MODE_REFUSAL = "transfer mode differs"
+# Prefill's Reject reasons about the mode start with this, so decode can raise ModeMismatch for them.
+MODE_REFUSAL = "transfer mode"
 
 
 def check_mode(mode: str) -> str:
@@ -45,7 +45,7 @@ def accepted_modes(modes: str | Iterable[str]) -> frozenset[str]:
 
 def mode_refusal(decode: str, asked: str, accepted: frozenset[str]) -> str:
     """Prefill's Reject reason: names the decode, the mode it asked for and the modes accepted here."""
-    return (f"{MODE_REFUSAL}: {decode} asked for {asked!r}, this prefill accepts "
+    return (f"{MODE_REFUSAL} differs: {decode} asked for {asked!r}, this prefill accepts "
             f"{sorted(accepted)} (choose the mode with DecodeEndpoint(mode=...) or connect(mode=...))")
 
 
