@@ -414,3 +414,27 @@ def test_pull_across_tp_sizes_is_refused_by_name() -> None:
                                                r"decode TP 1\)"):
             decode.connect(p0.address, timeout=5)
         assert decode.peers == [] and p0.peers == []
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_deadline_on_either_side_ends_the_lease_and_the_source_hold(side: str) -> None:
+    """Half a request is offered and read, the rest never comes: the side with the short request_timeout
+    fails it, the other follows, decode's lease and prefill's source hold both end, no quarantine."""
+    src, dst = _memories()
+    short = EndpointOptions(heartbeat_interval=0.1, peer_timeout=5.0, request_timeout=0.5)
+    long = EndpointOptions(heartbeat_interval=0.1, peer_timeout=5.0, request_timeout=30.0)
+    req = workload(3, seed=6)[1]                               # sent in two chunks
+    with PrefillEndpoint(src, "local", options=short if side == "prefill" else long, mode="pull") as prefill, \
+            DecodeEndpoint(dst, "local", options=short if side == "decode" else long, mode="pull") as decode:
+        decode.connect(prefill.address)
+        decode.announce(req.rid, req.dst)
+        prefill.send(req.rid, **_first_chunk(req))
+        _until(lambda: decode.poll(req.rid) is RequestState.TRANSFERRING)
+        for ep in (decode, prefill):
+            with pytest.raises(RequestFailed) as info:
+                ep.wait(req.rid, 5)
+            text = str(info.value)
+            assert "not done within 0.5 s" in text or "decode deadline passed" in text, text
+        _until(lambda: not decode.holds_lease(req.rid) and not prefill.holds_source(req.rid), 2)
+        assert decode.peak_quarantined_pages == 0
+        _assert_idle(prefill, decode)
