@@ -154,6 +154,12 @@ def test_unknown_mode_is_a_usage_error() -> None:
         DecodeEndpoint(dst, "local", mode="carrier-pigeon")
     with pytest.raises(UsageError, match="at least one transfer mode"):
         PrefillEndpoint(src, "local", mode=())
+    tight = EndpointOptions(heartbeat_interval=0.4, peer_timeout=1.0)   # fence 0.6 s: heartbeats would trip it
+    with pytest.raises(UsageError, match=r"pull mode needs peer_timeout >= 3 x heartbeat_interval"):
+        DecodeEndpoint(dst, "local", mode="pull", options=tight)
+    with DecodeEndpoint(dst, "local", options=tight) as decode, \
+            pytest.raises(UsageError, match=r"peer_timeout 1 s, heartbeat_interval 0.4 s"):
+        decode.connect("tcp://127.0.0.1:9", mode="pull")
 
 
 def test_states_and_source_hold(pulling: tuple[PrefillEndpoint, DecodeEndpoint]) -> None:

@@ -34,7 +34,7 @@ from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions, R
 from kvferry.control.leases import LeaseTable
 from kvferry.control.links import Link, pick_links
 from kvferry.control.liveness import ProcessIdentity
-from kvferry.control.pull import DEFAULT_MODE, check_mode, is_mode_refusal
+from kvferry.control.pull import DEFAULT_MODE, check_mode, check_pull_options, is_mode_refusal
 from kvferry.control.pull_reader import PullReader
 from kvferry.control.quarantine import Quarantine, writer_gone
 from kvferry.control.states import RequestState
@@ -77,8 +77,11 @@ class DecodeEndpoint(EndpointBase, PullReader):
     def __init__(self, memory: KVMemory, transport: str | Transport = "nixl", *,
                  secret: str | bytes | None = None, digest_mode: Any = "sampled",
                  options: EndpointOptions | None = None, mode: str = DEFAULT_MODE) -> None:
+        if check_mode(mode) == "pull":
+            opts = options or EndpointOptions()
+            check_pull_options(opts.peer_timeout, opts.heartbeat_interval)
         super().__init__(memory, transport, digest_mode=digest_mode, options=options)
-        self.mode = check_mode(mode)
+        self.mode = mode
         self._reading: set[DecodeRequest] = set()   # pull mode: requests with reads in flight
         self._secret = as_secret(secret)
         self._leases = LeaseTable(memory.layout)
@@ -109,6 +112,8 @@ class DecodeEndpoint(EndpointBase, PullReader):
         """
         timeout = self.options.handshake_timeout if timeout is None else timeout
         mode = self.mode if mode is None else check_mode(mode)
+        if mode == "pull":
+            check_pull_options(self.options.peer_timeout, self.options.heartbeat_interval)
         deadline = time.monotonic() + timeout
         with self._bounded_lock(deadline, address):
             self._check_open()

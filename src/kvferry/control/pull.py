@@ -17,8 +17,8 @@ from collections.abc import Iterable
 
 from kvferry.errors import ModeMismatch, UsageError
 
-__all__ = ["DEFAULT_MODE", "MODES", "MODE_REFUSAL", "accepted_modes", "check_mode", "fence_s", "is_mode_refusal",
-           "mode_refusal", "source_hold_s"]
+__all__ = ["DEFAULT_MODE", "MODES", "MODE_REFUSAL", "accepted_modes", "check_mode", "check_pull_options", "fence_s",
+           "is_mode_refusal", "mode_refusal", "source_hold_s"]
 
 MODES = ("push", "pull")
 # Push stays the default: it needs no source hold on prefill, one message fewer per chunk, and every
@@ -33,6 +33,15 @@ def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise UsageError(f"transfer mode must be one of {list(MODES)}, got {mode!r}")
     return mode
+
+
+def check_pull_options(peer_timeout: float, heartbeat_interval: float) -> None:
+    """Pull mode's fence is ``peer_timeout - heartbeat_interval`` of silence from decode; heartbeats must fit
+    in it with room to spare, or a healthy link trips it. ``UsageError`` otherwise."""
+    if peer_timeout < 3 * heartbeat_interval:
+        raise UsageError(f"pull mode needs peer_timeout >= 3 x heartbeat_interval (its fence is peer_timeout - "
+                         f"heartbeat_interval), got peer_timeout {peer_timeout:g} s, heartbeat_interval "
+                         f"{heartbeat_interval:g} s")
 
 
 def accepted_modes(modes: str | Iterable[str]) -> frozenset[str]:
