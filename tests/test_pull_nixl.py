@@ -120,3 +120,28 @@ def test_sigstopped_prefill_writes_nothing_into_reused_pages(peers: list[Peer]) 
         _until(lambda: p1("holds")["total"] == 0, 3 * OPTS.peer_timeout + OPTS.lease_grace + 2)
         assert _holds(decode.memory, src2, PAGES_A, SRC_A)
         _until(lambda: _idle(decode), 5)
+
+
+def test_killed_decode_releases_the_source_holds_at_once(peers: list[Peer]) -> None:
+    """Decode (a process) has read the first chunks of 16 requests when it is SIGKILLed: prefill declares
+    the session dead after peer_timeout and, decode's process being certainly gone on this host, releases
+    every source hold then, not a hold period (2 x peer_timeout + lease_grace) later."""
+    from .control_peer import run_prefill
+
+    src = KVMemory.allocate(make_layout("prefill"))
+    fill(src, SEED)
+    with PrefillEndpoint(src, "nixl", options=OPTS, mode="pull") as prefill:
+        decode = Peer("decode", mode="pull")
+        peers.append(decode)
+        decode("connect", address=prefill.address)
+        decode("announce", n=24, seed=25)
+        reqs = workload(24, seed=25)
+        run_prefill(prefill, reqs, hold_last=True)      # first chunks offered and read; last ones held back
+        _until(lambda: prefill.counters()["source_holds"] == 16, 10)
+        decode.kill()
+        t0 = time.monotonic()
+        _until(lambda: prefill.counters()["source_holds"] == 0, 10)
+        released = time.monotonic() - t0
+        assert released < OPTS.peer_timeout + 1.0, released   # the hold period would add 3 s more
+        assert not any(prefill.holds_source(r.rid) for r in reqs)
+        assert all(v.startswith("PeerLost") for v in wait_all(prefill, [r.rid for r in reqs], 5).values())

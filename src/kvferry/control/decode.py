@@ -33,7 +33,7 @@ from kvferry.control.digests import verify_chunk
 from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions, RequestRecord, as_secret, auth_mac
 from kvferry.control.leases import LeaseTable
 from kvferry.control.links import Link, pick_links
-from kvferry.control.liveness import ProcessIdentity
+from kvferry.control.liveness import ProcessIdentity, this_process
 from kvferry.control.pull import DEFAULT_MODE, check_mode, check_pull_options, is_mode_refusal
 from kvferry.control.pull_reader import PullReader
 from kvferry.control.quarantine import Quarantine, writer_gone
@@ -293,9 +293,10 @@ class DecodeEndpoint(EndpointBase, PullReader):
         self._poller.register(link.monitor, zmq.POLLIN)
         self._by_sock[link.sock] = link
         self._monitors[link.monitor] = link
+        me = this_process()
         hello = wire.Hello(link.session, self.memory.manifest(), self.transport.name, self.transport_metadata,
                            link.nonce, self.digest_mode, self.options.heartbeat_interval, link.mode,
-                           self.options.peer_timeout)
+                           self.options.peer_timeout, me.host, me.pid, me.started)
         link.hello = wire.encode(hello)
         self._send_raw(link, link.hello)
 

@@ -9,7 +9,8 @@ record's *source hold* (``holds_source``) lasts until one of
 * decode's ``Result`` for the generation (ok: it read and verified everything; not ok: it failed it),
 * decode's ``Abort`` for it (decode failed the request, or acknowledges prefill's own failure),
 * ``pull.source_hold_s`` after prefill declared the session dead (decode, fenced by its own clock, accepts
-  no read that late: docs/fencing.md), or this endpoint's ``close``.
+  no read that late: docs/fencing.md), or as soon as the session is dead and decode's process (named in its
+  Hello) is certainly gone on this host, or this endpoint's ``close``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvferry.control import wire
+from kvferry.control.liveness import is_gone
 from kvferry.control.prefill_requests import ChunkSpec, PrefillRequest
 from kvferry.control.pull import source_hold_s
 from kvferry.control.sessions import Session
@@ -33,6 +35,7 @@ class PullSource:
     _holds: set[PrefillRequest]
     _dirty: set[PrefillRequest]
     options: Any
+    _next_gone_check = 0.0
 
     def _offer(self, rec: PrefillRequest, session: Session, spec: ChunkSpec,
                pairs: dict[str, tuple[np.ndarray, np.ndarray]], chunk: wire.Chunk) -> None:
@@ -55,15 +58,25 @@ class PullSource:
         self._changed = True
 
     def _hold_after_death(self, session: Session, now: float) -> None:
-        """``session`` was declared dead: its holds end ``source_hold_s`` from now, unless answered first."""
+        """``session`` was declared dead: its holds end ``source_hold_s`` from now, unless answered first
+        or its decode process is certainly gone (a process that no longer exists accepts nothing)."""
         until = now + source_hold_s(self.options.peer_timeout, session.peer_timeout, self.options.lease_grace)
         for rec in self._holds:
             if rec.session is session and rec.release_at is None:
                 rec.release_at = until
 
     def _tick_holds(self, now: float) -> None:
-        for rec in [r for r in self._holds if r.release_at is not None and now >= r.release_at]:
-            self._release_source(rec)
+        gone: dict[Session, bool] = {}
+        for rec in list(self._holds):
+            if rec.release_at is None:
+                continue
+            session = rec.session
+            if session is not None and session not in gone and now >= self._next_gone_check:
+                gone[session] = session.process is not None and is_gone(session.process) is True
+            if now >= rec.release_at or gone.get(session, False):  # type: ignore[arg-type]
+                self._release_source(rec)
+        if gone:
+            self._next_gone_check = now + 0.05   # /proc reads: a few per dead session, 20 times a second
 
     def _held_for(self, session: Session, request_id: str, generation: int) -> PrefillRequest | None:
         """A held record of this (request, generation) for ``session``'s decode agent, in any session."""

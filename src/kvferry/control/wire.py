@@ -54,7 +54,8 @@ __all__ = ["KINDS", "PROTOCOL_VERSION", "Abort", "Ack", "Announce", "Auth", "Bye
 # Bump when any message's fields, their meaning, or the flow above changes. Peers with another version are
 # refused at the handshake; Envelope and Reject keep their shape across versions so the refusal is readable.
 # 2: Welcome names prefill's process; Abort after a reconnect asks for settlement.
-# 3: Hello and Welcome state the transfer mode (push or pull) and peer_timeout; Ready (pull mode).
+# 3: Hello and Welcome state the transfer mode (push or pull) and peer_timeout, Hello names decode's
+#    process; Ready (pull mode).
 PROTOCOL_VERSION = 3
 
 # Caps on untrusted input, far above real use and far below what exhausts memory.
@@ -99,6 +100,11 @@ class Hello(_Msg):
     heartbeat_interval: Seconds
     mode: Mode = "push"         # the transfer mode decode asks for; prefill refuses one it does not accept
     peer_timeout: Timeout = 5.0  # decode's: in pull mode prefill holds a dead session's sources for longer
+    # Decode's process (liveness.ProcessIdentity): in pull mode prefill releases a dead session's source
+    # pages at once when this process is certainly gone. Defaults mean "not reported".
+    host: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    pid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)] = 0
+    started: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0
 
 
 class Challenge(_Msg):
