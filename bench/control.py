@@ -7,15 +7,16 @@ outstanding and reusing its pages as requests finish (so every announce goes thr
 
 * ``raw``: decode sends "go i" as a NIXL notification; prefill plans and posts request i's write with a
   notification; decode times "go" -> notification. The transport alone, same bytes, same window.
-* ``control digest=<mode>``: ``DecodeEndpoint.announce`` -> ``DONE`` (``timing()``), with prefill
+* ``control <push|pull> digest=<mode>``: ``DecodeEndpoint.announce`` -> ``DONE`` (``timing()``), with prefill
   calling ``PrefillEndpoint.send`` up to a window ahead. Handshake, ZMQ messages, leases, states,
-  coverage checks, digests (per ``--digests``) and the decode's verdict back to prefill included.
+  coverage checks, digests (per ``--digests``) and the decode's verdict back to prefill included. In pull
+  mode (``--transfer pull``) prefill sends a Ready and decode posts the NIXL READ itself.
 
 Usage: ``python bench/control.py [--quick] [--requests N] [--in-flight N] [--digests off,sampled]
-[--repeats N] [--json] [--profile]``. Clocks: latencies are measured in this process only. ``--profile``
-runs one control-plane run per digest mode with decode's progress thread and this (application) thread
-under ``cProfile`` and prints where each spends its time, waits included (cProfile's clock is wall time):
-it shows which calls block or hand off to another thread, not CPU alone.
+[--transfer push,pull] [--repeats N] [--json] [--profile]``. Clocks: latencies are measured in this process
+only. ``--profile`` runs one control-plane run per digest mode with decode's progress thread and this
+(application) thread under ``cProfile`` and prints where each spends its time, waits included (cProfile's
+clock is wall time): it shows which calls block or hand off to another thread, not CPU alone.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def _say(obj: dict[str, Any]) -> None:
 def prefill_control(args: argparse.Namespace) -> None:
     from kvferry.control import PrefillEndpoint
 
-    with PrefillEndpoint(memory("prefill"), "nixl", digest_mode=args.digest) as ep:
+    # Accepts both transfer modes: each decode run chooses one (--transfer).
+    with PrefillEndpoint(memory("prefill"), "nixl", digest_mode=args.digest, mode=("push", "pull")) as ep:
         _say({"address": ep.address})
         json.loads(sys.stdin.readline())                  # "start": decode is connected
         cpu0 = cpu_s()
@@ -203,11 +205,11 @@ def run_raw(args: argparse.Namespace) -> dict[str, Any]:
     return _summary("raw transport", lat, wall, args.requests, prefill_cpu, cpu)
 
 
-def run_control(args: argparse.Namespace, digest: str) -> dict[str, Any]:
+def run_control(args: argparse.Namespace, digest: str, transfer: str = "push") -> dict[str, Any]:
     from kvferry.control import DecodeEndpoint
 
     proc = spawn(args, "control", digest)
-    with DecodeEndpoint(memory("decode"), "nixl", digest_mode=digest) as decode:
+    with DecodeEndpoint(memory("decode"), "nixl", digest_mode=digest, mode=transfer) as decode:
         decode.connect(_read(proc)["address"])
         _write(proc, {"start": True})
         lat: list[float] = []
@@ -240,7 +242,7 @@ def run_control(args: argparse.Namespace, digest: str) -> dict[str, Any]:
         _write(proc, {"exit": True})
         counters = decode.counters()
     proc.wait(30)
-    out = _summary(f"control digest={digest}", lat, wall, args.requests, prefill_cpu, cpu)
+    out = _summary(f"control {transfer} digest={digest}", lat, wall, args.requests, prefill_cpu, cpu)
     out["decode_counters"] = counters
     return out
 
@@ -295,6 +297,9 @@ def main() -> None:
     ap.add_argument("--mode", default="control", choices=["control", "raw"])
     ap.add_argument("--digest", default="off")
     ap.add_argument("--digests", default="off,sampled", help="digest modes to run the control plane with")
+    ap.add_argument("--transfer", default="push",
+                    help="transfer modes to run the control plane in, comma-separated: push (prefill writes), "
+                         "pull (decode reads)")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--in-flight", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each kind; medians reported")
@@ -315,7 +320,8 @@ def main() -> None:
     # Runs interleaved, repeated, medians reported: on a shared 2-core machine one run is noise.
     runs: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.repeats):
-        for r in [run_raw(args)] + [run_control(args, d) for d in args.digests.split(",")]:
+        controls = [run_control(args, d, t) for t in args.transfer.split(",") for d in args.digests.split(",")]
+        for r in [run_raw(args), *controls]:
             runs.setdefault(r["name"], []).append(r)
     results = [{"name": name, "repeats": len(rs),
                 **{k: float(np.median([r[k] for r in rs])) for k in METRICS}}
@@ -332,10 +338,10 @@ def main() -> None:
     print(f"{args.requests} requests x {MAIN_PER_REQ + C4_PER_REQ} pages ({nbytes} bytes), "
           f"{args.in_flight} in flight")
     print(f"medians of {args.repeats} interleaved runs")
-    print(f"{'run':<24}{'req/s':>10}{'p50 us':>10}{'p99 us':>10}{'p50 vs raw':>12}"
+    print(f"{'run':<30}{'req/s':>10}{'p50 us':>10}{'p99 us':>10}{'p50 vs raw':>12}"
           f"{'prefill CPU us/req':>20}{'decode CPU us/req':>19}")
     for r in results:
-        print(f"{r['name']:<24}{r['requests_per_s']:>10.0f}{r['p50_us']:>10.0f}{r['p99_us']:>10.0f}"
+        print(f"{r['name']:<30}{r['requests_per_s']:>10.0f}{r['p50_us']:>10.0f}{r['p99_us']:>10.0f}"
               f"{r['p50_vs_raw'] * 100:>11.0f}%{r['prefill_cpu_us']:>20.0f}{r['decode_cpu_us']:>19.0f}")
 
 

@@ -4,7 +4,8 @@ As a module: ``make_layout``, ``fill``, ``workload``, ``run_prefill``, ``announc
 As a program (``python tests/control_peer.py prefill|decode '<options json>'``): builds one endpoint,
 prints ``{"event": "ready", "address": ...}``, then answers JSON commands read from stdin, one line each,
 with one JSON line on stdout. Commands: ``connect``, ``serve``, ``send`` (one request's pages, given),
-``send_rest``, ``announce``, ``wait_all``, ``verify``, ``counters``, ``exit``. With ``"stop_before_write":
+``send_rest``, ``announce``, ``wait_all``, ``verify``, ``counters``, ``exit``. ``"mode": "pull"`` makes
+the endpoint pull (decode reads prefill's pages). With ``"stop_before_write":
 true`` a prefill stops itself (SIGSTOP) right before its first transport write, after every check the
 endpoint makes: the test sends SIGCONT when it likes (the late write of the fencing tests).
 """
@@ -151,7 +152,8 @@ def _endpoint(role: str, cfg: dict[str, Any]) -> Any:
     opts = EndpointOptions(**cfg.get("options", {}))
     mem = KVMemory.allocate(make_layout(role))
     fill(mem, cfg.get("seed", 0) if role == "prefill" else 999)
-    kwargs = {"secret": cfg.get("secret"), "digest_mode": cfg.get("digest_mode", "sampled"), "options": opts}
+    kwargs = {"secret": cfg.get("secret"), "digest_mode": cfg.get("digest_mode", "sampled"), "options": opts,
+              "mode": cfg.get("mode", "push")}
     if role == "prefill":
         transport: Any = cfg.get("transport", "nixl")
         if cfg.get("stop_before_write"):
@@ -219,6 +221,8 @@ def _command(ep: Any, op: str, cmd: dict[str, Any], reqs: list[Req], before: dic
         return {"ok": True}
     if op == "counters":
         return {"counters": ep.counters()}
+    if op == "holds":  # pull mode: how many requests' source pages decode may still read
+        return {"holds": sum(ep.holds_source(r.rid) for r in reqs), "total": ep.counters()["source_holds"]}
     return {"error": f"unknown op {op!r}"}
 
 

@@ -81,7 +81,10 @@ def rank_memory(full_layout: Layout, tp: int, rank: int, data: dict[str, np.ndar
     layout = shard_layout(full_layout, tp, rank)
     if data is None:
         return KVMemory.allocate(layout)
-    arrays = {b.name: np.ascontiguousarray(rank_pages(data[b.name], b, tp, rank)) for b in full_layout.buffers}
+    # A copy per rank, as real ranks own their memory: a replicated buffer's pages are the full array
+    # itself, and a view shared between ranks let one rank's transport fault corrupt another's bytes.
+    arrays = {b.name: np.array(rank_pages(data[b.name], b, tp, rank), order="C", copy=True)
+              for b in full_layout.buffers}
     return KVMemory.from_arrays(layout, arrays)
 
 

@@ -41,9 +41,11 @@ def index_k_buffers(preset: str = "deepseek_v4") -> list[str]:
     return [b.name for b in layout.buffers if b.kind == "index_k"]
 
 
-def test_local_run_is_clean() -> None:
-    result = run_workload(small())
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_local_run_is_clean(mode: str) -> None:
+    result = run_workload(small(mode=mode))
     assert_clean(result)
+    assert result.mode == mode
     assert result.layout["pools"][0]["pool"] == "c4"
     assert {r["kind"] for r in result.layout["pools"][0]["roles"]} == {"kv", "index_k"}
 
@@ -70,6 +72,13 @@ def test_flip_fault_is_localised_to_its_buffer() -> None:
     assert result.silent_corruptions == 0
 
 
+def test_pull_mode_refuses_a_write_fault() -> None:
+    from kvferry.errors import UsageError
+
+    with pytest.raises(UsageError, match="in pull mode prefill writes nothing"):
+        small(mode="pull", inject="buffer0-slots")
+
+
 def test_workload_too_large_for_capacity_is_refused_before_starting() -> None:
     with pytest.raises(OutOfPages, match="largest prompt"):
         run_workload(small(budget_bytes=48 << 20, workload=WorkloadSpec(num_sessions=2, num_turns=2,
@@ -91,9 +100,11 @@ def test_deadline_ends_the_run_and_leaves_no_thread_behind() -> None:
 @needs_nixl
 @pytest.mark.nixl
 @pytest.mark.slow
-def test_nixl_two_process_run_is_clean_and_reaps_its_processes() -> None:
-    result = run_workload(small(transport="nixl"))
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_nixl_two_process_run_is_clean_and_reaps_its_processes(mode: str) -> None:
+    result = run_workload(small(transport="nixl", mode=mode))
     assert_clean(result)
+    assert result.to_dict()["mode"] == mode
     assert multiprocessing.active_children() == []
 
 

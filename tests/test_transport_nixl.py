@@ -409,3 +409,49 @@ def test_auto_posts_rows_when_nixl_cannot_prepare_page_lists(pair, monkeypatch) 
     finally:
         monkeypatch.undo()
         state.prepped, state.indexable = saved
+
+
+# -- reads (pull mode) -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("descriptors", ["dlist", "prepped"])
+def test_read_pulls_the_peers_pages_into_ours(pair, descriptors: str) -> None:
+    """A NIXL READ: the plan's source is the peer's memory, its destination ours; the bytes that arrive
+    here are the peer's, every other local page is unchanged, and the peer gets no notification."""
+    transport, local, peer = pair
+    transport.descriptors = descriptors  # type: ignore[assignment]
+    peer.call("fill", DST_SEED)
+    peer.call("take_notifs")
+    remote = remote_view(transport, peer)
+    before = {b.name: local.array(b.name).copy() for b in local.layout.buffers}
+    try:
+        requests = make_requests(remote, local, 3, seed=5)
+        plans = [plan_transfer(remote, local, pages) for pages in requests]
+        for plan in plans:
+            with transport.read(plan, peer.name, label="pull") as handle:
+                handle.wait(10.0)
+        theirs = {name: np.frombuffer(bytes(raw), dtype=np.uint8).reshape(remote.layout.buffer(name).num_pages, -1)
+                  for name, raw in peer.call("dump").items()}
+        want = {name: arr.copy().reshape(len(arr), -1) for name, arr in before.items()}
+        for plan in plans:
+            for row in plan.rows():
+                for k in range(row.num_pages):
+                    want[row.buffer][row.dst_page + k] = theirs[row.buffer][row.src_page + k]
+        assert_memory({b.name: local.array(b.name).reshape(len(want[b.name]), -1) for b in local.layout.buffers},
+                      want)
+        time.sleep(0.05)
+        assert peer.call("take_notifs") == []
+    finally:
+        for name, arr in before.items():
+            local.array(name)[...] = arr
+
+
+def test_read_is_bounds_checked_on_both_sides(pair) -> None:
+    transport, local, peer = pair
+    remote = remote_view(transport, peer)
+    other = KVMemory.allocate(local.layout)               # right shape, not this transport's memory
+    with pytest.raises(TransportError, match="destination is not this transport's memory"):
+        transport.read(plan_transfer(remote, other, make_requests(remote, other, 1)[0]), peer.name)
+    stranger = KVMemory.allocate(remote.layout)           # right shape, not the peer's memory
+    with pytest.raises(TransportError, match="source is not peer"):
+        transport.read(plan_transfer(stranger, local, make_requests(stranger, local, 1)[0]), peer.name)
+    with pytest.raises(TransportError, match="unknown peer"):
+        transport.read(plan_transfer(remote, local, make_requests(remote, local, 1)[0]), "nobody")

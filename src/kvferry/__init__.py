@@ -12,6 +12,7 @@ from kvferry.errors import (
     KVFerryError,
     LayoutError,
     LeaseError,
+    ModeMismatch,
     PageMismatchError,
     PeerLost,
     PlanError,
@@ -49,6 +50,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = ["PROTOCOL_VERSION", "Buffer", "DecodeEndpoint", "EndpointClosed", "EndpointOptions", "HandshakeError",
            "HeadGeometry", "IncompatiblePeer", "IntegrityError", "KVFerryError", "KVMemory", "Layout", "LayoutError",
-           "LeaseError", "PageMismatchError", "PeerLost", "PlanError", "Pool", "PrefillEndpoint", "ProtocolError",
-           "Region", "RequestFailed", "RequestState", "Row", "TransferPlan", "TransferTimeout", "TransportError",
-           "UsageError", "__version__", "model_difference", "plan_transfer", "shape_difference", "tp_compatible"]
+           "LeaseError", "ModeMismatch", "PageMismatchError", "PeerLost", "PlanError", "Pool", "PrefillEndpoint",
+           "ProtocolError", "Region", "RequestFailed", "RequestState", "Row", "TransferPlan", "TransferTimeout",
+           "TransportError", "UsageError", "__version__", "model_difference", "plan_transfer", "shape_difference",
+           "tp_compatible"]

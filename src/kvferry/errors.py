@@ -11,6 +11,7 @@ it in one place per backend with ``raise ... from exc``, so callers catch kvferr
     ├── PlanError              page lists that do not fit the layouts they address
     ├── HandshakeError         the peers could not agree to talk
     │   └── IncompatiblePeer   ... because their layouts, protocol or secret differ
+    │       └── ModeMismatch   ... because they do not agree on a transfer mode (push or pull)
     ├── ProtocolError          a control message that cannot be decoded or breaks the flow, at any time
     ├── LeaseError             destination pages already leased, out of range, duplicated
     ├── OutOfPages             an allocator has fewer free pages than a request needs
@@ -35,8 +36,8 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["EndpointClosed", "FaultSpecError", "HandshakeError", "IncompatiblePeer", "IntegrityError", "KVFerryError",
-           "LayoutError", "LeaseError", "OutOfPages", "PageMismatchError", "PeerLost", "PlanError", "ProtocolError",
-           "RequestFailed", "TransferTimeout", "TransportError", "UsageError"]
+           "LayoutError", "LeaseError", "ModeMismatch", "OutOfPages", "PageMismatchError", "PeerLost", "PlanError",
+           "ProtocolError", "RequestFailed", "TransferTimeout", "TransportError", "UsageError"]
 
 
 class KVFerryError(Exception):
@@ -66,6 +67,10 @@ class HandshakeError(KVFerryError):
 
 class IncompatiblePeer(HandshakeError):
     """The peer's layout shape, protocol version or secret does not match ours."""
+
+
+class ModeMismatch(IncompatiblePeer):
+    """The peers do not agree on a transfer mode: one pushes (prefill writes), the other pulls (decode reads)."""
 
 
 class LeaseError(KVFerryError, ValueError):

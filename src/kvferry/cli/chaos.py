@@ -46,6 +46,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help=f"model preset (default {DEFAULT_PRESET})")
     w.add_argument("--budget", type=parse_size, default=128 << 20, metavar="SIZE",
                    help="memory per side (default 128MiB: restarts allocate it again)")
+    w.add_argument("--mode", choices=("push", "pull"), default="push",
+                   help="push (default): prefill writes into decode's pages; pull: decode reads prefill's")
     f = p.add_argument_group("faults and deadlines")
     f.add_argument("--mean-gap", type=float, default=4.0, metavar="S", help="mean seconds between faults")
     f.add_argument("--peer-timeout", type=float, default=1.0, metavar="S", help="endpoints' peer_timeout")
@@ -60,7 +62,7 @@ def config_from_args(args: argparse.Namespace) -> ChaosConfig:
     spec = WorkloadSpec(num_sessions=args.sessions, num_turns=args.turns, seed=args.seed)
     workload = WorkloadConfig(workload=spec, preset=args.preset, budget_bytes=args.budget, transport="nixl",
                               request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout,
-                              lease_grace_s=args.lease_grace)
+                              lease_grace_s=args.lease_grace, mode=args.mode)
     return ChaosConfig(workload=workload, duration_s=args.duration, mean_gap_s=args.mean_gap)
 
 
@@ -93,7 +95,8 @@ def verdict(result: ChaosResult) -> str:
     if result.ok:
         return (f"PASS: {faults} faults in {result.duration_s:g} s; {result.requests_done} requests done, "
                 f"{result.requests_failed} failed; {result.pages_verified + result.pages_rechecked} page checks, "
-                f"0 bytes wrong, 0 leases leaked")
+                f"0 bytes wrong, 0 leases leaked"
+                + (", 0 source holds left" if result.options.get("mode") == "pull" else ""))
     parts = []
     if result.error:
         parts.append(f"run error: {result.error}")
@@ -106,6 +109,10 @@ def verdict(result: ChaosResult) -> str:
         parts.append("decode never reported after the drain (leases unknown)")
     if result.requests_done == 0:
         parts.append("no request completed")
+    if result.source_holds_left:
+        parts.append(f"{result.source_holds_left} source holds still held after the drain (pull mode)")
+    if result.source_holds_left is None:
+        parts.append("prefill never reported its source holds after the drain")
     return "FAIL: " + "; ".join(parts)
 
 
@@ -120,7 +127,8 @@ def render(console: Console, result: ChaosResult) -> None:
 
 def _summary(r: ChaosResult) -> Table:
     opts = r.options
-    table = Table(title=f"kvferry chaos: {r.preset}, seed {r.seed}, {r.duration_s:g} s (peer_timeout "
+    table = Table(title=f"kvferry chaos: {r.preset}, {opts.get('mode', 'push')} mode, seed {r.seed}, "
+                        f"{r.duration_s:g} s (peer_timeout "
                         f"{opts['peer_timeout_s']:g} s, lease_grace {opts['lease_grace_s']:g} s)")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -132,6 +140,8 @@ def _summary(r: ChaosResult) -> Table:
         ("bytes wrong anywhere", r.bytes_wrong),
         ("leases leaked after drain", "unknown" if r.leaked_leases is None else r.leaked_leases),
         ("pages quarantined at peak", r.quarantined_pages_peak),
+        ("source holds at peak / left after drain",
+         f"{r.source_holds_peak} / {'unknown' if r.source_holds_left is None else r.source_holds_left}"),
         ("restarts", ", ".join(f"{k} {v}" for k, v in r.restarts.items()) or "0"),
     ]
     rows += [(f"  failed: {kind}", count) for kind, count in r.failures.items()]

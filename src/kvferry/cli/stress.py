@@ -69,6 +69,8 @@ def add_workload_arguments(p: argparse.ArgumentParser, *, sessions: int, turns: 
     run.add_argument("--transport", choices=("auto", "nixl", "local"), default="auto",
                      help="nixl: two OS processes over NIXL/UCX; local: two threads, in-process; auto "
                           "(default): nixl when the nixl package is installed, else local, saying so")
+    run.add_argument("--mode", choices=("push", "pull"), default="push",
+                     help="push (default): prefill writes into decode's pages; pull: decode reads prefill's")
     run.add_argument("--digests", choices=("off", "sampled", "full"), default="full",
                      help="kvferry's own digest mode (default full); the byte check runs regardless")
     run.add_argument("--inject", type=_inject, metavar="FAULT", default=None,
@@ -85,7 +87,7 @@ def config_from_args(args: argparse.Namespace) -> WorkloadConfig:
                         max_tokens=args.max_tokens, min_tokens=min(_SPEC.min_tokens, args.max_tokens))
     return WorkloadConfig(workload=spec, preset=args.preset, num_pages=args.pages, budget_bytes=args.budget,
                           knobs=tuple(args.knob), transport=_transport(args.transport), digest_mode=args.digests,
-                          inject=args.inject, timeout_s=args.timeout)
+                          inject=args.inject, timeout_s=args.timeout, mode=args.mode)
 
 
 def _transport(choice: str) -> str:
@@ -156,7 +158,7 @@ def name_buffers(counts: dict[str, int]) -> str:
 
 
 def _summary_table(r: WorkloadResult, title: str) -> Table:
-    table = Table(title=f"{title}: {r.preset} over {r.transport}, digests {r.digest_mode}")
+    table = Table(title=f"{title}: {r.preset} over {r.transport}, {r.mode} mode, digests {r.digest_mode}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows: list[tuple[str, Any]] = [

@@ -33,7 +33,9 @@ from kvferry.control.digests import verify_chunk
 from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions, RequestRecord, as_secret, auth_mac
 from kvferry.control.leases import LeaseTable
 from kvferry.control.links import Link, pick_links
-from kvferry.control.liveness import ProcessIdentity
+from kvferry.control.liveness import ProcessIdentity, this_process
+from kvferry.control.pull import DEFAULT_MODE, check_mode, check_pull_options, is_mode_refusal
+from kvferry.control.pull_reader import PullReader
 from kvferry.control.quarantine import Quarantine, writer_gone
 from kvferry.control.states import RequestState
 from kvferry.errors import (
@@ -42,6 +44,7 @@ from kvferry.errors import (
     IntegrityError,
     KVFerryError,
     LeaseError,
+    ModeMismatch,
     PeerLost,
     ProtocolError,
     TransferTimeout,
@@ -58,21 +61,28 @@ __all__ = ["DecodeEndpoint"]
 log = logging.getLogger("kvferry.control")
 
 
-class DecodeEndpoint(EndpointBase):
+class DecodeEndpoint(EndpointBase, PullReader):
     """Decode side of kvferry. Construct, ``connect`` to prefill (``connect_all`` to the ranks of a prefill
     TP group when this side runs another TP size), then ``announce`` requests and ``wait``.
 
     ``transport`` is ``"nixl"``, ``"local"`` or a ``Transport`` (registered here with ``memory``; closed on
     ``close`` only when created here). ``secret`` (optional) must match prefill's. ``digest_mode``
-    (``"off"``, ``"sampled"``, ``"full"``) is the least this side accepts.
+    (``"off"``, ``"sampled"``, ``"full"``) is the least this side accepts. ``mode`` is the transfer mode
+    asked of every prefill (``connect(mode=...)`` chooses per prefill): ``"push"`` (prefill writes into the
+    leased pages) or ``"pull"`` (this side reads prefill's pages; see ``pull`` and docs/fencing.md).
     """
 
     _role = "decode"
 
     def __init__(self, memory: KVMemory, transport: str | Transport = "nixl", *,
                  secret: str | bytes | None = None, digest_mode: Any = "sampled",
-                 options: EndpointOptions | None = None) -> None:
+                 options: EndpointOptions | None = None, mode: str = DEFAULT_MODE) -> None:
+        if check_mode(mode) == "pull":
+            opts = options or EndpointOptions()
+            check_pull_options(opts.peer_timeout, opts.heartbeat_interval)
         super().__init__(memory, transport, digest_mode=digest_mode, options=options)
+        self.mode = mode
+        self._reading: set[DecodeRequest] = set()   # pull mode: requests with reads in flight
         self._secret = as_secret(secret)
         self._leases = LeaseTable(memory.layout)
         self._links: dict[str, Link] = {}
@@ -89,7 +99,7 @@ class DecodeEndpoint(EndpointBase):
         self._thread.start()
 
     # -- public API: any thread ------------------------------------------------------------------------
-    def connect(self, address: str, timeout: float | None = None) -> str:
+    def connect(self, address: str, timeout: float | None = None, *, mode: str | None = None) -> str:
         """Blocking: connect to a prefill endpoint and complete the handshake; returns the peer id.
 
         Raises ``IncompatiblePeer`` (layout, protocol version, transport or secret differ, with the
@@ -97,12 +107,17 @@ class DecodeEndpoint(EndpointBase):
         dropped, e.g. an answer above ``max_message_bytes``), by ``timeout`` whatever the progress thread
         does. Reconnecting to an address whose previous peer died starts a fresh session; when it is the
         same prefill process, decode asks it to settle the requests it quarantined (docs/fencing.md).
+        ``mode`` (default: this endpoint's) is the transfer mode asked of this prefill; ``ModeMismatch``
+        (an ``IncompatiblePeer``) when it does not accept it.
         """
         timeout = self.options.handshake_timeout if timeout is None else timeout
+        mode = self.mode if mode is None else check_mode(mode)
+        if mode == "pull":
+            check_pull_options(self.options.peer_timeout, self.options.heartbeat_interval)
         deadline = time.monotonic() + timeout
         with self._bounded_lock(deadline, address):
             self._check_open()
-            link = self._start_link(address, timeout, None)
+            link = self._start_link(address, timeout, None, mode)
         self._await_links([link], deadline)
         return address
 
@@ -124,7 +139,7 @@ class DecodeEndpoint(EndpointBase):
         deadline = time.monotonic() + timeout
         with self._bounded_lock(deadline, ", ".join(chosen)):
             self._check_open()
-            links = [self._start_link(addresses[r], timeout, (r, len(addresses))) for r in need]
+            links = [self._start_link(addresses[r], timeout, (r, len(addresses)), self.mode) for r in need]
         self._await_links(links, deadline)
         return chosen
 
@@ -207,16 +222,18 @@ class DecodeEndpoint(EndpointBase):
         with self._lock:
             return {"live_requests": sum(r.is_live for r in self._by_gen.values()),
                     "live_leases": self._leases.num_leases, "leased_pages": self._leases.num_leased_pages,
-                    "live_handles": 0, "peers": len(self.peers), "bad_messages": self.num_bad_messages,
+                    "live_handles": self._num_reads(), "peers": len(self.peers), "bad_messages": self.num_bad_messages,
                     "stray_notifications": self.num_stray_notifications,
                     "quarantined_leases": self._quarantine.num_leases,
                     "quarantined_pages": self._quarantine.num_pages,
                     "peak_quarantined_pages": self._quarantine.peak_pages}
 
     # -- connecting (caller's thread, under the lock) ---------------------------------------------------
-    def _start_link(self, address: str, timeout: float, expect: tuple[int, int] | None) -> Link:
+    def _start_link(self, address: str, timeout: float, expect: tuple[int, int] | None, mode: str) -> Link:
         """The established link to ``address``, or a fresh one whose handshake the progress thread starts."""
         old = self._links.get(address)
+        if old is not None and old.state == "established" and old.mode != mode:
+            raise ModeMismatch(f"prefill {address} is connected in transfer mode {old.mode!r}, asked for {mode!r}")
         if old is not None and old.state == "established":
             if expect is not None and (old.rank, old.tp_size) != expect:
                 raise IncompatiblePeer(f"prefill {address} is rank {old.rank} of TP {old.tp_size}, "
@@ -226,7 +243,7 @@ class DecodeEndpoint(EndpointBase):
             self._call_soon(lambda: self._link_failed(old, HandshakeError(f"prefill {address}: handshake "
                                                                           "superseded by a newer connect")))
         link = Link(address, time.monotonic() + timeout)
-        link.expect = expect
+        link.expect, link.mode = expect, mode
         self._links[address] = link
         self._call_soon(lambda: self._open_link(link))
         return link
@@ -276,14 +293,17 @@ class DecodeEndpoint(EndpointBase):
         self._poller.register(link.monitor, zmq.POLLIN)
         self._by_sock[link.sock] = link
         self._monitors[link.monitor] = link
+        me = this_process()
         hello = wire.Hello(link.session, self.memory.manifest(), self.transport.name, self.transport_metadata,
-                           link.nonce, self.digest_mode, self.options.heartbeat_interval)
+                           link.nonce, self.digest_mode, self.options.heartbeat_interval, link.mode,
+                           self.options.peer_timeout, me.host, me.pid, me.started)
         link.hello = wire.encode(hello)
         self._send_raw(link, link.hello)
 
     def _on_handshake(self, link: Link, msg: Any) -> None:
         if isinstance(msg, wire.Reject):
-            self._link_failed(link, IncompatiblePeer(f"prefill {link.address} refused: {msg.reason}"))
+            error = ModeMismatch if is_mode_refusal(msg.reason) else IncompatiblePeer
+            self._link_failed(link, error(f"prefill {link.address} refused: {msg.reason}"))
         elif isinstance(msg, wire.Bye):  # e.g. it dropped our half-open session: no use waiting
             self._link_failed(link, HandshakeError(f"prefill {link.address} ended the handshake: {msg.reason}"))
         elif isinstance(msg, wire.Challenge):
@@ -302,7 +322,7 @@ class DecodeEndpoint(EndpointBase):
         self._send(link, wire.Auth(auth_mac(self._secret, b"decode", msg.nonce, link.nonce, link.hello)))
 
     def _accept_welcome(self, link: Link, msg: wire.Welcome) -> None:
-        problem = check_welcome(self.memory, self._secret, link, msg)
+        problem = check_welcome(self.memory, self._secret, link, msg) or self._welcome_pull(link, msg)
         if problem is not None:
             self._link_failed(link, problem)
             return
@@ -398,6 +418,8 @@ class DecodeEndpoint(EndpointBase):
             rec = self._lookup(link, msg.request_id, msg.generation)
             if rec is not None and rec.state is RequestState.BOOTSTRAPPING:
                 self._set_state(rec, RequestState.WAITING_FOR_INPUT)
+        elif isinstance(msg, wire.Ready):
+            self._on_ready(link, msg)
         elif isinstance(msg, wire.Fail):
             self._on_fail(link, msg)
         elif isinstance(msg, wire.Bye):
@@ -410,6 +432,12 @@ class DecodeEndpoint(EndpointBase):
         if rec is None:
             return
         part = rec.parts[link]
+        if link.mode == "pull":
+            # Prefill failed it; our Abort (sent by _fail_req) tells it we read no more, so it may release
+            # its source pages. The lease ends once our own reads of it are terminal.
+            self._fail_req(rec, wire.error_from_wire(msg.error, msg.reason, f"prefill {link.address}"),
+                           f"prefill rank {link.rank} ({link.address}) failed it")
+            return
         part.told = True  # it failed the request itself: no Abort owed
         self._fail_req(rec, wire.error_from_wire(msg.error, msg.reason, f"prefill {link.address}"),
                        f"prefill rank {link.rank} ({link.address}) failed it")
@@ -454,12 +482,13 @@ class DecodeEndpoint(EndpointBase):
 
     # -- chunk notifications (progress thread) ---------------------------------------------------------
     def _pump(self) -> bool:
+        news = self._pump_reads() if self._reading else False
         try:
             notifications = self.transport.get_notifications()
         except KVFerryError as exc:  # the transport's trouble fails requests by their deadlines, not the loop
             self.num_bad_messages += 1
             log.warning("decode: reading notifications failed: %s", exc)
-            return False
+            return news
         for agent, data in notifications:
             link = self._by_agent.get(agent)
             try:
@@ -470,7 +499,7 @@ class DecodeEndpoint(EndpointBase):
                 self.num_bad_messages += 1
                 continue
             self._on_chunk(link, msg)
-        return bool(notifications)
+        return news or bool(notifications)
 
     def _on_chunk(self, link: Link, msg: wire.Chunk) -> None:
         rec = self._lookup(link, msg.request_id, msg.generation)
@@ -522,7 +551,7 @@ class DecodeEndpoint(EndpointBase):
     # -- timers (progress thread) ----------------------------------------------------------------------
     def _is_busy(self) -> bool:
         # Live requests wait for chunk notifications, which only polling the transport brings in.
-        return self._num_live > 0
+        return self._num_live > 0 or bool(self._reading)
 
     def _set_state(self, rec: RequestRecord, state: RequestState) -> None:
         was_live = rec.is_live
@@ -530,6 +559,9 @@ class DecodeEndpoint(EndpointBase):
         if was_live and not rec.is_live:
             self._num_live -= 1
             if state is RequestState.FAILED and isinstance(rec, DecodeRequest):
+                if any(p.link.mode == "pull" for p in rec.parts.values()):
+                    self._pull_failed(rec)  # nobody else writes these pages: no quarantine
+                    return
                 # Failed with its lease held: a writer may still write it, so its pages are quarantined.
                 pages = self._leases.num_pages(rec.generation)
                 if pages:
@@ -556,8 +588,10 @@ class DecodeEndpoint(EndpointBase):
             self._send(link, wire.Heartbeat())
 
     def _check_silence(self, now: float) -> None:
-        """Nothing before reading: decode posts no writes, so frames queued during its own stall can only
-        make it talk to a prefill that dropped it, which answers with Bye (the link then dies)."""
+        """Push mode: nothing before reading (decode posts no writes, so frames queued during its own stall
+        can only make it talk to a prefill that dropped it, which answers with Bye). Pull mode: a link whose
+        fence tripped (this process stalled) dies before frames queued meanwhile can start reads on it."""
+        self._check_pull_links(list(self._links.values()), now)
 
     def _tick_requests(self, now: float) -> None:
         for rec in list(self._by_gen.values()):
@@ -632,6 +666,8 @@ class DecodeEndpoint(EndpointBase):
         can queue; any other ZMQ error) fails this link, never the loop; ``quiet=False`` raises instead."""
         if link.sock is None:
             return
+        now = time.monotonic()
+        self._note_send(link, now)  # pull mode: a long pause in our messages trips the link's fence first
         try:
             link.sock.send(data, zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -639,7 +675,7 @@ class DecodeEndpoint(EndpointBase):
                 raise
             self._dropped(link, f"send failed: {exc}")
             return
-        link.last_sent = time.monotonic()
+        link.last_sent = now
 
     def _close_link(self, link: Link) -> None:
         if link.monitor is not None:
@@ -658,7 +694,7 @@ class DecodeEndpoint(EndpointBase):
         self._changed = True
 
     def _shutdown_step(self) -> bool:
-        for rec in self._by_gen.values():
+        for rec in list(self._by_gen.values()):  # a pull request's lease may end as it fails
             self._fail_req(rec, KVFerryError("decode endpoint closing"), "decode closing")
         waiting = any(p.link.state == "established" and not p.settled
                       for r in self._by_gen.values() for p in r.parts.values())

@@ -10,6 +10,8 @@ Records are mutated only under the endpoint's lock.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvferry.control import wire
 from kvferry.control.endpoints import RequestRecord
 from kvferry.control.links import Link
@@ -21,7 +23,7 @@ __all__ = ["DecodeRequest", "Part"]
 class Part:
     """One prefill rank's share of a request on this decode rank. ``settled``: no write of it can land."""
 
-    __slots__ = ("chunks_seen", "link", "num_chunks", "release_at", "settled", "told")
+    __slots__ = ("chunks_seen", "link", "num_chunks", "reads", "release_at", "settled", "told")
 
     def __init__(self, link: Link) -> None:
         self.link = link
@@ -30,6 +32,7 @@ class Part:
         self.settled = False
         self.told = False   # that prefill knows the request ended: it failed it, or we sent Abort/Result
         self.release_at: float | None = None   # set once the writer is certainly gone: settled then
+        self.reads: list[Any] = []   # pull mode: this side's reads in flight (pull_reader.Read)
 
     @property
     def is_complete(self) -> bool:

@@ -48,6 +48,11 @@ class LeaseTable:
         entry = self._leases.get(lease_id)
         return 0 if entry is None else sum(len(p) for p in entry[1].values())
 
+    def pages(self, lease_id: int) -> dict[str, np.ndarray]:
+        """The pages ``lease_id`` holds, pool -> page array in announce order (empty when it holds none)."""
+        entry = self._leases.get(lease_id)
+        return {} if entry is None else entry[1]
+
     def holds(self, lease_id: int) -> bool:
         return lease_id in self._leases
 

@@ -16,6 +16,7 @@ from typing import Any
 from kvferry.control.liveness import ProcessIdentity
 from kvferry.errors import KVFerryError, PeerLost, UsageError
 from kvferry.integrity import DigestMode
+from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Layout
 from kvferry.plan.tp import PageSlice, source_ranks
 
@@ -46,6 +47,13 @@ class Link:
         self.retry_at = 0.0   # once dead with quarantined pages: when decode may next try to reconnect
         # Across TP sizes: buffer -> the slice of each page this prefill rank writes here (digest checks).
         self.slices: dict[str, PageSlice] | None = None
+        # Transfer mode asked for ("push": prefill writes; "pull": decode reads, see ``pull``). In pull
+        # mode: prefill's memory as its Welcome describes it (what reads come from), the fence (the
+        # longest gap between our own messages after which no read is accepted) and whether it tripped.
+        self.mode = "push"
+        self.remote: KVMemory | None = None
+        self.fence_s = 0.0
+        self.expired = False
 
 
 def pick_links(links: dict[str, Link], peer: str | Sequence[str] | None, local: Layout) -> list[Link]:

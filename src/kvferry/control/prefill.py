@@ -43,6 +43,8 @@ from kvferry.control.prefill_requests import (
     make_spec,
     num_decode_ranks,
 )
+from kvferry.control.pull import DEFAULT_MODE, MODE_REFUSAL, accepted_modes, mode_refusal
+from kvferry.control.pull_source import PullSource
 from kvferry.control.sessions import Session, drop_half_open
 from kvferry.control.states import RequestState
 from kvferry.errors import (
@@ -69,20 +71,24 @@ __all__ = ["PrefillEndpoint"]
 log = logging.getLogger("kvferry.control")
 
 
-class PrefillEndpoint(EndpointBase):
+class PrefillEndpoint(EndpointBase, PullSource):
     """Prefill side of kvferry. Binds at construction; ``address`` is what decode passes to ``connect``.
 
     ``host``/``port`` (port 0: ephemeral) choose where to listen, loopback by default. ``transport``,
     ``secret``, ``digest_mode`` and ``options`` are as for ``DecodeEndpoint``; the stronger digest mode
-    of the two sides is used.
+    of the two sides is used. ``mode``: the transfer mode, or modes, accepted from decode (``"push"``:
+    this side writes; ``"pull"``: decode reads this side's pages, see ``holds_source``); a decode asking
+    for another is refused at the handshake (it raises ``ModeMismatch``).
     """
 
     _role = "prefill"
 
     def __init__(self, memory: KVMemory, transport: str | Transport = "nixl", *, host: str = "127.0.0.1",
                  port: int = 0, secret: str | bytes | None = None, digest_mode: Any = "sampled",
-                 options: EndpointOptions | None = None) -> None:
+                 options: EndpointOptions | None = None, mode: str | Iterable[str] = DEFAULT_MODE) -> None:
         super().__init__(memory, transport, digest_mode=digest_mode, options=options)
+        self.modes = accepted_modes(mode)
+        self._holds: set[PrefillRequest] = set()   # pull mode: records whose source pages decode may read
         self._secret = as_secret(secret)
         self._sock = self._new_socket(zmq.ROUTER)
         self._sock.bind(f"tcp://{host}:{port}")
@@ -149,6 +155,16 @@ class PrefillEndpoint(EndpointBase):
             rec = cast(PrefillRequest, self._record(request_id))
             self._fail_req(rec, KVFerryError(f"aborted by prefill: {reason}"))
 
+    def holds_source(self, request_id: str) -> bool:
+        """Non-blocking: whether the request's source pages may still be read (pull mode: until decode
+        said it is done with them, see ``pull_source``; push mode: while a write of them is in flight).
+        While True the caller must not reuse those pages. False for an unknown id."""
+        with self._lock:
+            rec = self._records.get(request_id)
+            if not isinstance(rec, PrefillRequest):
+                return False
+            return any(m.source_held or m.handles for m in rec.group)
+
     @property
     def num_live_handles(self) -> int:
         """Transfer handles not yet released (a leak check: 0 when idle)."""
@@ -166,7 +182,8 @@ class PrefillEndpoint(EndpointBase):
         with self._lock:
             return {"live_requests": sum(r.is_live for r in self._active),
                     "live_leases": 0, "live_handles": sum(len(r.handles) for r in self._active),
-                    "peers": len(self.peers), "bad_messages": self.num_bad_messages}
+                    "peers": len(self.peers), "bad_messages": self.num_bad_messages,
+                    "source_holds": len(self._holds)}
 
     # -- records and groups (under the lock) ----------------------------------------------------------
     def _new_request(self, request_id: str, state: RequestState) -> PrefillRequest:
@@ -226,8 +243,12 @@ class PrefillEndpoint(EndpointBase):
         chunk = wire.Chunk(rec.request_id, rec.generation, index, spec.last, rec.next_chunk if spec.last else 0,
                            digests)
         self._check_current(rec, session)
-        handle = self.transport.write(plan, session.agent, wire.encode(chunk), label=f"{rec.request_id}#{index}")
-        rec.handles.append(handle)
+        if session.mode == "pull":
+            self._offer(rec, session, spec, pairs, chunk)   # decode reads it: this side writes nothing
+        else:
+            handle = self.transport.write(plan, session.agent, wire.encode(chunk),
+                                          label=f"{rec.request_id}#{index}")
+            rec.handles.append(handle)
         self._dirty.add(rec)
         rec.last_posted = spec.last
         if rec.state is not RequestState.TRANSFERRING:
@@ -318,8 +339,9 @@ class PrefillEndpoint(EndpointBase):
                 and session.state == "established"):
             self._send_fail(rec, settled=True)
             rec.fail_sent = True
-        if not rec.is_live and not rec.handles and (rec.fail_sent or rec.state is RequestState.DONE
-                                                    or session is None or session.state != "established"):
+        if (not rec.is_live and not rec.handles and not rec.source_held
+                and (rec.fail_sent or rec.state is RequestState.DONE or session is None
+                     or session.state != "established")):
             self._active.discard(rec)
 
     def _pump(self) -> bool:
@@ -428,6 +450,7 @@ class PrefillEndpoint(EndpointBase):
         rec = self._match(session, msg.request_id, msg.generation)
         if rec is None:
             return
+        self._release_source(rec)  # pull mode: decode reads no more of it, whatever its verdict
         if msg.ok:
             rec.decode_ok = True
             self._dirty.add(rec)
@@ -435,6 +458,9 @@ class PrefillEndpoint(EndpointBase):
             self._fail_req(rec, IntegrityError(f"{session.label} rejected the bytes: {msg.reason}"))
 
     def _on_abort(self, session: Session, msg: wire.Abort) -> None:
+        held = self._held_for(session, msg.request_id, msg.generation)
+        if held is not None:  # pull mode: decode reads no more of it (it failed it, or acknowledges our Fail)
+            self._release_source(held)
         rec = self._match(session, msg.request_id, msg.generation) or self._in_flight(session, msg)
         if rec is None:  # no write of this generation is in flight, from any session with this decode
             self._send(session, wire.Fail(msg.request_id, msg.generation, "unknown request or settled", "error",
@@ -485,7 +511,7 @@ class PrefillEndpoint(EndpointBase):
         self._establish(session)
 
     def _establish(self, session: Session) -> None:
-        problem = check_hello(self.memory, self.transport, session)
+        problem = check_hello(self.memory, self.transport, session) or self._mode_problem(session)
         if problem is not None:
             self._reject(session.identity, problem)
             return
@@ -500,7 +526,17 @@ class PrefillEndpoint(EndpointBase):
         self._send(session, wire.Welcome(secrets.token_hex(8), self.memory.manifest(), self.transport_metadata,
                                          proof, self.options.heartbeat_interval,
                                          self.digest_mode.stronger(session.digest_mode), me.host, me.pid,
-                                         me.started))
+                                         me.started, session.mode, self.options.peer_timeout))
+
+    def _mode_problem(self, session: Session) -> str | None:
+        """Why decode's transfer mode cannot be served, or None: refused before any byte moves."""
+        if session.mode not in self.modes:
+            return mode_refusal(session.label, session.mode, self.modes)
+        if session.mode == "pull" and session.planner is not None:
+            decode_tp = session.remote.layout.tp_size if session.remote is not None else "?"
+            return (f"{MODE_REFUSAL} 'pull' refused: {session.label}: pull mode is built for equal TP sizes "
+                    f"only (prefill TP {self.memory.layout.tp_size}, decode TP {decode_tp}); connect in push mode")
+        return None
 
     def _reject(self, identity: bytes, reason: str) -> None:
         self._sessions.pop(identity, None)
@@ -513,6 +549,8 @@ class PrefillEndpoint(EndpointBase):
     def _tick(self, now: float) -> None:
         for session in list(self._sessions.values()):
             self._tick_session(session, now)
+        if self._holds:
+            self._tick_holds(now)
         if now >= self._next_deadline_check:
             self._next_deadline_check = now + 0.01
             for rec in list(self._active):
@@ -559,6 +597,7 @@ class PrefillEndpoint(EndpointBase):
         # Best effort: a decode that still hears us learns it was dropped, and quarantines its leases.
         self._send(session, wire.Bye(str(error)[:wire.MAX_REASON_LEN]))
         session.state = "dead"
+        self._hold_after_death(session, time.monotonic())
         for rec in list(self._active):
             if rec.session is session:
                 self._fail_req(rec, error)
@@ -596,12 +635,15 @@ class PrefillEndpoint(EndpointBase):
     def _shutdown_step(self) -> bool:
         for rec in list(self._active):
             self._fail_req(rec, self._close_error)
+        for rec in [r for r in self._holds if r.session is None or r.session.state != "established"]:
+            self._release_source(rec)  # no decode left to answer: waiting would only delay the close
         self._pump()
         if self._active and time.monotonic() < self._close_deadline:
             return False
         for session in list(self._sessions.values()):
             if session.state == "established":
                 self._send(session, wire.Bye("prefill closing"))
+        self._release_all()  # closed: the engine owns its memory again (docs/fencing.md)
         return True
 
     def _close_sockets(self) -> None:

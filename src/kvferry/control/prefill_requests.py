@@ -48,7 +48,8 @@ class PrefillRequest(RequestRecord):
     ``group`` of one record per decode rank, each with its own session, lease and writes."""
 
     __slots__ = ("coverage", "decode_ok", "dst", "expected", "fail_sent", "generation", "group", "handles",
-                 "history", "last_posted", "last_queued", "next_chunk", "pending", "session")
+                 "history", "last_posted", "last_queued", "next_chunk", "pending", "release_at", "session",
+                 "source_held")
 
     def __init__(self, request_id: str, state: RequestState, deadline: float) -> None:
         super().__init__(request_id, state, deadline)
@@ -63,6 +64,10 @@ class PrefillRequest(RequestRecord):
         self.group: list[PrefillRequest] = [self]               # shared by the group's records; the leader first
         self.expected = 1                             # decode ranks this request goes to (set at bind)
         self.history: list[ChunkSpec] | None = []     # every chunk so far, for decode ranks still to come
+        # Pull mode: decode may still read this record's source pages (pull_source); until when, once the
+        # session died.
+        self.source_held = False
+        self.release_at: float | None = None
 
     @property
     def leader(self) -> PrefillRequest:

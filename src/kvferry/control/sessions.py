@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from kvferry.control import wire
+from kvferry.control.liveness import ProcessIdentity
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Pool
@@ -43,6 +44,11 @@ class Session:
         # Set when this process sent it nothing for longer than peer_timeout (a stall): decode has declared
         # us dead, so nothing more is posted, and the session ends once the frames already queued are read.
         self.suspect = False
+        # The transfer mode agreed at the handshake, decode's peer_timeout and process (pull mode's
+        # source hold ends early once that process is certainly gone).
+        self.mode = hello.mode
+        self.peer_timeout = hello.peer_timeout
+        self.process = ProcessIdentity(hello.host, hello.pid, hello.started) if hello.pid else None
 
     @property
     def label(self) -> str:

@@ -12,8 +12,13 @@ Flow (decode D, prefill P)::
     D -> P  Auth (HMAC over both nonces and the Hello)       P -> D  Welcome (manifest, metadata, proof) | Reject
     D -> P  Announce (request, generation, pages)            P -> D  Ack (only if no chunk is posted at once) | Fail
     NIXL    Chunk (request, generation, chunk, last, digests), delivered after the chunk's write landed
+    P -> D  Ready (request, generation, chunk, source pages, digests)   pull mode, instead of a write + Chunk
     D -> P  Result (ok or not, after digests verified)       either  Abort / Fail (settled: no write can land)
     either  Heartbeat, Bye
+
+Modes (docs/fencing.md): in push mode prefill writes into decode's pages; in pull mode decode reads prefill's
+pages after a Ready, verifies them, and its Result (or Abort) lets prefill release them. Hello names the mode
+decode asks for, and prefill refuses one it does not accept (a Reject saying "transfer mode differs").
 
 Fencing (docs/fencing.md): the Welcome names prefill's process (host, pid, start time) so decode can tell
 when the writer is gone. A decode that reconnects to a prefill it declared dead sends an Abort for every
@@ -43,12 +48,15 @@ from kvferry.errors import (
 )
 
 __all__ = ["KINDS", "PROTOCOL_VERSION", "Abort", "Ack", "Announce", "Auth", "Bye", "Challenge", "Chunk", "Envelope",
-           "Fail", "Heartbeat", "Hello", "Reject", "Result", "Welcome", "decode", "decode_pages", "encode",
+           "Fail", "Heartbeat", "Hello", "Ready", "Reject", "Result", "Welcome", "decode", "decode_pages", "encode",
            "encode_pages", "error_from_wire", "error_kind"]
 
 # Bump when any message's fields, their meaning, or the flow above changes. Peers with another version are
 # refused at the handshake; Envelope and Reject keep their shape across versions so the refusal is readable.
-PROTOCOL_VERSION = 2   # 2: Welcome names prefill's process; Abort after a reconnect asks for settlement
+# 2: Welcome names prefill's process; Abort after a reconnect asks for settlement.
+# 3: Hello and Welcome state the transfer mode (push or pull) and peer_timeout, Hello names decode's
+#    process; Ready (pull mode).
+PROTOCOL_VERSION = 3
 
 # Caps on untrusted input, far above real use and far below what exhausts memory.
 MAX_ID_LEN = 256
@@ -64,6 +72,8 @@ Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 Mac = Annotated[bytes, msgspec.Meta(max_length=64)]
 Gen = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=3600)]
+Mode = Annotated[str, msgspec.Meta(max_length=16)]
+Timeout = Annotated[float, msgspec.Meta(gt=0, le=1e9)]   # any EndpointOptions.peer_timeout
 PageBytes = Annotated[bytes, msgspec.Meta(max_length=MAX_PAGES_BYTES)]
 Pages = Annotated[dict[Annotated[str, msgspec.Meta(max_length=256)], PageBytes], msgspec.Meta(max_length=MAX_POOLS)]
 
@@ -88,6 +98,13 @@ class Hello(_Msg):
     nonce: Nonce
     digest_mode: Id             # the strongest digest mode wins between the two sides
     heartbeat_interval: Seconds
+    mode: Mode = "push"         # the transfer mode decode asks for; prefill refuses one it does not accept
+    peer_timeout: Timeout = 5.0  # decode's: in pull mode prefill holds a dead session's sources for longer
+    # Decode's process (liveness.ProcessIdentity): in pull mode prefill releases a dead session's source
+    # pages at once when this process is certainly gone. Defaults mean "not reported".
+    host: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    pid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)] = 0
+    started: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0
 
 
 class Challenge(_Msg):
@@ -110,6 +127,8 @@ class Welcome(_Msg):
     host: Annotated[str, msgspec.Meta(max_length=512)] = ""
     pid: Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)] = 0
     started: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)] = 0
+    mode: Mode = "push"          # the mode agreed: decode refuses a Welcome naming another than it asked
+    peer_timeout: Timeout = 5.0  # prefill's: decode's pull-mode fence uses the shorter of the two
 
 
 class Reject(_Msg):
@@ -165,6 +184,24 @@ class Chunk(_Msg):
     digests: Blob
 
 
+class Ready(_Msg):
+    """Pull mode, prefill -> decode: a chunk's source pages are ready to be read. ``pages`` are prefill's
+    source pages per pool, read into decode's leased pages from ``offsets[pool]`` on; ``buffers`` names
+    the buffers the chunk covers (empty: all). Prefill holds these pages until decode's Result or Abort for
+    the generation, or until a while after the session died (docs/fencing.md)."""
+
+    request_id: Id
+    generation: Gen
+    chunk: Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)]
+    last: bool
+    num_chunks: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]   # total, meaningful on the last chunk
+    pages: Pages
+    offsets: Annotated[dict[Annotated[str, msgspec.Meta(max_length=256)], Annotated[int, msgspec.Meta(ge=0)]],
+                       msgspec.Meta(max_length=MAX_POOLS)]
+    buffers: Annotated[list[Annotated[str, msgspec.Meta(max_length=256)]], msgspec.Meta(max_length=1 << 16)]
+    digests: Blob
+
+
 class Heartbeat(_Msg):
     pass
 
@@ -175,7 +212,7 @@ class Bye(_Msg):
 
 KINDS: dict[str, type[_Msg]] = {
     "hello": Hello, "challenge": Challenge, "auth": Auth, "welcome": Welcome, "reject": Reject,
-    "announce": Announce, "ack": Ack, "abort": Abort, "fail": Fail, "result": Result, "chunk": Chunk,
+    "announce": Announce, "ack": Ack, "abort": Abort, "fail": Fail, "result": Result, "chunk": Chunk, "ready": Ready,
     "heartbeat": Heartbeat, "bye": Bye,
 }
 _KIND_OF = {cls: kind for kind, cls in KINDS.items()}

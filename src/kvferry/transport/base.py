@@ -2,7 +2,9 @@
 
 The bottom of the transport layer, above ``plan``, below ``local`` and ``nixl``. A transport moves the
 rows of a ``Plan`` from this side's
-registered memory into a peer's registered memory and delivers a small notification after the last byte.
+registered memory into a peer's registered memory and delivers a small notification after the last byte
+(push), or reads them from the peer's registered memory into this side's (``read``: pull mode, where only
+the reader ever writes its own memory).
 Two implementations: ``NixlTransport`` (NVIDIA NIXL over UCX, host or GPU memory) and ``LocalTransport``
 (in-process memmove, the reference the tests compare against).
 
@@ -101,6 +103,17 @@ class Transport(ABC):
         from its manifest). A plan with rows outside registered regions on either side is refused here,
         with ``TransportError``, before anything is posted; failures after posting surface from the handle.
         """
+
+    def read(self, plan: Plan, peer: str, label: str = "") -> TransferHandle:
+        """Post the plan's rows as a read from ``peer`` into this side's memory (pull mode).
+
+        The mirror of ``write``: ``plan.src_memory`` is the peer's memory (as decoded from its manifest),
+        ``plan.dst_memory`` the memory registered here. Rows outside the peer's or this side's registered
+        regions are refused with ``TransportError`` before anything is posted. No notification reaches the
+        peer: the reader learns completion from the handle, and tells the source side itself when it may
+        release its pages. Transports that cannot read raise ``TransportError``.
+        """
+        raise TransportError(f"the {self.name!r} transport cannot read from peer {peer!r} (pull mode)")
 
     @abstractmethod
     def send_notification(self, peer: str, message: bytes) -> None:

@@ -3,8 +3,9 @@
 Part of the transport layer, above ``base``, beside ``nixl``. Peers are other ``LocalTransport`` objects in
 the same process, found by name in a process-wide registry. A write checks every row against both sides'
 registered regions, then copies the rows with ``memmove`` and queues the notification on the peer: completion
-is synchronous, as with NIXL's cma path on one machine. Nothing here aims at speed; it aims at being obviously
-right.
+is synchronous, as with NIXL's cma path on one machine. A read (pull mode) checks the same way and copies
+from the peer's memory into this side's, on the reader's thread; the peer hears nothing. Nothing here aims
+at speed; it aims at being obviously right.
 """
 
 from __future__ import annotations
@@ -93,12 +94,31 @@ class LocalTransport(Transport):
     def write(self, plan: Plan, peer: str, notif: bytes, label: str = "") -> LocalHandle:
         target = self._live_peer(peer)
         self._check(plan, peer, label)
-        src, dst = plan.src_descs, plan.dst_descs
+        self._copy(plan)
+        target._inbox.append((self._name, bytes(notif)))
+        return LocalHandle(peer, label)
+
+    @staticmethod
+    def _copy(plan: Plan) -> None:
         # One memmove per coalesced row: rows are few (runs x buffers), and a plain loop keeps the
         # reference implementation free of cleverness the tests would then have to trust.
-        for (src_addr, nbytes, _), (dst_addr, _, _) in zip(src.tolist(), dst.tolist()):
+        for (src_addr, nbytes, _), (dst_addr, _, _) in zip(plan.src_descs.tolist(), plan.dst_descs.tolist()):
             ctypes.memmove(dst_addr, src_addr, nbytes)
-        target._inbox.append((self._name, bytes(notif)))
+
+    def read(self, plan: Plan, peer: str, label: str = "") -> LocalHandle:
+        """Copy the plan's rows from ``peer``'s registered memory into this side's, on the caller's thread
+        (the reader's): every byte has landed when this returns. The peer is not told."""
+        source = self._live_peer(peer)
+        if self._memory is None:
+            raise TransportError("register memory before reading")
+        if plan.dst_memory.binding_fingerprint != self._memory.binding_fingerprint:
+            raise TransportError(f"read {label!r}: the plan's destination is not this transport's memory")
+        live = source._memory
+        if live is None:
+            raise TransportError(f"peer {peer!r} has no registered memory")
+        # Source rows against the peer's live registration, destination rows against ours.
+        check_plan_in_regions(plan, live, self._memory, peer, label)
+        self._copy(plan)
         return LocalHandle(peer, label)
 
     def send_notification(self, peer: str, message: bytes) -> None:

@@ -354,43 +354,68 @@ class NixlTransport(Transport):
             return self._track(NixlHandle(self, None, peer, label, done=True))
         # Plain try blocks rather than ``_nixl_errors``: this runs per request, and the message is built
         # only when something failed.
-        agent = self._agent
         try:
             xfer = self._make_xfer(plan, state, notif, indices)
         except Exception as exc:
             if not _is_backend_error(exc):
                 raise
             raise _translate(exc, "", _what(label, notif), peer) from exc
+        return self._post(xfer, peer, label, notif)
+
+    def read(self, plan: Plan, peer: str, label: str = "") -> NixlHandle:
+        """Post ``plan`` as one NIXL READ from ``peer`` into this side's memory; see ``Transport.read``.
+
+        Refuses (``TransportError``) before posting when the plan's source is not the peer's memory as its
+        metadata describes it, its destination not this side's, or any row leaves a registered region. No
+        notification is sent: the handle alone says when every byte has landed here.
+        """
+        state = self._peer(peer)
+        indices = self._check_read_plan(plan, state, label)
+        if plan.num_descriptors == 0:
+            return self._track(NixlHandle(self, None, peer, label, done=True))
         try:
-            status = agent.transfer(xfer)
+            xfer = self._make_xfer(plan, state, b"", indices, op="READ")
+        except Exception as exc:
+            if not _is_backend_error(exc):
+                raise
+            raise _translate(exc, "", f"read {label!r}", peer) from exc
+        return self._post(xfer, peer, label, b"", op="read")
+
+    def _post(self, xfer: Any, peer: str, label: str, notif: bytes, op: str = "write") -> NixlHandle:
+        # The error text is built only when something failed: this runs per request.
+        try:
+            status = self._agent.transfer(xfer)
         except Exception as exc:
             xfer.release()
             if not _is_backend_error(exc):
                 raise
-            raise _translate(exc, "", _what(label, notif), peer) from exc
+            raise _translate(exc, "", _what(label, notif) if op == "write" else f"read {label!r}", peer) from exc
         if status == "ERR":
             xfer.release()
-            raise _translate(None, status, _what(label, notif), peer)
-        handle = NixlHandle(self, xfer, peer, label, done=status == "DONE")
-        self._handles.add(handle)
-        return handle
+            raise _translate(None, status, _what(label, notif) if op == "write" else f"read {label!r}", peer)
+        return self._track(NixlHandle(self, xfer, peer, label, done=status == "DONE"))
 
-    def _make_xfer(self, plan: Plan, state: _Peer, notif: bytes, indices: str) -> Any:
+    def _make_xfer(self, plan: Plan, state: _Peer, notif: bytes, indices: str, op: str = "WRITE") -> Any:
+        """A NIXL transfer of ``plan``. WRITE: local source, remote destination; READ: the plan's source
+        is the peer's (remote) memory and its destination local, so the two sides' rows swap."""
         agent = self._agent
         if indices is _ROWS:
             # NIXL copies the rows into its own lists, so the reused buffer is free again on return.
             src_rows, dst_rows = self._rows.rows(plan)
-            src = agent.get_xfer_descs(src_rows, self._mem_type)
-            dst = agent.get_xfer_descs(dst_rows, state.mem_type)
-            return agent.initialize_xfer("WRITE", src, dst, state.name, notif)
+            if op == "READ":
+                src_rows, dst_rows = dst_rows, src_rows
+            local = agent.get_xfer_descs(src_rows, self._mem_type)
+            remote = agent.get_xfer_descs(dst_rows, state.mem_type)
+            return agent.initialize_xfer(op, local, remote, state.name, notif)
         if indices is _FAST_INDICES:
             # NIXL reads the indices during the call only: the reused buffer is free again on return.
             src_idx, dst_idx = self._rows.selectors(plan)
-        else:  # "prepped" forced on a plan the fast check did not vouch for: its own selectors
+        else:  # "prepped" forced on a plan the fast check did not vouch for, or a read: its own selectors
             src_sel, dst_sel = plan.page_selectors()
             src_idx, dst_idx = src_sel.astype(np.int32), dst_sel.astype(np.int32)
-        return agent.make_prepped_xfer("WRITE", self._local_list(), src_idx, self._remote_list(state), dst_idx,
-                                       notif)
+        if op == "READ":
+            src_idx, dst_idx = dst_idx, src_idx
+        return agent.make_prepped_xfer(op, self._local_list(), src_idx, self._remote_list(state), dst_idx, notif)
 
     def _lists_ready(self, state: _Peer) -> bool:
         """Both per-page lists prepared (once); False, and rows from then on for this peer, when NIXL
@@ -491,6 +516,24 @@ class NixlTransport(Transport):
             return _FAST_INDICES
         check_plan_in_regions(plan, self._memory, state.memory, state.name, label, selectors=mode == "prepped")
         return _PLAN_INDICES if mode == "prepped" else _ROWS
+
+    def _check_read_plan(self, plan: Plan, state: _Peer, label: str) -> str:
+        """Refuse a read plan outside the registered regions; say what to post (``_ROWS`` or the plan's
+        own selectors, ``_PLAN_INDICES``, into the prepared per-page lists)."""
+        if self._memory is None:
+            raise TransportError("register memory before reading")
+        if not _same_binding(plan.dst_memory, self._memory):
+            raise TransportError(f"read {label!r}: the plan's destination is not this transport's memory")
+        if not _same_binding(plan.src_memory, state.memory):
+            raise TransportError(f"read {label!r}: the plan's source is not peer {state.name!r}'s memory as its "
+                                 f"metadata describes it (stale manifest?)")
+        indices = _PLAN_INDICES if self.descriptors == "prepped" or (
+            self.descriptors == "auto" and self._local_indexable and state.indexable and self._lists_ready(state)
+        ) else _ROWS
+        # Remote rows against the peer's regions as its metadata describes them, local rows against ours.
+        check_plan_in_regions(plan, state.memory, self._memory, state.name, label,
+                              selectors=indices is _PLAN_INDICES)
+        return indices
 
     def _track(self, handle: NixlHandle) -> NixlHandle:
         self._handles.add(handle)

@@ -59,6 +59,8 @@ class Tally:
     bytes_moved: int = 0
     quarantine_peak: int = 0
     endpoint_quarantine_peak: int = 0
+    source_holds: int | None = None    # the current prefill's last report: endpoint holds + pages held
+    source_holds_peak: int = 0
     faults: dict[str, int] = field(default_factory=dict)
     fault_log: list[str] = field(default_factory=list)
     restarts: dict[str, int] = field(default_factory=dict)
@@ -165,6 +167,19 @@ class ChaosSupervisor:
             self._pump(PUMP_S)
         if self.final is None:
             self.error = self.error or f"decode did not finish draining within {self.config.drain_s:g} s"
+            return
+        self._await_holds()
+
+    def _await_holds(self) -> None:
+        """Pull mode: give prefill's source holds one hold period (2 x peer_timeout + lease_grace, plus a
+        second) to end after decode drained; what is still held then has leaked."""
+        wl = self.config.workload
+        if wl.mode != "pull":
+            return
+        self.tally.source_holds = None   # only a report from after the drain counts
+        deadline = time.monotonic() + 2 * float(wl.peer_timeout_s or 0) + float(wl.lease_grace_s or 0) + 1.0
+        while time.monotonic() < deadline and self.tally.source_holds != 0:
+            self._pump(PUMP_S)
 
     def _shutdown(self) -> None:
         for proc in self.sides.values():
@@ -272,6 +287,10 @@ class ChaosSupervisor:
         self.tally.quarantine_peak = max(self.tally.quarantine_peak, quarantined)
         self.tally.endpoint_quarantine_peak = max(self.tally.endpoint_quarantine_peak, endpoint_q)
 
+    def _on_holds(self, proc: SideProcess, endpoint_holds: int, held: int) -> None:
+        self.tally.source_holds = endpoint_holds + held
+        self.tally.source_holds_peak = max(self.tally.source_holds_peak, endpoint_holds)
+
     def _on_result(self, proc: SideProcess, report: dict[str, Any]) -> None:
         proc.report = report
         if proc.side == "decode":
@@ -320,8 +339,10 @@ class ChaosSupervisor:
             endpoint_quarantined_pages_peak=t.endpoint_quarantine_peak, faults=dict(t.faults),
             fault_log=tuple(t.fault_log), restarts=dict(t.restarts), side_errors=tuple(t.side_errors),
             options={"peer_timeout_s": float(wl.peer_timeout_s or 0), "lease_grace_s": float(wl.lease_grace_s or 0),
-                     "request_timeout_s": wl.request_timeout_s},
+                     "request_timeout_s": wl.request_timeout_s, "mode": wl.mode},
             error=self.error, extra={"final": final, "failure_examples": dict(t.examples)},
+            source_holds_peak=t.source_holds_peak,
+            source_holds_left=t.source_holds if wl.mode == "pull" else 0,
         )
 
 

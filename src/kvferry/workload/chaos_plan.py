@@ -32,7 +32,7 @@ class ChaosConfig:
 
     Faults start after ``warmup_s``, ``min_gap_s`` plus an exponential gap of mean ``mean_gap_s`` apart
     (a killed side needs a moment to start again before the next fault means anything), and end
-    ``quiet_s`` before the duration is up. A stall (SIGSTOP) lasts ``peer_timeout + lease_grace`` plus
+    ``quiet_s`` before the duration is up. A stall (SIGSTOP) lasts ``stall_floor_s`` plus
     ``stall_extra_s`` (drawn uniformly from that range), so the other side always gives the stalled one
     up. ``weights`` are the odds of stop, kill and cut. ``drain_s`` bounds the drain after the duration.
     ``scribble_at_s`` (tests only) has decode flip one byte of a page a DONE request left, at that moment:
@@ -70,9 +70,13 @@ class ChaosConfig:
 
     @property
     def stall_floor_s(self) -> float:
-        """A stall at least this long outlasts the other side's patience: peer_timeout + lease_grace."""
+        """A stall at least this long outlasts the other side's patience: peer_timeout + lease_grace. In
+        pull mode, also prefill's source hold after it declared a stalled decode dead (two more
+        peer_timeouts: ``control.pull.source_hold_s``), so a stalled reader resumes after its source pages
+        may have been reused: the case decode's fence exists for."""
         wl = self.workload
-        return float(wl.peer_timeout_s or 0.0) + float(wl.lease_grace_s or 0.0)
+        pt, grace = float(wl.peer_timeout_s or 0.0), float(wl.lease_grace_s or 0.0)
+        return 3 * pt + grace if wl.mode == "pull" else pt + grace
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +141,8 @@ class RequestStream:
 
 @dataclass(frozen=True)
 class ChaosResult:
-    """What a chaos run did and found. ``ok``: no byte wrong anywhere, no lease leaked, the run ran.
+    """What a chaos run did and found. ``ok``: no byte wrong anywhere, no lease leaked, no source hold left
+    (pull mode), the run ran.
 
     ``bytes_wrong`` counts bytes that differed from what their page's owner (a request decode reported
     done) must hold: when the request completed, when its page was next reused, and at the end of the run
@@ -168,14 +173,18 @@ class ChaosResult:
     fault_log: tuple[str, ...]
     restarts: dict[str, int]
     side_errors: tuple[str, ...]
-    options: dict[str, float]
+    options: dict[str, Any]   # peer_timeout_s, lease_grace_s, request_timeout_s, mode
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # Pull mode: prefill's source holds (requests whose pages decode may still read) at the peak, and
+    # still held after the drain plus one hold period (None: prefill never reported after the drain).
+    source_holds_peak: int = 0
+    source_holds_left: int | None = 0
 
     @property
     def ok(self) -> bool:
         return (self.error is None and self.bytes_wrong == 0 and self.leaked_leases == 0
-                and self.requests_done > 0)
+                and self.requests_done > 0 and self.source_holds_left == 0)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "fault_log": list(self.fault_log), "side_errors": list(self.side_errors),

@@ -277,6 +277,15 @@ class ChaosPrefillSide(PrefillSide):
     def __init__(self, config: ChaosConfig, router: Connection, parent: Connection) -> None:
         super().__init__(config.workload, router, parent)
         self.stream = RequestStream(config.workload)
+        self.last_gauge = 0.0
+
+    def _poll(self) -> int:
+        finished = super()._poll()
+        now = time.monotonic()
+        if now - self.last_gauge >= PROGRESS_S:  # the parent's leak check of source holds (pull mode)
+            self.last_gauge = now
+            self.parent.send(("holds", self.link.endpoint.counters()["source_holds"], len(self.holding)))
+        return finished
 
     def _spec(self, index: int) -> RequestSpec:
         return self.stream.spec(index)  # requests replay the seed's sessions in rounds, with fresh ids

@@ -30,7 +30,9 @@ class WorkloadConfig:
     ``knobs`` are extra preset keyword arguments. ``inject`` names a fault from ``kvferry.diagnostics.faults``,
     applied on the prefill side only. ``timeout_s`` bounds the whole run, startup included;
     ``request_timeout_s`` bounds each request from announce to completion. ``peer_timeout_s`` and
-    ``lease_grace_s`` set the endpoints' options of those names when given.
+    ``lease_grace_s`` set the endpoints' options of those names when given. ``mode`` is the transfer mode
+    of both endpoints: ``"push"`` (prefill writes) or ``"pull"`` (decode reads; prefill frees a request's
+    pages only once decode is done with them).
     """
 
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
@@ -46,10 +48,16 @@ class WorkloadConfig:
     # Liveness knobs of both endpoints (None: EndpointOptions' defaults); the chaos run makes them short.
     peer_timeout_s: float | None = None
     lease_grace_s: float | None = None
+    mode: str = "push"
 
     def __post_init__(self) -> None:
         if self.transport not in ("nixl", "local"):
             raise UsageError(f"transport must be 'nixl' or 'local', got {self.transport!r}")
+        if self.mode not in ("push", "pull"):
+            raise UsageError(f"mode must be 'push' or 'pull', got {self.mode!r}")
+        if self.mode == "pull" and self.inject is not None:
+            raise UsageError(f"fault {self.inject!r} corrupts prefill's writes; in pull mode prefill writes "
+                             "nothing (use --mode push)")
         DigestMode.parse(self.digest_mode)
         if self.timeout_s <= 0 or self.request_timeout_s <= 0:
             raise UsageError("timeout_s and request_timeout_s must be > 0")
@@ -97,6 +105,7 @@ class WorkloadResult:
     layout: dict[str, Any]
     error: str | None = None
     latencies_ms: tuple[float, ...] = ()  # per request, announce to verified; left out of to_dict
+    mode: str = "push"
 
     @property
     def ok(self) -> bool:

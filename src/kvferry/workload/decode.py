@@ -211,7 +211,7 @@ class DecodeLink:
         from kvferry.control import DecodeEndpoint
 
         self.endpoint = DecodeEndpoint(memory, config.transport, digest_mode=config.digest_mode,
-                                       options=endpoint_options(config))
+                                       options=endpoint_options(config), mode=config.mode)
 
     def connect(self, address: str) -> None:
         self.endpoint.connect(address)

@@ -36,6 +36,7 @@ class PrefillSide(Side):
         self.sent = 0
         self.failed = 0
         self.decode_done = False
+        self.holding: dict[str, dict[str, np.ndarray]] = {}   # ended, source still readable (pull mode)
 
     def close(self) -> None:
         self.link.close()
@@ -91,7 +92,7 @@ class PrefillSide(Side):
         return self.schedule[index]
 
     def _poll(self) -> int:
-        finished = 0
+        finished = self._release_held()
         for rid, live in list(self.live.items()):
             try:
                 if not self.link.poll(rid):
@@ -100,9 +101,19 @@ class PrefillSide(Side):
             except RequestFailed:
                 self.failed += 1
             del self.live[rid]
-            self._free(live.pages)  # every write of it has settled (DONE), or it never will read them
+            if self.link.holds_source(rid):
+                self.holding[rid] = live.pages  # decode may still read them (pull mode): not yet reusable
+            else:
+                self._free(live.pages)  # every write of it settled (DONE), or decode is done reading them
             finished += 1
         return finished
+
+    def _release_held(self) -> int:
+        """Free the pages of ended requests whose source hold has ended; returns how many."""
+        ended = [rid for rid in self.holding if not self.link.holds_source(rid)]
+        for rid in ended:
+            self._free(self.holding.pop(rid))
+        return len(ended)
 
 
 class PrefillLink:
@@ -115,7 +126,7 @@ class PrefillLink:
         self.transport = make_transport(config.transport)
         wrapped = self.transport if config.inject is None else FaultyTransport(self.transport, config.inject)
         self.endpoint = PrefillEndpoint(memory, wrapped, digest_mode=config.digest_mode,
-                                        options=endpoint_options(config))
+                                        options=endpoint_options(config), mode=config.mode)
         self.address = self.endpoint.address
 
     def send(self, request_id: str, pages: dict[str, np.ndarray]) -> None:
@@ -123,6 +134,10 @@ class PrefillLink:
 
     def poll(self, request_id: str) -> bool:
         return check_state(self.endpoint, request_id)
+
+    def holds_source(self, request_id: str) -> bool:
+        """Whether the request's source pages may still be read (a write in flight, or pull mode's hold)."""
+        return self.endpoint.holds_source(request_id)
 
     def close(self) -> None:
         self.endpoint.close()

@@ -78,7 +78,7 @@ def _result(config: WorkloadConfig, layout: Layout, reports: Reports, wall_s: fl
         p50_ms=float(dec.get("p50_ms", 0.0)), p99_ms=float(dec.get("p99_ms", 0.0)),
         failures=dict(dec.get("failures", {})), first_failure=dec.get("first_failure"),
         layout=layout_summary(layout), error=reports.error,
-        latencies_ms=tuple(float(x) for x in dec.get("latencies_ms", ())),
+        latencies_ms=tuple(float(x) for x in dec.get("latencies_ms", ())), mode=config.mode,
     )
 
 

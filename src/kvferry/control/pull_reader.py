@@ -1,0 +1,209 @@
+"""Decode's half of pull mode: read prefill's ready pages into the lease, verify, and say when done.
+
+Part of the control plane, above ``pull``, ``links``, ``decode_requests`` and ``digests``, below ``decode``
+(``DecodeEndpoint`` mixes ``PullReader`` in; everything here runs on decode's progress thread, under the
+endpoint's lock). A ``Ready`` names a chunk's source pages; decode checks them against prefill's layout,
+plans the read into its own leased pages and posts it (``Transport.read``). When the read is complete, and
+only if the link is still *current* (``_fenced``), it checks the chunk's digests; the last chunk makes the
+request DONE and decode's Result tells prefill to release its source pages. Only decode writes decode's
+memory here, so a failed request's lease ends as soon as its own reads are terminal: no quarantine.
+
+The fence: a read is accepted only while decode's own messages to prefill never paused for more than
+``link.fence_s`` (a stall of this process trips it, whatever it reads afterwards) and prefill was heard
+within ``peer_timeout``. Prefill keeps a dead session's source pages long enough (``pull.source_hold_s``)
+that every accepted read completed before they are released (docs/fencing.md).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvferry.control import wire
+from kvferry.control.decode_requests import DecodeRequest, Part
+from kvferry.control.digests import verify_chunk
+from kvferry.control.links import Link
+from kvferry.control.pull import fence_s, welcome_mismatch
+from kvferry.control.states import RequestState
+from kvferry.errors import (
+    HandshakeError,
+    KVFerryError,
+    LayoutError,
+    PeerLost,
+    PlanError,
+    ProtocolError,
+    TransportError,
+)
+from kvferry.layout.memory import KVMemory
+from kvferry.plan.contract import Plan
+from kvferry.plan.pages import validate_pages
+from kvferry.plan.planner import plan_pages, select_buffers
+from kvferry.transport import TransferHandle
+
+__all__ = ["PullReader", "Read"]
+
+
+class Read:
+    """One posted read: its handle and the chunk it brings (digests, index, count)."""
+
+    __slots__ = ("chunk", "handle")
+
+    def __init__(self, handle: TransferHandle, chunk: wire.Chunk) -> None:
+        self.handle = handle
+        self.chunk = chunk
+
+
+class PullReader:
+    """Mixed into ``DecodeEndpoint`` (after ``EndpointBase`` in its bases): the pull-mode handlers. Relies
+    on the endpoint's lease table, transport, options and request bookkeeping (``_lookup``, ``_fail_req``,
+    ``_reject_part``, ``_part_complete``, ``_end_lease``, ``_link_dead``, ``_set_state``)."""
+
+    _reading: set[DecodeRequest]
+    memory: KVMemory
+    transport: Any
+    options: Any
+    digest_mode: Any
+    _leases: Any
+
+    # -- handshake ------------------------------------------------------------------------------------
+    def _welcome_pull(self, link: Link, msg: wire.Welcome) -> KVFerryError | None:
+        """Decode's mode checks of a Welcome; in pull mode the link learns prefill's memory and the fence."""
+        if msg.mode != link.mode:
+            return welcome_mismatch(link.address, link.mode, msg.mode)
+        if link.mode != "pull":
+            return None
+        try:
+            link.remote = KVMemory.from_manifest(msg.manifest)
+        except LayoutError as exc:  # check_welcome read it already: unreachable unless that changes
+            return HandshakeError(f"prefill {link.address} sent a bad manifest: {exc}")
+        opts = self.options
+        link.fence_s = fence_s(opts.peer_timeout, msg.peer_timeout, opts.heartbeat_interval)
+        link.expired = False
+        return None
+
+    # -- the fence --------------------------------------------------------------------------------------
+    def _note_send(self, link: Link, now: float) -> None:
+        """Before a message to ``link`` leaves: a pause in our own messages beyond the fence trips it for
+        good (prefill may have declared us dead meanwhile; later messages cannot undo that)."""
+        if link.mode == "pull" and link.state == "established" and now - link.last_sent > link.fence_s:
+            link.expired = True
+
+    def _fenced(self, link: Link, now: float) -> str | None:
+        """Why reads on ``link`` may not be posted or accepted now, or None while it is current."""
+        if link.state != "established":
+            return f"prefill {link.address} is {link.state}"
+        if link.expired or now - link.last_sent > link.fence_s:
+            link.expired = True
+            return (f"decode sent prefill {link.address} nothing for more than {link.fence_s:.2f} s (this "
+                    "process stalled): prefill may have declared it dead and released its source pages")
+        if now - link.last_seen > self.options.peer_timeout:
+            return f"prefill {link.address} silent for {now - link.last_seen:.2f} s"
+        return None
+
+    def _check_pull_links(self, links: list[Link], now: float) -> None:
+        """Before an iteration reads anything: a pull link whose fence tripped (our own stall) dies now,
+        so that frames queued meanwhile cannot start reads on it."""
+        for link in links:
+            if link.mode == "pull" and link.state == "established":
+                why = self._fenced(link, now)
+                if why is not None and link.expired:
+                    self._link_dead(link, PeerLost(why))
+
+    # -- Ready -> read --------------------------------------------------------------------------------
+    def _on_ready(self, link: Link, msg: wire.Ready) -> None:
+        if link.mode != "pull":
+            raise ProtocolError(f"Ready from prefill {link.address} on a push-mode link")
+        rec = self._lookup(link, msg.request_id, msg.generation)
+        if rec is None or not rec.is_live:
+            return  # ended: prefill was answered (Result or Abort), or will release on the session's death
+        part = rec.parts[link]
+        if msg.chunk in part.chunks_seen or any(r.chunk.chunk == msg.chunk for r in part.reads):
+            return
+        chunk = wire.Chunk(msg.request_id, msg.generation, msg.chunk, msg.last, msg.num_chunks, msg.digests)
+        try:
+            plan = self._read_plan(rec, link, msg)
+            why = self._fenced(link, time.monotonic())
+            if why is not None:
+                raise PeerLost(f"not reading request {rec.request_id!r}: {why}")
+            handle = self.transport.read(plan, link.agent, label=f"{rec.request_id}#{msg.chunk}")
+        except KVFerryError as exc:
+            self._reject_part(rec, part, exc)
+            return
+        part.reads.append(Read(handle, chunk))
+        self._reading.add(rec)
+
+    def _read_plan(self, rec: DecodeRequest, link: Link, msg: wire.Ready) -> Plan:
+        """The read of one chunk: prefill's pages (untrusted: checked against its layout) into the
+        leased pages from each pool's offset on (bounded by the lease)."""
+        assert link.remote is not None
+        src = validate_pages(link.remote.layout, "source", wire.decode_pages(msg.pages), PlanError, unique=False)
+        leased = self._leases.pages(rec.generation)
+        pairs = {}
+        for pool, pages in src.items():
+            dst, offset = leased.get(pool), msg.offsets.get(pool, 0)
+            if dst is None or offset + len(pages) > len(dst):
+                raise PlanError(f"request {rec.request_id!r}, pool {pool!r}: chunk {msg.chunk} covers positions "
+                                f"{offset}..{offset + len(pages) - 1}, lease has {0 if dst is None else len(dst)}")
+            pairs[pool] = (pages, dst[offset:offset + len(pages)])
+        return plan_pages(link.remote, self.memory, pairs, select_buffers(self.memory, msg.buffers or None))
+
+    # -- completions ----------------------------------------------------------------------------------
+    def _pump_reads(self) -> bool:
+        """Poll every read in flight; True when one ended."""
+        news = False
+        now = time.monotonic()
+        for rec in list(self._reading):
+            for part in list(rec.parts.values()):
+                news |= self._poll_reads(rec, part, now)
+            if not any(p.reads for p in rec.parts.values()):
+                self._reading.discard(rec)
+                if not rec.is_live:
+                    self._end_lease(rec)  # its own reads are terminal: nothing else writes these pages
+        return news
+
+    def _poll_reads(self, rec: DecodeRequest, part: Part, now: float) -> bool:
+        still, ended = [], False
+        for read in part.reads:
+            error: KVFerryError | None = None
+            try:
+                if not read.handle.poll():
+                    still.append(read)
+                    continue
+            except TransportError as exc:
+                error = exc
+            read.handle.release()
+            ended = True
+            if rec.is_live:
+                self._read_done(rec, part, read.chunk, error, now)
+        part.reads = still
+        return ended
+
+    def _read_done(self, rec: DecodeRequest, part: Part, chunk: wire.Chunk, error: KVFerryError | None,
+                   now: float) -> None:
+        link = part.link
+        why = self._fenced(link, now)
+        if error is None and why is not None:
+            self._fail_req(rec, PeerLost(f"read of request {rec.request_id!r} not accepted: {why}"),
+                           f"prefill rank {link.rank} ({link.address}): read not accepted")
+            return
+        if error is None:
+            error = verify_chunk(self.memory, self.digest_mode, link, chunk)
+        if error is not None:
+            self._reject_part(rec, part, error)
+            return
+        part.see(chunk)
+        if rec.state is not RequestState.TRANSFERRING:
+            self._set_state(rec, RequestState.TRANSFERRING)
+        if part.is_complete:
+            self._part_complete(rec, part)
+
+    def _pull_failed(self, rec: DecodeRequest) -> None:
+        """A pull request failed: no writer but us, so every part is settled, and the lease ends once our
+        own reads of it are terminal (now, when none is in flight)."""
+        for part in rec.parts.values():
+            part.settled = True
+        if not any(p.reads for p in rec.parts.values()):
+            self._end_lease(rec)
+
+    def _num_reads(self) -> int:
+        return sum(len(p.reads) for rec in self._reading for p in rec.parts.values())
