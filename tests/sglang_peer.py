@@ -1,12 +1,19 @@
 """One side (prefill or decode) of a PD transfer through SGLang's own transfer-layer classes, no model.
 
-Run under .venv-sglang by tests/test_sglang.py: ``python tests/sglang_peer.py prefill|decode '<json>'``.
+Run under .venv-sglang by tests/test_sglang.py: ``python tests/sglang_peer.py prefill|decode '<json>' [rank]``.
 Builds a real SGLang memory pool on CPU (MLA, the DSA indexer pool with fp8 or bf16 index keys, or
 DeepSeek-V4's), fills it with seeded bytes, builds ``KVArgs`` the way SGLang's schedulers do
 (``get_kv_transfer_buf_infos`` + ``setup_state_kv_args``), picks the backend through
 ``get_kv_class(TransferBackend(name), ...)`` (``kvferry`` through SGLang's ``load_plugins()``), and drives
-the sender or receiver of every request in SGLang's call order. Prefill also hosts the bootstrap server.
-Prints one JSON line with the outcome; decode's line includes the byte check of every buffer.
+the sender or receiver of every request in SGLang's call order. Prefill (rank 0) also hosts the
+bootstrap server. Prints one JSON line with the outcome; decode's line includes the byte check of every
+buffer.
+
+Across TP sizes (``prefill_tp``/``decode_tp`` in the config) each attention-TP rank is a process of its
+own, told its rank through SGLang's parallel context, as SGLang's scheduler processes are. Every pool here
+is MLA (the same bytes on every rank in SGLang), but each prefill rank fills its pool from its own seed, so
+decode can tell which rank's bytes landed: exactly the one that should write it (``src_rank``), and none
+from a rank that must only report.
 """
 
 from __future__ import annotations
@@ -27,14 +34,28 @@ AUX_SLOTS, AUX_ITEM = 96, 64
 DEADLINE = 90.0
 
 
-def setup_context(cfg: dict[str, Any]) -> None:
+def setup_context(cfg: dict[str, Any], tp_size: int = 1, tp_rank: int = 0) -> None:
     from sglang.srt.runtime_context import get_context, get_parallel
 
     get_context().override_server_args(
-        device="cpu", tp_size=1, pp_size=1, dp_size=1, disaggregation_transfer_backend=cfg["backend"],
+        device="cpu", tp_size=tp_size, pp_size=1, dp_size=1, disaggregation_transfer_backend=cfg["backend"],
         disaggregation_bootstrap_port=cfg["port"], host="127.0.0.1").install()
-    get_parallel().override_permanently(attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
-                                        pp_group=None, attn_dcp_size=1)
+    get_parallel().override_permanently(tp_rank=tp_rank, attn_tp_rank=tp_rank, attn_cp_rank=0, attn_dcp_rank=0,
+                                        attn_dp_rank=0, pp_group=None, attn_dcp_size=1)
+
+
+def tp_of(cfg: dict[str, Any], role: str) -> int:
+    return int(cfg.get(f"{role}_tp", 1))
+
+
+def src_rank(cfg: dict[str, Any], decode_rank: int) -> int:
+    """The prefill rank whose bytes decode rank ``decode_rank`` must hold: for MLA pools SGLang's and
+    kvferry's choice agree, the first prefill rank overlapping it (``floor(d * P / D)``)."""
+    return decode_rank * tp_of(cfg, "prefill") // tp_of(cfg, "decode")
+
+
+def fill_seed(cfg: dict[str, Any], role: str, rank: int) -> int:
+    return cfg["seed"] + 1000 * rank + (0 if role == "prefill" else 1)
 
 
 def build_pool(kind: str) -> Any:
@@ -72,12 +93,12 @@ def build_pool(kind: str) -> Any:
     raise ValueError(kind)
 
 
-def build_kv_args(pool: Any, aux: Any) -> Any:
+def build_kv_args(pool: Any, aux: Any, rank: int = 0) -> Any:
     from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos, setup_state_kv_args
 
     args = KVArgs()
-    args.engine_rank, args.pp_rank, args.system_dp_rank, args.rust_http_port = 0, 0, 0, None
+    args.engine_rank, args.pp_rank, args.system_dp_rank, args.rust_http_port = rank, 0, 0, None
     args.kv_cache_dtype_str = "bf16"
     args.kv_layout = getattr(pool, "kv_layout", None)
     args.kv_layout = None if args.kv_layout is None else str(getattr(args.kv_layout, "value", args.kv_layout))
@@ -188,7 +209,7 @@ def make_manager(cfg: dict[str, Any], role: str, args: Any) -> tuple[Any, Any]:
     backend = dutils.TransferBackend(cfg["backend"])
     mode = dutils.DisaggregationMode.PREFILL if role == "prefill" else dutils.DisaggregationMode.DECODE
     server = None
-    if role == "prefill":
+    if role == "prefill" and cfg.get("rank", 0) == 0:
         server = dutils.get_kv_class(backend, dutils.KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", cfg["port"])
     mgr = dutils.get_kv_class(backend, dutils.KVClassType.MANAGER)(args, mode, get_context().server_args, True)
     return mgr, server
@@ -290,13 +311,14 @@ def run_decode(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, An
 
 
 def check_bytes(bufs: list[Buf], cfg: dict[str, Any], reqs: list[dict[str, Any]],
-                outcomes: dict[str, str]) -> dict[str, Any]:
-    """Every destination page of every buffer against its source page (regenerated from the prefill
-    seed), every other page against decode's own fill. Pages of failed requests are not judged."""
+                outcomes: dict[str, str], rank: int = 0) -> dict[str, Any]:
+    """Every destination page of every buffer against its source page (regenerated from the seed of the
+    prefill rank that must write this decode rank), every other page against decode's own fill. Pages of
+    failed requests are not judged."""
     src_bufs = [Buf(b.group, 0, b.nbytes, b.item) for b in bufs]
-    rng = np.random.default_rng(cfg["seed"])
+    rng = np.random.default_rng(fill_seed(cfg, "prefill", src_rank(cfg, rank)))
     src = [rng.integers(0, 256, size=(b.nbytes // b.item, b.item), dtype=np.uint8) for b in src_bufs]
-    rng = np.random.default_rng(cfg["seed"] + 1)
+    rng = np.random.default_rng(fill_seed(cfg, "decode", rank))
     before = [rng.integers(0, 256, size=(b.nbytes // b.item, b.item), dtype=np.uint8) for b in bufs]
     report: dict[str, Any] = {"pages_checked": 0, "bytes_checked": 0, "bad_pages": [], "touched_elsewhere": []}
     for bi, b in enumerate(bufs):
@@ -326,14 +348,16 @@ def check_bytes(bufs: list[Buf], cfg: dict[str, Any], reqs: list[dict[str, Any]]
 
 def main() -> None:
     role, cfg = sys.argv[1], json.loads(sys.argv[2])
+    rank = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    cfg["rank"] = rank
     import torch
 
-    setup_context(cfg)
+    setup_context(cfg, tp_of(cfg, role), rank)
     pool = build_pool(cfg.get(f"{role}_pool", cfg["pool"]))
     aux = torch.zeros(AUX_SLOTS, AUX_ITEM, dtype=torch.uint8)
-    args = build_kv_args(pool, aux)
+    args = build_kv_args(pool, aux, rank)
     bufs = buffers(args)
-    fill(bufs, cfg["seed"] if role == "prefill" else cfg["seed"] + 1)
+    fill(bufs, fill_seed(cfg, role, rank))
     reqs = requests(capacities(bufs), cfg["n"], cfg["seed"] + 7, cfg.get("pages_per_req", 2))
     try:
         mgr, _server = make_manager(cfg, role, args)
@@ -342,9 +366,10 @@ def main() -> None:
         return
     out = run_prefill(cfg, mgr, args, reqs) if role == "prefill" else run_decode(cfg, mgr, args, reqs)
     if role == "decode":
-        out["check"] = check_bytes(bufs, cfg, reqs, out["outcomes"])
+        out["check"] = check_bytes(bufs, cfg, reqs, out["outcomes"], rank)
         out["capacities"] = capacities(bufs)
     out["slots"] = [b.nbytes // b.item for b in bufs]
+    out["rank"] = rank
     print(json.dumps(out), flush=True)
     if role == "prefill":
         time.sleep(cfg.get("linger", 3.0))  # let decode finish its last polls before the endpoint goes

@@ -36,17 +36,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_pair(backend: str, pool: str, *, n: int = N, env: dict[str, str] | None = None,
-             **cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Prefill and decode peers for one case; returns their JSON reports."""
-    config = json.dumps({"backend": backend, "pool": pool, "n": n, "port": _free_port(), "seed": 11, **cfg})
+def run_ranks(backend: str, pool: str, *, prefill_tp: int = 1, decode_tp: int = 1, n: int = N,
+              env: dict[str, str] | None = None, **cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One process per prefill and per decode attention-TP rank for one case; their JSON reports, in rank
+    order (prefill's, decode's)."""
+    config = json.dumps({"backend": backend, "pool": pool, "n": n, "port": _free_port(), "seed": 11,
+                         "prefill_tp": prefill_tp, "decode_tp": decode_tp, **cfg})
     # SGLANG_HOST_IP: SGLang's "local IP" would be this host's interface address; the tests stay on loopback.
     penv = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "SGLANG_PLUGINS": "kvferry",
             "SGLANG_HOST_IP": "127.0.0.1", **(env or {})}
-    procs = [subprocess.Popen([sys.executable, str(PEER), role, config], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, env=penv) for role in ("prefill", "decode")]
+    ranks = [("prefill", r) for r in range(prefill_tp)] + [("decode", r) for r in range(decode_tp)]
+    procs = [subprocess.Popen([sys.executable, str(PEER), role, config, str(rank)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, env=penv) for role, rank in ranks]
     outs = []
-    for proc in procs:
+    for (role, rank), proc in zip(ranks, procs):
         try:
             out, _ = proc.communicate(timeout=240)
         except subprocess.TimeoutExpired:
@@ -54,9 +57,15 @@ def run_pair(backend: str, pool: str, *, n: int = N, env: dict[str, str] | None 
                 p.kill()
             raise
         lines = [line for line in out.splitlines() if line.startswith("{")]
-        assert lines, f"{backend}/{pool}: a peer printed no report (exit {proc.returncode})"
+        assert lines, f"{backend}/{pool}: {role} rank {rank} printed no report (exit {proc.returncode})"
         outs.append(json.loads(lines[-1]))
-    return outs[0], outs[1]
+    return outs[:prefill_tp], outs[prefill_tp:]
+
+
+def run_pair(backend: str, pool: str, **kw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Prefill and decode at TP 1, one process each; returns their JSON reports."""
+    prefills, decodes = run_ranks(backend, pool, **kw)
+    return prefills[0], decodes[0]
 
 
 def _ok(report: dict[str, Any]) -> int:
