@@ -211,8 +211,23 @@ def make_manager(cfg: dict[str, Any], role: str, args: Any) -> tuple[Any, Any]:
     server = None
     if role == "prefill" and cfg.get("rank", 0) == 0:
         server = dutils.get_kv_class(backend, dutils.KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", cfg["port"])
+        _wait_listening(cfg["port"])
     mgr = dutils.get_kv_class(backend, dutils.KVClassType.MANAGER)(args, mode, get_context().server_args, True)
     return mgr, server
+
+
+def _wait_listening(port: int, timeout: float = 10.0) -> None:
+    """The bootstrap server starts on a thread; a manager registering before it listens waits out SGLang's
+    1 s retry delay, a second per case."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.01)
 
 
 def run_prefill(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -227,7 +242,7 @@ def run_prefill(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, A
     metrics: dict[str, list[Any]] = {}
     start = time.perf_counter()
     chunk = cfg.get("chunk_pages", 1)
-    while len(done) < len(reqs) and time.perf_counter() - start < DEADLINE:
+    while len(done) < len(reqs) and time.perf_counter() - start < cfg.get("deadline", DEADLINE):
         for r in reqs:
             room, s = r["room"], senders[r["room"]]
             if room in done:
@@ -288,7 +303,7 @@ def run_decode(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, An
     start = time.perf_counter()
     first_announce: dict[int, float] = {}
     latency: dict[int, float] = {}
-    while len(done) < len(reqs) and time.perf_counter() - start < DEADLINE:
+    while len(done) < len(reqs) and time.perf_counter() - start < cfg.get("deadline", DEADLINE):
         for r in reqs:
             room, rec = r["room"], receivers[r["room"]]
             if room in done:
@@ -346,8 +361,71 @@ def check_bytes(bufs: list[Buf], cfg: dict[str, Any], reqs: list[dict[str, Any]]
     return report
 
 
+def preload() -> None:
+    """Import what every peer imports (torch, SGLang's transfer layer, its pools, NIXL's bindings): seconds
+    of CPU per process on 2 cores. tests/test_sglang.py forks its peers from a fork server that ran this
+    once, so each case pays for the imports once, not once per rank process."""
+    import nixl._api  # noqa: F401
+    import sglang.srt.disaggregation.common.conn
+    import sglang.srt.disaggregation.nixl.conn
+    import sglang.srt.mem_cache.deepseek_v4_memory_pool
+    import sglang.srt.mem_cache.memory_pool
+    import sglang.srt.plugins  # noqa: F401
+    import torch  # noqa: F401
+
+    import kvferry.integrations.sglang.conn  # noqa: F401
+
+
+def run_child(argv: list[str], out_path: str, env: dict[str, str]) -> None:
+    """Entry point of a peer forked from the tests' fork server: ``main`` with ``argv``, stdout to
+    ``out_path`` (the JSON report is its last line starting with ``{``), stderr to ``out_path + ".err"``."""
+    os.environ.update(env)
+    out = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    err = os.open(out_path + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    sys.argv = [__file__, *argv]
+    main()
+
+
+def plugin_report(cfg: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's ``load_plugins()`` with ``SGLANG_PLUGINS=kvferry``: where ``TransferBackend("kvferry")``
+    resolves, and which classes ``get_kv_class`` returns for kvferry and for nixl."""
+    from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.managers import disagg_service
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    resolves = [mod.__name__ for mod in (utils, disagg_service) if mod.TransferBackend("kvferry")]
+    classes = [utils.get_kv_class(utils.TransferBackend(name), kind).__name__ for name, kind in (
+        ("kvferry", utils.KVClassType.MANAGER), ("kvferry", utils.KVClassType.RECEIVER),
+        ("nixl", utils.KVClassType.MANAGER))]
+    return {"role": "plugin", "classes": classes, "resolves_in": resolves,
+            "in_choices": "kvferry" in DISAGG_TRANSFER_BACKEND_CHOICES}
+
+
+def kvargs_report(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The slot count of every ``kv_data`` entry of ``cfg["pool"]``'s KVArgs, and kvferry's for each."""
+    import torch
+
+    from kvferry.integrations.sglang.layout import kvargs_memory
+
+    setup_context(cfg)
+    aux = torch.zeros(AUX_SLOTS, AUX_ITEM, dtype=torch.uint8)
+    args = build_kv_args(build_pool(cfg["pool"]), aux)
+    memory, names = kvargs_memory(args)
+    return {"role": "kvargs", "want": [n // i for n, i in zip(args.kv_data_lens, args.kv_item_lens)],
+            "got": [b.num_pages for b in memory.layout.pool("kv").buffers], "states": list(names.states)}
+
+
 def main() -> None:
     role, cfg = sys.argv[1], json.loads(sys.argv[2])
+    checks = {"plugin": plugin_report, "kvargs": kvargs_report}
+    if role in checks:
+        print(json.dumps(checks[role](cfg)), flush=True)
+        os._exit(0)
     rank = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     cfg["rank"] = rank
     import torch
@@ -372,9 +450,12 @@ def main() -> None:
     out["rank"] = rank
     print(json.dumps(out), flush=True)
     if role == "prefill":
-        time.sleep(cfg.get("linger", 3.0))  # let decode finish its last polls before the endpoint goes
+        time.sleep(cfg.get("linger", 1.0))  # let decode finish its last polls before the endpoint goes
     os._exit(0)  # SGLang's threads (bootstrap server, NIXL workers) are not daemons everywhere
 
+
+if os.environ.get("KVFERRY_SGLANG_PRELOAD") == "1":   # set for the tests' fork server only
+    preload()
 
 if __name__ == "__main__":
     main()
