@@ -29,8 +29,11 @@ test-vllm: setup-vllm
 	LD_PRELOAD="$$(ls $(CURDIR)/.venv-vllm/lib/libiomp5.so 2>/dev/null)" \
 		.venv-vllm/bin/python -m pytest -q tests/test_vllm.py tests/test_vllm_adapter.py
 
-# SGLang's transfer layer on a CPU torch, in its own venv (scripts/setup-sglang.sh, docs/sglang.md).
-setup-sglang:
+# SGLang's transfer layer on a CPU torch, in its own venv layered on .venv (scripts/setup-sglang.sh,
+# docs/sglang.md); part of `make test`.
+test: test-sglang
+
+setup-sglang: setup
 	@[ -x .venv-sglang/bin/python ] && .venv-sglang/bin/python -c "import sglang, kvferry" 2>/dev/null \
 		|| bash scripts/setup-sglang.sh
 

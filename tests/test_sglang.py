@@ -15,7 +15,6 @@ import socket
 import tempfile
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,8 +23,6 @@ pytest.importorskip("sglang.srt.disaggregation.common.conn")
 pytest.importorskip("nixl")
 pytestmark = [pytest.mark.sglang, pytest.mark.nixl, pytest.mark.slow]
 
-PEER = Path(__file__).with_name("sglang_peer.py")
-ROOT = PEER.parent.parent
 POOLS = ["mla", "dsa_fp8", "dsa_bf16", "v4"]
 # (pool, prefill attention TP, decode attention TP): every rank a process of its own.
 HETERO_TP = [("mla", 2, 1), ("v4", 2, 1), ("dsa_bf16", 1, 2)]
