@@ -174,6 +174,31 @@ def _merge(prefills: list[dict[str, Any]], decodes: list[dict[str, Any]]) -> dic
             "mean_latency_s": max(d["mean_latency_s"] for d in decodes), "notes": stuck}
 
 
+def test_cross_tp_pairs_kvferry_refuses_say_why() -> None:
+    """What the decode receiver's ``init`` refuses (the request fails with this reason) and what it
+    pairs: MLA across TP sizes that divide one another, anything rank to rank at equal TP."""
+    from types import SimpleNamespace
+
+    from kvferry.integrations.sglang.conn import _parallel_refusal
+
+    def prefill(tp: int, **kw: Any) -> Any:
+        return SimpleNamespace(**{"attn_tp_size": tp, "pp_size": 1, "attn_cp_size": 1,
+                                  "enable_kv_cache_sharding": False, **kw})
+
+    def decode(tp: int, mla: bool) -> Any:
+        return SimpleNamespace(attn_tp_size=tp, is_mla_backend=mla)
+
+    assert _parallel_refusal(prefill(2), decode(1, True)) is None
+    assert _parallel_refusal(prefill(1), decode(4, True)) is None
+    assert _parallel_refusal(prefill(2), decode(2, False)) is None
+    assert _parallel_refusal(prefill(2), decode(1, False)) == (
+        "kvferry's SGLang backend moves non-MLA KV between equal attention TP sizes only: prefill attn TP 2, "
+        "decode attn TP 1")
+    assert "must divide" in str(_parallel_refusal(prefill(2), decode(3, True)))
+    assert "PP 2" in str(_parallel_refusal(prefill(2, pp_size=2), decode(2, True)))
+    assert "sharding" in str(_parallel_refusal(prefill(2, enable_kv_cache_sharding=True), decode(2, True)))
+
+
 def test_layout_mismatch_fails_the_request_not_the_bytes() -> None:
     """Prefill with fp8 index keys, decode with bf16 ones: kvferry's handshake refuses the pair with the
     difference spelled out, every request fails on decode with that reason (SGLang's KVTransferError),
