@@ -155,7 +155,7 @@ def test_sglang_nixl_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_
     bootstrap thread died loading decode's NIXL metadata (NIXL_ERR_BACKEND, a UCX connect refused) and
     nothing fails them before SGLang's bootstrap timeout. Asserted: decode's bytes; recorded: the
     dummy's outcomes and the error its process logged."""
-    prefills, decodes = run_ranks("nixl", pool, prefill_tp=prefill_tp, decode_tp=decode_tp, deadline=10)
+    prefills, decodes = run_ranks("nixl", pool, prefill_tp=prefill_tp, decode_tp=decode_tp, deadline=6)
     for d in decodes:
         assert "refused" not in d and _ok(d) == N, (d["rank"], Counter(d["outcomes"].values()), d["errors"])
         assert_exact(d)
