@@ -130,14 +130,14 @@ def test_sglang_nixl_backend_same_cases(pool: str) -> None:
     RESULTS["nixl", pool] = decode
 
 
-@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), HETERO_TP)
+@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), [*HETERO_TP, ("mla", 2, 2)])
 def test_kvferry_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:
     """MLA pools between attention TP sizes, each rank a process of its own, paired by SGLang's own rank
     mapping (``_resolve_rank_mapping``: with prefill TP 2 and decode TP 1, prefill rank 1 is a "dummy" that
     must report success without writing; with prefill TP 1 and decode TP 2, prefill rank 0 writes both).
     Each prefill rank filled its pool from its own seed, so decode holding, byte for byte, the pages of the
     rank that must write it (``sglang_peer.src_rank``) proves no other rank wrote there; every prefill
-    rank's senders, the dummy's included, still conclude Success for SGLang."""
+    rank's senders, the dummy's included, still conclude Success for SGLang. TP 2 -> 2: rank d to rank d."""
     prefills, decodes = run_ranks("kvferry", pool, prefill_tp=prefill_tp, decode_tp=decode_tp)
     for p in prefills:
         assert "refused" not in p and _ok(p) == N, (p["rank"], Counter(p["outcomes"].values()), p["errors"])
