@@ -138,3 +138,19 @@ def test_non_mla_buffers_stay_between_equal_tp_sizes() -> None:
     dst, _ = kvargs_memory(dst_args)
     assert "buffer 'kv.0': tp_size (the buffer has no head geometry to cut it by) differs: local 2, remote 1" \
         in str(model_difference(src.layout, dst.layout))
+
+
+def test_head_sharded_state_stays_rank_to_rank_on_mla() -> None:
+    """SGLang slices mamba state by head across TP sizes even for MLA models: such a component is not
+    declared replicated, so the handshake refuses the cross-TP pair, naming the buffer."""
+    from kvferry.layout.compare import model_difference
+
+    def args() -> SimpleNamespace:
+        arrays = {"kv": [np.zeros((40, 584), np.uint8)], "aux": [np.zeros((8, 64), np.uint8)]}
+        return _kvargs(arrays, [("mamba", [np.zeros((4, 128), np.uint8)])])
+
+    src, _ = kvargs_memory(args(), tp_size=2, tp_rank=0, replicated=True)
+    dst, _ = kvargs_memory(args(), replicated=True)
+    assert src.layout.buffer("state0.mamba.0").heads is None
+    assert "buffer 'state0.mamba.0': tp_size (the buffer has no head geometry" in str(
+        model_difference(src.layout, dst.layout))

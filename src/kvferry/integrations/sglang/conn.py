@@ -192,8 +192,8 @@ def _parallel_refusal(info: Any, mgr: KVFerryKVManager) -> str | None:
     if getattr(info, "enable_kv_cache_sharding", False):
         return "kvferry's SGLang backend does not support prefill MLA KV cache sharding"
     if ptp != dtp and not mgr.is_mla_backend:
-        # An MHA pool shards its KV heads over the ranks; the adapter does not give kvferry's head-slicing
-        # planner that geometry yet, so only equal TP sizes (rank to rank) are moved.
+        # An MHA pool shards its KV heads over the ranks, and decode's KVArgs carry no head count unless
+        # SGLang's hetero-TP staging is on: nothing to cut pages by, so only rank to rank (docs/sglang.md).
         return (f"kvferry's SGLang backend moves non-MLA KV between equal attention TP sizes only: prefill "
                 f"attn TP {ptp}, decode attn TP {dtp}")
     if max(ptp, dtp) % min(ptp, dtp):

@@ -11,6 +11,7 @@ Across attention TP sizes (MLA pools only): every buffer of an MLA model (the la
 the state components, aux) holds the same bytes on every TP rank, so each is declared replicated, whole
 pages (``HeadGeometry.whole_page``), and the layout placed at the rank's ``(tp_size, tp_rank)``; kvferry's
 TP planner then has exactly one prefill rank write each decode rank (``plan.ranks.replica_source``).
+Head-sharded state (``HEAD_SHARDED_STATE_TYPES``) is the exception: it moves rank to rank only.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvferry.layout import Buffer, HeadGeometry, KVMemory, Layout, Pool
 
 __all__ = [
     "AUX_POOL",
+    "HEAD_SHARDED_STATE_TYPES",
     "KV_POOL",
     "SUPPORTED_STATE_TYPES",
     "PoolNames",
@@ -44,6 +46,12 @@ AUX_POOL = "aux"
 SUPPORTED_STATE_TYPES = frozenset({"mamba", "swa", "dsa", "swa_ring", "c128_state", "request_row",
                                    "block_scale", "block_scale_swa", "qsa_pending", "qsa_compressed",
                                    "minimax_index_k", "minimax_dense_kv"})
+
+
+# State components SGLang slices by head across TP sizes even on an MLA backend (its nixl backend's
+# ``_state_component_is_whole_slot``): never declared replicated, so kvferry's handshake refuses such a pair
+# across TP sizes, naming the buffer, rather than copy whole slots that hold another rank's heads.
+HEAD_SHARDED_STATE_TYPES = frozenset({"mamba", "minimax_index_k", "minimax_dense_kv"})
 
 
 def state_pool_name(index: int, state_type: str) -> str:
@@ -142,7 +150,7 @@ def _state_pool(args: Any, i: int, state_type: str,
     kind = "index_k" if state_type == "dsa" else "state"
     name = state_pool_name(i, state_type)
     return _pool(name, kind, state_type, comp, _nth(getattr(args, "state_layer_ids", None), i), None,
-                 replicated), comp
+                 replicated and state_type not in HEAD_SHARDED_STATE_TYPES), comp
 
 
 def _nth(lists: Sequence[Any] | None, i: int) -> Any:
