@@ -235,6 +235,25 @@ def test_abort_on_prefill_fails_those_requests_on_both_sides() -> None:
     assert_exact(decode)
 
 
+def test_aborts_across_tp_sizes_fail_the_request_on_every_rank() -> None:
+    """MLA prefill TP 2 -> decode TP 1: decode aborts every fourth request after announcing it, and every
+    prefill rank (SGLang aborts on all ranks of a TP group alike) aborts another fourth before sending.
+    Those fail on decode and on both prefill ranks, the dummy included; the rest arrive exact."""
+    prefills, decodes = run_ranks("kvferry", "mla", prefill_tp=2, abort_every=4, prefill_abort_every=4)
+    (decode,) = decodes
+    by_decode, by_prefill = {str(1000 + i) for i in range(0, N, 4)}, {str(1000 + i) for i in range(1, N, 4)}
+    for room, outcome in decode["outcomes"].items():
+        assert (outcome == "ok") == (room not in by_decode | by_prefill), (room, outcome)
+        if room in by_decode:
+            assert "Aborted by AbortReq" in outcome, outcome
+        if room in by_prefill:
+            assert "aborted by prefill" in outcome, outcome
+    for p in prefills:
+        assert {r for r, o in p["outcomes"].items() if o != "ok"} == by_decode | by_prefill, p["rank"]
+        assert all(o.startswith("failed") for r, o in p["outcomes"].items() if r in by_decode | by_prefill)
+    assert_exact(decode)
+
+
 def test_prefill_crash_fails_the_unfinished_requests_on_decode() -> None:
     """Prefill dies (os._exit) right after posting the writes of its 32nd request: decode finishes what
     had arrived, fails the rest with kvferry's reason (the peer is lost) through SGLang's
