@@ -40,8 +40,11 @@ test-vllm: setup-vllm
 test-vllm-slow: setup-vllm
 	$(VLLM_PYTEST) -m slow $(VLLM_TESTS)
 
-# SGLang's transfer layer on a CPU torch, in its own venv (scripts/setup-sglang.sh, docs/sglang.md).
-setup-sglang:
+# SGLang's transfer layer on a CPU torch, in its own venv layered on .venv (scripts/setup-sglang.sh,
+# docs/sglang.md); part of `make test`.
+test: test-sglang
+
+setup-sglang: setup
 	@[ -x .venv-sglang/bin/python ] && .venv-sglang/bin/python -c "import sglang, kvferry" 2>/dev/null \
 		|| bash scripts/setup-sglang.sh
 

@@ -1,12 +1,19 @@
 """One side (prefill or decode) of a PD transfer through SGLang's own transfer-layer classes, no model.
 
-Run under .venv-sglang by tests/test_sglang.py: ``python tests/sglang_peer.py prefill|decode '<json>'``.
+Run under .venv-sglang by tests/test_sglang.py: ``python tests/sglang_peer.py prefill|decode '<json>' [rank]``.
 Builds a real SGLang memory pool on CPU (MLA, the DSA indexer pool with fp8 or bf16 index keys, or
 DeepSeek-V4's), fills it with seeded bytes, builds ``KVArgs`` the way SGLang's schedulers do
 (``get_kv_transfer_buf_infos`` + ``setup_state_kv_args``), picks the backend through
 ``get_kv_class(TransferBackend(name), ...)`` (``kvferry`` through SGLang's ``load_plugins()``), and drives
-the sender or receiver of every request in SGLang's call order. Prefill also hosts the bootstrap server.
-Prints one JSON line with the outcome; decode's line includes the byte check of every buffer.
+the sender or receiver of every request in SGLang's call order. Prefill (rank 0) also hosts the
+bootstrap server. Prints one JSON line with the outcome; decode's line includes the byte check of every
+buffer.
+
+Across TP sizes (``prefill_tp``/``decode_tp`` in the config) each attention-TP rank is a process of its
+own, told its rank through SGLang's parallel context, as SGLang's scheduler processes are. Every pool here
+is MLA (the same bytes on every rank in SGLang), but each prefill rank fills its pool from its own seed, so
+decode can tell which rank's bytes landed: exactly the one that should write it (``src_rank``), and none
+from a rank that must only report.
 """
 
 from __future__ import annotations
@@ -27,14 +34,28 @@ AUX_SLOTS, AUX_ITEM = 96, 64
 DEADLINE = 90.0
 
 
-def setup_context(cfg: dict[str, Any]) -> None:
+def setup_context(cfg: dict[str, Any], tp_size: int = 1, tp_rank: int = 0) -> None:
     from sglang.srt.runtime_context import get_context, get_parallel
 
     get_context().override_server_args(
-        device="cpu", tp_size=1, pp_size=1, dp_size=1, disaggregation_transfer_backend=cfg["backend"],
+        device="cpu", tp_size=tp_size, pp_size=1, dp_size=1, disaggregation_transfer_backend=cfg["backend"],
         disaggregation_bootstrap_port=cfg["port"], host="127.0.0.1").install()
-    get_parallel().override_permanently(attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
-                                        pp_group=None, attn_dcp_size=1)
+    get_parallel().override_permanently(tp_rank=tp_rank, attn_tp_rank=tp_rank, attn_cp_rank=0, attn_dcp_rank=0,
+                                        attn_dp_rank=0, pp_group=None, attn_dcp_size=1)
+
+
+def tp_of(cfg: dict[str, Any], role: str) -> int:
+    return int(cfg.get(f"{role}_tp", 1))
+
+
+def src_rank(cfg: dict[str, Any], decode_rank: int) -> int:
+    """The prefill rank whose bytes decode rank ``decode_rank`` must hold: for MLA pools SGLang's and
+    kvferry's choice agree, the first prefill rank overlapping it (``floor(d * P / D)``)."""
+    return decode_rank * tp_of(cfg, "prefill") // tp_of(cfg, "decode")
+
+
+def fill_seed(cfg: dict[str, Any], role: str, rank: int) -> int:
+    return cfg["seed"] + 1000 * rank + (0 if role == "prefill" else 1)
 
 
 def build_pool(kind: str) -> Any:
@@ -72,12 +93,12 @@ def build_pool(kind: str) -> Any:
     raise ValueError(kind)
 
 
-def build_kv_args(pool: Any, aux: Any) -> Any:
+def build_kv_args(pool: Any, aux: Any, rank: int = 0) -> Any:
     from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos, setup_state_kv_args
 
     args = KVArgs()
-    args.engine_rank, args.pp_rank, args.system_dp_rank, args.rust_http_port = 0, 0, 0, None
+    args.engine_rank, args.pp_rank, args.system_dp_rank, args.rust_http_port = rank, 0, 0, None
     args.kv_cache_dtype_str = "bf16"
     args.kv_layout = getattr(pool, "kv_layout", None)
     args.kv_layout = None if args.kv_layout is None else str(getattr(args.kv_layout, "value", args.kv_layout))
@@ -188,10 +209,25 @@ def make_manager(cfg: dict[str, Any], role: str, args: Any) -> tuple[Any, Any]:
     backend = dutils.TransferBackend(cfg["backend"])
     mode = dutils.DisaggregationMode.PREFILL if role == "prefill" else dutils.DisaggregationMode.DECODE
     server = None
-    if role == "prefill":
+    if role == "prefill" and cfg.get("rank", 0) == 0:
         server = dutils.get_kv_class(backend, dutils.KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", cfg["port"])
+        _wait_listening(cfg["port"])
     mgr = dutils.get_kv_class(backend, dutils.KVClassType.MANAGER)(args, mode, get_context().server_args, True)
     return mgr, server
+
+
+def _wait_listening(port: int, timeout: float = 10.0) -> None:
+    """The bootstrap server starts on a thread; a manager registering before it listens waits out SGLang's
+    1 s retry delay, a second per case."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.01)
 
 
 def run_prefill(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -206,7 +242,7 @@ def run_prefill(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, A
     metrics: dict[str, list[Any]] = {}
     start = time.perf_counter()
     chunk = cfg.get("chunk_pages", 1)
-    while len(done) < len(reqs) and time.perf_counter() - start < DEADLINE:
+    while len(done) < len(reqs) and time.perf_counter() - start < cfg.get("deadline", DEADLINE):
         for r in reqs:
             room, s = r["room"], senders[r["room"]]
             if room in done:
@@ -267,7 +303,7 @@ def run_decode(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, An
     start = time.perf_counter()
     first_announce: dict[int, float] = {}
     latency: dict[int, float] = {}
-    while len(done) < len(reqs) and time.perf_counter() - start < DEADLINE:
+    while len(done) < len(reqs) and time.perf_counter() - start < cfg.get("deadline", DEADLINE):
         for r in reqs:
             room, rec = r["room"], receivers[r["room"]]
             if room in done:
@@ -290,13 +326,14 @@ def run_decode(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, An
 
 
 def check_bytes(bufs: list[Buf], cfg: dict[str, Any], reqs: list[dict[str, Any]],
-                outcomes: dict[str, str]) -> dict[str, Any]:
-    """Every destination page of every buffer against its source page (regenerated from the prefill
-    seed), every other page against decode's own fill. Pages of failed requests are not judged."""
+                outcomes: dict[str, str], rank: int = 0) -> dict[str, Any]:
+    """Every destination page of every buffer against its source page (regenerated from the seed of the
+    prefill rank that must write this decode rank), every other page against decode's own fill. Pages of
+    failed requests are not judged."""
     src_bufs = [Buf(b.group, 0, b.nbytes, b.item) for b in bufs]
-    rng = np.random.default_rng(cfg["seed"])
+    rng = np.random.default_rng(fill_seed(cfg, "prefill", src_rank(cfg, rank)))
     src = [rng.integers(0, 256, size=(b.nbytes // b.item, b.item), dtype=np.uint8) for b in src_bufs]
-    rng = np.random.default_rng(cfg["seed"] + 1)
+    rng = np.random.default_rng(fill_seed(cfg, "decode", rank))
     before = [rng.integers(0, 256, size=(b.nbytes // b.item, b.item), dtype=np.uint8) for b in bufs]
     report: dict[str, Any] = {"pages_checked": 0, "bytes_checked": 0, "bad_pages": [], "touched_elsewhere": []}
     for bi, b in enumerate(bufs):
@@ -324,16 +361,81 @@ def check_bytes(bufs: list[Buf], cfg: dict[str, Any], reqs: list[dict[str, Any]]
     return report
 
 
-def main() -> None:
-    role, cfg = sys.argv[1], json.loads(sys.argv[2])
+def preload() -> None:
+    """Import what every peer imports (torch, SGLang's transfer layer, its pools, NIXL's bindings): seconds
+    of CPU per process on 2 cores. tests/test_sglang.py forks its peers from a fork server that ran this
+    once, so each case pays for the imports once, not once per rank process."""
+    import nixl._api  # noqa: F401
+    import sglang.srt.disaggregation.common.conn
+    import sglang.srt.disaggregation.nixl.conn
+    import sglang.srt.mem_cache.deepseek_v4_memory_pool
+    import sglang.srt.mem_cache.memory_pool
+    import sglang.srt.plugins  # noqa: F401
+    import torch  # noqa: F401
+
+    import kvferry.integrations.sglang.conn  # noqa: F401
+
+
+def run_child(argv: list[str], out_path: str, env: dict[str, str]) -> None:
+    """Entry point of a peer forked from the tests' fork server: ``main`` with ``argv``, stdout to
+    ``out_path`` (the JSON report is its last line starting with ``{``), stderr to ``out_path + ".err"``."""
+    os.environ.update(env)
+    out = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    err = os.open(out_path + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    sys.argv = [__file__, *argv]
+    main()
+
+
+def plugin_report(cfg: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's ``load_plugins()`` with ``SGLANG_PLUGINS=kvferry``: where ``TransferBackend("kvferry")``
+    resolves, and which classes ``get_kv_class`` returns for kvferry and for nixl."""
+    from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.managers import disagg_service
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    resolves = [mod.__name__ for mod in (utils, disagg_service) if mod.TransferBackend("kvferry")]
+    classes = [utils.get_kv_class(utils.TransferBackend(name), kind).__name__ for name, kind in (
+        ("kvferry", utils.KVClassType.MANAGER), ("kvferry", utils.KVClassType.RECEIVER),
+        ("nixl", utils.KVClassType.MANAGER))]
+    return {"role": "plugin", "classes": classes, "resolves_in": resolves,
+            "in_choices": "kvferry" in DISAGG_TRANSFER_BACKEND_CHOICES}
+
+
+def kvargs_report(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The slot count of every ``kv_data`` entry of ``cfg["pool"]``'s KVArgs, and kvferry's for each."""
     import torch
 
+    from kvferry.integrations.sglang.layout import kvargs_memory
+
     setup_context(cfg)
+    aux = torch.zeros(AUX_SLOTS, AUX_ITEM, dtype=torch.uint8)
+    args = build_kv_args(build_pool(cfg["pool"]), aux)
+    memory, names = kvargs_memory(args)
+    return {"role": "kvargs", "want": [n // i for n, i in zip(args.kv_data_lens, args.kv_item_lens)],
+            "got": [b.num_pages for b in memory.layout.pool("kv").buffers], "states": list(names.states)}
+
+
+def main() -> None:
+    role, cfg = sys.argv[1], json.loads(sys.argv[2])
+    checks = {"plugin": plugin_report, "kvargs": kvargs_report}
+    if role in checks:
+        print(json.dumps(checks[role](cfg)), flush=True)
+        os._exit(0)
+    rank = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    cfg["rank"] = rank
+    import torch
+
+    setup_context(cfg, tp_of(cfg, role), rank)
     pool = build_pool(cfg.get(f"{role}_pool", cfg["pool"]))
     aux = torch.zeros(AUX_SLOTS, AUX_ITEM, dtype=torch.uint8)
-    args = build_kv_args(pool, aux)
+    args = build_kv_args(pool, aux, rank)
     bufs = buffers(args)
-    fill(bufs, cfg["seed"] if role == "prefill" else cfg["seed"] + 1)
+    fill(bufs, fill_seed(cfg, role, rank))
     reqs = requests(capacities(bufs), cfg["n"], cfg["seed"] + 7, cfg.get("pages_per_req", 2))
     try:
         mgr, _server = make_manager(cfg, role, args)
@@ -342,14 +444,18 @@ def main() -> None:
         return
     out = run_prefill(cfg, mgr, args, reqs) if role == "prefill" else run_decode(cfg, mgr, args, reqs)
     if role == "decode":
-        out["check"] = check_bytes(bufs, cfg, reqs, out["outcomes"])
+        out["check"] = check_bytes(bufs, cfg, reqs, out["outcomes"], rank)
         out["capacities"] = capacities(bufs)
     out["slots"] = [b.nbytes // b.item for b in bufs]
+    out["rank"] = rank
     print(json.dumps(out), flush=True)
     if role == "prefill":
-        time.sleep(cfg.get("linger", 3.0))  # let decode finish its last polls before the endpoint goes
+        time.sleep(cfg.get("linger", 1.0))  # let decode finish its last polls before the endpoint goes
     os._exit(0)  # SGLang's threads (bootstrap server, NIXL workers) are not daemons everywhere
 
+
+if os.environ.get("KVFERRY_SGLANG_PRELOAD") == "1":   # set for the tests' fork server only
+    preload()
 
 if __name__ == "__main__":
     main()

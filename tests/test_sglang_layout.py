@@ -107,3 +107,50 @@ def test_import_kvferry_does_not_import_sglang() -> None:
             "print(any(m == 'sglang' or m.startswith('sglang.') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_mla_ranks_are_replicated_and_pair_across_tp_sizes() -> None:
+    """An MLA backend's buffers are the same on every attention-TP rank: declared replicated whole pages
+    at the rank's TP place, a prefill rank of TP 2 and a decode rank of TP 1 are one model to kvferry's
+    TP planner, and only prefill rank 0 (replica_source) has anything to write for decode rank 0."""
+    from kvferry.layout.compare import model_difference
+    from kvferry.plan.tp import TPPlanner
+
+    src_args, _ = _seed_case()
+    dst_args, _ = _seed_case()
+    ranks = [kvargs_memory(src_args, tp_size=2, tp_rank=r, replicated=True)[0] for r in range(2)]
+    dst, _ = kvargs_memory(dst_args, tp_size=1, tp_rank=0, replicated=True)
+    assert (ranks[1].layout.tp_size, ranks[1].layout.tp_rank) == (2, 1)
+    assert all(b.heads is not None and b.heads.replicated for b in ranks[1].layout.buffers)
+    assert model_difference(ranks[0].layout, dst.layout) is None
+    assert set(TPPlanner(ranks[0], dst).slices) == {b.name for b in dst.layout.buffers}
+    assert TPPlanner(ranks[1], dst).slices == {}   # SGLang's "dummy" rank: nothing to write, only to report
+
+
+def test_non_mla_buffers_stay_between_equal_tp_sizes() -> None:
+    """Without head geometry (an MHA pool, whose heads the adapter does not describe yet) kvferry refuses
+    to pair different TP sizes, naming the buffer."""
+    from kvferry.layout.compare import model_difference
+
+    src_args, _ = _seed_case()
+    dst_args, _ = _seed_case()
+    src, _ = kvargs_memory(src_args, tp_size=2, tp_rank=0)
+    dst, _ = kvargs_memory(dst_args)
+    assert "buffer 'kv.0': tp_size (the buffer has no head geometry to cut it by) differs: local 2, remote 1" \
+        in str(model_difference(src.layout, dst.layout))
+
+
+def test_head_sharded_state_stays_rank_to_rank_on_mla() -> None:
+    """SGLang slices mamba state by head across TP sizes even for MLA models: such a component is not
+    declared replicated, so the handshake refuses the cross-TP pair, naming the buffer."""
+    from kvferry.layout.compare import model_difference
+
+    def args() -> SimpleNamespace:
+        arrays = {"kv": [np.zeros((40, 584), np.uint8)], "aux": [np.zeros((8, 64), np.uint8)]}
+        return _kvargs(arrays, [("mamba", [np.zeros((4, 128), np.uint8)])])
+
+    src, _ = kvargs_memory(args(), tp_size=2, tp_rank=0, replicated=True)
+    dst, _ = kvargs_memory(args(), replicated=True)
+    assert src.layout.buffer("state0.mamba.0").heads is None
+    assert "buffer 'state0.mamba.0': tp_size (the buffer has no head geometry" in str(
+        model_difference(src.layout, dst.layout))

@@ -26,6 +26,7 @@ from sglang.srt.disaggregation.common.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
+from sglang.srt.runtime_context import get_parallel
 
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
 from kvferry.errors import KVFerryError, UsageError
@@ -66,8 +67,13 @@ class KVFerryKVManager(CommonKVManager):
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: bool | None = False) -> None:
         device, device_id = _memory_device(args, server_args)
+        parallel = get_parallel()   # what CommonKVManager reads too, and registers with the bootstrap server
         # Built first: a KVArgs kvferry cannot describe fails the manager, before any bootstrap side effect.
-        self.kvferry_memory, self.pool_names = kvargs_memory(args, device=device, device_id=device_id)
+        # The layout sits at this rank's attention TP place; an MLA backend's buffers are the same on every
+        # rank (replicated), which is what lets kvferry's TP planner pair it with another TP size.
+        self.kvferry_memory, self.pool_names = kvargs_memory(
+            args, device=device, device_id=device_id, tp_size=int(parallel.attn_tp_size),
+            tp_rank=int(parallel.attn_tp_rank), replicated=bool(is_mla_backend))
         self.kvferry_options = EndpointOptions(
             request_timeout=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
             handshake_timeout=10.0)
@@ -177,6 +183,24 @@ class KVFerryKVSender(CommonKVSender):
         self.conclude_state = KVPoll.Failed
 
 
+def _parallel_refusal(info: Any, mgr: KVFerryKVManager) -> str | None:
+    """Why kvferry cannot pair this decode rank with the prefill ``info`` describes, or None."""
+    ptp, dtp = info.attn_tp_size, mgr.attn_tp_size
+    if info.pp_size != 1 or info.attn_cp_size != 1:
+        return (f"kvferry's SGLang backend does not move KV from prefill PP {info.pp_size} / attn CP "
+                f"{info.attn_cp_size} (PP 1 and CP 1 only)")
+    if getattr(info, "enable_kv_cache_sharding", False):
+        return "kvferry's SGLang backend does not support prefill MLA KV cache sharding"
+    if ptp != dtp and not mgr.is_mla_backend:
+        # An MHA pool shards its KV heads over the ranks, and decode's KVArgs carry no head count unless
+        # SGLang's hetero-TP staging is on: nothing to cut pages by, so only rank to rank (docs/sglang.md).
+        return (f"kvferry's SGLang backend moves non-MLA KV between equal attention TP sizes only: prefill "
+                f"attn TP {ptp}, decode attn TP {dtp}")
+    if max(ptp, dtp) % min(ptp, dtp):
+        return f"attention TP sizes must divide one another: prefill {ptp}, decode {dtp}"
+    return None
+
+
 class KVFerryKVReceiver(CommonKVReceiver):
     """Decode side of one request: ``init`` resolves and handshakes with the prefill rank(s),
     ``send_metadata`` announces (leases) the destination pages to kvferry."""
@@ -191,10 +215,9 @@ class KVFerryKVReceiver(CommonKVReceiver):
             self._fail(f"prefill at bootstrap address {self.bootstrap_addr} is unknown or down "
                        f"(try_ensure_parallel_info found no parallel info)")
             return
-        if info.attn_tp_size != self.kv_mgr.attn_tp_size or info.pp_size != 1 or info.attn_cp_size != 1:
-            self._fail(f"kvferry's SGLang backend moves equal TP only for now: prefill attn TP "
-                       f"{info.attn_tp_size} CP {info.attn_cp_size} PP {info.pp_size}, decode attn TP "
-                       f"{self.kv_mgr.attn_tp_size}")
+        refusal = _parallel_refusal(info, self.kv_mgr)
+        if refusal is not None:
+            self._fail(refusal)
             return
         self.prefill_info = info
         self.target_tp_rank = info.target_tp_rank
@@ -207,7 +230,10 @@ class KVFerryKVReceiver(CommonKVReceiver):
         self._setup_bootstrap_infos()   # calls _register_kv_args: the kvferry handshake
         if self.conclude_state == KVPoll.Failed or self.bootstrap_infos is None:
             return
-        self.peer_addresses = [self._address(i) for i in self.bootstrap_infos if not i.get("is_dummy")]
+        # Every prefill rank SGLang pairs this decode rank with, "dummy" ones included: kvferry's TP
+        # protocol has each source rank report on each request, a rank with nothing of this decode rank's
+        # to write (MLA: all but replica_source) with an empty write that only notifies.
+        self.peer_addresses = [self._address(i) for i in self.bootstrap_infos]
         self.kv_mgr.update_status(self.bootstrap_room, KVPoll.WaitingForInput)
 
     @staticmethod

@@ -6,6 +6,12 @@ entries (``kv_data_*``), the metadata buffers (``aux_data_*``) and one list per 
 pool and each entry a buffer whose slot count is its own ``len // item_len``: never another entry's, which
 is the mistake (``kv_data_lens[0] // kv_item_lens[0]`` applied to every entry) that scrambled bf16 index-K
 pages under PD. SGLang itself is not imported: ``KVArgs`` is read through its attributes.
+
+Across attention TP sizes (MLA pools only): every buffer of an MLA model (the latent KV, the indexer keys,
+the state components, aux) holds the same bytes on every TP rank, so each is declared replicated, whole
+pages (``HeadGeometry.whole_page``), and the layout placed at the rank's ``(tp_size, tp_rank)``; kvferry's
+TP planner then has exactly one prefill rank write each decode rank (``plan.ranks.replica_source``).
+Head-sharded state (``HEAD_SHARDED_STATE_TYPES``) is the exception: it moves rank to rank only.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ from typing import Any
 import numpy as np
 
 from kvferry.errors import LayoutError, UsageError
-from kvferry.layout import Buffer, KVMemory, Layout, Pool
+from kvferry.layout import Buffer, HeadGeometry, KVMemory, Layout, Pool
 
 __all__ = [
     "AUX_POOL",
+    "HEAD_SHARDED_STATE_TYPES",
     "KV_POOL",
     "SUPPORTED_STATE_TYPES",
     "PoolNames",
@@ -39,6 +46,12 @@ AUX_POOL = "aux"
 SUPPORTED_STATE_TYPES = frozenset({"mamba", "swa", "dsa", "swa_ring", "c128_state", "request_row",
                                    "block_scale", "block_scale_swa", "qsa_pending", "qsa_compressed",
                                    "minimax_index_k", "minimax_dense_kv"})
+
+
+# State components SGLang slices by head across TP sizes even on an MLA backend (its nixl backend's
+# ``_state_component_is_whole_slot``): never declared replicated, so kvferry's handshake refuses such a pair
+# across TP sizes, naming the buffer, rather than copy whole slots that hold another rank's heads.
+HEAD_SHARDED_STATE_TYPES = frozenset({"mamba", "minimax_index_k", "minimax_dense_kv"})
 
 
 def state_pool_name(index: int, state_type: str) -> str:
@@ -78,8 +91,9 @@ def _layer(layer_ids: Sequence[int] | None, i: int, count: int) -> int | None:
 
 
 def _pool(name: str, kind: str, dtype: str, entries: list[tuple[int, int, int]],
-          layer_ids: Sequence[int] | None, tokens_per_page: int | None) -> Pool:
-    buffers = [Buffer(f"{name}.{i}", item, nbytes // item, dtype, kind, _layer(layer_ids, i, len(entries)))
+          layer_ids: Sequence[int] | None, tokens_per_page: int | None, replicated: bool) -> Pool:
+    buffers = [Buffer(f"{name}.{i}", item, nbytes // item, dtype, kind, _layer(layer_ids, i, len(entries)),
+                      HeadGeometry.whole_page(item) if replicated else None)
                for i, (_, nbytes, item) in enumerate(entries)]
     return Pool(name, buffers, tokens_per_page=tokens_per_page)
 
@@ -92,34 +106,40 @@ def _kv_dtype(args: Any) -> str:
     return f"{dtype}/{layout}" if layout else dtype
 
 
-def kvargs_memory(args: Any, *, device: str = "cpu", device_id: int = 0) -> tuple[KVMemory, PoolNames]:
-    """Bind ``args`` (SGLang's ``KVArgs``) as a kvferry ``KVMemory``, and say which pool is which."""
+def kvargs_memory(args: Any, *, device: str = "cpu", device_id: int = 0, tp_size: int = 1, tp_rank: int = 0,
+                  replicated: bool = False) -> tuple[KVMemory, PoolNames]:
+    """Bind ``args`` (SGLang's ``KVArgs``) as a kvferry ``KVMemory``, and say which pool is which.
+
+    ``tp_size``/``tp_rank``: this rank's place in its attention TP group. ``replicated``: every buffer
+    holds the same bytes on every rank (an MLA backend), which is what lets kvferry move it across TP
+    sizes; otherwise buffers carry no head geometry and move between equal TP sizes only."""
     kv_entries = _entries(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, "kv_data")
     if not kv_entries:
         raise LayoutError("KVArgs has no KV entries")
     pools = [_pool(KV_POOL, "kv", _kv_dtype(args), kv_entries, getattr(args, "kv_layer_ids", None),
-                   int(getattr(args, "page_size", 1) or 1))]
+                   int(getattr(args, "page_size", 1) or 1), replicated)]
     entries = list(kv_entries)
     aux_entries = _entries(getattr(args, "aux_data_ptrs", None) or [], getattr(args, "aux_data_lens", None) or [],
                            getattr(args, "aux_item_lens", None) or [], "aux_data")
     aux = AUX_POOL if aux_entries else None
     if aux_entries:
-        pools.append(_pool(AUX_POOL, "aux", "uint8", aux_entries, None, None))
+        pools.append(_pool(AUX_POOL, "aux", "uint8", aux_entries, None, None, replicated))
         entries += aux_entries
     states: list[str | None] = []
     for i, st in enumerate(getattr(args, "state_types", None) or []):
-        pool, comp = _state_pool(args, i, _type_value(st))
+        pool, comp = _state_pool(args, i, _type_value(st), replicated)
         states.append(pool.name if pool is not None else None)
         if pool is not None:
             pools.append(pool)
             entries += comp
-    layout = Layout(pools)
+    layout = Layout(pools, tp_size, tp_rank)
     ptrs, lens, items = zip(*entries)
     memory = KVMemory.from_pointers(layout, ptrs, lens, items, device=device, device_id=device_id)
     return memory, PoolNames(KV_POOL, aux, tuple(states))
 
 
-def _state_pool(args: Any, i: int, state_type: str) -> tuple[Pool | None, list[tuple[int, int, int]]]:
+def _state_pool(args: Any, i: int, state_type: str,
+                replicated: bool) -> tuple[Pool | None, list[tuple[int, int, int]]]:
     ptrs = _nth(getattr(args, "state_data_ptrs", None), i)
     if not ptrs:
         return None, []
@@ -129,7 +149,8 @@ def _state_pool(args: Any, i: int, state_type: str) -> tuple[Pool | None, list[t
     comp = _entries(ptrs, _nth(args.state_data_lens, i), _nth(args.state_item_lens, i), f"state_data[{i}]")
     kind = "index_k" if state_type == "dsa" else "state"
     name = state_pool_name(i, state_type)
-    return _pool(name, kind, state_type, comp, _nth(getattr(args, "state_layer_ids", None), i), None), comp
+    return _pool(name, kind, state_type, comp, _nth(getattr(args, "state_layer_ids", None), i), None,
+                 replicated and state_type not in HEAD_SHARDED_STATE_TYPES), comp
 
 
 def _nth(lists: Sequence[Any] | None, i: int) -> Any:
