@@ -42,9 +42,10 @@ COMMON = dict(skip_tokenizer_init=True, enforce_eager=True, dtype="float32", blo
 
 
 def connector_config(name: str, role: str) -> dict[str, Any]:
-    if name == "kvferry":
+    if name in ("kvferry", "kvferry-pull"):   # kvferry-pull: decode reads prefill's blocks (mode "pull")
+        extra = {"mode": "pull"} if name == "kvferry-pull" and role == "kv_consumer" else {}
         return {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
-                "kv_role": role}
+                "kv_role": role, "kv_connector_extra_config": extra}
     return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
 
@@ -121,7 +122,7 @@ def measure(name: str, model: Path, prompts: list[Any], expected: list[list[int]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--connectors", default="kvferry,nixl")
+    parser.add_argument("--connectors", default="kvferry,kvferry-pull,nixl")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     for key, value in ENV.items():

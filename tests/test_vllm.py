@@ -117,6 +117,22 @@ def test_decode_tokens_equal_one_instance(prefill: Any, decode: Any, prompts: li
     assert metric(decode, "vllm:prompt_tokens_by_source", "local_compute") - local == 0
 
 
+def test_pull_mode_tokens_equal_one_instance(model: Path, prefill: Any, prompts: list[Any],
+                                            expected: list[list[int]]) -> None:
+    # The same prefill (it accepts either mode); this decode asks for pull: it reads prefill's blocks itself.
+    pulling = make_llm(model, "kv_consumer", {"mode": "pull"})
+    try:
+        outputs = generate_pd(prefill, pulling, prompts, MAX_TOKENS)
+        external = metric(pulling, "vllm:prompt_tokens_by_source", "external_kv_transfer")
+        local = metric(pulling, "vllm:prompt_tokens_by_source", "local_compute")
+    finally:
+        close_llm(pulling)
+    got = tokens(outputs)
+    equal = sum(g == e for g, e in zip(got, expected))
+    assert equal == len(prompts), f"pull mode: {equal}/{len(prompts)} prompts decoded the same tokens as one instance"
+    assert external == sum(len(p["prompt_token_ids"]) for p in prompts) and local == 0
+
+
 def test_a_page_corrupted_in_flight_fails_the_request_visibly(model: Path, decode: Any, prompts: list[Any],
                                                               expected: list[list[int]]) -> None:
     # Full digests: one corrupted page in a request is always found (sampled digests may miss one page).

@@ -104,12 +104,18 @@ def test_request_pages_are_the_blocks_under_its_tokens() -> None:
 def test_unknown_extra_config_is_refused() -> None:
     with pytest.raises(UsageError, match="digest_mod"):
         WorkerConfig.from_extra("producer", {"digest_mod": "full"})
+    with pytest.raises(UsageError, match="mode must be one of"):
+        WorkerConfig.from_extra("consumer", {"mode": "pul"})
 
 
-@pytest.mark.parametrize("digest_mode", ["sampled", "full"])
-def test_decode_blocks_receive_prefill_blocks(digest_mode: str) -> None:
+@pytest.mark.parametrize(("digest_mode", "mode"), [("sampled", "push"), ("full", "push"), ("sampled", "pull")])
+def test_decode_blocks_receive_prefill_blocks(digest_mode: str, mode: str) -> None:
     prefill = Instance("producer", kv_caches(64), digest_mode=digest_mode)
-    decode = Instance("consumer", kv_caches(48, seed=None))
+    decode = Instance("consumer", kv_caches(48, seed=None), mode=mode)
+    writes: list[Any] = []
+    if mode == "pull":   # only decode touches decode's memory: any write prefill posted would fail the request
+        transport = prefill.worker.prefill.transport
+        transport.write = lambda *args, **kwargs: writes.append(args) or 1 / 0   # type: ignore[method-assign]
     try:
         # From block 1: block 0 is vLLM's null block, never one of a request's.
         requests = {f"r{i}": (int(n), list(range(3 * i + 1, 3 * i + 4)), [47 - 3 * i - j for j in range(3)])
@@ -124,6 +130,9 @@ def test_decode_blocks_receive_prefill_blocks(digest_mode: str) -> None:
             for layer in LAYERS:   # every byte of every block under the prompt arrived
                 np.testing.assert_array_equal(decode.caches[layer][dst[:used]], prefill.caches[layer][src[:used]])
         assert not prefill.scheduler.has_pending_work() and not decode.scheduler.has_pending_work()
+        # vLLM frees prefill's blocks only once nothing can read them any more (pull: decode's verdict came).
+        assert not any(prefill.worker.prefill.holds_source(f"p-{r}") for r in requests)
+        assert not writes
     finally:
         decode.worker.close()
         prefill.worker.close()

@@ -4,11 +4,12 @@ Part of the integrations layer, above ``control`` and ``vllm_scheduler``, below 
 which forwards its worker hooks here). No vLLM import: the memory comes in as a ``KVMemory`` built by
 ``vllm_layout``, the work as ``StepPlan``s, so the whole flow runs in tests with numpy memory.
 
-Push, as kvferry's endpoints are: decode announces (and leases) its blocks, prefill writes into them and
-reports digests, decode verifies. Prefill reports a request finished (vLLM frees its blocks) only once its
-endpoint says ``done`` or ``failed``; decode reports a failed request only once its pages are no longer
-leased, so vLLM neither decodes on KV that did not verify nor hands those blocks to another request while a
-late write could still land in them.
+Push by default: decode announces (and leases) its blocks, prefill writes into them and reports digests,
+decode verifies. With ``mode: "pull"`` decode reads prefill's blocks itself (docs/fencing.md). Prefill
+reports a request finished (vLLM frees its blocks) only once its endpoint says ``done`` or ``failed`` and
+nothing can still read them; decode reports a failed request only once its pages are no longer leased, so
+vLLM neither decodes on KV that did not verify nor hands those blocks to another request while a late
+write could still land in them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = ["WorkerConfig", "WorkerSide"]
 log = logging.getLogger("kvferry.vllm")
 
 ROLES = ("producer", "consumer", "both")
+MODES = ("push", "pull")
 # How long a prefill address whose handshake timed out is not retried (a refused layout is never retried).
 RETRY_AFTER = 5.0
 
@@ -42,7 +44,9 @@ class WorkerConfig:
     ``transport``: ``"nixl"`` (between processes), ``"local"`` (one process) or ``"module:factory"``, a
     callable taking the side (``"prefill"``/``"decode"``) and returning a ``Transport`` (tests inject
     faults this way). ``host``/``port``: where prefill listens. ``digest_mode``: ``off``, ``sampled``,
-    ``full``. ``secret``: shared by both sides, or None. Times in seconds.
+    ``full``. ``secret``: shared by both sides, or None. Times in seconds. ``mode``: the transfer mode a
+    consumer asks its prefills for, ``"push"`` (prefill writes into decode's blocks) or ``"pull"`` (decode
+    reads prefill's blocks, see docs/fencing.md); a producer accepts either, so the consumer chooses.
     """
 
     role: str
@@ -53,10 +57,13 @@ class WorkerConfig:
     secret: str | None = None
     request_timeout: float = 60.0
     handshake_timeout: float = 10.0
+    mode: str = "push"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise UsageError(f"kvferry connector: role must be one of {ROLES}, got {self.role!r}")
+        if self.mode not in MODES:
+            raise UsageError(f"kvferry connector: mode must be one of {MODES}, got {self.mode!r}")
 
     @classmethod
     def from_extra(cls, role: str, extra: Mapping[str, Any] | None) -> WorkerConfig:
@@ -94,10 +101,10 @@ class WorkerSide:
         if config.role in ("producer", "both"):
             self.prefill = PrefillEndpoint(memory, config.make_transport("prefill"), host=config.host,
                                            port=config.port, secret=config.secret,
-                                           digest_mode=config.digest_mode, options=options)
+                                           digest_mode=config.digest_mode, options=options, mode=MODES)
         if config.role in ("consumer", "both"):
             self.decode = DecodeEndpoint(memory, config.make_transport("decode"), secret=config.secret,
-                                         digest_mode=config.digest_mode, options=options)
+                                         digest_mode=config.digest_mode, options=options, mode=config.mode)
         self._sending: set[str] = set()
         self._recving: dict[str, RecvSpec] = {}         # by vLLM request id
         self._failed_now: dict[str, KVFerryError] = {}  # never announced: nothing leased, report at once
@@ -161,15 +168,18 @@ class WorkerSide:
         self._sending.add(send.request_id)
 
     def _sent(self, request_id: str) -> bool:
-        """Whether vLLM may free the request's blocks: no write of it can still read them. DONE means
-        decode verified every write. FAILED may leave a posted write unsettled, and the endpoint counts
-        unsettled writes only in total, so a failed request's blocks wait until none is in flight."""
+        """Whether vLLM may free the request's blocks: nothing can still read them. DONE means decode
+        verified every write (push) or read (pull). FAILED may leave a posted write unsettled, and the
+        endpoint counts unsettled writes only in total, so a failed request's blocks wait until none is in
+        flight. In pull mode decode may still read them while ``holds_source`` says so (until decode's
+        verdict, or decode is gone: docs/fencing.md)."""
         if self.prefill is None:
             raise UsageError('kvferry connector: this instance has no prefill endpoint (see kv_role)')
         state = self.prefill.poll(request_id)
         if state is RequestState.DONE:
-            return True
-        if state is not RequestState.FAILED or self.prefill.num_live_handles:
+            return not self.prefill.holds_source(request_id)
+        if (state is not RequestState.FAILED or self.prefill.num_live_handles
+                or self.prefill.holds_source(request_id)):
             return False
         log.warning("kvferry: prefill request %s failed: %s", request_id, self.prefill.failure(request_id))
         return True
