@@ -159,6 +159,17 @@ def _case(layout: Any, pages: int, capacity: int, repeat: int, stat: str) -> dic
     return row
 
 
+def _settle(handle: Any, receiver: Any, tag: bytes) -> None:
+    """Wait until the write completed here and its notification ``tag`` reached the receiver (untimed)."""
+    while not handle.poll():
+        receiver.get_notifications()
+    handle.release()
+    seen: list[bytes] = []
+    while tag not in seen:
+        seen += [msg for _, msg in receiver.get_notifications()]
+
+
+
 def posting(pages: int, repeat: int, stat: str) -> dict[str, Any]:
     """kvferry's write against raw NIXL posting the same rows, two agents in this process."""
     from kvferry.transport.nixl import NixlHandle, NixlTransport
@@ -192,12 +203,7 @@ def posting(pages: int, repeat: int, stat: str) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 handle = post(tag)
                 elapsed = time.perf_counter() - t0
-                while not handle.poll():
-                    b.get_notifications()
-                handle.release()
-                seen: list[bytes] = []
-                while tag not in seen:
-                    seen += [msg for _, msg in b.get_notifications()]
+                _settle(handle, b, tag)
                 if i >= 20:
                     samples[name].append(elapsed)
         pick = min if stat == "min" else statistics.median
@@ -332,12 +338,7 @@ def steps(repeat: int, stat: str, pages: int = 3) -> dict[str, float]:
             t.append(time.perf_counter())
             handle = NixlHandle(a, xfer, peer, "bench", done=status == "DONE")
             t.append(time.perf_counter())
-            while not handle.poll():
-                b.get_notifications()
-            handle.release()
-            seen: list[bytes] = []
-            while tag not in seen:
-                seen += [msg for _, msg in b.get_notifications()]
+            _settle(handle, b, tag)
             if i >= 20:
                 for k, name in enumerate(names):
                     samples[name].append(t[k + 1] - t[k])

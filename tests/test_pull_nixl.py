@@ -5,8 +5,10 @@ Reuses ``test_control_nixl``'s peer processes (``tests/control_peer.py`` with ``
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,20 @@ def _decode(mode: str = "pull") -> tuple[DecodeEndpoint, dict[str, Any]]:
     return DecodeEndpoint(dst, "nixl", options=OPTS, mode=mode), snapshot(dst)
 
 
+@contextlib.contextmanager
+def _prefill_here_decode_there(peers: list[Peer], n: int, seed: int) -> Iterator[tuple[PrefillEndpoint, Peer, list]]:
+    """A pull-mode prefill endpoint in this process, a decode process connected to it that announced ``n``
+    requests of ``workload(n, seed)``; yields (prefill, decode, the requests)."""
+    src = KVMemory.allocate(make_layout("prefill"))
+    fill(src, SEED)
+    with PrefillEndpoint(src, "nixl", options=OPTS, mode="pull") as prefill:
+        decode = Peer("decode", mode="pull")
+        peers.append(decode)
+        decode("connect", address=prefill.address)
+        decode("announce", n=n, seed=seed)
+        yield prefill, decode, workload(n, seed=seed)
+
+
 @pytest.mark.parametrize("descriptors", ["dlist", "prepped"])
 def test_pull_many_requests_between_processes(peers: list[Peer], descriptors: str) -> None:
     prefill = Peer("prefill", digest_mode="full", mode="pull")
@@ -59,14 +75,7 @@ def test_pull_many_requests_between_processes(peers: list[Peer], descriptors: st
 
 
 def test_decode_process_pulls_from_prefill_here(peers: list[Peer]) -> None:
-    src = KVMemory.allocate(make_layout("prefill"))
-    fill(src, SEED)
-    with PrefillEndpoint(src, "nixl", options=OPTS, mode="pull") as prefill:
-        decode = Peer("decode", mode="pull")
-        peers.append(decode)
-        decode("connect", address=prefill.address)
-        decode("announce", n=24, seed=22)
-        reqs = workload(24, seed=22)
+    with _prefill_here_decode_there(peers, 24, seed=22) as (prefill, decode, reqs):
         for req in reqs:
             for s in req.sends:
                 prefill.send(req.rid, s["pages"], offset=s["offset"], last=s["last"], buffers=s["buffers"])
@@ -128,14 +137,7 @@ def test_killed_decode_releases_the_source_holds_at_once(peers: list[Peer]) -> N
     every source hold then, not a hold period (2 x peer_timeout + lease_grace) later."""
     from .control_peer import run_prefill
 
-    src = KVMemory.allocate(make_layout("prefill"))
-    fill(src, SEED)
-    with PrefillEndpoint(src, "nixl", options=OPTS, mode="pull") as prefill:
-        decode = Peer("decode", mode="pull")
-        peers.append(decode)
-        decode("connect", address=prefill.address)
-        decode("announce", n=24, seed=25)
-        reqs = workload(24, seed=25)
+    with _prefill_here_decode_there(peers, 24, seed=25) as (prefill, decode, reqs):
         run_prefill(prefill, reqs, hold_last=True)      # first chunks offered and read; last ones held back
         _until(lambda: prefill.counters()["source_holds"] == 16, 10)
         decode.kill()

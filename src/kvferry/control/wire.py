@@ -173,28 +173,28 @@ class Result(_Msg):
     reason: Reason
 
 
-class Chunk(_Msg):
-    """Sent as the NIXL notification of a chunk's write: it arrives only after the chunk's bytes."""
+class _ChunkHead(_Msg):
+    """The fields a chunk is named by, first in both a pushed chunk's Chunk and a pulled chunk's Ready."""
 
     request_id: Id
     generation: Gen
     chunk: Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)]
     last: bool
     num_chunks: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]   # total, meaningful on the last chunk
+
+
+class Chunk(_ChunkHead):
+    """Sent as the NIXL notification of a chunk's write: it arrives only after the chunk's bytes."""
+
     digests: Blob
 
 
-class Ready(_Msg):
+class Ready(_ChunkHead):
     """Pull mode, prefill -> decode: a chunk's source pages are ready to be read. ``pages`` are prefill's
     source pages per pool, read into decode's leased pages from ``offsets[pool]`` on; ``buffers`` names
     the buffers the chunk covers (empty: all). Prefill holds these pages until decode's Result or Abort for
     the generation, or until a while after the session died (docs/fencing.md)."""
 
-    request_id: Id
-    generation: Gen
-    chunk: Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)]
-    last: bool
-    num_chunks: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]   # total, meaningful on the last chunk
     pages: Pages
     offsets: Annotated[dict[Annotated[str, msgspec.Meta(max_length=256)], Annotated[int, msgspec.Meta(ge=0)]],
                        msgspec.Meta(max_length=MAX_POOLS)]

@@ -499,13 +499,7 @@ class NixlTransport(Transport):
     def _check_plan(self, plan: Plan, state: _Peer, label: str) -> str:
         """Refuse a plan outside the registered regions; say what to post: ``_ROWS``, ``_FAST_INDICES``
         (int32 page indices written here) or ``_PLAN_INDICES`` (the plan's own ``page_selectors``)."""
-        if self._memory is None:
-            raise TransportError("register memory before writing")
-        if not _same_binding(plan.src_memory, self._memory):
-            raise TransportError(f"write {label!r}: the plan's source is not this transport's memory")
-        if not _same_binding(plan.dst_memory, state.memory):
-            raise TransportError(f"write {label!r}: the plan's destination is not peer {state.name!r}'s "
-                                 f"memory as its metadata describes it (stale manifest?)")
+        self._check_memories(plan.src_memory, plan.dst_memory, state, label, "write")
         mode = self.descriptors
         if (mode != "dlist" and self._local_indexable and state.indexable
                 and (mode == "prepped" or short_runs(plan)) and pages_in_regions(plan, self._memory, state.memory)
@@ -517,16 +511,22 @@ class NixlTransport(Transport):
         check_plan_in_regions(plan, self._memory, state.memory, state.name, label, selectors=mode == "prepped")
         return _PLAN_INDICES if mode == "prepped" else _ROWS
 
+    def _check_memories(self, local: Any, remote: Any, state: _Peer, label: str, op: str) -> None:
+        """The plan's local side must be this transport's memory and its remote side the peer's as its
+        metadata describes it (a write's source is local, a read's destination)."""
+        if self._memory is None:
+            raise TransportError(f"register memory before {'writing' if op == 'write' else 'reading'}")
+        here, there = ("source", "destination") if op == "write" else ("destination", "source")
+        if not _same_binding(local, self._memory):
+            raise TransportError(f"{op} {label!r}: the plan's {here} is not this transport's memory")
+        if not _same_binding(remote, state.memory):
+            raise TransportError(f"{op} {label!r}: the plan's {there} is not peer {state.name!r}'s memory as "
+                                 f"its metadata describes it (stale manifest?)")
+
     def _check_read_plan(self, plan: Plan, state: _Peer, label: str) -> str:
         """Refuse a read plan outside the registered regions; say what to post (``_ROWS`` or the plan's
         own selectors, ``_PLAN_INDICES``, into the prepared per-page lists)."""
-        if self._memory is None:
-            raise TransportError("register memory before reading")
-        if not _same_binding(plan.dst_memory, self._memory):
-            raise TransportError(f"read {label!r}: the plan's destination is not this transport's memory")
-        if not _same_binding(plan.src_memory, state.memory):
-            raise TransportError(f"read {label!r}: the plan's source is not peer {state.name!r}'s memory as its "
-                                 f"metadata describes it (stale manifest?)")
+        self._check_memories(plan.dst_memory, plan.src_memory, state, label, "read")
         indices = _PLAN_INDICES if self.descriptors == "prepped" or (
             self.descriptors == "auto" and self._local_indexable and state.indexable and self._lists_ready(state)
         ) else _ROWS
