@@ -249,8 +249,7 @@ class ChaosDecodeSide(Side):
             return
         self.last_gauge = now
         quarantined = sum(len(ids) for q in self.quarantine for ids in q.pages.values())
-        # DecodeEndpoint gains quarantine counters on another branch; until then this reads 0.
-        endpoint_q = int(getattr(self.link.endpoint, "num_quarantined_pages", 0))
+        endpoint_q = self.link.endpoint.num_quarantined_pages
         self.parent.send(("gauge", quarantined, endpoint_q, self.link.endpoint.num_live_leases))
 
     def _final(self) -> dict[str, Any]:
