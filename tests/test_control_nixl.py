@@ -116,21 +116,27 @@ def _until(pred: Any, timeout: float) -> float:
     return time.monotonic() - t0
 
 
+def serve_64_and_verify(decode: DecodeEndpoint, prefill: Peer, before: dict[str, Any]) -> None:
+    """64 requests (whole, chunked and layer-by-layer sends) between this decode and a prefill process,
+    half announced before prefill serves and half after; every byte verified, nothing left in flight."""
+    decode.connect(prefill.address)
+    reqs = workload(64, seed=21)
+    announce(decode, reqs[:32])
+    prefill("serve", n=64, seed=21)
+    announce(decode, reqs[32:])
+    assert set(wait_all(decode, [r.rid for r in reqs], 30).values()) == {"done"}
+    assert set(prefill("wait_all")["results"].values()) == {"done"}
+    verify(decode.memory, SEED, reqs, before)
+    _until(lambda: _idle(decode), 5)
+    assert prefill("counters")["counters"]["live_handles"] == 0
+
+
 def test_many_requests_between_processes(peers: list[Peer]) -> None:
     prefill = Peer("prefill", digest_mode="full")
     peers.append(prefill)
     decode, before = _decode()
     with decode:
-        decode.connect(prefill.address)
-        reqs = workload(64, seed=21)
-        announce(decode, reqs[:32])
-        prefill("serve", n=64, seed=21)
-        announce(decode, reqs[32:])
-        assert set(wait_all(decode, [r.rid for r in reqs], 30).values()) == {"done"}
-        assert set(prefill("wait_all")["results"].values()) == {"done"}
-        verify(decode.memory, SEED, reqs, before)
-        _until(lambda: _idle(decode), 5)
-        assert prefill("counters")["counters"]["live_handles"] == 0
+        serve_64_and_verify(decode, prefill, before)
 
 
 def test_decode_killed_mid_transfer(peers: list[Peer]) -> None:

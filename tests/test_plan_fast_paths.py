@@ -89,13 +89,18 @@ FILL_PATHS = {  # (planner._MATMUL_MAX_ROWS, planner._TEMPLATE_MIN_ROWS) forcing
     "matmul": (1 << 62, 1 << 62), "broadcast": (-1, 1 << 62), "template": (-1, 0)}
 
 
-@given(data=st.data())
-def test_every_fill_path_gives_the_reference_rows(data: st.DataObject) -> None:
+def _draw_plan(data: st.DataObject) -> TransferPlan:
+    """A planned request between a drawn pair of memories, over all buffers or a drawn subset of them."""
     src, dst = data.draw(bound_pair())
     req = data.draw(requests(src, dst))
     names = [b.name for b in src.layout.buffers]
     subset = data.draw(st.none() | st.lists(st.sampled_from(names), unique=True, min_size=1))
-    plan = plan_transfer(src, dst, req, buffers=subset)
+    return plan_transfer(src, dst, req, buffers=subset)
+
+
+@given(data=st.data())
+def test_every_fill_path_gives_the_reference_rows(data: st.DataObject) -> None:
+    plan = _draw_plan(data)
     want_src, want_dst = reference_rows(plan)
     np.testing.assert_array_equal(plan.src_descs, want_src)
     np.testing.assert_array_equal(plan.dst_descs, want_dst)
@@ -348,11 +353,7 @@ def _regions(layout: Layout, base_addr: int) -> list[Region]:
 # -- page indices: what NixlTransport posts into its prepared per-page lists ------------------------------
 @given(data=st.data())
 def test_fill_selectors_gives_page_selectors_as_int32(data: st.DataObject) -> None:
-    src, dst = data.draw(bound_pair())
-    req = data.draw(requests(src, dst))
-    names = [b.name for b in src.layout.buffers]
-    subset = data.draw(st.none() | st.lists(st.sampled_from(names), unique=True, min_size=1))
-    plan = plan_transfer(src, dst, req, buffers=subset)
+    plan = _draw_plan(data)
     want_src, want_dst = plan.page_selectors()
     got = np.full((2, plan.num_selectors), -7, dtype=np.int32)
     plan.fill_selectors(got[0], got[1])
@@ -364,7 +365,7 @@ def test_fill_selectors_gives_page_selectors_as_int32(data: st.DataObject) -> No
         np.testing.assert_array_equal(sel[0], want_src)
         np.testing.assert_array_equal(sel[1], want_dst)
     # the fast check that allows posting indices accepts every planner-built plan
-    assert base.pages_in_regions(plan, src, dst)
+    assert base.pages_in_regions(plan, plan.src_memory, plan.dst_memory)
 
 
 def test_fill_selectors_refuses_a_wrong_buffer() -> None:
@@ -392,7 +393,7 @@ def test_pages_outside_a_capacity_never_get_indices(small_plan, many: bool, side
     pages[side][-1] = page
     tampered = TransferPlan(src, dst, (PoolPlan(pool_plan.pool, pool_plan.buffer_ids, pages[0], pages[1],
                                                 pool_plan.runs, pool_plan.src, pool_plan.dst),))
-    assert base.pages_in_regions(plan, src, dst)
+    assert base.pages_in_regions(plan, plan.src_memory, plan.dst_memory)
     assert not base.pages_in_regions(tampered, src, dst)
 
 

@@ -19,8 +19,8 @@ from kvferry.control import DecodeEndpoint, PrefillEndpoint
 from kvferry.errors import RequestFailed
 
 from . import test_control_nixl
-from .control_peer import announce, fill, make_layout, snapshot, verify, wait_all, workload
-from .test_control_nixl import OPTS, SEED, Peer, _idle, _until
+from .control_peer import fill, make_layout, snapshot, wait_all, workload
+from .test_control_nixl import OPTS, SEED, Peer, _idle, _until, serve_64_and_verify
 from .test_fencing import PAGES_A, SRC_A, _holds
 
 peers = test_control_nixl.peers   # the fixture that ends every peer process a test started
@@ -61,17 +61,8 @@ def test_pull_many_requests_between_processes(peers: list[Peer], descriptors: st
 
     with NixlTransport(descriptors=descriptors) as transport, \
             DecodeEndpoint(dst, transport, options=OPTS, mode="pull") as decode:
-        decode.connect(prefill.address)
-        reqs = workload(64, seed=21)                      # whole, chunked and layer-by-layer sends
-        announce(decode, reqs[:32])
-        prefill("serve", n=64, seed=21)
-        announce(decode, reqs[32:])
-        assert set(wait_all(decode, [r.rid for r in reqs], 30).values()) == {"done"}
-        assert set(prefill("wait_all")["results"].values()) == {"done"}
-        verify(decode.memory, SEED, reqs, before)
-        _until(lambda: _idle(decode), 5)
+        serve_64_and_verify(decode, prefill, before)
         assert prefill("holds") == {"holds": 0, "total": 0}
-        assert prefill("counters")["counters"]["live_handles"] == 0
 
 
 def test_decode_process_pulls_from_prefill_here(peers: list[Peer]) -> None:
