@@ -395,6 +395,25 @@ def test_pages_outside_a_capacity_never_get_indices(small_plan, many: bool, side
                                                 pool_plan.runs, pool_plan.src, pool_plan.dst),))
     assert base.pages_in_regions(plan, plan.src_memory, plan.dst_memory)
     assert not base.pages_in_regions(tampered, src, dst)
+    # The same pages kept as ints (what a few-page plan posts as indices) are checked as such.
+    as_ints = PoolPlan.from_lists(pool_plan.pool, tuple(pages[0].tolist()), tuple(pages[1].tolist()),
+                                  tuple(tuple(r) for r in pool_plan.runs.tolist()), pool_plan.src, pool_plan.dst)
+    assert not base.pages_in_regions(TransferPlan(src, dst, (as_ints,)), src, dst)
+
+
+def test_a_few_pages_plan_keeps_ints_and_is_immutable(small_plan) -> None:
+    src, dst, general = small_plan
+    plan = plan_transfer(src, dst, {"p": (np.array([0, 1, 5]), np.array([7, 2, 3]))})
+    pool_plan = plan.pools[0]
+    assert general.pools[0].page_lists is None and pool_plan.page_lists is not None
+    assert pool_plan.page_lists == (tuple(pool_plan.src_pages.tolist()), tuple(pool_plan.dst_pages.tolist()))
+    assert pool_plan.run_lists == tuple(tuple(r) for r in pool_plan.runs.tolist())
+    assert plan.num_descriptors == sum(p.num_rows for p in plan.pools)
+    assert plan.num_selectors == sum(len(p.src_pages) * len(p.buffer_ids) for p in plan.pools)
+    with pytest.raises(AttributeError, match="immutable"):
+        pool_plan.page_lists = ((0,), (0,))
+    with pytest.raises(ValueError):
+        pool_plan.src_pages[0] = 1
 
 
 def test_short_runs_picks_indices_only_for_planner_plans_with_short_runs() -> None:

@@ -69,6 +69,8 @@ class PoolArrays:
     # uint64 [B, 3]: (page_bytes, base, device_id) per buffer, so that a small plan's rows are one matrix
     # product: [page_bytes, base, device] @ [[start, length, 0], [1, 0, 0], [0, 0, 1]] = one row.
     row_basis: np.ndarray
+    # ``flat_start`` as Python ints: a few pages' selector lists are built from it without a numpy call.
+    flat_start_ints: tuple[int, ...]
 
 
 # The vectors of PoolArrays that have one entry per buffer (restricted together by ``KVMemory.pool_subset``).
@@ -242,6 +244,7 @@ class KVMemory:
                 kind=readonly(np.array([kinds.index(k) for k in kind_of], dtype=np.int64)),
                 kinds=readonly(np.array(kinds, dtype=np.uint64).reshape(-1, 2)),
                 row_basis=readonly(np.stack([page_bytes, base, device_id], axis=1)),
+                flat_start_ints=tuple(flat_start[ids].tolist()),
             )
             self._built[id(arrays)] = arrays
         return out
@@ -258,7 +261,8 @@ class KVMemory:
             return hit
         full = self.pool_arrays[pool]
         fields = {f: readonly(getattr(full, f)[keep]) for f in PER_BUFFER}
-        sub = PoolArrays(**fields, min_pages=full.min_pages, kinds=full.kinds)
+        sub = PoolArrays(**fields, min_pages=full.min_pages, kinds=full.kinds,
+                         flat_start_ints=tuple(fields["flat_start"].tolist()))
         with self._subsets_lock:
             if len(self._subsets) >= _MAX_SUBSETS:
                 old = self._subsets.pop(next(iter(self._subsets)))

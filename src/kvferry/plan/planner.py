@@ -30,17 +30,75 @@ __all__ = ["PoolPlan", "Row", "TransferPlan", "coalesce_runs", "joint_runs", "pl
            "select_buffers"]
 
 
-@dataclass(frozen=True, eq=False)
 class PoolPlan:
-    """The validated, coalesced part of a plan for one pool (read-only numpy arrays)."""
+    """The validated, coalesced part of a plan for one pool (read-only numpy arrays). Immutable.
+
+    Not a dataclass, for one reason: a plan of a few pages (``plan_transfer``'s common small request)
+    keeps its validated pages and runs as tuples of Python ints (``page_lists``, ``run_lists``) and makes
+    the arrays only when something asks for them. A transport's page check and its page indices read the
+    ints, so a small write makes no numpy call for its pages; right after a copy has evicted the caches
+    each such call costs 1-4 us, a tenth of what kvferry adds to a 1 MiB write (``bench/overhead.py``).
+    """
 
     pool: str
     buffer_ids: np.ndarray    # int64 [B]: buffers moved, as indices into Layout.buffers
-    src_pages: np.ndarray     # int64 [P]: validated source pages, in request order
-    dst_pages: np.ndarray     # int64 [P]
-    runs: np.ndarray          # int64 [3, R]: joint runs, rows (first source page, first destination page, pages)
     src: PoolArrays           # per-buffer vectors of the source side, restricted to buffer_ids
     dst: PoolArrays
+    # (source pages, destination pages) as Python ints, for plans made from a few pages; else None.
+    page_lists: tuple[tuple[int, ...], tuple[int, ...]] | None
+    # (first source pages, first destination pages, lengths) of the runs, likewise; else None.
+    run_lists: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None
+    num_runs: int
+
+    def __init__(self, pool: str, buffer_ids: np.ndarray, src_pages: np.ndarray, dst_pages: np.ndarray,
+                 runs: np.ndarray, src: PoolArrays, dst: PoolArrays) -> None:
+        self._set(pool=pool, buffer_ids=buffer_ids, src=src, dst=dst, page_lists=None, run_lists=None,
+                  num_runs=runs.shape[1], _src_pages=src_pages, _dst_pages=dst_pages, _runs=runs)
+
+    @classmethod
+    def from_lists(cls, pool: str, src_pages: tuple[int, ...], dst_pages: tuple[int, ...],
+                   runs: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], src: PoolArrays,
+                   dst: PoolArrays) -> PoolPlan:
+        """A plan of a few validated pages, kept as ints; the arrays are made on first use."""
+        plan = cls.__new__(cls)
+        plan._set(pool=pool, buffer_ids=src.buffer_ids, src=src, dst=dst, page_lists=(src_pages, dst_pages),
+                  run_lists=runs, num_runs=len(runs[2]), _src_pages=None, _dst_pages=None, _runs=None)
+        return plan
+
+    def _set(self, **values: object) -> None:
+        self.__dict__.update(values)  # one call: a frozen dataclass's __init__ makes one per field
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"PoolPlan is immutable: cannot set {name!r}")
+
+    def _arrays(self) -> None:
+        # Made once from the ints; two threads racing here both build equal read-only arrays.
+        assert self.page_lists is not None and self.run_lists is not None
+        n, r = len(self.page_lists[0]), self.num_runs
+        packed = readonly(np.array(self.page_lists[0] + self.page_lists[1] + self.run_lists[0]
+                                   + self.run_lists[1] + self.run_lists[2], dtype=np.int64))
+        self._set(_src_pages=packed[:n], _dst_pages=packed[n:2 * n], _runs=packed[2 * n:].reshape(3, r))
+
+    @property
+    def src_pages(self) -> np.ndarray:
+        """int64 [P]: validated source pages, in request order."""
+        if self._src_pages is None:
+            self._arrays()
+        return self._src_pages  # type: ignore[return-value]
+
+    @property
+    def dst_pages(self) -> np.ndarray:
+        """int64 [P]: validated destination pages."""
+        if self._dst_pages is None:
+            self._arrays()
+        return self._dst_pages  # type: ignore[return-value]
+
+    @property
+    def runs(self) -> np.ndarray:
+        """int64 [3, R]: joint runs, rows (first source page, first destination page, pages)."""
+        if self._runs is None:
+            self._arrays()
+        return self._runs  # type: ignore[return-value]
 
     @property
     def run_src(self) -> np.ndarray:
@@ -59,7 +117,10 @@ class PoolPlan:
 
     @property
     def num_rows(self) -> int:
-        return len(self.buffer_ids) * self.runs.shape[1]
+        return len(self.buffer_ids) * self.num_runs
+
+    def __repr__(self) -> str:
+        return f"PoolPlan({self.pool!r}, {len(self.buffer_ids)} buffers, {self.num_runs} runs)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +145,17 @@ class TransferPlan:
     src_memory: KVMemory
     dst_memory: KVMemory
     pools: tuple[PoolPlan, ...]
+
+    @classmethod
+    def with_counts(cls, src: KVMemory, dst: KVMemory, pools: tuple[PoolPlan, ...], rows: int,
+                    selectors: int) -> TransferPlan:
+        """A plan whose ``num_descriptors`` and ``num_selectors`` the caller already counted (the few-page
+        planner counts them as it goes). Why: the first access of a ``functools.cached_property`` takes a
+        lock on Python 3.11, ~1-2 us each right after a copy evicted the caches, on every small write."""
+        plan = cls.__new__(cls)  # the fields and the two counts in one call (no __post_init__ to skip)
+        plan.__dict__.update(src_memory=src, dst_memory=dst, pools=pools, num_descriptors=rows,
+                             num_selectors=selectors)
+        return plan
 
     @cached_property
     def num_descriptors(self) -> int:
@@ -271,6 +343,7 @@ def _plan_few(src: KVMemory, dst: KVMemory, pages: dict) -> TransferPlan | None:
         return None
     src_pools, dst_pools = src.pool_arrays, dst.pool_arrays
     plans = []
+    rows = selectors = 0
     for name, pair in pages.items():
         src_arrays, dst_arrays = src_pools.get(name), dst_pools.get(name)
         if src_arrays is None or dst_arrays is None or type(pair) is not tuple or len(pair) != 2:
@@ -285,10 +358,13 @@ def _plan_few(src: KVMemory, dst: KVMemory, pages: dict) -> TransferPlan | None:
         if (min(src_list) < 0 or max(src_list) >= src_arrays.min_pages or min(dst_list) < 0
                 or max(dst_list) >= dst_arrays.min_pages or len(set(dst_list)) != len(dst_list)):
             return None
-        plans.append(PoolPlan(name, src_arrays.buffer_ids, readonly(np.array(src_list, dtype=np.int64)),
-                              readonly(np.array(dst_list, dtype=np.int64)), _joint_runs_few(src_list, dst_list),
-                              src_arrays, dst_arrays))
-    return TransferPlan(src, dst, tuple(plans))
+        runs = _joint_runs_few(src_list, dst_list)
+        pool_plan = PoolPlan.from_lists(name, tuple(src_list), tuple(dst_list), runs, src_arrays, dst_arrays)
+        plans.append(pool_plan)
+        num_buffers = len(src_arrays.flat_start_ints)
+        rows += num_buffers * len(runs[2])
+        selectors += num_buffers * len(src_list)
+    return TransferPlan.with_counts(src, dst, tuple(plans), rows, selectors)
 
 
 def plan_pages(src: KVMemory, dst: KVMemory, pairs: Mapping[str, tuple[np.ndarray, np.ndarray]],
@@ -355,7 +431,7 @@ def joint_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
     length). A run breaks wherever either side's page is not the previous page + 1. Needs >= 1 page."""
     n = len(src_pages)
     if n <= FEW_PAGES:
-        return _joint_runs_few(src_pages.tolist(), dst_pages.tolist())
+        return readonly(np.array(_joint_runs_few(src_pages.tolist(), dst_pages.tolist()), dtype=np.int64))
     brk = np.empty(n, dtype=bool)
     brk[0] = True
     if n > 1:
@@ -370,8 +446,9 @@ def joint_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> np.ndarray:
     return readonly(runs)
 
 
-def _joint_runs_few(src: list[int], dst: list[int]) -> np.ndarray:
-    """``joint_runs`` on Python lists: for a few pages, fewer calls than numpy needs."""
+def _joint_runs_few(src: list[int], dst: list[int]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``joint_runs`` on Python lists, as (first source pages, first destination pages, lengths): for a
+    few pages, fewer calls than numpy needs."""
     src_firsts, dst_firsts, lengths = [src[0]], [dst[0]], []
     start = 0
     for i in range(1, len(src)):
@@ -381,7 +458,7 @@ def _joint_runs_few(src: list[int], dst: list[int]) -> np.ndarray:
             lengths.append(i - start)
             start = i
     lengths.append(len(src) - start)
-    return readonly(np.array((src_firsts, dst_firsts, lengths), dtype=np.int64))  # one numpy call
+    return tuple(src_firsts), tuple(dst_firsts), tuple(lengths)
 
 
 def coalesce_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -29,7 +29,7 @@ import numpy as np
 from kvferry.errors import TransferTimeout, TransportError
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
-from kvferry.plan.planner import TransferPlan
+from kvferry.plan.planner import PoolPlan, TransferPlan
 
 __all__ = ["RowBuffer", "TransferHandle", "Transport", "check_plan_in_regions", "check_rows_in_regions",
            "pages_in_regions", "short_runs"]
@@ -183,11 +183,20 @@ def pages_in_regions(plan: Plan, src: KVMemory, dst: KVMemory) -> bool:
         src_arrays, dst_arrays = pool_plan.src, pool_plan.dst
         if not (src_mem.built_here(src_arrays) and dst_mem.built_here(dst_arrays)
                 and len(src_arrays.flat_start) == len(dst_arrays.flat_start) == len(pool_plan.buffer_ids)
-                and len(pool_plan.src_pages) == len(pool_plan.dst_pages)
-                and _pages_inside(pool_plan.src_pages, src_arrays.min_pages, pool_plan.dst_pages,
-                                  dst_arrays.min_pages)):
+                and _pool_pages_inside(pool_plan, src_arrays.min_pages, dst_arrays.min_pages)):
             return False
     return True
+
+
+def _pool_pages_inside(pool_plan: PoolPlan, src_cap: int, dst_cap: int) -> bool:
+    lists = pool_plan.page_lists
+    if lists is None:
+        return (len(pool_plan.src_pages) == len(pool_plan.dst_pages)
+                and _pages_inside(pool_plan.src_pages, src_cap, pool_plan.dst_pages, dst_cap))
+    # A few pages kept as ints (what ``_few_selectors`` turns into indices): checked as they are.
+    src, dst = lists
+    return len(src) == len(dst) and (not src or (min(src) >= 0 and max(src) < src_cap
+                                                 and min(dst) >= 0 and max(dst) < dst_cap))
 
 
 # A transport that can post page indices (NIXL's prepared lists) does so while a plan's runs average at
@@ -203,9 +212,13 @@ def short_runs(plan: Plan) -> bool:
     pools = plan.pools
     if len(pools) == 1:
         pool_plan = pools[0]
-        return len(pool_plan.src_pages) <= INDEX_MAX_MEAN_RUN * pool_plan.runs.shape[1]
-    return (sum(len(p.src_pages) for p in pools)
-            <= INDEX_MAX_MEAN_RUN * sum(p.runs.shape[1] for p in pools))
+        return _num_pages(pool_plan) <= INDEX_MAX_MEAN_RUN * pool_plan.num_runs
+    return sum(_num_pages(p) for p in pools) <= INDEX_MAX_MEAN_RUN * sum(p.num_runs for p in pools)
+
+
+def _num_pages(pool_plan: PoolPlan) -> int:
+    lists = pool_plan.page_lists
+    return len(pool_plan.src_pages) if lists is None else len(lists[0])
 
 
 # Up to this many runs in a pool the fast check runs on Python lists.
@@ -307,9 +320,10 @@ def _few_selectors(plan: TransferPlan) -> tuple[list[int], list[int]]:
     src: list[int] = []
     dst: list[int] = []
     for pool_plan in plan.pools:
-        src_pages, dst_pages = pool_plan.src_pages.tolist(), pool_plan.dst_pages.tolist()
-        src += [first + page for first in pool_plan.src.flat_start.tolist() for page in src_pages]
-        dst += [first + page for first in pool_plan.dst.flat_start.tolist() for page in dst_pages]
+        lists = pool_plan.page_lists
+        src_pages, dst_pages = (pool_plan.src_pages.tolist(), pool_plan.dst_pages.tolist()) if lists is None else lists
+        src += [first + page for first in pool_plan.src.flat_start_ints for page in src_pages]
+        dst += [first + page for first in pool_plan.dst.flat_start_ints for page in dst_pages]
     return src, dst
 
 
