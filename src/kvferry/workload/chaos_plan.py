@@ -35,8 +35,8 @@ class ChaosConfig:
     ``quiet_s`` before the duration is up. A stall (SIGSTOP) lasts ``stall_floor_s`` plus
     ``stall_extra_s`` (drawn uniformly from that range), so the other side always gives the stalled one
     up. ``weights`` are the odds of stop, kill and cut. ``drain_s`` bounds the drain after the duration.
-    ``scribble_at_s`` (tests only) has decode flip one byte of a page a DONE request left, at that moment:
-    the run must then report exactly that byte wrong.
+    ``scribble_at_s`` (tests only) has decode flip one byte of a page a DONE request left, at that moment
+    or as soon as one has: the run must then report exactly that byte wrong.
     """
 
     workload: WorkloadConfig

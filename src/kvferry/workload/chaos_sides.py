@@ -108,6 +108,7 @@ class ChaosDecodeSide(Side):
         self.drain_deadline = float("inf")
         self.next_connect = 0.0
         self.last_gauge = 0.0
+        self.scribble_pending = False
 
     def close(self) -> None:
         self.link.close()
@@ -123,6 +124,8 @@ class ChaosDecodeSide(Side):
                 progressed += self._admit()
             self._gauge()
             self._read_parent()
+            if self.scribble_pending:
+                self.scribble_pending = not self._scribble()
             if not progressed:
                 time.sleep(IDLE_S)
         return self._final()
@@ -131,8 +134,8 @@ class ChaosDecodeSide(Side):
         while self.parent.poll():
             kind = self.parent.recv()[0]
             self.stopped |= kind == "stop"
-            if kind == "scribble":
-                self._scribble()
+            # Kept pending until a DONE request has left a page: on a loaded machine none may have yet.
+            self.scribble_pending |= kind == "scribble"
             if kind == "drain" and not self.draining:
                 self.draining = True
                 # A live request ends by its deadline; a failed one's lease by peer_timeout + lease_grace.
@@ -234,13 +237,15 @@ class ChaosDecodeSide(Side):
                 check.merge(self._verify(owner, {pool: mine}, {pool: pos}))
         return check
 
-    def _scribble(self) -> None:
+    def _scribble(self) -> bool:
         """The oracle's self-test: change one byte of one free page a DONE request left, as a late write
-        into a finished request's page would (all its 8 bits, so the byte count is exact)."""
+        into a finished request's page would (all its 8 bits, so the byte count is exact). False when no
+        such page exists yet."""
         for pool, ids in self.ledger.all_owned().items():
             if len(ids):
                 self.views[self.layout.pool(pool).buffers[0].name][ids[0], 0] ^= 0xFF
-                return
+                return True
+        return False
 
     # -- gauges and the end ----------------------------------------------------------------------------
     def _gauge(self) -> None:
