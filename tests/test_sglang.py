@@ -26,6 +26,8 @@ pytestmark = [pytest.mark.sglang, pytest.mark.nixl, pytest.mark.slow]
 POOLS = ["mla", "dsa_fp8", "dsa_bf16", "v4"]
 # (pool, prefill attention TP, decode attention TP): every rank a process of its own.
 HETERO_TP = [("mla", 2, 1), ("v4", 2, 1), ("dsa_bf16", 1, 2)]
+# MHA (SGLang's MHATokenToKVPool, 4 KV heads; mha_v: V head dim 16 beside K's 32) between attention TP sizes.
+MHA_TP = [("mha", 2, 1), ("mha", 1, 2), ("mha_v", 2, 1), ("mha_v", 1, 2), ("mha", 4, 2)]
 N = 64
 RESULTS: dict[tuple[str, str], dict[str, Any]] = {}
 
