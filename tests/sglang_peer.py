@@ -518,6 +518,10 @@ def main() -> None:
     aux = torch.zeros(AUX_SLOTS, AUX_ITEM, dtype=torch.uint8)
     heads = is_mha(kind) and (role == "prefill" or cfg.get("decode_kv_heads", False))
     args = build_kv_args(pool, aux, rank, heads)
+    if cfg["backend"] == "nixl" and is_mha(kind) and cfg.get("host_shim", True):
+        # SGLang's nixl refuses hetero-TP MHA into non-VRAM destinations outright; declared VRAM, its slice
+        # arithmetic runs, and the shim (host_memory_shim) registers the host memory with NIXL as DRAM.
+        args.kv_data_mem_kinds = ["VRAM"] * len(args.kv_data_ptrs)
     bufs = buffers(args)
     fill(bufs, fill_seed(cfg, role, rank))
     reqs = requests(capacities(bufs), cfg["n"], cfg["seed"] + 7, cfg.get("pages_per_req", 2))

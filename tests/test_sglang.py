@@ -100,6 +100,12 @@ def _ok(report: dict[str, Any]) -> int:
     return sum(v == "ok" for v in report["outcomes"].values())
 
 
+def assert_untouched(decode: dict[str, Any]) -> None:
+    """Nothing concluded, and not one byte of decode's memory changed."""
+    check = decode["check"]
+    assert check["num_bad_pages"] == 0 and check["num_touched_elsewhere"] == 0, check
+
+
 def assert_exact(decode: dict[str, Any]) -> None:
     check = decode["check"]
     assert check["bytes_checked"] > 0 and check["pages_checked"] == sum(decode["slots"])
@@ -164,6 +170,89 @@ def test_sglang_nixl_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_
     RESULTS["nixl", f"{pool} TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
 
 
+@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), MHA_TP)
+def test_kvferry_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:
+    """SGLang's MHATokenToKVPool (4 KV heads, token-major ``[slot, head, dim]``) between attention TP sizes,
+    a process per rank. Prefill's KVArgs carry its heads (as SGLang's prefill sets them); decode's do not
+    (SGLang sets them only with hetero-TP staging), so decode reads its model config. Each prefill rank
+    filled its pool from its own seed: decode checks every token row of every KV page head by head against
+    the prefill rank holding that head, K and V each by its own head dim (mha_v: V 16 wide, K 32), aux from
+    one rank, every other page untouched."""
+    prefills, decodes = run_ranks("kvferry", pool, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    for p in prefills:
+        assert "refused" not in p and _ok(p) == N, (p["rank"], Counter(p["outcomes"].values()), p["errors"])
+    for d in decodes:
+        assert "refused" not in d and _ok(d) == N, (d["rank"], Counter(d["outcomes"].values()), d["errors"])
+        assert_exact(d)
+    RESULTS["kvferry", f"{pool} TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
+
+
+@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), [("mha", 2, 1), ("mha", 1, 2)])
+def test_sglang_nixl_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:
+    """SGLang's own NIXL backend on the MHA cases where K and V share a head dim: its hetero-TP slice path
+    (``_init_hetero_tp_prep_handle``, ``send_kvcache_slice``) puts every head in place. It refuses hetero-TP
+    MHA into host memory outright, so here the pools are declared VRAM and the test's shim registers them
+    with NIXL as DRAM (tests/sglang_peer.py)."""
+    prefills, decodes = run_ranks("nixl", pool, prefill_tp=prefill_tp, decode_tp=decode_tp, deadline=8)
+    for d in decodes:
+        assert "refused" not in d and _ok(d) == N, (d["rank"], Counter(d["outcomes"].values()), d["errors"])
+        assert_exact(d)
+    RESULTS["nixl", f"{pool} TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_sglang_nixl_backend_mha_v_head_dim_differs(prefill_tp: int, decode_tp: int) -> None:
+    """The same with V's head dim (16) narrower than K's (32): SGLang 0.5.23 sizes every region of its
+    hetero-TP source descriptor list from entry 0 (``kv_item_lens[0]``, ``kv_data_lens[0] // item``: a K
+    buffer), so the V regions run past their registration; NIXL refuses the list (NIXL_ERR_NOT_FOUND) in
+    the prefill bootstrap thread, which dies, and no request concludes (SGLang would time them out in
+    KVPoll.Bootstrapping). No byte lands. Asserted as observed: this test fails the day that changes."""
+    prefills, decodes = run_ranks("nixl", "mha_v", prefill_tp=prefill_tp, decode_tp=decode_tp, deadline=6)
+    assert all(_ok(d) == 0 for d in decodes), [Counter(d["outcomes"].values()) for d in decodes]
+    assert any("NIXL_ERR_NOT_FOUND" in e for p in prefills for e in p["errors"]), [p["errors"] for p in prefills]
+    for d in decodes:
+        assert_untouched(d)
+    RESULTS["nixl", f"mha_v TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
+
+
+@pytest.mark.parametrize(("tp", "decode_heads"), [(1, "model config"), (2, "kv_args")])
+def test_kvferry_backend_mha_equal_tp(tp: int, decode_heads: str) -> None:
+    """Equal TP sizes, decode's heads from its model config or from its KVArgs (SGLang's staging case):
+    both sides declare the same head geometry, and pages move rank to rank, exact."""
+    prefills, decodes = run_ranks("kvferry", "mha_v", prefill_tp=tp, decode_tp=tp,
+                                  decode_kv_heads=decode_heads == "kv_args")
+    for p, d in zip(prefills, decodes):
+        assert _ok(p) == N and _ok(d) == N, (Counter(d["outcomes"].values()), d["errors"])
+        assert_exact(d)
+
+
+_HANDSHAKE = "kvferry handshake with prefill failed"
+
+
+@pytest.mark.parametrize(("decode_cfg", "prefill_tp", "wanted"), [
+    ({"decode_config_heads": 8}, 2, [_HANDSHAKE, "buffer 'kv.0'", "head_bytes differs: local 64, remote 32",
+                                     "decode: 8 KV heads per rank (from the model config)"]),
+    ({"decode_config_heads": 2}, 2, [_HANDSHAKE, "buffer 'kv.0'", "head_bytes differs: local 64, remote 128"]),
+    ({"decode_model_config": False}, 1, [_HANDSHAKE, "buffer 'kv.0'", "heads differs", "KV heads unknown"]),
+    ({"decode_model_config": False}, 2, ["only when decode knows its KV heads", "KV heads unknown"])],
+    ids=["config-8-heads", "config-2-heads", "no-config-equal-tp", "no-config-across-tp"])
+def test_mha_decode_heads_disagreeing_with_prefill_fail_the_request(decode_cfg: dict[str, Any], prefill_tp: int,
+                                                                    wanted: list[str]) -> None:
+    """Decode's head count is derived, so it is checked, not trusted: a decode whose model config claims
+    8 (or 2) KV heads while prefill's pool holds 4 is refused at the handshake (prefill TP 2 -> decode TP
+    1), naming the buffer, the difference and where decode's count came from. A decode that cannot learn
+    its heads at all is refused too: at equal TP by the handshake (prefill declares heads, decode none),
+    across TP sizes before it (nothing to cut pages by). Every request fails; no byte of decode's memory
+    changes."""
+    prefills, decodes = run_ranks("kvferry", "mha", prefill_tp=prefill_tp, n=8, **decode_cfg,
+                                  env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "3", "HF_HUB_OFFLINE": "1"})
+    (decode,) = decodes
+    reasons = set(decode["outcomes"].values())
+    assert len(decode["outcomes"]) == 8 and _ok(decode) == 0 and all(_ok(p) == 0 for p in prefills), reasons
+    assert all(all(w in r for w in wanted) for r in reasons), reasons
+    assert_untouched(decode)
+
+
 def _merge(prefills: list[dict[str, Any]], decodes: list[dict[str, Any]]) -> dict[str, Any]:
     """One row of the report for a cross-TP case: every decode rank's checks summed, and how many
     requests each prefill rank concluded Success (a dummy rank's that never did are named)."""
@@ -187,15 +276,17 @@ def test_cross_tp_pairs_kvferry_refuses_say_why() -> None:
         return SimpleNamespace(**{"attn_tp_size": tp, "pp_size": 1, "attn_cp_size": 1,
                                   "enable_kv_cache_sharding": False, **kw})
 
-    def decode(tp: int, mla: bool) -> Any:
-        return SimpleNamespace(attn_tp_size=tp, is_mla_backend=mla)
+    def decode(tp: int, mla: bool, heads: int | None = None) -> Any:
+        return SimpleNamespace(attn_tp_size=tp, is_mla_backend=mla, kv_heads=heads,
+                               kv_heads_note="KV heads unknown (no model config)")
 
     assert _parallel_refusal(prefill(2), decode(1, True)) is None
     assert _parallel_refusal(prefill(1), decode(4, True)) is None
     assert _parallel_refusal(prefill(2), decode(2, False)) is None
+    assert _parallel_refusal(prefill(2), decode(1, False, heads=4)) is None   # the handshake checks prefill's
     assert _parallel_refusal(prefill(2), decode(1, False)) == (
-        "kvferry's SGLang backend moves non-MLA KV between equal attention TP sizes only: prefill attn TP 2, "
-        "decode attn TP 1")
+        "kvferry's SGLang backend moves non-MLA KV across attention TP sizes only when decode knows its KV "
+        "heads: prefill attn TP 2, decode attn TP 1, decode KV heads unknown (no model config)")
     assert "must divide" in str(_parallel_refusal(prefill(2), decode(3, True)))
     assert "PP 2" in str(_parallel_refusal(prefill(2, pp_size=2), decode(2, True)))
     assert "sharding" in str(_parallel_refusal(prefill(2, enable_kv_cache_sharding=True), decode(2, True)))

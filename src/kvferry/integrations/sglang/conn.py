@@ -284,7 +284,10 @@ class KVFerryKVReceiver(CommonKVReceiver):
             for info in self.bootstrap_infos:
                 self.kv_mgr.connect_prefill(self._address(info))
         except KVFerryError as exc:
-            self._fail(f"kvferry handshake with prefill failed: {exc}")
+            # An MHA decode's head geometry is what it derived itself: say from where, so an operator can
+            # tell a wrong model config from a wrong prefill.
+            heads = "" if self.kv_mgr.is_mla_backend else f" (decode: {self.kv_mgr.kv_heads_note})"
+            self._fail(f"kvferry handshake with prefill failed: {exc}{heads}")
             return False
         return True
 
