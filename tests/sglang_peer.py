@@ -395,6 +395,14 @@ class Sources:
         ranks = range(tp_of(cfg, "prefill")) if self.mha else [src_rank(cfg, rank)]
         self.fills = {r: _fills(shapes, fill_seed(cfg, "prefill", r)) for r in ranks}
 
+    def pages(self, bi: int, b: Buf, src_page: int) -> list[np.ndarray]:
+        """What the page may hold: one candidate, or (``aux_any_rank``: SGLang's nixl writes aux from every
+        prefill rank of an MHA pair, whose aux is identical in real serving but not in these per-rank
+        fills) any prefill rank's aux page."""
+        if self.mha and b.group == "aux" and self.cfg.get("aux_any_rank"):
+            return [fills[bi][src_page] for fills in self.fills.values()]
+        return [self.page(bi, b, src_page)]
+
     def page(self, bi: int, b: Buf, src_page: int) -> np.ndarray:
         if not (self.mha and b.group == "kv"):
             return self.fills[src_rank(self.cfg, self.rank)][bi][src_page]
@@ -427,7 +435,8 @@ def check_bytes(bufs: list[Buf], cfg: dict[str, Any], reqs: list[dict[str, Any]]
                 list(zip(r["src"].get(b.group, []), r["dst"].get(b.group, [])))
             for s, d in pairs:
                 if ok:
-                    expect[d] = sources.page(bi, b, s)
+                    candidates = sources.pages(bi, b, s)
+                    expect[d] = next((c for c in candidates if np.array_equal(got[d], c)), candidates[0])
                 judged[d] = judged[d] or not ok
         mismatched = np.flatnonzero(np.any(got != expect, axis=1) & ~judged)
         dst_pages = {d for r in reqs for d in (r["dst"].get(b.group, []) if b.group != "aux" else [r["aux_dst"]])}

@@ -192,8 +192,11 @@ def test_sglang_nixl_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, dec
     """SGLang's own NIXL backend on the MHA cases where K and V share a head dim: its hetero-TP slice path
     (``_init_hetero_tp_prep_handle``, ``send_kvcache_slice``) puts every head in place. It refuses hetero-TP
     MHA into host memory outright, so here the pools are declared VRAM and the test's shim registers them
-    with NIXL as DRAM (tests/sglang_peer.py)."""
-    prefills, decodes = run_ranks("nixl", pool, prefill_tp=prefill_tp, decode_tp=decode_tp, deadline=8)
+    with NIXL as DRAM (tests/sglang_peer.py). It writes aux from every prefill rank of a pair (the same
+    bytes in real serving, not in these per-rank fills; which rank's lands varies run to run), so any
+    prefill rank's aux page is accepted here; kvferry's tests take it from ``replica_source`` only."""
+    prefills, decodes = run_ranks("nixl", pool, prefill_tp=prefill_tp, decode_tp=decode_tp, deadline=8,
+                                  aux_any_rank=True)
     for d in decodes:
         assert "refused" not in d and _ok(d) == N, (d["rank"], Counter(d["outcomes"].values()), d["errors"])
         assert_exact(d)
@@ -262,7 +265,8 @@ def _merge(prefills: list[dict[str, Any]], decodes: list[dict[str, Any]]) -> dic
              + (f" ({p['errors'][-1][:120]})" if p["errors"] and _ok(p) < N else "")
              for p in prefills if _ok(p) < N]
     return {"outcomes": {str(i): "ok" for i in range(ok)}, "check": check,
-            "mean_latency_s": max(d["mean_latency_s"] for d in decodes), "notes": stuck}
+            "mean_latency_s": max((d["mean_latency_s"] for d in decodes if d["mean_latency_s"] is not None),
+                                  default=None), "notes": stuck}
 
 
 def test_cross_tp_pairs_kvferry_refuses_say_why() -> None:
@@ -379,6 +383,10 @@ def test_kvargs_of_real_pools_keep_each_entry_slot_count() -> None:
     assert got["states"] == ["state0.swa", "state1.c128_state"]
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
 def test_zz_report(capsys: pytest.CaptureFixture[str]) -> None:
     """Prints the comparison table (time per request as decode sees it: send_metadata to Success)."""
     if not RESULTS:
@@ -387,6 +395,6 @@ def test_zz_report(capsys: pytest.CaptureFixture[str]) -> None:
         print("\nbackend  pool               requests ok  bytes checked  bad pages  mean s/request")
         for (backend, pool), d in sorted(RESULTS.items()):
             print(f"{backend:8} {pool:18} {_ok(d):>11}  {d['check']['bytes_checked']:>13}  "
-                  f"{d['check']['num_bad_pages']:>9}  {d['mean_latency_s']:.4f}")
+                  f"{d['check']['num_bad_pages']:>9}  {_seconds(d['mean_latency_s'])}")
             for note in d.get("notes", ()):
                 print(f"         ^ {note}")
