@@ -296,6 +296,25 @@ def test_cross_tp_pairs_kvferry_refuses_say_why() -> None:
     assert "sharding" in str(_parallel_refusal(prefill(2, enable_kv_cache_sharding=True), decode(2, True)))
 
 
+def test_mha_heads_come_from_kvargs_then_the_model_config() -> None:
+    """Where an MHA manager's per-rank KV heads come from: ``total_kv_head_num`` (SGLang's prefill), else
+    the model config; heads SGLang would replicate, or a pool sized for another count, are not cut by."""
+    from types import SimpleNamespace
+
+    from kvferry.errors import LayoutError
+    from kvferry.integrations.sglang.conn import _mha_heads
+
+    no_config = SimpleNamespace()   # ModelConfig.from_server_args cannot read this: heads unknown
+    assert _mha_heads(SimpleNamespace(total_kv_head_num=8, kv_head_num=4), no_config, 2) == (
+        4, "4 KV heads per rank (from kv_args.total_kv_head_num)")
+    heads, note = _mha_heads(SimpleNamespace(total_kv_head_num=2, kv_head_num=1), no_config, 4)
+    assert heads is None and "2 KV heads (from kv_args.total_kv_head_num) do not split evenly over attn TP 4" in note
+    heads, note = _mha_heads(SimpleNamespace(), no_config, 2)
+    assert heads is None and note.startswith("KV heads unknown (the model config did not load: ")
+    with pytest.raises(LayoutError, match="kv_head_num 2 .* != 8 KV heads"):
+        _mha_heads(SimpleNamespace(total_kv_head_num=8, kv_head_num=2), no_config, 2)
+
+
 def test_layout_mismatch_fails_the_request_not_the_bytes() -> None:
     """Prefill with fp8 index keys, decode with bf16 ones: kvferry's handshake refuses the pair with the
     difference spelled out, every request fails on decode with that reason (SGLang's KVTransferError),

@@ -29,7 +29,7 @@ from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_parallel
 
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
-from kvferry.errors import KVFerryError, UsageError
+from kvferry.errors import KVFerryError, LayoutError, UsageError
 from kvferry.integrations.sglang.layout import PoolNames, chunk_pages, kvargs_memory, rank_kv_heads, request_pages
 
 __all__ = ["KVFerryKVBootstrapServer", "KVFerryKVManager", "KVFerryKVReceiver", "KVFerryKVSender"]
@@ -79,6 +79,11 @@ def _mha_heads(args: KVArgs, server_args: Any, tp_size: int) -> tuple[int | None
     why, for refusals and logs."""
     total, source = _total_kv_heads(args, server_args)
     heads = rank_kv_heads(total, tp_size)
+    pool_heads = int(getattr(args, "kv_head_num", 0) or 0)
+    if heads is not None and pool_heads and pool_heads != heads:
+        # The pool was sized with another count than the one this rank would declare: neither is safe to cut by.
+        raise LayoutError(f"KVArgs kv_head_num {pool_heads} (the pool's KV heads on this rank) != {total} KV heads "
+                          f"(from {source}) over attn TP {tp_size}")
     if total is not None and heads is None:
         return None, (f"{total} KV heads (from {source}) do not split evenly over attn TP {tp_size}: "
                       f"SGLang replicates heads there, which kvferry does not model")
@@ -104,6 +109,9 @@ class KVFerryKVManager(CommonKVManager):
         # compares total heads and head bytes.
         tp_size = int(parallel.attn_tp_size)
         self.kv_heads, self.kv_heads_note = (None, "MLA") if is_mla_backend else _mha_heads(args, server_args, tp_size)
+        if not is_mla_backend:
+            logger.info("kvferry SGLang backend, attn TP rank %s of %s: %s", parallel.attn_tp_rank, tp_size,
+                        self.kv_heads_note)
         self.kvferry_memory, self.pool_names = kvargs_memory(
             args, device=device, device_id=device_id, tp_size=tp_size, tp_rank=int(parallel.attn_tp_rank),
             replicated=bool(is_mla_backend), kv_heads=self.kv_heads)
@@ -224,13 +232,13 @@ def _parallel_refusal(info: Any, mgr: KVFerryKVManager) -> str | None:
                 f"{info.attn_cp_size} (PP 1 and CP 1 only)")
     if getattr(info, "enable_kv_cache_sharding", False):
         return "kvferry's SGLang backend does not support prefill MLA KV cache sharding"
-    if ptp != dtp and not mgr.is_mla_backend and getattr(mgr, "kv_heads", None) is None:
+    if ptp != dtp and not mgr.is_mla_backend and mgr.kv_heads is None:
         # An MHA pool shards its KV heads over the ranks: with no head count for this decode rank there is
         # nothing to cut pages by, so only rank to rank (docs/sglang.md). With one, the handshake checks
         # prefill's against it.
         return (f"kvferry's SGLang backend moves non-MLA KV across attention TP sizes only when decode knows "
                 f"its KV heads: prefill attn TP {ptp}, decode attn TP {dtp}, decode "
-                f"{getattr(mgr, 'kv_heads_note', 'KV heads unknown')}")
+                f"{mgr.kv_heads_note}")
     if max(ptp, dtp) % min(ptp, dtp):
         return f"attention TP sizes must divide one another: prefill {ptp}, decode {dtp}"
     return None
