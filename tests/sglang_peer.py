@@ -13,8 +13,8 @@ Across TP sizes (``prefill_tp``/``decode_tp`` in the config) each attention-TP r
 own, told its rank through SGLang's parallel context, as SGLang's scheduler processes are. The MLA pools
 hold the same bytes on every rank in SGLang, but each prefill rank fills its pool from its own seed, so
 decode can tell which rank's bytes landed: exactly the one that should write it (``src_rank``), and none
-from a rank that must only report. The MHA pools (``mha``, and ``mha_v`` whose V head dim differs from
-K's) are SGLang's ``MHATokenToKVPool`` with each rank's share of ``MHA_KV_HEADS`` KV heads: decode checks
+from a rank that must only report. The MHA pools (``mha``; ``mha_v`` and ``mha_vw``, whose V head dim is narrower
+or wider than K's) are SGLang's ``MHATokenToKVPool`` with each rank's share of ``MHA_KV_HEADS`` KV heads: decode checks
 every token row of every KV page head by head against the prefill rank that holds that head.
 """
 
@@ -34,9 +34,10 @@ os.environ.setdefault("SGLANG_PLUGINS", "kvferry")
 
 AUX_SLOTS, AUX_ITEM = 96, 64
 DEADLINE = 90.0
-# The MHA model: KV heads over all ranks, K and V head dims (mha_v: V narrower than K), tokens per page.
+# The MHA model: KV heads over all ranks, K and V head dims (mha_v: V narrower than K, mha_vw: wider), tokens
+# per page.
 MHA_KV_HEADS, MHA_PAGE = 4, 16
-MHA_DIMS = {"mha": (32, 32), "mha_v": (32, 16)}
+MHA_DIMS = {"mha": (32, 32), "mha_v": (32, 16), "mha_vw": (16, 32)}
 
 
 def is_mha(kind: str) -> bool:
@@ -440,9 +441,10 @@ def check_bytes(bufs: list[Buf], cfg: dict[str, Any], reqs: list[dict[str, Any]]
                 judged[d] = judged[d] or not ok
         mismatched = np.flatnonzero(np.any(got != expect, axis=1) & ~judged)
         dst_pages = {d for r in reqs for d in (r["dst"].get(b.group, []) if b.group != "aux" else [r["aux_dst"]])}
-        for p in mismatched[:5]:
+        for p in mismatched:
             where = report["bad_pages"] if int(p) in dst_pages else report["touched_elsewhere"]
-            where.append({"buffer": bi, "group": b.group, "page": int(p), "item": b.item})
+            if len(where) < 5:
+                where.append({"buffer": bi, "group": b.group, "page": int(p), "item": b.item})
         report["num_bad_pages"] = report.get("num_bad_pages", 0) + int(sum(int(p) in dst_pages for p in mismatched))
         report["num_touched_elsewhere"] = report.get("num_touched_elsewhere", 0) + \
             int(sum(int(p) not in dst_pages for p in mismatched))

@@ -26,8 +26,10 @@ pytestmark = [pytest.mark.sglang, pytest.mark.nixl, pytest.mark.slow]
 POOLS = ["mla", "dsa_fp8", "dsa_bf16", "v4"]
 # (pool, prefill attention TP, decode attention TP): every rank a process of its own.
 HETERO_TP = [("mla", 2, 1), ("v4", 2, 1), ("dsa_bf16", 1, 2)]
-# MHA (SGLang's MHATokenToKVPool, 4 KV heads; mha_v: V head dim 16 beside K's 32) between attention TP sizes.
-MHA_TP = [("mha", 2, 1), ("mha", 1, 2), ("mha_v", 2, 1), ("mha_v", 1, 2), ("mha", 4, 2)]
+# MHA (SGLang's MHATokenToKVPool, 4 KV heads; mha_v: V head dim 16 beside K's 32, mha_vw: V 32 beside K's
+# 16) between attention TP sizes.
+MHA_TP = [("mha", 2, 1), ("mha", 1, 2), ("mha_v", 2, 1), ("mha_v", 1, 2), ("mha_vw", 2, 1), ("mha_vw", 1, 2),
+          ("mha", 4, 2)]
 N = 64
 RESULTS: dict[tuple[str, str], dict[str, Any]] = {}
 
@@ -218,6 +220,24 @@ def test_sglang_nixl_backend_mha_v_head_dim_differs(prefill_tp: int, decode_tp: 
     RESULTS["nixl", f"mha_v TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
 
 
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_sglang_nixl_backend_mha_v_wider_than_k_writes_wrong_bytes(prefill_tp: int, decode_tp: int) -> None:
+    """V's head dim (32) wider than K's (16): the same entry-0 arithmetic now fits inside the V
+    registrations, so NIXL takes it, and SGLang 0.5.23 reports every request Success on both sides while
+    every destination page of both V buffers holds wrong bytes (V rows cut and strided by K's item
+    length) and V pages outside the requests change: decode would run on that KV. K stays exact.
+    kvferry moves the same case exact (test_kvferry_backend_mha_across_tp_sizes, mha_vw). Asserted as
+    observed: this test fails the day that changes."""
+    prefills, decodes = run_ranks("nixl", "mha_vw", prefill_tp=prefill_tp, decode_tp=decode_tp, deadline=8,
+                                  aux_any_rank=True)
+    for d in decodes:
+        assert _ok(d) == N, (d["rank"], Counter(d["outcomes"].values()), d["errors"])
+        bad = d["check"]["bad_pages_by_buffer"]   # entries: K layer 0, K layer 1, V layer 0, V layer 1, aux
+        assert (bad["0"], bad["1"], bad["4"]) == (0, 0, 0) and bad["2"] == bad["3"] == 2 * N, bad
+        assert d["check"]["num_touched_elsewhere"] > 0, d["check"]
+    RESULTS["nixl", f"mha_vw TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
+
+
 @pytest.mark.parametrize(("tp", "decode_heads"), [(1, "model config"), (2, "kv_args")])
 def test_kvferry_backend_mha_equal_tp(tp: int, decode_heads: str) -> None:
     """Equal TP sizes, decode's heads from its model config or from its KVArgs (SGLang's staging case):
@@ -259,11 +279,14 @@ def test_mha_decode_heads_disagreeing_with_prefill_fail_the_request(decode_cfg: 
 def _merge(prefills: list[dict[str, Any]], decodes: list[dict[str, Any]]) -> dict[str, Any]:
     """One row of the report for a cross-TP case: every decode rank's checks summed, and how many
     requests each prefill rank concluded Success (a dummy rank's that never did are named)."""
-    check = {k: sum(d["check"][k] for d in decodes) for k in ("bytes_checked", "num_bad_pages")}
+    check = {k: sum(d["check"][k] for d in decodes) for k in ("bytes_checked", "num_bad_pages",
+                                                               "num_touched_elsewhere")}
     ok = min(_ok(d) for d in decodes)
     stuck = [f"prefill rank {p['rank']}: {_ok(p)}/{N} concluded Success"
              + (f" ({p['errors'][-1][:120]})" if p["errors"] and _ok(p) < N else "")
              for p in prefills if _ok(p) < N]
+    if check["num_touched_elsewhere"]:
+        stuck.append(f"decode: {check['num_touched_elsewhere']} pages outside the requests' changed")
     return {"outcomes": {str(i): "ok" for i in range(ok)}, "check": check,
             "mean_latency_s": max((d["mean_latency_s"] for d in decodes if d["mean_latency_s"] is not None),
                                   default=None), "notes": stuck}
