@@ -189,7 +189,7 @@ def test_kvferry_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_
     RESULTS["kvferry", f"{pool} TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
 
 
-@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), [("mha", 2, 1), ("mha", 1, 2)])
+@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), [("mha", 2, 1), ("mha", 1, 2), ("mha", 4, 2)])
 def test_sglang_nixl_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:
     """SGLang's own NIXL backend on the MHA cases where K and V share a head dim: its hetero-TP slice path
     (``_init_hetero_tp_prep_handle``, ``send_kvcache_slice``) puts every head in place. It refuses hetero-TP
