@@ -10,10 +10,12 @@ bootstrap server. Prints one JSON line with the outcome; decode's line includes 
 buffer.
 
 Across TP sizes (``prefill_tp``/``decode_tp`` in the config) each attention-TP rank is a process of its
-own, told its rank through SGLang's parallel context, as SGLang's scheduler processes are. Every pool here
-is MLA (the same bytes on every rank in SGLang), but each prefill rank fills its pool from its own seed, so
+own, told its rank through SGLang's parallel context, as SGLang's scheduler processes are. The MLA pools
+hold the same bytes on every rank in SGLang, but each prefill rank fills its pool from its own seed, so
 decode can tell which rank's bytes landed: exactly the one that should write it (``src_rank``), and none
-from a rank that must only report.
+from a rank that must only report. The MHA pools (``mha``; ``mha_v`` and ``mha_vw``, whose V head dim is narrower
+or wider than K's) are SGLang's ``MHATokenToKVPool`` with each rank's share of ``MHA_KV_HEADS`` KV heads: decode checks
+every token row of every KV page head by head against the prefill rank that holds that head.
 """
 
 from __future__ import annotations
@@ -32,14 +34,43 @@ os.environ.setdefault("SGLANG_PLUGINS", "kvferry")
 
 AUX_SLOTS, AUX_ITEM = 96, 64
 DEADLINE = 90.0
+# The MHA model: KV heads over all ranks, K and V head dims (mha_v: V narrower than K, mha_vw: wider), tokens
+# per page.
+MHA_KV_HEADS, MHA_PAGE = 4, 16
+MHA_DIMS = {"mha": (32, 32), "mha_v": (32, 16), "mha_vw": (16, 32)}
 
 
-def setup_context(cfg: dict[str, Any], tp_size: int = 1, tp_rank: int = 0) -> None:
+def is_mha(kind: str) -> bool:
+    return kind in MHA_DIMS
+
+
+def model_dir(cfg: dict[str, Any], role: str) -> str:
+    """A Hugging Face config for the MHA model (what SGLang's ``ModelConfig`` reads for ``model_path``), in
+    a directory of its own; ``{role}_config_heads`` makes that side's config claim another head count."""
+    import tempfile
+
+    heads = cfg.get(f"{role}_config_heads", MHA_KV_HEADS)
+    path = tempfile.mkdtemp(prefix=f"kvferry-model-{role}-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+                   "num_attention_heads": 8, "num_key_value_heads": heads, "head_dim": 32,
+                   "num_hidden_layers": 2, "intermediate_size": 512, "vocab_size": 1000,
+                   "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}, f)
+    return path
+
+
+def setup_context(cfg: dict[str, Any], tp_size: int = 1, tp_rank: int = 0, role: str = "prefill") -> None:
     from sglang.srt.runtime_context import get_context, get_parallel
 
+    # An MHA decode learns its KV heads from its model config unless the config says otherwise
+    # (``{role}_model_config`` False: a path with no config, read offline).
+    model = {}
+    if is_mha(cfg.get("pool", "")):
+        has_config = cfg.get(f"{role}_model_config", True)
+        model = {"model_path": model_dir(cfg, role) if has_config else "/nonexistent/kvferry-model"}
     get_context().override_server_args(
         device="cpu", tp_size=tp_size, pp_size=1, dp_size=1, disaggregation_transfer_backend=cfg["backend"],
-        disaggregation_bootstrap_port=cfg["port"], host="127.0.0.1").install()
+        disaggregation_bootstrap_port=cfg["port"], host="127.0.0.1", **model).install()
     get_parallel().override_permanently(tp_rank=tp_rank, attn_tp_rank=tp_rank, attn_cp_rank=0, attn_dcp_rank=0,
                                         attn_dp_rank=0, pp_group=None, attn_dcp_size=1)
 
@@ -58,12 +89,19 @@ def fill_seed(cfg: dict[str, Any], role: str, rank: int) -> int:
     return cfg["seed"] + 1000 * rank + (0 if role == "prefill" else 1)
 
 
-def build_pool(kind: str) -> Any:
+def build_pool(kind: str, tp_size: int = 1) -> Any:
     import torch
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
     from sglang.srt.mem_cache.index_key_cache import IndexKeyCache
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
 
+    if is_mha(kind):
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+        head_dim, v_head_dim = MHA_DIMS[kind]
+        return MHATokenToKVPool(size=2048, page_size=MHA_PAGE, dtype=torch.bfloat16,
+                                head_num=MHA_KV_HEADS // tp_size, head_dim=head_dim, v_head_dim=v_head_dim,
+                                layer_num=2, device="cpu", enable_memory_saver=False)
     if kind == "mla":
         return MLATokenToKVPool(size=8192, page_size=64, dtype=torch.bfloat16, kv_lora_rank=64,
                                 qk_rope_head_dim=16, layer_num=2, device="cpu", enable_memory_saver=False)
@@ -93,7 +131,7 @@ def build_pool(kind: str) -> Any:
     raise ValueError(kind)
 
 
-def build_kv_args(pool: Any, aux: Any, rank: int = 0) -> Any:
+def build_kv_args(pool: Any, aux: Any, rank: int = 0, heads: bool = False) -> Any:
     from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos, setup_state_kv_args
 
@@ -110,6 +148,8 @@ def build_kv_args(pool: Any, aux: Any, rank: int = 0) -> Any:
     args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [aux.data_ptr()], [aux.nbytes], [AUX_ITEM]
     args.ib_device, args.gpu_id = None, 0
     args.kv_data_mem_kinds = ["DRAM"] * len(args.kv_data_ptrs)
+    if heads:  # what SGLang's prefill sets for a non-MLA pool (its decode: only with hetero-TP staging)
+        args.kv_head_num, args.total_kv_head_num = pool.head_num, MHA_KV_HEADS
     setup_state_kv_args(args, pool)
     return args
 
@@ -212,7 +252,8 @@ def make_manager(cfg: dict[str, Any], role: str, args: Any) -> tuple[Any, Any]:
     if role == "prefill" and cfg.get("rank", 0) == 0:
         server = dutils.get_kv_class(backend, dutils.KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", cfg["port"])
         _wait_listening(cfg["port"])
-    mgr = dutils.get_kv_class(backend, dutils.KVClassType.MANAGER)(args, mode, get_context().server_args, True)
+    is_mla = not is_mha(cfg.get(f"{role}_pool", cfg["pool"]))
+    mgr = dutils.get_kv_class(backend, dutils.KVClassType.MANAGER)(args, mode, get_context().server_args, is_mla)
     return mgr, server
 
 
@@ -325,16 +366,65 @@ def run_decode(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, An
             "mean_latency_s": float(np.mean(list(latency.values()))) if latency else None}
 
 
+def _fills(shapes: list[Buf], seed: int) -> list[np.ndarray]:
+    """What ``fill`` wrote into buffers of these shapes from ``seed``, regenerated."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=(b.nbytes // b.item, b.item), dtype=np.uint8) for b in shapes]
+
+
+def _prefill_shapes(cfg: dict[str, Any], bufs: list[Buf]) -> list[Buf]:
+    """The buffers of a prefill rank: decode's own shapes, except an MHA pool's, which hold a prefill
+    rank's share of the heads (rebuilt here from SGLang's pool at prefill's TP size)."""
+    kind = cfg.get("prefill_pool", cfg["pool"])
+    if not is_mha(kind):
+        return [Buf(b.group, 0, b.nbytes, b.item) for b in bufs]
+    import torch
+
+    aux = torch.zeros(AUX_SLOTS, AUX_ITEM, dtype=torch.uint8)
+    args = build_kv_args(build_pool(kind, tp_of(cfg, "prefill")), aux)
+    return [Buf(b.group, 0, b.nbytes, b.item) for b in buffers(args)]
+
+
+class Sources:
+    """The bytes each destination page of a decode rank must hold, from the prefill ranks' seeded fills:
+    whole pages from ``src_rank`` (MLA pools, aux, state), and for an MHA pool's KV entries every token
+    row assembled head by head from the prefill rank that holds each head."""
+
+    def __init__(self, cfg: dict[str, Any], bufs: list[Buf], rank: int) -> None:
+        self.cfg, self.rank, self.mha = cfg, rank, is_mha(cfg.get("prefill_pool", cfg["pool"]))
+        shapes = _prefill_shapes(cfg, bufs)
+        ranks = range(tp_of(cfg, "prefill")) if self.mha else [src_rank(cfg, rank)]
+        self.fills = {r: _fills(shapes, fill_seed(cfg, "prefill", r)) for r in ranks}
+
+    def pages(self, bi: int, b: Buf, src_page: int) -> list[np.ndarray]:
+        """What the page may hold: one candidate, or (``aux_any_rank``: SGLang's nixl writes aux from every
+        prefill rank of an MHA pair, whose aux is identical in real serving but not in these per-rank
+        fills) any prefill rank's aux page."""
+        if self.mha and b.group == "aux" and self.cfg.get("aux_any_rank"):
+            return [fills[bi][src_page] for fills in self.fills.values()]
+        return [self.page(bi, b, src_page)]
+
+    def page(self, bi: int, b: Buf, src_page: int) -> np.ndarray:
+        if not (self.mha and b.group == "kv"):
+            return self.fills[src_rank(self.cfg, self.rank)][bi][src_page]
+        dst_heads = MHA_KV_HEADS // tp_of(self.cfg, "decode")
+        src_heads = MHA_KV_HEADS // tp_of(self.cfg, "prefill")
+        head_bytes = b.item // MHA_PAGE // dst_heads
+        rows = np.empty((MHA_PAGE, dst_heads, head_bytes), dtype=np.uint8)
+        for j in range(dst_heads):
+            g = self.rank * dst_heads + j   # the model-wide head: prefill rank g // src_heads holds it
+            src = self.fills[g // src_heads][bi][src_page].reshape(MHA_PAGE, src_heads, head_bytes)
+            rows[:, j] = src[:, g % src_heads]
+        return rows.reshape(-1)
+
+
 def check_bytes(bufs: list[Buf], cfg: dict[str, Any], reqs: list[dict[str, Any]],
                 outcomes: dict[str, str], rank: int = 0) -> dict[str, Any]:
-    """Every destination page of every buffer against its source page (regenerated from the seed of the
-    prefill rank that must write this decode rank), every other page against decode's own fill. Pages of
-    failed requests are not judged."""
-    src_bufs = [Buf(b.group, 0, b.nbytes, b.item) for b in bufs]
-    rng = np.random.default_rng(fill_seed(cfg, "prefill", src_rank(cfg, rank)))
-    src = [rng.integers(0, 256, size=(b.nbytes // b.item, b.item), dtype=np.uint8) for b in src_bufs]
-    rng = np.random.default_rng(fill_seed(cfg, "decode", rank))
-    before = [rng.integers(0, 256, size=(b.nbytes // b.item, b.item), dtype=np.uint8) for b in bufs]
+    """Every destination page of every buffer against what it must hold (``Sources``: regenerated from the
+    seeds of the prefill ranks that must write this decode rank), every other page against decode's own
+    fill. Pages of failed requests are not judged."""
+    sources = Sources(cfg, bufs, rank)
+    before = _fills(bufs, fill_seed(cfg, "decode", rank))
     report: dict[str, Any] = {"pages_checked": 0, "bytes_checked": 0, "bad_pages": [], "touched_elsewhere": []}
     for bi, b in enumerate(bufs):
         got = b.view()
@@ -346,16 +436,19 @@ def check_bytes(bufs: list[Buf], cfg: dict[str, Any], reqs: list[dict[str, Any]]
                 list(zip(r["src"].get(b.group, []), r["dst"].get(b.group, [])))
             for s, d in pairs:
                 if ok:
-                    expect[d] = src[bi][s]
+                    candidates = sources.pages(bi, b, s)
+                    expect[d] = next((c for c in candidates if np.array_equal(got[d], c)), candidates[0])
                 judged[d] = judged[d] or not ok
         mismatched = np.flatnonzero(np.any(got != expect, axis=1) & ~judged)
         dst_pages = {d for r in reqs for d in (r["dst"].get(b.group, []) if b.group != "aux" else [r["aux_dst"]])}
-        for p in mismatched[:5]:
+        for p in mismatched:
             where = report["bad_pages"] if int(p) in dst_pages else report["touched_elsewhere"]
-            where.append({"buffer": bi, "group": b.group, "page": int(p), "item": b.item})
+            if len(where) < 5:
+                where.append({"buffer": bi, "group": b.group, "page": int(p), "item": b.item})
         report["num_bad_pages"] = report.get("num_bad_pages", 0) + int(sum(int(p) in dst_pages for p in mismatched))
         report["num_touched_elsewhere"] = report.get("num_touched_elsewhere", 0) + \
             int(sum(int(p) not in dst_pages for p in mismatched))
+        report.setdefault("bad_pages_by_buffer", {})[str(bi)] = int(sum(int(p) in dst_pages for p in mismatched))
         report["pages_checked"] += len(got)
         report["bytes_checked"] += got.size
     return report
@@ -430,10 +523,16 @@ def main() -> None:
     cfg["rank"] = rank
     import torch
 
-    setup_context(cfg, tp_of(cfg, role), rank)
-    pool = build_pool(cfg.get(f"{role}_pool", cfg["pool"]))
+    setup_context(cfg, tp_of(cfg, role), rank, role)
+    kind = cfg.get(f"{role}_pool", cfg["pool"])
+    pool = build_pool(kind, tp_of(cfg, role))
     aux = torch.zeros(AUX_SLOTS, AUX_ITEM, dtype=torch.uint8)
-    args = build_kv_args(pool, aux, rank)
+    heads = is_mha(kind) and (role == "prefill" or cfg.get("decode_kv_heads", False))
+    args = build_kv_args(pool, aux, rank, heads)
+    if cfg["backend"] == "nixl" and is_mha(kind) and cfg.get("host_shim", True):
+        # SGLang's nixl refuses hetero-TP MHA into non-VRAM destinations outright; declared VRAM, its slice
+        # arithmetic runs, and the shim (host_memory_shim) registers the host memory with NIXL as DRAM.
+        args.kv_data_mem_kinds = ["VRAM"] * len(args.kv_data_ptrs)
     bufs = buffers(args)
     fill(bufs, fill_seed(cfg, role, rank))
     reqs = requests(capacities(bufs), cfg["n"], cfg["seed"] + 7, cfg.get("pages_per_req", 2))

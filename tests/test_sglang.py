@@ -26,6 +26,10 @@ pytestmark = [pytest.mark.sglang, pytest.mark.nixl, pytest.mark.slow]
 POOLS = ["mla", "dsa_fp8", "dsa_bf16", "v4"]
 # (pool, prefill attention TP, decode attention TP): every rank a process of its own.
 HETERO_TP = [("mla", 2, 1), ("v4", 2, 1), ("dsa_bf16", 1, 2)]
+# MHA (SGLang's MHATokenToKVPool, 4 KV heads; mha_v: V head dim 16 beside K's 32, mha_vw: V 32 beside K's
+# 16) between attention TP sizes.
+MHA_TP = [("mha", 2, 1), ("mha", 1, 2), ("mha_v", 2, 1), ("mha_v", 1, 2), ("mha_vw", 2, 1), ("mha_vw", 1, 2),
+          ("mha", 4, 2)]
 N = 64
 RESULTS: dict[tuple[str, str], dict[str, Any]] = {}
 
@@ -98,6 +102,12 @@ def _ok(report: dict[str, Any]) -> int:
     return sum(v == "ok" for v in report["outcomes"].values())
 
 
+def assert_untouched(decode: dict[str, Any]) -> None:
+    """Nothing concluded, and not one byte of decode's memory changed."""
+    check = decode["check"]
+    assert check["num_bad_pages"] == 0 and check["num_touched_elsewhere"] == 0, check
+
+
 def assert_exact(decode: dict[str, Any]) -> None:
     check = decode["check"]
     assert check["bytes_checked"] > 0 and check["pages_checked"] == sum(decode["slots"])
@@ -162,16 +172,124 @@ def test_sglang_nixl_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_
     RESULTS["nixl", f"{pool} TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
 
 
+@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), MHA_TP)
+def test_kvferry_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:
+    """SGLang's MHATokenToKVPool (4 KV heads, token-major ``[slot, head, dim]``) between attention TP sizes,
+    a process per rank. Prefill's KVArgs carry its heads (as SGLang's prefill sets them); decode's do not
+    (SGLang sets them only with hetero-TP staging), so decode reads its model config. Each prefill rank
+    filled its pool from its own seed: decode checks every token row of every KV page head by head against
+    the prefill rank holding that head, K and V each by its own head dim (mha_v: V 16 wide, K 32), aux from
+    one rank, every other page untouched."""
+    prefills, decodes = run_ranks("kvferry", pool, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    for p in prefills:
+        assert "refused" not in p and _ok(p) == N, (p["rank"], Counter(p["outcomes"].values()), p["errors"])
+    for d in decodes:
+        assert "refused" not in d and _ok(d) == N, (d["rank"], Counter(d["outcomes"].values()), d["errors"])
+        assert_exact(d)
+    RESULTS["kvferry", f"{pool} TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
+
+
+@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), [("mha", 2, 1), ("mha", 1, 2), ("mha", 4, 2)])
+def test_sglang_nixl_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:
+    """SGLang's own NIXL backend on the MHA cases where K and V share a head dim: its hetero-TP slice path
+    (``_init_hetero_tp_prep_handle``, ``send_kvcache_slice``) puts every head in place. It refuses hetero-TP
+    MHA into host memory outright, so here the pools are declared VRAM and the test's shim registers them
+    with NIXL as DRAM (tests/sglang_peer.py). It writes aux from every prefill rank of a pair (the same
+    bytes in real serving, not in these per-rank fills; which rank's lands varies run to run), so any
+    prefill rank's aux page is accepted here; kvferry's tests take it from ``replica_source`` only."""
+    prefills, decodes = run_ranks("nixl", pool, prefill_tp=prefill_tp, decode_tp=decode_tp, deadline=8,
+                                  aux_any_rank=True)
+    for d in decodes:
+        assert "refused" not in d and _ok(d) == N, (d["rank"], Counter(d["outcomes"].values()), d["errors"])
+        assert_exact(d)
+    RESULTS["nixl", f"{pool} TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_sglang_nixl_backend_mha_v_head_dim_differs(prefill_tp: int, decode_tp: int) -> None:
+    """The same with V's head dim (16) narrower than K's (32): SGLang 0.5.23 sizes every region of its
+    hetero-TP source descriptor list from entry 0 (``kv_item_lens[0]``, ``kv_data_lens[0] // item``: a K
+    buffer), so the V regions run past their registration; NIXL refuses the list (NIXL_ERR_NOT_FOUND) in
+    the prefill bootstrap thread, which dies, and no request concludes (SGLang would time them out in
+    KVPoll.Bootstrapping). No byte lands. Asserted as observed: this test fails the day that changes."""
+    prefills, decodes = run_ranks("nixl", "mha_v", prefill_tp=prefill_tp, decode_tp=decode_tp, deadline=6)
+    assert all(_ok(d) == 0 for d in decodes), [Counter(d["outcomes"].values()) for d in decodes]
+    assert any("NIXL_ERR_NOT_FOUND" in e for p in prefills for e in p["errors"]), [p["errors"] for p in prefills]
+    for d in decodes:
+        assert_untouched(d)
+    RESULTS["nixl", f"mha_v TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_sglang_nixl_backend_mha_v_wider_than_k_writes_wrong_bytes(prefill_tp: int, decode_tp: int) -> None:
+    """V's head dim (32) wider than K's (16): the same entry-0 arithmetic now fits inside the V
+    registrations, so NIXL takes it, and SGLang 0.5.23 reports every request Success on both sides while
+    every destination page of both V buffers holds wrong bytes (V rows cut and strided by K's item
+    length) and V pages outside the requests change: decode would run on that KV. K stays exact.
+    kvferry moves the same case exact (test_kvferry_backend_mha_across_tp_sizes, mha_vw). Asserted as
+    observed: this test fails the day that changes."""
+    prefills, decodes = run_ranks("nixl", "mha_vw", prefill_tp=prefill_tp, decode_tp=decode_tp, deadline=8,
+                                  aux_any_rank=True)
+    for d in decodes:
+        assert _ok(d) == N, (d["rank"], Counter(d["outcomes"].values()), d["errors"])
+        bad = d["check"]["bad_pages_by_buffer"]   # entries: K layer 0, K layer 1, V layer 0, V layer 1, aux
+        assert (bad["0"], bad["1"], bad["4"]) == (0, 0, 0) and bad["2"] == bad["3"] == 2 * N, bad
+        assert d["check"]["num_touched_elsewhere"] > 0, d["check"]
+    RESULTS["nixl", f"mha_vw TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
+
+
+@pytest.mark.parametrize(("tp", "decode_heads"), [(1, "model config"), (2, "kv_args")])
+def test_kvferry_backend_mha_equal_tp(tp: int, decode_heads: str) -> None:
+    """Equal TP sizes, decode's heads from its model config or from its KVArgs (SGLang's staging case):
+    both sides declare the same head geometry, and pages move rank to rank, exact."""
+    prefills, decodes = run_ranks("kvferry", "mha_v", prefill_tp=tp, decode_tp=tp,
+                                  decode_kv_heads=decode_heads == "kv_args")
+    for p, d in zip(prefills, decodes):
+        assert _ok(p) == N and _ok(d) == N, (Counter(d["outcomes"].values()), d["errors"])
+        assert_exact(d)
+
+
+_HANDSHAKE = "kvferry handshake with prefill failed"
+
+
+@pytest.mark.parametrize(("decode_cfg", "prefill_tp", "wanted"), [
+    ({"decode_config_heads": 8}, 2, [_HANDSHAKE, "buffer 'kv.0'", "head_bytes differs: local 64, remote 32",
+                                     "decode: 8 KV heads per rank (from the model config)"]),
+    ({"decode_config_heads": 2}, 2, [_HANDSHAKE, "buffer 'kv.0'", "head_bytes differs: local 64, remote 128"]),
+    ({"decode_model_config": False}, 1, [_HANDSHAKE, "buffer 'kv.0'", "heads differs", "KV heads unknown"]),
+    ({"decode_model_config": False}, 2, ["only when decode knows its KV heads", "KV heads unknown"])],
+    ids=["config-8-heads", "config-2-heads", "no-config-equal-tp", "no-config-across-tp"])
+def test_mha_decode_heads_disagreeing_with_prefill_fail_the_request(decode_cfg: dict[str, Any], prefill_tp: int,
+                                                                    wanted: list[str]) -> None:
+    """Decode's head count is derived, so it is checked, not trusted: a decode whose model config claims
+    8 (or 2) KV heads while prefill's pool holds 4 is refused at the handshake (prefill TP 2 -> decode TP
+    1), naming the buffer, the difference and where decode's count came from. A decode that cannot learn
+    its heads at all is refused too: at equal TP by the handshake (prefill declares heads, decode none),
+    across TP sizes before it (nothing to cut pages by). Every request fails; no byte of decode's memory
+    changes."""
+    prefills, decodes = run_ranks("kvferry", "mha", prefill_tp=prefill_tp, n=8, **decode_cfg,
+                                  env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "3", "HF_HUB_OFFLINE": "1"})
+    (decode,) = decodes
+    reasons = set(decode["outcomes"].values())
+    assert len(decode["outcomes"]) == 8 and _ok(decode) == 0 and all(_ok(p) == 0 for p in prefills), reasons
+    assert all(all(w in r for w in wanted) for r in reasons), reasons
+    assert_untouched(decode)
+
+
 def _merge(prefills: list[dict[str, Any]], decodes: list[dict[str, Any]]) -> dict[str, Any]:
     """One row of the report for a cross-TP case: every decode rank's checks summed, and how many
     requests each prefill rank concluded Success (a dummy rank's that never did are named)."""
-    check = {k: sum(d["check"][k] for d in decodes) for k in ("bytes_checked", "num_bad_pages")}
+    check = {k: sum(d["check"][k] for d in decodes) for k in ("bytes_checked", "num_bad_pages",
+                                                               "num_touched_elsewhere")}
     ok = min(_ok(d) for d in decodes)
     stuck = [f"prefill rank {p['rank']}: {_ok(p)}/{N} concluded Success"
              + (f" ({p['errors'][-1][:120]})" if p["errors"] and _ok(p) < N else "")
              for p in prefills if _ok(p) < N]
+    if check["num_touched_elsewhere"]:
+        stuck.append(f"decode: {check['num_touched_elsewhere']} pages outside the requests' changed")
     return {"outcomes": {str(i): "ok" for i in range(ok)}, "check": check,
-            "mean_latency_s": max(d["mean_latency_s"] for d in decodes), "notes": stuck}
+            "mean_latency_s": max((d["mean_latency_s"] for d in decodes if d["mean_latency_s"] is not None),
+                                  default=None), "notes": stuck}
 
 
 def test_cross_tp_pairs_kvferry_refuses_say_why() -> None:
@@ -185,18 +303,39 @@ def test_cross_tp_pairs_kvferry_refuses_say_why() -> None:
         return SimpleNamespace(**{"attn_tp_size": tp, "pp_size": 1, "attn_cp_size": 1,
                                   "enable_kv_cache_sharding": False, **kw})
 
-    def decode(tp: int, mla: bool) -> Any:
-        return SimpleNamespace(attn_tp_size=tp, is_mla_backend=mla)
+    def decode(tp: int, mla: bool, heads: int | None = None) -> Any:
+        return SimpleNamespace(attn_tp_size=tp, is_mla_backend=mla, kv_heads=heads,
+                               kv_heads_note="KV heads unknown (no model config)")
 
     assert _parallel_refusal(prefill(2), decode(1, True)) is None
     assert _parallel_refusal(prefill(1), decode(4, True)) is None
     assert _parallel_refusal(prefill(2), decode(2, False)) is None
+    assert _parallel_refusal(prefill(2), decode(1, False, heads=4)) is None   # the handshake checks prefill's
     assert _parallel_refusal(prefill(2), decode(1, False)) == (
-        "kvferry's SGLang backend moves non-MLA KV between equal attention TP sizes only: prefill attn TP 2, "
-        "decode attn TP 1")
+        "kvferry's SGLang backend moves non-MLA KV across attention TP sizes only when decode knows its KV "
+        "heads: prefill attn TP 2, decode attn TP 1, decode KV heads unknown (no model config)")
     assert "must divide" in str(_parallel_refusal(prefill(2), decode(3, True)))
     assert "PP 2" in str(_parallel_refusal(prefill(2, pp_size=2), decode(2, True)))
     assert "sharding" in str(_parallel_refusal(prefill(2, enable_kv_cache_sharding=True), decode(2, True)))
+
+
+def test_mha_heads_come_from_kvargs_then_the_model_config() -> None:
+    """Where an MHA manager's per-rank KV heads come from: ``total_kv_head_num`` (SGLang's prefill), else
+    the model config; heads SGLang would replicate, or a pool sized for another count, are not cut by."""
+    from types import SimpleNamespace
+
+    from kvferry.errors import LayoutError
+    from kvferry.integrations.sglang.conn import _mha_heads
+
+    no_config = SimpleNamespace()   # ModelConfig.from_server_args cannot read this: heads unknown
+    assert _mha_heads(SimpleNamespace(total_kv_head_num=8, kv_head_num=4), no_config, 2) == (
+        4, "4 KV heads per rank (from kv_args.total_kv_head_num)")
+    heads, note = _mha_heads(SimpleNamespace(total_kv_head_num=2, kv_head_num=1), no_config, 4)
+    assert heads is None and "2 KV heads (from kv_args.total_kv_head_num) do not split evenly over attn TP 4" in note
+    heads, note = _mha_heads(SimpleNamespace(), no_config, 2)
+    assert heads is None and note.startswith("KV heads unknown (the model config did not load: ")
+    with pytest.raises(LayoutError, match="kv_head_num 2 .* != 8 KV heads"):
+        _mha_heads(SimpleNamespace(total_kv_head_num=8, kv_head_num=2), no_config, 2)
 
 
 def test_layout_mismatch_fails_the_request_not_the_bytes() -> None:
@@ -286,6 +425,10 @@ def test_kvargs_of_real_pools_keep_each_entry_slot_count() -> None:
     assert got["states"] == ["state0.swa", "state1.c128_state"]
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
 def test_zz_report(capsys: pytest.CaptureFixture[str]) -> None:
     """Prints the comparison table (time per request as decode sees it: send_metadata to Success)."""
     if not RESULTS:
@@ -294,6 +437,6 @@ def test_zz_report(capsys: pytest.CaptureFixture[str]) -> None:
         print("\nbackend  pool               requests ok  bytes checked  bad pages  mean s/request")
         for (backend, pool), d in sorted(RESULTS.items()):
             print(f"{backend:8} {pool:18} {_ok(d):>11}  {d['check']['bytes_checked']:>13}  "
-                  f"{d['check']['num_bad_pages']:>9}  {d['mean_latency_s']:.4f}")
+                  f"{d['check']['num_bad_pages']:>9}  {_seconds(d['mean_latency_s'])}")
             for note in d.get("notes", ()):
                 print(f"         ^ {note}")

@@ -128,8 +128,8 @@ def test_mla_ranks_are_replicated_and_pair_across_tp_sizes() -> None:
 
 
 def test_non_mla_buffers_stay_between_equal_tp_sizes() -> None:
-    """Without head geometry (an MHA pool, whose heads the adapter does not describe yet) kvferry refuses
-    to pair different TP sizes, naming the buffer."""
+    """Without head geometry (an MHA pool whose rank does not know its KV heads) kvferry refuses to pair
+    different TP sizes, naming the buffer."""
     from kvferry.layout.compare import model_difference
 
     src_args, _ = _seed_case()
@@ -154,3 +154,61 @@ def test_head_sharded_state_stays_rank_to_rank_on_mla() -> None:
     assert src.layout.buffer("state0.mamba.0").heads is None
     assert "buffer 'state0.mamba.0': tp_size (the buffer has no head geometry" in str(
         model_difference(src.layout, dst.layout))
+
+
+def _mha_args(heads: int, k_dim: int = 32, v_dim: int = 16, drafts: int = 0) -> SimpleNamespace:
+    """SGLang's MHATokenToKVPool as KVArgs: K of 2 layers, V of 2 layers (bf16, 16 tokens a page, ``heads``
+    KV heads on this rank), then ``drafts`` draft entries, and one aux buffer."""
+    page = 16
+    kv = [np.zeros((9, page * heads * d * 2), np.uint8) for d in (k_dim, k_dim, v_dim, v_dim)]
+    kv += [np.zeros((9, page * 2 * 64), np.uint8) for _ in range(drafts)]
+    args = _kvargs({"kv": kv, "aux": [np.zeros((8, 64), np.uint8)]}, [])
+    args.page_size, args.num_draft_entries, args.kv_layer_ids = page, drafts, []
+    return args
+
+
+def test_mha_heads_cut_k_and_v_each_by_its_own_head_bytes() -> None:
+    """An MHA rank that knows its KV heads declares token-major head rows on the target model's entries,
+    each with its own head bytes (K 64 B, V 32 B a head here), aux a replicated whole page, draft entries
+    nothing; prefill TP 2 and decode TP 1 of one model are then one model to the TP planner, and each
+    prefill rank writes its half of every token row of K and V."""
+    from kvferry.layout.compare import model_difference
+    from kvferry.plan.tp import TPPlanner
+
+    ranks = [kvargs_memory(_mha_args(2), tp_size=2, tp_rank=r, kv_heads=2)[0] for r in range(2)]
+    dst, _ = kvargs_memory(_mha_args(4), kv_heads=4)
+    heads = [b.heads for b in ranks[1].layout.pool("kv").buffers]
+    assert [(h.num_heads, h.head_bytes, h.tokens_per_page, h.major) for h in heads] == \
+        [(2, 64, 16, "token")] * 2 + [(2, 32, 16, "token")] * 2
+    assert ranks[1].layout.buffer("aux.0").heads.replicated
+    assert model_difference(ranks[0].layout, dst.layout) is None
+    rank1 = TPPlanner(ranks[1], dst).slices
+    assert (rank1["kv.0"].nbytes, rank1["kv.0"].dst_offset, rank1["kv.2"].nbytes, rank1["kv.2"].dst_offset) == \
+        (128, 128, 64, 64)
+    assert "aux.0" not in rank1   # replicated: from replica_source (rank 0) only
+
+
+def test_mha_head_counts_that_disagree_are_refused_naming_the_buffer() -> None:
+    """A decode claiming another head count than prefill's (a wrong model config) cuts its pages into other
+    head bytes: the model comparison names the buffer and both values."""
+    from kvferry.layout.compare import model_difference
+
+    src, _ = kvargs_memory(_mha_args(2), tp_size=2, tp_rank=0, kv_heads=2)
+    dst, _ = kvargs_memory(_mha_args(4), kv_heads=8)
+    assert "buffer 'kv.0': head_bytes differs: local 64, remote 32" in str(model_difference(src.layout, dst.layout))
+
+
+def test_mha_draft_entries_and_uneven_heads_get_no_geometry() -> None:
+    """Draft entries (another model, its heads unknown here) move rank to rank only, so a cross-TP pair with
+    them is refused naming the draft buffer; heads that do not split evenly over the ranks (SGLang
+    replicates them) give no per-rank count at all."""
+    from kvferry.integrations.sglang.layout import rank_kv_heads
+    from kvferry.layout.compare import model_difference
+
+    src, _ = kvargs_memory(_mha_args(2, drafts=2), tp_size=2, tp_rank=0, kv_heads=2)
+    dst, _ = kvargs_memory(_mha_args(4, drafts=2), kv_heads=4)
+    assert src.layout.buffer("kv.4").heads is None and src.layout.buffer("kv.3").heads is not None
+    assert "buffer 'kv.4': tp_size (the buffer has no head geometry to cut it by) differs: local 2, remote 1" \
+        in str(model_difference(src.layout, dst.layout))
+    assert [rank_kv_heads(t, tp) for t, tp in [(8, 2), (4, 4), (2, 4), (6, 4), (None, 2), (0, 1)]] == \
+        [4, 1, None, None, None, None]

@@ -29,8 +29,8 @@ from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_parallel
 
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
-from kvferry.errors import KVFerryError, UsageError
-from kvferry.integrations.sglang.layout import PoolNames, chunk_pages, kvargs_memory, request_pages
+from kvferry.errors import KVFerryError, LayoutError, UsageError
+from kvferry.integrations.sglang.layout import PoolNames, chunk_pages, kvargs_memory, rank_kv_heads, request_pages
 
 __all__ = ["KVFerryKVBootstrapServer", "KVFerryKVManager", "KVFerryKVReceiver", "KVFerryKVSender"]
 
@@ -57,6 +57,39 @@ def _memory_device(args: KVArgs, server_args: Any) -> tuple[str, int]:
     return ("cpu", 0) if on_host else ("cuda", int(getattr(args, "gpu_id", 0) or 0))
 
 
+def _total_kv_heads(args: KVArgs, server_args: Any) -> tuple[int | None, str]:
+    """An MHA rank's model-wide KV head count and where it came from. SGLang's prefill sets
+    ``total_kv_head_num`` (with the per-rank ``kv_head_num``) always; its decode only with hetero-TP staging,
+    after the manager exists, so a decode reads its own model config (what its scheduler read to size the
+    pool). ``kv_head_num`` alone is not used: where heads are replicated it is ``max(1, total // tp)``, which
+    does not give the total back. None when nothing says; the handshake checks what is declared."""
+    total = int(getattr(args, "total_kv_head_num", 0) or 0)
+    if total > 0:
+        return total, "kv_args.total_kv_head_num"
+    try:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        return int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads()), "the model config"
+    except Exception as exc:  # any failure to read a config means "unknown", never a guess
+        return None, f"unknown (the model config did not load: {type(exc).__name__}: {exc})"
+
+
+def _mha_heads(args: KVArgs, server_args: Any, tp_size: int) -> tuple[int | None, str]:
+    """This rank's KV heads for the layout (None: no head geometry, equal TP sizes only) and a note saying
+    why, for refusals and logs."""
+    total, source = _total_kv_heads(args, server_args)
+    heads = rank_kv_heads(total, tp_size)
+    pool_heads = int(getattr(args, "kv_head_num", 0) or 0)
+    if heads is not None and pool_heads and pool_heads != heads:
+        # The pool was sized with another count than the one this rank would declare: neither is safe to cut by.
+        raise LayoutError(f"KVArgs kv_head_num {pool_heads} (the pool's KV heads on this rank) != {total} KV heads "
+                          f"(from {source}) over attn TP {tp_size}")
+    if total is not None and heads is None:
+        return None, (f"{total} KV heads (from {source}) do not split evenly over attn TP {tp_size}: "
+                      f"SGLang replicates heads there, which kvferry does not model")
+    return heads, f"{heads} KV heads per rank (from {source})" if heads else f"KV heads {source}"
+
+
 class KVFerryKVManager(CommonKVManager):
     """One per scheduler rank. Prefill: a ``PrefillEndpoint`` whose port is the rank port registered with
     the bootstrap server. Decode: one ``DecodeEndpoint`` connected to every prefill rank it pairs with."""
@@ -70,10 +103,18 @@ class KVFerryKVManager(CommonKVManager):
         parallel = get_parallel()   # what CommonKVManager reads too, and registers with the bootstrap server
         # Built first: a KVArgs kvferry cannot describe fails the manager, before any bootstrap side effect.
         # The layout sits at this rank's attention TP place; an MLA backend's buffers are the same on every
-        # rank (replicated), which is what lets kvferry's TP planner pair it with another TP size.
+        # rank (replicated), which is what lets kvferry's TP planner pair it with another TP size. An MHA
+        # backend's KV entries are cut by head when this rank knows its KV heads (the rule: declared
+        # whenever known; docs/sglang.md), so both sides of a pair must know them, and the handshake
+        # compares total heads and head bytes.
+        tp_size = int(parallel.attn_tp_size)
+        self.kv_heads, self.kv_heads_note = (None, "MLA") if is_mla_backend else _mha_heads(args, server_args, tp_size)
+        if not is_mla_backend:
+            logger.info("kvferry SGLang backend, attn TP rank %s of %s: %s", parallel.attn_tp_rank, tp_size,
+                        self.kv_heads_note)
         self.kvferry_memory, self.pool_names = kvargs_memory(
-            args, device=device, device_id=device_id, tp_size=int(parallel.attn_tp_size),
-            tp_rank=int(parallel.attn_tp_rank), replicated=bool(is_mla_backend))
+            args, device=device, device_id=device_id, tp_size=tp_size, tp_rank=int(parallel.attn_tp_rank),
+            replicated=bool(is_mla_backend), kv_heads=self.kv_heads)
         self.kvferry_options = EndpointOptions(
             request_timeout=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
             handshake_timeout=10.0)
@@ -191,11 +232,13 @@ def _parallel_refusal(info: Any, mgr: KVFerryKVManager) -> str | None:
                 f"{info.attn_cp_size} (PP 1 and CP 1 only)")
     if getattr(info, "enable_kv_cache_sharding", False):
         return "kvferry's SGLang backend does not support prefill MLA KV cache sharding"
-    if ptp != dtp and not mgr.is_mla_backend:
-        # An MHA pool shards its KV heads over the ranks, and decode's KVArgs carry no head count unless
-        # SGLang's hetero-TP staging is on: nothing to cut pages by, so only rank to rank (docs/sglang.md).
-        return (f"kvferry's SGLang backend moves non-MLA KV between equal attention TP sizes only: prefill "
-                f"attn TP {ptp}, decode attn TP {dtp}")
+    if ptp != dtp and not mgr.is_mla_backend and mgr.kv_heads is None:
+        # An MHA pool shards its KV heads over the ranks: with no head count for this decode rank there is
+        # nothing to cut pages by, so only rank to rank (docs/sglang.md). With one, the handshake checks
+        # prefill's against it.
+        return (f"kvferry's SGLang backend moves non-MLA KV across attention TP sizes only when decode knows "
+                f"its KV heads: prefill attn TP {ptp}, decode attn TP {dtp}, decode "
+                f"{mgr.kv_heads_note}")
     if max(ptp, dtp) % min(ptp, dtp):
         return f"attention TP sizes must divide one another: prefill {ptp}, decode {dtp}"
     return None
@@ -249,7 +292,10 @@ class KVFerryKVReceiver(CommonKVReceiver):
             for info in self.bootstrap_infos:
                 self.kv_mgr.connect_prefill(self._address(info))
         except KVFerryError as exc:
-            self._fail(f"kvferry handshake with prefill failed: {exc}")
+            # An MHA decode's head geometry is what it derived itself: say from where, so an operator can
+            # tell a wrong model config from a wrong prefill.
+            heads = "" if self.kv_mgr.is_mla_backend else f" (decode: {self.kv_mgr.kv_heads_note})"
+            self._fail(f"kvferry handshake with prefill failed: {exc}{heads}")
             return False
         return True
 

@@ -12,6 +12,14 @@ the state components, aux) holds the same bytes on every TP rank, so each is dec
 pages (``HeadGeometry.whole_page``), and the layout placed at the rank's ``(tp_size, tp_rank)``; kvferry's
 TP planner then has exactly one prefill rank write each decode rank (``plan.ranks.replica_source``).
 Head-sharded state (``HEAD_SHARDED_STATE_TYPES``) is the exception: it moves rank to rank only.
+
+Across attention TP sizes (MHA/GQA pools, ``kv_heads`` given): SGLang's ``MHATokenToKVPool`` entries are
+``[slots * page_size, heads, head_dim]``, token-major, rank ``r`` holding KV heads ``[r * h, (r+1) * h)``.
+Each of the target model's entries is declared ``HeadGeometry(h, item_len // page_size // h, page_size,
+"token")``: its own head bytes, so K and V of different head dims are each cut by their own geometry.
+Draft entries (another model, head count unknown here) and state components carry no geometry and move
+rank to rank only; aux is the same on every rank and declared a replicated whole page. Without
+``kv_heads`` nothing carries geometry and an MHA pool moves between equal TP sizes only.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ __all__ = [
     "PoolNames",
     "chunk_pages",
     "kvargs_memory",
+    "rank_kv_heads",
     "request_pages",
     "state_pool_name",
 ]
@@ -90,12 +99,45 @@ def _layer(layer_ids: Sequence[int] | None, i: int, count: int) -> int | None:
     return int(layer_ids[i]) if int(layer_ids[i]) >= 0 else None
 
 
+def rank_kv_heads(total_kv_heads: int | None, tp_size: int) -> int | None:
+    """This rank's KV heads when ``total_kv_heads`` split evenly over ``tp_size`` attention-TP ranks, else
+    None. SGLang replicates heads when there are fewer than ranks (``max(1, total // tp)`` each): kvferry's
+    planner has no replicated-head model, so such a pool gets no geometry (equal TP sizes only)."""
+    if not total_kv_heads or total_kv_heads < tp_size or total_kv_heads % tp_size:
+        return None
+    return total_kv_heads // tp_size
+
+
+def _token_heads(item: int, page_size: int, heads: int) -> HeadGeometry | None:
+    """An MHA entry's page as ``page_size`` token rows of ``heads`` heads, or None when its item does not
+    split that way (then it has no head structure kvferry could cut, and moves rank to rank only)."""
+    if item % (page_size * heads):
+        return None
+    return HeadGeometry(heads, item // page_size // heads, page_size, "token")
+
+
 def _pool(name: str, kind: str, dtype: str, entries: list[tuple[int, int, int]],
-          layer_ids: Sequence[int] | None, tokens_per_page: int | None, replicated: bool) -> Pool:
-    buffers = [Buffer(f"{name}.{i}", item, nbytes // item, dtype, kind, _layer(layer_ids, i, len(entries)),
-                      HeadGeometry.whole_page(item) if replicated else None)
+          layer_ids: Sequence[int] | None, tokens_per_page: int | None,
+          heads: Sequence[HeadGeometry | None]) -> Pool:
+    buffers = [Buffer(f"{name}.{i}", item, nbytes // item, dtype, kind, _layer(layer_ids, i, len(entries)), heads[i])
                for i, (_, nbytes, item) in enumerate(entries)]
     return Pool(name, buffers, tokens_per_page=tokens_per_page)
+
+
+def _whole_pages(entries: list[tuple[int, int, int]], replicated: bool) -> list[HeadGeometry | None]:
+    return [HeadGeometry.whole_page(item) if replicated else None for _, _, item in entries]
+
+
+def _kv_heads(args: Any, entries: list[tuple[int, int, int]], page_size: int, replicated: bool,
+              kv_heads: int | None) -> list[HeadGeometry | None]:
+    """Each KV entry's geometry: replicated whole pages (MLA), token-major head rows for the target model's
+    entries of an MHA pool whose heads are known (draft entries, the last ``num_draft_entries``, get none),
+    else none."""
+    if replicated or kv_heads is None:
+        return _whole_pages(entries, replicated)
+    num_target = len(entries) - int(getattr(args, "num_draft_entries", 0) or 0)
+    return [_token_heads(item, page_size, kv_heads) if i < num_target else None
+            for i, (_, _, item) in enumerate(entries)]
 
 
 def _kv_dtype(args: Any) -> str:
@@ -107,23 +149,27 @@ def _kv_dtype(args: Any) -> str:
 
 
 def kvargs_memory(args: Any, *, device: str = "cpu", device_id: int = 0, tp_size: int = 1, tp_rank: int = 0,
-                  replicated: bool = False) -> tuple[KVMemory, PoolNames]:
+                  replicated: bool = False, kv_heads: int | None = None) -> tuple[KVMemory, PoolNames]:
     """Bind ``args`` (SGLang's ``KVArgs``) as a kvferry ``KVMemory``, and say which pool is which.
 
     ``tp_size``/``tp_rank``: this rank's place in its attention TP group. ``replicated``: every buffer
     holds the same bytes on every rank (an MLA backend), which is what lets kvferry move it across TP
-    sizes; otherwise buffers carry no head geometry and move between equal TP sizes only."""
+    sizes. ``kv_heads`` (MHA only): this rank's KV heads, which lets kvferry cut the KV entries by head
+    across TP sizes; with neither, buffers carry no head geometry and move between equal TP sizes only."""
     kv_entries = _entries(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, "kv_data")
     if not kv_entries:
         raise LayoutError("KVArgs has no KV entries")
-    pools = [_pool(KV_POOL, "kv", _kv_dtype(args), kv_entries, getattr(args, "kv_layer_ids", None),
-                   int(getattr(args, "page_size", 1) or 1), replicated)]
+    page_size = int(getattr(args, "page_size", 1) or 1)
+    pools = [_pool(KV_POOL, "kv", _kv_dtype(args), kv_entries, getattr(args, "kv_layer_ids", None), page_size,
+                   _kv_heads(args, kv_entries, page_size, replicated, kv_heads))]
     entries = list(kv_entries)
     aux_entries = _entries(getattr(args, "aux_data_ptrs", None) or [], getattr(args, "aux_data_lens", None) or [],
                            getattr(args, "aux_item_lens", None) or [], "aux_data")
     aux = AUX_POOL if aux_entries else None
     if aux_entries:
-        pools.append(_pool(AUX_POOL, "aux", "uint8", aux_entries, None, None, replicated))
+        # Metadata SGLang writes alike on every rank: replicated whenever the KV can cross TP sizes.
+        pools.append(_pool(AUX_POOL, "aux", "uint8", aux_entries, None, None,
+                           _whole_pages(aux_entries, replicated or kv_heads is not None)))
         entries += aux_entries
     states: list[str | None] = []
     for i, st in enumerate(getattr(args, "state_types", None) or []):
@@ -150,7 +196,7 @@ def _state_pool(args: Any, i: int, state_type: str,
     kind = "index_k" if state_type == "dsa" else "state"
     name = state_pool_name(i, state_type)
     return _pool(name, kind, state_type, comp, _nth(getattr(args, "state_layer_ids", None), i), None,
-                 replicated and state_type not in HEAD_SHARDED_STATE_TYPES), comp
+                 _whole_pages(comp, replicated and state_type not in HEAD_SHARDED_STATE_TYPES)), comp
 
 
 def _nth(lists: Sequence[Any] | None, i: int) -> Any:
