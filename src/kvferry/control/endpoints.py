@@ -18,6 +18,11 @@ write or a notification is outstanding (NIXL notifications wake no file descript
 is the wake-up itself, and under load (many requests in flight, where latency is queueing) a spin that
 finds several notifications at once costs less than several spins that find one each. A caller's call
 (``announce``, ``send``) cuts the sleep short.
+
+Messages to a peer are queued during an iteration and leave at its end (``_flush``): several for one peer
+go as one ``wire.Batch``, so under load libzmq's I/O thread is woken once per iteration and peer, not once
+per request. Each side's clocks of "what the peer heard from us" (heartbeats, prefill's check before a
+write, decode's pull-mode fence) advance when the frame actually leaves, never when it was queued.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any
 
 import zmq
 
+from kvferry.control import wire
 from kvferry.control.states import TERMINAL, RequestState, advance
 from kvferry.errors import EndpointClosed, KVFerryError, RequestFailed, TransferTimeout, UsageError
 from kvferry.integrity import DigestMode
@@ -143,6 +149,8 @@ class EndpointBase:
         self._cond = threading.Condition(self._lock)
         self._records: OrderedDict[str, RequestRecord] = OrderedDict()   # newest incarnation per id
         self._calls: list[Callable[[], None]] = []                      # run on the progress thread
+        self._outbox: dict[Any, list[bytes]] = {}   # peer -> encoded messages, sent at the iteration's end
+        self._wake_pending = False   # a byte is in the wake pipe that the thread has not drained yet
         self._changed = False
         self._closing = False
         self._close_deadline = 0.0
@@ -224,7 +232,7 @@ class EndpointBase:
         finally:
             if got:
                 self._lock.release()
-        self._wake()
+        self._wake(force=True)   # maybe without the lock: do not trust the flag
         self._thread.join(timeout + 2.0)
         if self._thread.is_alive():
             # Stuck (a stalled backend call): closing the transport or terminating the ZMQ context under
@@ -318,10 +326,43 @@ class EndpointBase:
         self._calls.append(fn)
         self._wake()
 
-    def _wake(self) -> None:
-        # A full pipe means the thread wakes anyway; a closed one means we are shutting down.
+    def _wake(self, *, force: bool = False) -> None:
+        # One byte until the thread drains the pipe: more would wake it no sooner (callers hold the lock,
+        # and the thread clears the flag under it). A full pipe means the thread wakes anyway; a closed
+        # one means we are shutting down.
+        if self._wake_pending and not force:
+            return
+        self._wake_pending = True
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"x")
+
+    def _queue_out(self, peer: Any, data: bytes) -> None:
+        """Queue an encoded message for ``peer``; it leaves at the end of this iteration (``_flush``)."""
+        out = self._outbox.get(peer)
+        if out is None:
+            self._outbox[peer] = [data]
+        else:
+            out.append(data)
+
+    def _flush(self) -> None:
+        """Send every queued message, per peer in order, several as ``wire.Batch`` frames."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, {}
+        for peer, messages in outbox.items():
+            for frame in wire.batches(messages):
+                self._send_frame(peer, frame)
+
+    def _on_batch(self, messages: list[Any], handle: Callable[[Any], None]) -> None:
+        """``handle`` each message of one frame in order; a bad one is counted and dropped, not the rest."""
+        for msg in messages:
+            try:
+                if isinstance(msg, KVFerryError):
+                    raise msg
+                handle(msg)
+            except KVFerryError as exc:
+                self.num_bad_messages += 1
+                log.debug("%s: dropped a message: %s", self._role, exc)
 
     def _new_socket(self, kind: int) -> zmq.Socket:
         sock = self._ctx.socket(kind)
@@ -342,6 +383,7 @@ class EndpointBase:
             while True:
                 with self._lock:
                     if self._closing and self._shutdown_step():
+                        self._flush()
                         break
                 self._step()
         except BaseException as exc:  # fail closed: a dead progress thread fails every request and link
@@ -363,7 +405,7 @@ class EndpointBase:
 
     def _step(self) -> None:
         with self._lock:
-            busy = self._is_busy() or bool(self._calls)
+            busy = self._is_busy() or bool(self._calls) or bool(self._outbox)
             timeout_ms = 0 if busy else self._idle_timeout_ms()
         events = dict(self._poller.poll(timeout_ms))
         with self._cond:
@@ -373,6 +415,7 @@ class EndpointBase:
             self._recv_time = time.monotonic()
             self._check_silence(self._recv_time)
             if events.pop(self._wake_r, None):
+                self._wake_pending = False   # under the lock, before draining: a later _wake writes again
                 self._drain_wake()
             calls, self._calls = self._calls, []
             for fn in calls:
@@ -382,6 +425,7 @@ class EndpointBase:
             if self._pump() or events or calls:
                 self._idle_spins = 0
             self._tick(time.monotonic())
+            self._flush()
             changed, self._changed = self._changed, False
         if changed:
             self._notify()
@@ -446,6 +490,10 @@ class EndpointBase:
 
     def _socket_failed(self, sock: Any, exc: zmq.ZMQError) -> None:
         """A receive on ``sock`` raised: fail what it serves."""
+        raise NotImplementedError
+
+    def _send_frame(self, peer: Any, frame: bytes) -> None:
+        """Send one frame (a message or a Batch) to ``peer`` now, as ``_flush`` does; never raises."""
         raise NotImplementedError
 
     def _fail_peers(self, error: KVFerryError) -> None:

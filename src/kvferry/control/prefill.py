@@ -375,11 +375,22 @@ class PrefillEndpoint(EndpointBase, PullSource):
             raise
         if session is not None:
             session.last_seen = self._recv_time
+        if isinstance(msg, wire.Batch):
+            self._on_batch(wire.unbatch(msg), lambda m: self._on_msg(identity, m, b""))
+        else:
+            self._on_msg(identity, msg, data)
+
+    def _on_msg(self, identity: bytes, msg: Any, data: bytes) -> None:
+        """One message from ``identity``, alone or out of a Batch (``data`` empty: a Batch's, in order, each
+        handled as if it had come alone)."""
+        session = self._sessions.get(identity)
         if isinstance(msg, wire.Hello):
+            if not data:  # the MAC binds a Hello's own frame: it comes alone
+                raise ProtocolError("Hello inside a Batch")
             self._on_hello(identity, session, msg, data)
         elif session is None:
             # A session we declared dead (or never had) must handshake again, not be heard silently.
-            self._send_raw(identity, wire.encode(wire.Bye("unknown session: handshake again")))
+            self._send_now(identity, wire.encode(wire.Bye("unknown session: handshake again")))
             raise ProtocolError(f"{type(msg).__name__} before Hello")
         elif session.state == "challenged":
             self._on_auth(session, msg)
@@ -540,7 +551,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     def _reject(self, identity: bytes, reason: str) -> None:
         self._sessions.pop(identity, None)
-        self._send_raw(identity, wire.encode(wire.Reject(reason[:wire.MAX_REASON_LEN])))
+        self._send_now(identity, wire.encode(wire.Reject(reason[:wire.MAX_REASON_LEN])))
 
     # -- timers (progress thread) ----------------------------------------------------------------------
     def _is_busy(self) -> bool:
@@ -625,8 +636,20 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     # -- sockets (progress thread) ---------------------------------------------------------------------
     def _send(self, session: Session, msg: Any) -> None:
-        self._send_raw(session.identity, wire.encode(msg))
-        session.last_sent = time.monotonic()
+        """Queue ``msg`` for ``session``'s decode; it leaves at the end of this iteration (``_flush``)."""
+        self._queue_out(session.identity, wire.encode(msg))
+
+    def _send_frame(self, identity: bytes, frame: bytes) -> None:
+        self._send_raw(identity, frame)
+        session = self._sessions.get(identity)
+        if session is not None:  # what decode heard from us, for _check_current and heartbeats
+            session.last_sent = time.monotonic()
+
+    def _send_now(self, identity: bytes, data: bytes) -> None:
+        """Send alone and at once (a Reject, which any protocol version must read), after what is queued."""
+        for frame in wire.batches(self._outbox.pop(identity, [])):
+            self._send_frame(identity, frame)
+        self._send_raw(identity, data)
 
     def _send_raw(self, identity: bytes, data: bytes) -> None:
         with contextlib.suppress(zmq.ZMQError):  # a vanished peer: heartbeats will notice
