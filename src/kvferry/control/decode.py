@@ -361,7 +361,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
             link.error = error
             link.state = "failed"
             with contextlib.suppress(zmq.ZMQError):  # best effort: the connection may be what failed
-                for frame in wire.batches(self._outbox.pop(link, [])):  # what was queued goes first
+                for frame in wire.batches(self._take_out(link)):  # what was queued goes first
                     self._send_raw(link, frame, quiet=False)
                 self._send_raw(link, wire.encode(wire.Bye(str(error)[:wire.MAX_REASON_LEN])), quiet=False)
             self._close_link(link)
@@ -559,8 +559,10 @@ class DecodeEndpoint(EndpointBase, PullReader):
             return
         self._set_state(rec, RequestState.DONE)
         self._end_lease(rec)  # every chunk's notification arrived, so every write has landed
+        # Lazily: nothing here waits on it (prefill reports DONE once it arrives), and under load it leaves
+        # in one frame with the next Announce (endpoints' LAZY_S bounds the delay).
         for p in rec.parts.values():
-            self._send(p.link, wire.Result(rec.request_id, rec.generation, True, ""))
+            self._send(p.link, wire.Result(rec.request_id, rec.generation, True, ""), lazy=True)
 
     # -- timers (progress thread) ----------------------------------------------------------------------
     def _is_busy(self) -> bool:
@@ -668,9 +670,9 @@ class DecodeEndpoint(EndpointBase, PullReader):
         self._changed = True
 
     # -- sockets (progress thread) ---------------------------------------------------------------------
-    def _send(self, link: Link, msg: Any) -> None:
-        """Queue ``msg`` for ``link``; it leaves at the end of this iteration (``_flush``)."""
-        self._queue_out(link, wire.encode(msg))
+    def _send(self, link: Link, msg: Any, *, lazy: bool = False) -> None:
+        """Queue ``msg`` for ``link``; it leaves at the end of this iteration (``_flush``; ``lazy``: see there)."""
+        self._queue_out(link, wire.encode(msg), lazy=lazy)
 
     def _send_frame(self, link: Link, frame: bytes) -> None:
         self._send_raw(link, frame)
@@ -692,7 +694,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
         link.last_sent = now
 
     def _close_link(self, link: Link) -> None:
-        self._outbox.pop(link, None)   # closed with linger 0: what it had not sent is dropped, as before
+        self._take_out(link)   # closed with linger 0: what it had not sent is dropped, as before
         if link.monitor is not None:
             self._poller.unregister(link.monitor)
             self._monitors.pop(link.monitor, None)

@@ -647,7 +647,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     def _send_now(self, identity: bytes, data: bytes) -> None:
         """Send alone and at once (a Reject, which any protocol version must read), after what is queued."""
-        for frame in wire.batches(self._outbox.pop(identity, [])):
+        for frame in wire.batches(self._take_out(identity)):
             self._send_frame(identity, frame)
         self._send_raw(identity, data)
 
