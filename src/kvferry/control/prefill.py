@@ -105,6 +105,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         self._close_error = KVFerryError("prefill endpoint closing")
         self._process = this_process()   # reported in Welcome: decode ends quarantines once it is gone
         self._unpeer: set[str] = set()    # decode agents to forget once no write to them is in flight
+        self._hash_in_send = True         # see _may_use_source_digests
         self._thread.start()
 
     # -- public API: any thread ------------------------------------------------------------------------
@@ -143,10 +144,18 @@ class PrefillEndpoint(EndpointBase, PullSource):
     def _may_use_source_digests(self) -> bool:
         """Whole-page digests hashed in ``send`` serve only equal-TP peers; when every connected peer is a
         cross-TP rank they would be thrown away (its chunks get slice digests from the plan), so skip them.
-        With no peer yet, hash: the first to announce is most likely an equal-TP decode."""
-        with self._lock:
-            sessions = [s for s in self._sessions.values() if s.state == "established"]
-            return not sessions or any(s.planner is None for s in sessions)
+        With no peer yet, hash: the first to announce is most likely an equal-TP decode.
+
+        Read without the lock (the progress thread keeps the answer, ``_note_sessions``): taking it here
+        made ``send`` wait for the progress thread's iteration, NIXL write included, before it could hash,
+        so the hashing no longer overlapped the write. A stale answer moves only where a chunk's digests
+        are made (here, or from the plan when it is posted: ``chunk_digests``), never whether."""
+        return self._hash_in_send
+
+    def _note_sessions(self) -> None:
+        """After an established session came or went (progress thread, under the lock)."""
+        sessions = [s for s in self._sessions.values() if s.state == "established"]
+        self._hash_in_send = not sessions or any(s.planner is None for s in sessions)
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Non-blocking: fail the request and stop writing it. Decode hears of it (and frees its pages)
@@ -531,6 +540,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
                 self._session_dead(other, PeerLost(f"{other.label} replaced by a new session of the same agent"))
         session.digest_mode = DigestMode.from_peer(session.hello.digest_mode)
         session.state = "established"
+        self._note_sessions()
         proof = b"" if self._secret is None else auth_mac(self._secret, b"prefill", session.hello.nonce,
                                                          session.nonce, session.hello_bytes)
         me = self._process
@@ -600,6 +610,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
     def _fail_peers(self, error: KVFerryError) -> None:
         for session in self._sessions.values():
             session.state = "dead"
+        self._note_sessions()
 
     def _session_dead(self, session: Session, error: KVFerryError) -> None:
         """Fail the session's requests, release their handles, forget the peer; others go on."""
@@ -619,6 +630,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
                     self._active.discard(rec)
                     self._dirty.discard(rec)
         self._sessions.pop(session.identity, None)
+        self._note_sessions()
         self._unpeer.add(session.agent)
         self._forget_peers()
         self._changed = True
