@@ -179,30 +179,38 @@ class EndpointBase:
         self._thread = threading.Thread(target=self._run, name=f"kvferry-{self._role}", daemon=True)
 
     # -- public: any thread ----------------------------------------------------------------------------
+    # poll, timing, failure and wait's answer for a request that has ended read the record without the
+    # endpoint's lock. The progress thread holds that lock for a whole iteration (NIXL writes included on
+    # prefill), so a caller asking about many requests would block behind it once per question. Each
+    # field is one attribute the thread assigns in a single store (the error before the state, the state
+    # before the end time), so an unlocked read sees a value the record had, never a torn one; a state
+    # read a moment stale is what a locked read returns a moment later too.
     def poll(self, request_id: str) -> RequestState:
-        """Non-blocking: the request's state. ``KeyError`` for an id this endpoint does not know."""
-        with self._lock:
-            return self._record(request_id).state
+        """Non-blocking, lock-free: the request's state. ``KeyError`` for an id this endpoint does not know."""
+        return self._record(request_id).state
 
     def timing(self, request_id: str) -> tuple[float, float | None]:
-        """Non-blocking: ``time.monotonic()`` when this side learned of the request and when it ended
-        (None while live). For latency metrics."""
-        with self._lock:
-            rec = self._record(request_id)
-            return rec.started_at, rec.ended_at
+        """Non-blocking, lock-free: ``time.monotonic()`` when this side learned of the request and when it
+        ended (None while live; set after the state turned terminal). For latency metrics."""
+        rec = self._record(request_id)
+        return rec.started_at, rec.ended_at
 
     def failure(self, request_id: str) -> KVFerryError | None:
-        """Non-blocking: why the request failed (None unless it is ``FAILED``)."""
-        with self._lock:
-            return self._record(request_id).error
+        """Non-blocking, lock-free: why the request failed (None unless it is ``FAILED``)."""
+        return self._record(request_id).error
 
     def wait(self, request_id: str, timeout: float) -> None:
         """Block until the request is ``DONE`` (returns) or ``FAILED`` (raises ``RequestFailed``, its
         ``__cause__`` the specific error: ``PeerLost``, ``TransferTimeout``, ``IntegrityError``...).
 
         Raises ``TransferTimeout`` when ``timeout`` seconds pass first; the request itself goes on (its own
-        deadline is ``options.request_timeout``). ``KeyError`` for an unknown id.
+        deadline is ``options.request_timeout``). ``KeyError`` for an unknown id. A request that has
+        already ended is answered without the lock.
         """
+        rec = self._record(request_id)
+        if not rec.is_live:
+            self._raise_if_failed(rec)
+            return
         deadline = time.monotonic() + timeout
         seen: list[RequestRecord] = []
 
@@ -214,10 +222,13 @@ class EndpointBase:
             state = seen[0].state.value if seen else "unknown (the endpoint's lock stayed busy)"
             raise TransferTimeout(f"{self._role}: request {request_id!r} still {state} "
                                   f"after waiting {timeout:.3f} s")
-        rec = seen[0]
+        self._raise_if_failed(seen[0])
+
+    @staticmethod
+    def _raise_if_failed(rec: RequestRecord) -> None:
         if rec.state is RequestState.FAILED:
             err = rec.error
-            raise RequestFailed(request_id, str(err) if err is not None else "failed") from err
+            raise RequestFailed(rec.request_id, str(err) if err is not None else "failed") from err
 
     @property
     def num_live_requests(self) -> int:
