@@ -312,6 +312,29 @@ def test_prefill_refuses_an_oversized_batch_and_serves_on(prefill: PrefillEndpoi
     _serves(prefill, "after-batch")
 
 
+def test_a_verdict_batched_with_goodbye_still_completes_the_request(prefill: PrefillEndpoint,
+                                                                    ctx: zmq.Context) -> None:
+    """Decode's last Result and its Bye in one frame (it closes right after its last request ended): prefill
+    reports the verified request DONE, not lost."""
+    from kvferry.transport import LocalTransport
+
+    mem, transport = KVMemory.allocate(make_layout("decode")), LocalTransport()
+    sock = _dealer(ctx, prefill.address)
+    sock.send(wire.encode(wire.Hello("s" * 16, mem.manifest(), "local", transport.register(mem), b"n" * 32,
+                                     "off", 1.0)))
+    assert isinstance(wire.decode(sock.recv()), wire.Welcome)
+    prefill.send("r", {"main": [1, 2]})
+    sock.send(wire.encode(wire.Announce("r", 1, wire.encode_pages({"main": np.array([3, 4])}))))
+    deadline = time.monotonic() + 3
+    while not (prefill.poll("r") is RequestState.TRANSFERRING and prefill.num_live_handles == 0):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    sock.send(wire.batches([wire.encode(wire.Result("r", 1, True, "")), wire.encode(wire.Bye("decode closing"))])[0])
+    prefill.wait("r", 3)
+    assert prefill.peers == []
+    transport.close()
+
+
 @given(st.lists(_BLOBS, min_size=1, max_size=6))
 def test_random_messages_do_not_hurt_decode(decode_for_fuzz: tuple[DecodeEndpoint, FakePrefill],
                                             blobs: list[bytes]) -> None:

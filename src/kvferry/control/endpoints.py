@@ -204,8 +204,8 @@ class EndpointBase:
         ``__cause__`` the specific error: ``PeerLost``, ``TransferTimeout``, ``IntegrityError``...).
 
         Raises ``TransferTimeout`` when ``timeout`` seconds pass first; the request itself goes on (its own
-        deadline is ``options.request_timeout``). ``KeyError`` for an unknown id. A request that has
-        already ended is answered without the lock.
+        deadline is ``options.request_timeout``). ``KeyError`` for an unknown id. Reads the record without
+        the endpoint's lock (see above), so it never queues behind the progress thread's iteration.
         """
         rec = self._record(request_id)
         if not rec.is_live:
@@ -218,8 +218,10 @@ class EndpointBase:
             seen[:] = [self._record(request_id)]
             return not seen[0].is_live
 
-        if not self._wait_for(ended, deadline):
-            state = seen[0].state.value if seen else "unknown (the endpoint's lock stayed busy)"
+        # Without the lock, as poll does (see above): a waiter woken by the progress thread need not then
+        # queue behind that thread's next iteration to read one field.
+        if not self._wait_for(ended, deadline, locked=False):
+            state = seen[0].state.value if seen else "unknown"
             raise TransferTimeout(f"{self._role}: request {request_id!r} still {state} "
                                   f"after waiting {timeout:.3f} s")
         self._raise_if_failed(seen[0])
@@ -271,23 +273,26 @@ class EndpointBase:
         self.close()
 
     # -- helpers for subclasses ------------------------------------------------------------------------
-    def _wait_for(self, done: Callable[[], bool], deadline: float) -> bool:
-        """Block until ``done()`` (run under the lock) is true: True; or until ``deadline``: False.
+    def _wait_for(self, done: Callable[[], bool], deadline: float, *, locked: bool = True) -> bool:
+        """Block until ``done()`` (run under the lock, or without it when ``locked`` is False: a ``done``
+        that reads single fields, as ``wait`` does) is true: True; or until ``deadline``: False.
 
         Bounded by ``deadline`` alone: the lock is taken with a timeout, the sleep is on ``_signal``.
         Raises ``EndpointClosed`` (cause chained) once the progress thread has died, and whatever
-        ``done`` raises."""
+        ``done`` raises. No wake-up is lost either way: the version is read before ``done`` looks, and the
+        thread bumps it after every change it reports (``_notify``)."""
         while True:
             with self._signal:
                 version = self._version
-            if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            if locked and not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 return False
             try:
                 if done():  # first: a crash failed every record and link, each with its own answer
                     return True
                 self._raise_if_crashed()
             finally:
-                self._lock.release()
+                if locked:
+                    self._lock.release()
             with self._signal:
                 while self._version == version:
                     left = deadline - time.monotonic()

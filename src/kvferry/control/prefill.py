@@ -622,8 +622,14 @@ class PrefillEndpoint(EndpointBase, PullSource):
         self._hold_after_death(session, time.monotonic())
         for rec in list(self._active):
             if rec.session is session:
-                self._fail_req(rec, error)
+                # Decode's verdict may have come in the same frames as its goodbye (a batch, or one drain
+                # of the socket): a request whose writes all completed and that decode verified is DONE,
+                # not lost. Settle it first; only what is still open fails.
                 self._poll_handles(rec)
+                self._settle(rec)
+                if rec.state is not RequestState.DONE:
+                    self._fail_req(rec, error)
+                    self._poll_handles(rec)
                 # Writes still in flight are not cancelled blind: they finish (or fail) under _pump, and
                 # decode keeps the pages quarantined until we tell a reconnected decode they did.
                 if not rec.handles:
