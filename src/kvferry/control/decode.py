@@ -559,10 +559,12 @@ class DecodeEndpoint(EndpointBase, PullReader):
             return
         self._set_state(rec, RequestState.DONE)
         self._end_lease(rec)  # every chunk's notification arrived, so every write has landed
-        # Lazily: nothing here waits on it (prefill reports DONE once it arrives), and under load it leaves
-        # in one frame with the next Announce (endpoints' LAZY_S bounds the delay).
+        # Lazily while other requests are live: nothing here waits on it (prefill reports DONE once it
+        # arrives), and under load it leaves in one frame with the next Announce (endpoints' LAZY_S bounds
+        # the delay). The last one leaves at once.
+        lazy = self._num_live > 0
         for p in rec.parts.values():
-            self._send(p.link, wire.Result(rec.request_id, rec.generation, True, ""), lazy=True)
+            self._send(p.link, wire.Result(rec.request_id, rec.generation, True, ""), lazy=lazy)
 
     # -- timers (progress thread) ----------------------------------------------------------------------
     def _is_busy(self) -> bool:

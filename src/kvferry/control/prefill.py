@@ -624,12 +624,17 @@ class PrefillEndpoint(EndpointBase, PullSource):
             if rec.session is session:
                 # Decode's verdict may have come in the same frames as its goodbye (a batch, or one drain
                 # of the socket): a request whose writes all completed and that decode verified is DONE,
-                # not lost. Settle it first; only what is still open fails.
+                # not lost. Settle it first; only what is still open fails. A verified part of a request
+                # other decode ranks still owe a verdict on (decode TP > prefill TP) has nothing left to
+                # write or hear from this session: the group decides (its other ranks, or the deadline).
                 self._poll_handles(rec)
                 self._settle(rec)
-                if rec.state is not RequestState.DONE:
-                    self._fail_req(rec, error)
-                    self._poll_handles(rec)
+                if rec.state is RequestState.DONE:
+                    continue
+                if rec.is_live and rec.decode_ok and rec.last_posted and not rec.handles:
+                    continue
+                self._fail_req(rec, error)
+                self._poll_handles(rec)
                 # Writes still in flight are not cancelled blind: they finish (or fail) under _pump, and
                 # decode keeps the pages quarantined until we tell a reconnected decode they did.
                 if not rec.handles:
