@@ -669,10 +669,12 @@ class PrefillEndpoint(EndpointBase, PullSource):
             session.last_sent = time.monotonic()
 
     def _send_now(self, identity: bytes, data: bytes) -> None:
-        """Send alone and at once (a Reject, which any protocol version must read), after what is queued."""
+        """Send what is queued for ``identity`` now, then ``data`` (if any) alone: a Reject, which any protocol
+        version must read."""
         for frame in wire.batches(self._take_out(identity)):
             self._send_frame(identity, frame)
-        self._send_raw(identity, data)
+        if data:
+            self._send_raw(identity, data)
 
     def _send_raw(self, identity: bytes, data: bytes) -> None:
         with contextlib.suppress(zmq.ZMQError):  # a vanished peer: heartbeats will notice
