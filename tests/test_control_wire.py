@@ -50,6 +50,42 @@ def test_messages_round_trip_and_versions_are_checked() -> None:
         wire.decode_pages({"main": b"\x00" * 7})
 
 
+def test_several_messages_travel_as_one_batch_frame() -> None:
+    msgs = [wire.Announce(f"r{i}", i, wire.encode_pages({"main": np.array([i, i + 1])})) for i in range(5)]
+    msgs.append(wire.Result("r0", 0, True, ""))
+    frames = wire.batches([wire.encode(m) for m in msgs])
+    assert len(frames) == 1
+    batch = wire.decode(frames[0])
+    assert isinstance(batch, wire.Batch) and wire.unbatch(batch) == msgs     # in order, each typed
+    assert wire.batches([wire.encode(msgs[0])]) == [wire.encode(msgs[0])]     # one goes alone, unwrapped
+    # Split by count and by bytes; a message above the byte budget goes alone, in its place.
+    many = [wire.encode(wire.Heartbeat())] * (wire.MAX_BATCH + 3)
+    assert [len(wire.unbatch(wire.decode(f))) for f in wire.batches(many)] == [wire.MAX_BATCH, 3]
+    big = wire.encode(wire.Welcome("w", b"m" * wire.BATCH_BYTES, b"", b"", 1.0, "off"))
+    frames = wire.batches([many[0], many[0], big, many[0]])
+    assert [type(wire.decode(f)).__name__ for f in frames] == ["Batch", "Welcome", "Heartbeat"]
+
+
+def test_forged_batches_are_refused_by_name() -> None:
+    hb = wire.encode(wire.Heartbeat())
+
+    def batch(items: list[bytes]) -> bytes:
+        return msgspec.msgpack.encode([wire.PROTOCOL_VERSION, "batch", [items]])
+
+    with pytest.raises(wire.ProtocolError, match=f"MAX_BATCH={wire.MAX_BATCH}"):
+        wire.decode(batch([hb] * (wire.MAX_BATCH + 1)))
+    with pytest.raises(wire.ProtocolError, match="malformed 'batch'"):
+        wire.decode(msgspec.msgpack.encode([wire.PROTOCOL_VERSION, "batch", [[1, 2]]]))
+    with pytest.raises(wire.ProtocolError, match=f"protocol version {wire.PROTOCOL_VERSION + 1}"):
+        wire.decode(msgspec.msgpack.encode([wire.PROTOCOL_VERSION + 1, "batch", [[hb, hb]]]))
+    # Inside a batch, each message is checked as if it came alone; a bad one stands in its place.
+    newer = wire.encode(wire.Heartbeat(), version=wire.PROTOCOL_VERSION + 1)
+    out = wire.unbatch(wire.decode(batch([hb, newer, batch([hb, hb]), b"\x93junk", hb])))
+    assert isinstance(out[0], wire.Heartbeat) and isinstance(out[4], wire.Heartbeat)
+    assert "protocol version" in str(out[1]) and "a Batch inside a Batch" in str(out[2])
+    assert isinstance(out[3], wire.ProtocolError)
+
+
 def test_lease_table_is_all_or_nothing() -> None:
     table = LeaseTable(make_layout("decode"))
     table.acquire(1, "a", {"main": [1, 2], "c4": [0]})
@@ -166,10 +202,17 @@ class FakePrefill:
         self.sock.bind("tcp://127.0.0.1:0")
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.identity = b""
+        self.pending: list[Any] = []   # the rest of a Batch decode sent
 
     def recv(self) -> Any:
+        if self.pending:
+            return self.pending.pop(0)
         self.identity, data = self.sock.recv_multipart()
-        return wire.decode(data)
+        msg = wire.decode(data)
+        if isinstance(msg, wire.Batch):
+            self.pending = wire.unbatch(msg)
+            return self.pending.pop(0)
+        return msg
 
     def send(self, msg: Any, version: int = wire.PROTOCOL_VERSION) -> None:
         self.sock.send_multipart([self.identity, wire.encode(msg, version=version)])
@@ -219,6 +262,77 @@ def test_silent_prefill_fails_requests_and_keeps_leases_for_the_grace(ctx: zmq.C
         time.sleep(OPTS.lease_grace + 0.2)
         assert decode.num_live_leases == 0
     fake.transport.close()
+
+
+def test_decode_handles_each_message_of_a_batch_and_drops_only_the_bad_one(ctx: zmq.Context) -> None:
+    fake = FakePrefill(ctx)
+    with DecodeEndpoint(KVMemory.allocate(make_layout("decode")), "local", options=OPTS,
+                        digest_mode="off") as decode:
+        fut = _connect_async(decode, fake.address)
+        fake.welcome()
+        fut.result(5)
+        decode.announce("r1", {"main": [1, 2]})
+        decode.announce("r2", {"main": [3]})
+        gens = {}
+        while len(gens) < 2:
+            msg = fake.recv()
+            if isinstance(msg, wire.Announce):
+                gens[msg.request_id] = msg.generation
+        bad = decode.num_bad_messages
+        fail = [wire.encode(wire.Fail(rid, gens[rid], "no KV", "plan", True)) for rid in ("r1", "r2")]
+        forged = wire.encode(wire.Heartbeat(), version=wire.PROTOCOL_VERSION + 1)
+        fake.send_raw(wire.batches([fail[0], forged, fail[1], wire.encode(wire.Heartbeat())])[0])
+        for rid in ("r1", "r2"):
+            with pytest.raises(RequestFailed, match="no KV"):
+                decode.wait(rid, 3)
+        assert decode.num_bad_messages == bad + 1
+        assert decode.num_live_leases == 0            # both Fails were settled: the leases ended
+        assert decode.peers == [fake.address]
+    fake.transport.close()
+
+
+def test_prefill_refuses_an_oversized_batch_and_serves_on(prefill: PrefillEndpoint, ctx: zmq.Context) -> None:
+    from kvferry.transport import LocalTransport
+
+    mem, transport = KVMemory.allocate(make_layout("decode")), LocalTransport()
+    sock = _dealer(ctx, prefill.address)
+    sock.send(wire.encode(wire.Hello("s" * 16, mem.manifest(), "local", transport.register(mem), b"n" * 32,
+                                     "off", 1.0)))
+    assert isinstance(wire.decode(sock.recv()), wire.Welcome)
+    bad = prefill.num_bad_messages
+    hb = wire.encode(wire.Heartbeat())
+    sock.send(msgspec.msgpack.encode([wire.PROTOCOL_VERSION, "batch", [[hb] * (wire.MAX_BATCH + 1)]]))
+    sock.send(wire.batches([hb, hb])[0])
+    deadline = time.monotonic() + 3
+    while prefill.num_bad_messages == bad and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert prefill.num_bad_messages == bad + 1      # the oversized one; the well-formed batch is fine
+    assert len(prefill.peers) == 1
+    transport.close()
+    _serves(prefill, "after-batch")
+
+
+def test_a_verdict_batched_with_goodbye_still_completes_the_request(prefill: PrefillEndpoint,
+                                                                    ctx: zmq.Context) -> None:
+    """Decode's last Result and its Bye in one frame (it closes right after its last request ended): prefill
+    reports the verified request DONE, not lost."""
+    from kvferry.transport import LocalTransport
+
+    mem, transport = KVMemory.allocate(make_layout("decode")), LocalTransport()
+    sock = _dealer(ctx, prefill.address)
+    sock.send(wire.encode(wire.Hello("s" * 16, mem.manifest(), "local", transport.register(mem), b"n" * 32,
+                                     "off", 1.0)))
+    assert isinstance(wire.decode(sock.recv()), wire.Welcome)
+    prefill.send("r", {"main": [1, 2]})
+    sock.send(wire.encode(wire.Announce("r", 1, wire.encode_pages({"main": np.array([3, 4])}))))
+    deadline = time.monotonic() + 3
+    while not (prefill.poll("r") is RequestState.TRANSFERRING and prefill.num_live_handles == 0):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    sock.send(wire.batches([wire.encode(wire.Result("r", 1, True, "")), wire.encode(wire.Bye("decode closing"))])[0])
+    prefill.wait("r", 3)
+    assert prefill.peers == []
+    transport.close()
 
 
 @given(st.lists(_BLOBS, min_size=1, max_size=6))

@@ -165,8 +165,12 @@ class DecodeEndpoint(EndpointBase, PullReader):
             self._remember(rec)
             self._by_gen[gen] = rec
             self._num_live += 1
-            msg = wire.Announce(request_id, gen, wire.encode_pages(leased))
-            self._call_soon(lambda: self._send_each(links, msg))
+            # Queued here, sent by the progress thread at the end of its next iteration (with the others
+            # of that iteration: see endpoints' _flush).
+            data = wire.encode(wire.Announce(request_id, gen, wire.encode_pages(leased)))
+            for link in links:
+                self._queue_out(link, data)
+            self._wake()
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Non-blocking: fail the request now and tell every prefill rank writing it. Its pages stay leased
@@ -357,6 +361,8 @@ class DecodeEndpoint(EndpointBase, PullReader):
             link.error = error
             link.state = "failed"
             with contextlib.suppress(zmq.ZMQError):  # best effort: the connection may be what failed
+                for frame in wire.batches(self._take_out(link)):  # what was queued goes first
+                    self._send_raw(link, frame, quiet=False)
                 self._send_raw(link, wire.encode(wire.Bye(str(error)[:wire.MAX_REASON_LEN])), quiet=False)
             self._close_link(link)
 
@@ -398,6 +404,14 @@ class DecodeEndpoint(EndpointBase, PullReader):
                 self._link_failed(link, IncompatiblePeer(f"prefill {link.address}: {exc}"))
             raise
         link.last_seen = self._recv_time
+        if isinstance(msg, wire.Batch):
+            self._on_batch(wire.unbatch(msg), lambda m: self._on_link_msg(link, m))
+        else:
+            self._on_link_msg(link, msg)
+
+    def _on_link_msg(self, link: Link, msg: Any) -> None:
+        """One message from ``link``, alone or out of a Batch (in order, each as if it had come alone: a
+        link that failed or died earlier in the batch hears no more)."""
         if link.state == "connecting":
             self._on_handshake(link, msg)
         elif link.state == "established":
@@ -545,8 +559,12 @@ class DecodeEndpoint(EndpointBase, PullReader):
             return
         self._set_state(rec, RequestState.DONE)
         self._end_lease(rec)  # every chunk's notification arrived, so every write has landed
+        # Lazily while other requests are live: nothing here waits on it (prefill reports DONE once it
+        # arrives), and under load it leaves in one frame with the next Announce (endpoints' LAZY_S bounds
+        # the delay). The last one leaves at once.
+        lazy = self._num_live > 0
         for p in rec.parts.values():
-            self._send(p.link, wire.Result(rec.request_id, rec.generation, True, ""))
+            self._send(p.link, wire.Result(rec.request_id, rec.generation, True, ""), lazy=lazy)
 
     # -- timers (progress thread) ----------------------------------------------------------------------
     def _is_busy(self) -> bool:
@@ -654,12 +672,12 @@ class DecodeEndpoint(EndpointBase, PullReader):
         self._changed = True
 
     # -- sockets (progress thread) ---------------------------------------------------------------------
-    def _send_each(self, links: list[Link], msg: Any) -> None:
-        for link in links:
-            self._send(link, msg)
+    def _send(self, link: Link, msg: Any, *, lazy: bool = False) -> None:
+        """Queue ``msg`` for ``link``; it leaves at the end of this iteration (``_flush``; ``lazy``: see there)."""
+        self._queue_out(link, wire.encode(msg), lazy=lazy)
 
-    def _send(self, link: Link, msg: Any) -> None:
-        self._send_raw(link, wire.encode(msg))
+    def _send_frame(self, link: Link, frame: bytes) -> None:
+        self._send_raw(link, frame)
 
     def _send_raw(self, link: Link, data: bytes, *, quiet: bool = True) -> None:
         """Send without blocking. A failed send (``zmq.Again``: the connection is gone and no message
@@ -678,6 +696,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
         link.last_sent = now
 
     def _close_link(self, link: Link) -> None:
+        self._take_out(link)   # closed with linger 0: what it had not sent is dropped, as before
         if link.monitor is not None:
             self._poller.unregister(link.monitor)
             self._monitors.pop(link.monitor, None)

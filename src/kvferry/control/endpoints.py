@@ -18,6 +18,14 @@ write or a notification is outstanding (NIXL notifications wake no file descript
 is the wake-up itself, and under load (many requests in flight, where latency is queueing) a spin that
 finds several notifications at once costs less than several spins that find one each. A caller's call
 (``announce``, ``send``) cuts the sleep short.
+
+Messages to a peer are queued during an iteration and leave at its end (``_flush``): several for one peer
+go as one ``wire.Batch``, so under load libzmq's I/O thread is woken once per iteration and peer, not once
+per request. A message nobody waits on at once (decode's verdict on a verified request: prefill only
+learns it may report DONE) may be queued *lazily*: it leaves with the next message to that peer (decode's
+next Announce, usually in the next iteration) or ``LAZY_S`` later at the latest. Each side's clocks of
+"what the peer heard from us" (heartbeats, prefill's check before a write, decode's pull-mode fence)
+advance when a frame actually leaves, never when a message was queued.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from typing import Any
 
 import zmq
 
+from kvferry.control import wire
 from kvferry.control.states import TERMINAL, RequestState, advance
 from kvferry.errors import EndpointClosed, KVFerryError, RequestFailed, TransferTimeout, UsageError
 from kvferry.integrity import DigestMode
@@ -50,6 +59,9 @@ __all__ = ["EndpointOptions"]
 FLUSH_MS = 500
 
 log = logging.getLogger("kvferry.control")
+
+# How long a lazily queued message may wait for company before it leaves alone (see the module docstring).
+LAZY_S = 500e-6
 
 # Terminal records kept so poll/wait can still answer after the fact; the oldest are forgotten first.
 MAX_FINISHED = 1 << 16
@@ -143,6 +155,9 @@ class EndpointBase:
         self._cond = threading.Condition(self._lock)
         self._records: OrderedDict[str, RequestRecord] = OrderedDict()   # newest incarnation per id
         self._calls: list[Callable[[], None]] = []                      # run on the progress thread
+        self._outbox: dict[Any, list[bytes]] = {}   # peer -> encoded messages, sent at the iteration's end
+        self._due: dict[Any, float] = {}             # peer -> when its queue must leave (lazy messages only)
+        self._wake_pending = False   # a byte is in the wake pipe that the thread has not drained yet
         self._changed = False
         self._closing = False
         self._close_deadline = 0.0
@@ -164,30 +179,38 @@ class EndpointBase:
         self._thread = threading.Thread(target=self._run, name=f"kvferry-{self._role}", daemon=True)
 
     # -- public: any thread ----------------------------------------------------------------------------
+    # poll, timing, failure and wait's answer for a request that has ended read the record without the
+    # endpoint's lock. The progress thread holds that lock for a whole iteration (NIXL writes included on
+    # prefill), so a caller asking about many requests would block behind it once per question. Each
+    # field is one attribute the thread assigns in a single store (the error before the state, the state
+    # before the end time), so an unlocked read sees a value the record had, never a torn one; a state
+    # read a moment stale is what a locked read returns a moment later too.
     def poll(self, request_id: str) -> RequestState:
-        """Non-blocking: the request's state. ``KeyError`` for an id this endpoint does not know."""
-        with self._lock:
-            return self._record(request_id).state
+        """Non-blocking, lock-free: the request's state. ``KeyError`` for an id this endpoint does not know."""
+        return self._record(request_id).state
 
     def timing(self, request_id: str) -> tuple[float, float | None]:
-        """Non-blocking: ``time.monotonic()`` when this side learned of the request and when it ended
-        (None while live). For latency metrics."""
-        with self._lock:
-            rec = self._record(request_id)
-            return rec.started_at, rec.ended_at
+        """Non-blocking, lock-free: ``time.monotonic()`` when this side learned of the request and when it
+        ended (None while live; set after the state turned terminal). For latency metrics."""
+        rec = self._record(request_id)
+        return rec.started_at, rec.ended_at
 
     def failure(self, request_id: str) -> KVFerryError | None:
-        """Non-blocking: why the request failed (None unless it is ``FAILED``)."""
-        with self._lock:
-            return self._record(request_id).error
+        """Non-blocking, lock-free: why the request failed (None unless it is ``FAILED``)."""
+        return self._record(request_id).error
 
     def wait(self, request_id: str, timeout: float) -> None:
         """Block until the request is ``DONE`` (returns) or ``FAILED`` (raises ``RequestFailed``, its
         ``__cause__`` the specific error: ``PeerLost``, ``TransferTimeout``, ``IntegrityError``...).
 
         Raises ``TransferTimeout`` when ``timeout`` seconds pass first; the request itself goes on (its own
-        deadline is ``options.request_timeout``). ``KeyError`` for an unknown id.
+        deadline is ``options.request_timeout``). ``KeyError`` for an unknown id. Reads the record without
+        the endpoint's lock (see above), so it never queues behind the progress thread's iteration.
         """
+        rec = self._record(request_id)
+        if not rec.is_live:
+            self._raise_if_failed(rec)
+            return
         deadline = time.monotonic() + timeout
         seen: list[RequestRecord] = []
 
@@ -195,14 +218,19 @@ class EndpointBase:
             seen[:] = [self._record(request_id)]
             return not seen[0].is_live
 
-        if not self._wait_for(ended, deadline):
-            state = seen[0].state.value if seen else "unknown (the endpoint's lock stayed busy)"
+        # Without the lock, as poll does (see above): a waiter woken by the progress thread need not then
+        # queue behind that thread's next iteration to read one field.
+        if not self._wait_for(ended, deadline, locked=False):
+            state = seen[0].state.value if seen else "unknown"
             raise TransferTimeout(f"{self._role}: request {request_id!r} still {state} "
                                   f"after waiting {timeout:.3f} s")
-        rec = seen[0]
+        self._raise_if_failed(seen[0])
+
+    @staticmethod
+    def _raise_if_failed(rec: RequestRecord) -> None:
         if rec.state is RequestState.FAILED:
             err = rec.error
-            raise RequestFailed(request_id, str(err) if err is not None else "failed") from err
+            raise RequestFailed(rec.request_id, str(err) if err is not None else "failed") from err
 
     @property
     def num_live_requests(self) -> int:
@@ -224,7 +252,7 @@ class EndpointBase:
         finally:
             if got:
                 self._lock.release()
-        self._wake()
+        self._wake(force=True)   # maybe without the lock: do not trust the flag
         self._thread.join(timeout + 2.0)
         if self._thread.is_alive():
             # Stuck (a stalled backend call): closing the transport or terminating the ZMQ context under
@@ -245,23 +273,26 @@ class EndpointBase:
         self.close()
 
     # -- helpers for subclasses ------------------------------------------------------------------------
-    def _wait_for(self, done: Callable[[], bool], deadline: float) -> bool:
-        """Block until ``done()`` (run under the lock) is true: True; or until ``deadline``: False.
+    def _wait_for(self, done: Callable[[], bool], deadline: float, *, locked: bool = True) -> bool:
+        """Block until ``done()`` (run under the lock, or without it when ``locked`` is False: a ``done``
+        that reads single fields, as ``wait`` does) is true: True; or until ``deadline``: False.
 
         Bounded by ``deadline`` alone: the lock is taken with a timeout, the sleep is on ``_signal``.
         Raises ``EndpointClosed`` (cause chained) once the progress thread has died, and whatever
-        ``done`` raises."""
+        ``done`` raises. No wake-up is lost either way: the version is read before ``done`` looks, and the
+        thread bumps it after every change it reports (``_notify``)."""
         while True:
             with self._signal:
                 version = self._version
-            if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            if locked and not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 return False
             try:
                 if done():  # first: a crash failed every record and link, each with its own answer
                     return True
                 self._raise_if_crashed()
             finally:
-                self._lock.release()
+                if locked:
+                    self._lock.release()
             with self._signal:
                 while self._version == version:
                     left = deadline - time.monotonic()
@@ -318,10 +349,52 @@ class EndpointBase:
         self._calls.append(fn)
         self._wake()
 
-    def _wake(self) -> None:
-        # A full pipe means the thread wakes anyway; a closed one means we are shutting down.
+    def _wake(self, *, force: bool = False) -> None:
+        # One byte until the thread drains the pipe: more would wake it no sooner (callers hold the lock,
+        # and the thread clears the flag under it). A full pipe means the thread wakes anyway; a closed
+        # one means we are shutting down.
+        if self._wake_pending and not force:
+            return
+        self._wake_pending = True
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"x")
+
+    def _queue_out(self, peer: Any, data: bytes, *, lazy: bool = False) -> None:
+        """Queue an encoded message for ``peer``; it leaves at the end of this iteration (``_flush``), or,
+        ``lazy``, with the next message to ``peer`` or ``LAZY_S`` from now, whichever comes first."""
+        out = self._outbox.get(peer)
+        if out is None:
+            self._outbox[peer] = [data]
+        else:
+            out.append(data)
+        due = time.monotonic() + LAZY_S if lazy else 0.0
+        self._due[peer] = min(due, self._due.get(peer, due))
+
+    def _take_out(self, peer: Any) -> list[bytes]:
+        """Everything queued for ``peer``, taken off the queue (to be sent at once, or dropped)."""
+        self._due.pop(peer, None)
+        return self._outbox.pop(peer, [])
+
+    def _flush(self, *, force: bool = False) -> None:
+        """Send the queued messages that are due (all of them with ``force``), per peer in order, several
+        as ``wire.Batch`` frames."""
+        if not self._outbox:
+            return
+        now = 0.0 if force else time.monotonic()
+        for peer in [p for p, due in self._due.items() if due <= now or force]:
+            for frame in wire.batches(self._take_out(peer)):
+                self._send_frame(peer, frame)
+
+    def _on_batch(self, messages: list[Any], handle: Callable[[Any], None]) -> None:
+        """``handle`` each message of one frame in order; a bad one is counted and dropped, not the rest."""
+        for msg in messages:
+            try:
+                if isinstance(msg, KVFerryError):
+                    raise msg
+                handle(msg)
+            except KVFerryError as exc:
+                self.num_bad_messages += 1
+                log.debug("%s: dropped a message: %s", self._role, exc)
 
     def _new_socket(self, kind: int) -> zmq.Socket:
         sock = self._ctx.socket(kind)
@@ -342,6 +415,7 @@ class EndpointBase:
             while True:
                 with self._lock:
                     if self._closing and self._shutdown_step():
+                        self._flush(force=True)
                         break
                 self._step()
         except BaseException as exc:  # fail closed: a dead progress thread fails every request and link
@@ -363,7 +437,7 @@ class EndpointBase:
 
     def _step(self) -> None:
         with self._lock:
-            busy = self._is_busy() or bool(self._calls)
+            busy = self._is_busy() or bool(self._calls) or bool(self._outbox)
             timeout_ms = 0 if busy else self._idle_timeout_ms()
         events = dict(self._poller.poll(timeout_ms))
         with self._cond:
@@ -373,6 +447,7 @@ class EndpointBase:
             self._recv_time = time.monotonic()
             self._check_silence(self._recv_time)
             if events.pop(self._wake_r, None):
+                self._wake_pending = False   # under the lock, before draining: a later _wake writes again
                 self._drain_wake()
             calls, self._calls = self._calls, []
             for fn in calls:
@@ -382,6 +457,7 @@ class EndpointBase:
             if self._pump() or events or calls:
                 self._idle_spins = 0
             self._tick(time.monotonic())
+            self._flush()
             changed, self._changed = self._changed, False
         if changed:
             self._notify()
@@ -446,6 +522,10 @@ class EndpointBase:
 
     def _socket_failed(self, sock: Any, exc: zmq.ZMQError) -> None:
         """A receive on ``sock`` raised: fail what it serves."""
+        raise NotImplementedError
+
+    def _send_frame(self, peer: Any, frame: bytes) -> None:
+        """Send one frame (a message or a Batch) to ``peer`` now, as ``_flush`` does; never raises."""
         raise NotImplementedError
 
     def _fail_peers(self, error: KVFerryError) -> None:

@@ -105,6 +105,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         self._close_error = KVFerryError("prefill endpoint closing")
         self._process = this_process()   # reported in Welcome: decode ends quarantines once it is gone
         self._unpeer: set[str] = set()    # decode agents to forget once no write to them is in flight
+        self._hash_in_send = True         # see _may_use_source_digests
         self._thread.start()
 
     # -- public API: any thread ------------------------------------------------------------------------
@@ -143,10 +144,18 @@ class PrefillEndpoint(EndpointBase, PullSource):
     def _may_use_source_digests(self) -> bool:
         """Whole-page digests hashed in ``send`` serve only equal-TP peers; when every connected peer is a
         cross-TP rank they would be thrown away (its chunks get slice digests from the plan), so skip them.
-        With no peer yet, hash: the first to announce is most likely an equal-TP decode."""
-        with self._lock:
-            sessions = [s for s in self._sessions.values() if s.state == "established"]
-            return not sessions or any(s.planner is None for s in sessions)
+        With no peer yet, hash: the first to announce is most likely an equal-TP decode.
+
+        Read without the lock (the progress thread keeps the answer, ``_note_sessions``): taking it here
+        made ``send`` wait for the progress thread's iteration, NIXL write included, before it could hash,
+        so the hashing no longer overlapped the write. A stale answer moves only where a chunk's digests
+        are made (here, or from the plan when it is posted: ``chunk_digests``), never whether."""
+        return self._hash_in_send
+
+    def _note_sessions(self) -> None:
+        """After an established session came or went (progress thread, under the lock)."""
+        sessions = [s for s in self._sessions.values() if s.state == "established"]
+        self._hash_in_send = not sessions or any(s.planner is None for s in sessions)
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Non-blocking: fail the request and stop writing it. Decode hears of it (and frees its pages)
@@ -375,11 +384,22 @@ class PrefillEndpoint(EndpointBase, PullSource):
             raise
         if session is not None:
             session.last_seen = self._recv_time
+        if isinstance(msg, wire.Batch):
+            self._on_batch(wire.unbatch(msg), lambda m: self._on_msg(identity, m, b""))
+        else:
+            self._on_msg(identity, msg, data)
+
+    def _on_msg(self, identity: bytes, msg: Any, data: bytes) -> None:
+        """One message from ``identity``, alone or out of a Batch (``data`` empty: a Batch's, in order, each
+        handled as if it had come alone)."""
+        session = self._sessions.get(identity)
         if isinstance(msg, wire.Hello):
+            if not data:  # the MAC binds a Hello's own frame: it comes alone
+                raise ProtocolError("Hello inside a Batch")
             self._on_hello(identity, session, msg, data)
         elif session is None:
             # A session we declared dead (or never had) must handshake again, not be heard silently.
-            self._send_raw(identity, wire.encode(wire.Bye("unknown session: handshake again")))
+            self._send_now(identity, wire.encode(wire.Bye("unknown session: handshake again")))
             raise ProtocolError(f"{type(msg).__name__} before Hello")
         elif session.state == "challenged":
             self._on_auth(session, msg)
@@ -520,6 +540,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
                 self._session_dead(other, PeerLost(f"{other.label} replaced by a new session of the same agent"))
         session.digest_mode = DigestMode.from_peer(session.hello.digest_mode)
         session.state = "established"
+        self._note_sessions()
         proof = b"" if self._secret is None else auth_mac(self._secret, b"prefill", session.hello.nonce,
                                                          session.nonce, session.hello_bytes)
         me = self._process
@@ -540,7 +561,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     def _reject(self, identity: bytes, reason: str) -> None:
         self._sessions.pop(identity, None)
-        self._send_raw(identity, wire.encode(wire.Reject(reason[:wire.MAX_REASON_LEN])))
+        self._send_now(identity, wire.encode(wire.Reject(reason[:wire.MAX_REASON_LEN])))
 
     # -- timers (progress thread) ----------------------------------------------------------------------
     def _is_busy(self) -> bool:
@@ -589,6 +610,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
     def _fail_peers(self, error: KVFerryError) -> None:
         for session in self._sessions.values():
             session.state = "dead"
+        self._note_sessions()
 
     def _session_dead(self, session: Session, error: KVFerryError) -> None:
         """Fail the session's requests, release their handles, forget the peer; others go on."""
@@ -600,6 +622,17 @@ class PrefillEndpoint(EndpointBase, PullSource):
         self._hold_after_death(session, time.monotonic())
         for rec in list(self._active):
             if rec.session is session:
+                # Decode's verdict may have come in the same frames as its goodbye (a batch, or one drain
+                # of the socket): a request whose writes all completed and that decode verified is DONE,
+                # not lost. Settle it first; only what is still open fails. A verified part of a request
+                # other decode ranks still owe a verdict on (decode TP > prefill TP) has nothing left to
+                # write or hear from this session: the group decides (its other ranks, or the deadline).
+                self._poll_handles(rec)
+                self._settle(rec)
+                if rec.state is RequestState.DONE:
+                    continue
+                if rec.is_live and rec.decode_ok and rec.last_posted and not rec.handles:
+                    continue
                 self._fail_req(rec, error)
                 self._poll_handles(rec)
                 # Writes still in flight are not cancelled blind: they finish (or fail) under _pump, and
@@ -608,6 +641,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
                     self._active.discard(rec)
                     self._dirty.discard(rec)
         self._sessions.pop(session.identity, None)
+        self._note_sessions()
         self._unpeer.add(session.agent)
         self._forget_peers()
         self._changed = True
@@ -625,8 +659,22 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     # -- sockets (progress thread) ---------------------------------------------------------------------
     def _send(self, session: Session, msg: Any) -> None:
-        self._send_raw(session.identity, wire.encode(msg))
-        session.last_sent = time.monotonic()
+        """Queue ``msg`` for ``session``'s decode; it leaves at the end of this iteration (``_flush``)."""
+        self._queue_out(session.identity, wire.encode(msg))
+
+    def _send_frame(self, identity: bytes, frame: bytes) -> None:
+        self._send_raw(identity, frame)
+        session = self._sessions.get(identity)
+        if session is not None:  # what decode heard from us, for _check_current and heartbeats
+            session.last_sent = time.monotonic()
+
+    def _send_now(self, identity: bytes, data: bytes) -> None:
+        """Send what is queued for ``identity`` now, then ``data`` (if any) alone: a Reject, which any protocol
+        version must read."""
+        for frame in wire.batches(self._take_out(identity)):
+            self._send_frame(identity, frame)
+        if data:
+            self._send_raw(identity, data)
 
     def _send_raw(self, identity: bytes, data: bytes) -> None:
         with contextlib.suppress(zmq.ZMQError):  # a vanished peer: heartbeats will notice

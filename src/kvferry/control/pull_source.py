@@ -30,10 +30,11 @@ __all__ = ["PullSource"]
 
 class PullSource:
     """Mixed into ``PrefillEndpoint`` (after ``EndpointBase`` in its bases): offering chunks and the source
-    holds. Relies on the endpoint's ``_send``, ``_dirty``, ``options`` and lock."""
+    holds. Relies on the endpoint's ``_send``, ``_send_now``, ``_outbox``, ``_dirty``, ``options`` and lock."""
 
     _holds: set[PrefillRequest]
     _dirty: set[PrefillRequest]
+    _outbox: dict[Any, list[bytes]]
     options: Any
     _next_gone_check = 0.0
 
@@ -47,6 +48,10 @@ class PullSource:
         rec.source_held, rec.release_at = True, None
         self._holds.add(rec)
         self._send(session, ready)
+        if len(self._outbox[session.identity]) == 1:
+            # The first of this iteration leaves at once (decode may be idle, waiting for it); the rest
+            # follow together at the iteration's end.
+            self._send_now(session.identity, b"")
 
     def _release_source(self, rec: PrefillRequest) -> None:
         """Decode is done with the record's source pages (or can no longer accept what it reads)."""

@@ -26,6 +26,7 @@ buffer from the plan's pages with ``seed``, so different buffers cover different
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -232,15 +233,36 @@ def digest_pages(memory: KVMemory, pages: Mapping[str, np.ndarray], mode: Digest
     in the same order, and with the same int ``seed`` samples as ``digest_plan`` on that plan does;
     ``SourceDigests.keyed`` then names the destination pages. Lets prefill hash on the thread that calls
     ``send`` (the pages are final then) rather than on its progress thread. Blocking.
+
+    What does not depend on the pages themselves (which buffers, their names and sizes, how many picks per
+    buffer) is built once per memory, mode, buffer selection and page count per pool, and reused.
     """
-    keep = None if buffers is None else [memory.buffer_index[n] for n in buffers]
-    cells = []
-    for pool, src in pages.items():
-        ids = memory.pool_arrays[pool].buffer_ids
-        ids = ids if keep is None else ids[np.isin(ids, keep)]
-        if len(src) and len(ids):  # the planner leaves such pools out of the plan too
-            cells.append((pool, ids, np.asarray(src, dtype=np.int64)))
-    return _digest_cells(memory, cells, mode, seed, samples_per_buffer)
+    mode = DigestMode.parse(mode)
+    names = None if buffers is None else tuple(buffers)
+    key = (mode, samples_per_buffer, names, tuple([(pool, len(src)) for pool, src in pages.items()]))
+    frames = _FRAMES.get(memory)
+    if frames is None:
+        frames = _FRAMES[memory] = {}
+    frame = frames.get(key)
+    if frame is None:
+        keep = None if names is None else [memory.buffer_index[n] for n in names]
+        cells = []
+        for pool, src in pages.items():
+            ids = memory.pool_arrays[pool].buffer_ids
+            ids = ids if keep is None else ids[np.isin(ids, keep)]
+            if len(src) and len(ids):  # the planner leaves such pools out of the plan too
+                cells.append((pool, ids, len(src)))
+        frame = _frame(memory, cells, mode, samples_per_buffer, None, None)
+        if len(frames) >= _MAX_FRAMES:
+            frames.clear()
+        frames[key] = frame
+    return _digest_frame(memory, frame, [np.asarray(pages[pool], dtype=np.int64) for pool in frame.pool_names],
+                         seed)
+
+
+# Per memory: digest_pages' frames by (mode, samples, buffers, page count per pool); bounded.
+_FRAMES: weakref.WeakKeyDictionary[KVMemory, dict[object, _Frame]] = weakref.WeakKeyDictionary()
+_MAX_FRAMES = 256
 
 
 @dataclass(frozen=True, eq=False)
@@ -276,38 +298,77 @@ class SourceDigests:
 _Cells = Sequence[tuple[str, np.ndarray, np.ndarray]]   # per pool: (name, buffer ids into layout.buffers, pages)
 
 
+@dataclass(frozen=True, slots=True)
+class _Frame:
+    """What digesting some pools' pages needs apart from the pages: built per call, or once and reused
+    (``digest_pages``). Entries run pool by pool, buffer by buffer, ``picks[p]`` pages per buffer."""
+
+    mode: DigestMode
+    k: int
+    pool_names: tuple[str, ...]
+    num_buffers: tuple[int, ...]      # per pool
+    num_pages: tuple[int, ...]        # per pool
+    picks: tuple[int, ...]            # per pool: pages hashed per buffer
+    names: tuple[str, ...]            # the buffers, pool by pool
+    local: np.ndarray                 # uint32 [N]: index into names (read-only)
+    pool_ids: np.ndarray              # int64 [N]: index into pool_names (read-only)
+    gids: np.ndarray                  # int64 [N]: index into layout.buffers
+    gid_list: list[int]               # gids as a list, and each entry's page bytes: hashing's inputs
+    page_bytes: np.ndarray            # int64 [N]
+    slices: Mapping[str, PageSlice] | None
+    shape: str
+
+
+def _frame(memory: KVMemory, cells: Sequence[tuple[str, np.ndarray, int]], mode: DigestMode, k: int,
+           slices: Mapping[str, PageSlice] | None, shape: str | None) -> _Frame:
+    """The frame of ``cells`` (per pool: name, buffer ids, page count) in ``mode``."""
+    if mode is not DigestMode.OFF and k < 1:
+        raise UsageError(f"samples_per_buffer must be >= 1, got {k}")
+    shape = memory.layout.shape_fingerprint if shape is None else shape
+    if mode is DigestMode.OFF:
+        cells = []
+    picks = [n if mode is DigestMode.FULL or n <= k else k for _, _, n in cells]
+    counts = [len(ids) * m for (_, ids, _), m in zip(cells, picks)]
+    bufs = memory.layout.buffers
+    gids = (np.concatenate([ids.repeat(m) for (_, ids, _), m in zip(cells, picks)]).astype(np.int64)
+            if cells else np.zeros(0, np.int64))
+    return _Frame(mode, k, tuple(c[0] for c in cells), tuple(len(c[1]) for c in cells), tuple(c[2] for c in cells),
+                  tuple(picks), tuple(bufs[g].name for c in cells for g in c[1].tolist()),
+                  readonly(np.arange(sum(len(c[1]) for c in cells), dtype=np.uint32).repeat(
+                      np.repeat(picks, [len(c[1]) for c in cells]).astype(np.int64))),
+                  readonly(np.repeat(np.arange(len(cells), dtype=np.int64), counts)), readonly(gids), gids.tolist(),
+                  readonly(hash_index(memory).page_bytes[gids]), slices, shape)
+
+
 def _digest_cells(memory: KVMemory, cells: _Cells, mode: DigestMode | str, seed: int | np.random.Generator,
                   k: int, slices: Mapping[str, PageSlice] | None = None, shape: str | None = None,
                   ) -> SourceDigests:
     """Choose the pages to hash (every one, or ``k`` per buffer), then hash them all in one pass: whole
     pages, or each buffer's ``slices`` entry of them. ``shape``: the layout the digests are checked on."""
-    mode = DigestMode.parse(mode)
-    shape = memory.layout.shape_fingerprint if shape is None else shape
-    if mode is not DigestMode.OFF and k < 1:
-        raise UsageError(f"samples_per_buffer must be >= 1, got {k}")
-    if mode is DigestMode.OFF or not cells:
-        return SourceDigests(mode, (), *_empty_entries(), shape=shape)
-    rng = _rng(seed) if mode is DigestMode.SAMPLED else None
+    frame = _frame(memory, [(pool, ids, len(pages)) for pool, ids, pages in cells], DigestMode.parse(mode), k,
+                   slices, shape)
+    return _digest_frame(memory, frame, [pages for _, _, pages in cells], seed)
+
+
+def _digest_frame(memory: KVMemory, frame: _Frame, pages: list[np.ndarray],
+                  seed: int | np.random.Generator) -> SourceDigests:
+    """Hash ``frame``'s cells for these pages (per pool of the frame, in its order)."""
+    if not frame.pool_names:
+        return SourceDigests(frame.mode, (), *_empty_entries(), shape=frame.shape)
+    rng = _rng(seed) if frame.mode is DigestMode.SAMPLED else None
     # ndarray methods, not the numpy functions of the same name: those add a Python-level dispatch that
     # cost more than the work on these few-entry arrays (this runs per chunk).
-    local, gids, pools, pos, src = [], [], [], [], []
-    first = 0                                                   # plan-wide number of the pool's first buffer
-    for p, (_, ids, pages) in enumerate(cells):
-        chosen = _choose(rng, len(ids), len(pages), mode, k)   # [buffers of the pool, picks]: positions
-        picks = chosen.shape[1]
-        local.append(np.arange(first, first + len(ids), dtype=np.uint32).repeat(picks))
-        gids.append(ids.repeat(picks))
-        pools.append(np.zeros(chosen.size, dtype=np.int64) + p)
+    pos, src = [], []
+    for nb, n, src_pages in zip(frame.num_buffers, frame.num_pages, pages):
+        chosen = _choose(rng, nb, n, frame.mode, frame.k)   # [buffers of the pool, picks]: positions
         pos.append(chosen.ravel())
-        src.append(pages[chosen].ravel())
-        first += len(ids)
-    bufs = memory.layout.buffers
-    names = tuple(bufs[g].name for c in cells for g in c[1].tolist())
-    one = len(cells) == 1
-    cat = (lambda parts: parts[0]) if one else np.concatenate
-    digests = hash_cells(memory, cat(gids), cat(src), slices, "src")
-    return SourceDigests(mode, names, readonly(cat(local)), tuple(c[0] for c in cells),
-                         readonly(cat(pools)), readonly(cat(pos)), readonly(digests), shape)
+        src.append(src_pages[chosen].ravel())
+    one = len(pos) == 1
+    positions, src_all = (pos[0], src[0]) if one else (np.concatenate(pos), np.concatenate(src))
+    digests = hash_cells(memory, frame.gids, src_all, frame.slices, "src", gid_list=frame.gid_list,
+                         page_bytes=frame.page_bytes)
+    return SourceDigests(frame.mode, frame.names, frame.local, frame.pool_names, frame.pool_ids,
+                         readonly(positions), readonly(digests), frame.shape)
 
 
 def _rng(seed: int | np.random.Generator) -> np.random.Generator:

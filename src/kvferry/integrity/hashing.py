@@ -86,21 +86,23 @@ def _host_view(memory: KVMemory, name: str) -> memoryview | None:
 
 
 def hash_cells(memory: KVMemory, gids: np.ndarray, pages: np.ndarray,
-               slices: Mapping[str, PageSlice] | None = None, side: str = "src") -> np.ndarray:
+               slices: Mapping[str, PageSlice] | None = None, side: str = "src", *,
+               gid_list: list[int] | None = None, page_bytes: np.ndarray | None = None) -> np.ndarray:
     """xxh3-64 of page ``pages[i]`` of buffer ``gids[i]`` (indices into layout.buffers), as uint64.
 
     With ``slices`` (buffer name -> its ``PageSlice``; every buffer in ``gids`` must have one), of that
     slice of the page, at its ``side`` ("src" or "dst") offsets. Pages must be in range (a memoryview
-    slice past the end is short, not an error). GPU buffers and slices go buffer by buffer.
+    slice past the end is short, not an error). GPU buffers and slices go buffer by buffer. ``gid_list``
+    and ``page_bytes``: ``gids.tolist()`` and each cell's page bytes, when the caller keeps them.
     """
     index = hash_index(memory)
     views = index.views
     if slices is not None or (not index.all_host and any(views[g] is None for g in np.unique(gids).tolist())):
         return _hash_by_buffer(memory, gids, pages, slices, side)
-    pb = index.page_bytes[gids]
+    pb = index.page_bytes[gids] if page_bytes is None else page_bytes
     fn, seed = xxhash.xxh3_64_intdigest, _HASH_SEED
     out = [fn(views[g][o:o + n], seed)  # type: ignore[index]
-           for g, o, n in zip(gids.tolist(), (pages * pb).tolist(), pb.tolist())]
+           for g, o, n in zip(gids.tolist() if gid_list is None else gid_list, (pages * pb).tolist(), pb.tolist())]
     return np.array(out, dtype=np.uint64)
 
 
