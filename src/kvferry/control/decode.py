@@ -559,12 +559,8 @@ class DecodeEndpoint(EndpointBase, PullReader):
             return
         self._set_state(rec, RequestState.DONE)
         self._end_lease(rec)  # every chunk's notification arrived, so every write has landed
-        # Lazily while other requests are live: nothing here waits on it (prefill reports DONE once it
-        # arrives), and under load it leaves in one frame with the next Announce (endpoints' LAZY_S bounds
-        # the delay). The last one leaves at once.
-        lazy = self._num_live > 0
         for p in rec.parts.values():
-            self._send(p.link, wire.Result(rec.request_id, rec.generation, True, ""), lazy=lazy)
+            self._send(p.link, wire.Result(rec.request_id, rec.generation, True, ""))
 
     # -- timers (progress thread) ----------------------------------------------------------------------
     def _is_busy(self) -> bool:
@@ -672,9 +668,9 @@ class DecodeEndpoint(EndpointBase, PullReader):
         self._changed = True
 
     # -- sockets (progress thread) ---------------------------------------------------------------------
-    def _send(self, link: Link, msg: Any, *, lazy: bool = False) -> None:
-        """Queue ``msg`` for ``link``; it leaves at the end of this iteration (``_flush``; ``lazy``: see there)."""
-        self._queue_out(link, wire.encode(msg), lazy=lazy)
+    def _send(self, link: Link, msg: Any) -> None:
+        """Queue ``msg`` for ``link``; it leaves with this iteration's next ``_flush``."""
+        self._queue_out(link, wire.encode(msg))
 
     def _send_frame(self, link: Link, frame: bytes) -> None:
         self._send_raw(link, frame)

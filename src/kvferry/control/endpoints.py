@@ -19,13 +19,13 @@ is the wake-up itself, and under load (many requests in flight, where latency is
 finds several notifications at once costs less than several spins that find one each. A caller's call
 (``announce``, ``send``) cuts the sleep short.
 
-Messages to a peer are queued during an iteration and leave at its end (``_flush``): several for one peer
-go as one ``wire.Batch``, so under load libzmq's I/O thread is woken once per iteration and peer, not once
-per request. A message nobody waits on at once (decode's verdict on a verified request: prefill only
-learns it may report DONE) may be queued *lazily*: it leaves with the next message to that peer (decode's
-next Announce, usually in the next iteration) or ``LAZY_S`` later at the latest. Each side's clocks of
-"what the peer heard from us" (heartbeats, prefill's check before a write, decode's pull-mode fence)
-advance when a frame actually leaves, never when a message was queued.
+Messages to a peer are queued during an iteration and leave at its end (``_flush``), and before its
+transfers for what its calls and the messages it read produced: several for one peer go as one
+``wire.Batch``, so under load libzmq's I/O thread is woken once per iteration and peer, not once per
+request. Each side's clocks of "what the peer heard from us" (heartbeats, prefill's check before a write,
+decode's pull-mode fence) advance when a frame actually leaves, never when a message was queued. (Holding
+decode's verdicts back for company, up to 500 us, was tried: it made p50 no better in
+``bench/control.py`` and only delays prefill's DONE.)
 """
 
 from __future__ import annotations
@@ -59,9 +59,6 @@ __all__ = ["EndpointOptions"]
 FLUSH_MS = 500
 
 log = logging.getLogger("kvferry.control")
-
-# How long a lazily queued message may wait for company before it leaves alone (see the module docstring).
-LAZY_S = 500e-6
 
 # Terminal records kept so poll/wait can still answer after the fact; the oldest are forgotten first.
 MAX_FINISHED = 1 << 16
@@ -156,7 +153,6 @@ class EndpointBase:
         self._records: OrderedDict[str, RequestRecord] = OrderedDict()   # newest incarnation per id
         self._calls: list[Callable[[], None]] = []                      # run on the progress thread
         self._outbox: dict[Any, list[bytes]] = {}   # peer -> encoded messages, sent at the iteration's end
-        self._due: dict[Any, float] = {}             # peer -> when its queue must leave (lazy messages only)
         self._wake_pending = False   # a byte is in the wake pipe that the thread has not drained yet
         self._changed = False
         self._closing = False
@@ -359,29 +355,23 @@ class EndpointBase:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"x")
 
-    def _queue_out(self, peer: Any, data: bytes, *, lazy: bool = False) -> None:
-        """Queue an encoded message for ``peer``; it leaves at the end of this iteration (``_flush``), or,
-        ``lazy``, with the next message to ``peer`` or ``LAZY_S`` from now, whichever comes first."""
+    def _queue_out(self, peer: Any, data: bytes) -> None:
+        """Queue an encoded message for ``peer``; it leaves with the next ``_flush``."""
         out = self._outbox.get(peer)
         if out is None:
             self._outbox[peer] = [data]
         else:
             out.append(data)
-        due = time.monotonic() + LAZY_S if lazy else 0.0
-        self._due[peer] = min(due, self._due.get(peer, due))
 
     def _take_out(self, peer: Any) -> list[bytes]:
         """Everything queued for ``peer``, taken off the queue (to be sent at once, or dropped)."""
-        self._due.pop(peer, None)
         return self._outbox.pop(peer, [])
 
-    def _flush(self, *, force: bool = False) -> None:
-        """Send the queued messages that are due (all of them with ``force``), per peer in order, several
-        as ``wire.Batch`` frames."""
+    def _flush(self) -> None:
+        """Send every queued message, per peer in order, several as ``wire.Batch`` frames."""
         if not self._outbox:
             return
-        now = 0.0 if force else time.monotonic()
-        for peer in [p for p, due in self._due.items() if due <= now or force]:
+        for peer in list(self._outbox):
             for frame in wire.batches(self._take_out(peer)):
                 self._send_frame(peer, frame)
 
@@ -415,7 +405,7 @@ class EndpointBase:
             while True:
                 with self._lock:
                     if self._closing and self._shutdown_step():
-                        self._flush(force=True)
+                        self._flush()
                         break
                 self._step()
         except BaseException as exc:  # fail closed: a dead progress thread fails every request and link
@@ -454,6 +444,9 @@ class EndpointBase:
                 fn()
             for sock in events:
                 self._drain_socket(sock)
+            # What the calls and the messages just read produced (decode's Announces, above all) leaves
+            # before this iteration's transfers: the peer can start on it while they run.
+            self._flush()
             if self._pump() or events or calls:
                 self._idle_spins = 0
             self._tick(time.monotonic())
