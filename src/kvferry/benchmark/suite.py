@@ -576,8 +576,20 @@ def _bandwidth_case(peer: _Peer, config: SuiteConfig, rng: np.random.Generator, 
         posters["raw_nixl"] = peer.raw_write(_per_buffer_rows(peer.src, num_pages),
                                              _per_buffer_rows(peer.dst, num_pages))
         posters["raw_nixl_rows"] = peer.raw_write(plan.src_descs, plan.dst_descs)
-    times.update(_round_robin(peer, posters, config.repeats))
-    return _bandwidth_row(num_pages, plan, times)
+    repeats = bandwidth_repeats(config.repeats, n)
+    times.update(_round_robin(peer, posters, repeats))
+    return {**_bandwidth_row(num_pages, plan, times), "repeats": repeats}
+
+
+# Small requests take microseconds, so they get more rounds, up to this many times ``repeats``: their
+# medians move most from run to run (a scheduler tick is a large part of 200 us), and the rounds cost little.
+SMALL_REPEATS_FACTOR = 5
+
+
+def bandwidth_repeats(repeats: int, nbytes: int) -> int:
+    """Rounds for a request of ``nbytes``: ``repeats`` from 64 MiB up, proportionally more below, at most
+    ``SMALL_REPEATS_FACTOR`` times as many."""
+    return repeats * max(1, min(SMALL_REPEATS_FACTOR, (64 * MiB) // max(nbytes, 1)))
 
 
 def _round_robin(peer: _Peer, posters: dict[str, Callable[[bytes], None]], repeats: int) -> dict[str, float]:
