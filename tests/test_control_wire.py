@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -243,13 +244,23 @@ def test_prefill_speaking_another_version_is_refused(ctx: zmq.Context) -> None:
     fake.transport.close()
 
 
-def test_silent_prefill_fails_requests_and_keeps_leases_for_the_grace(ctx: zmq.Context) -> None:
+@contextlib.contextmanager
+def _decode_and_fake(ctx: zmq.Context) -> Iterator[tuple[DecodeEndpoint, FakePrefill]]:
+    """A decode endpoint (digests off) connected to a fake prefill that has welcomed it."""
     fake = FakePrefill(ctx)
-    with DecodeEndpoint(KVMemory.allocate(make_layout("decode")), "local", options=OPTS,
-                        digest_mode="off") as decode:
-        fut = _connect_async(decode, fake.address)
-        fake.welcome()
-        fut.result(5)
+    try:
+        with DecodeEndpoint(KVMemory.allocate(make_layout("decode")), "local", options=OPTS,
+                            digest_mode="off") as decode:
+            fut = _connect_async(decode, fake.address)
+            fake.welcome()
+            fut.result(5)
+            yield decode, fake
+    finally:
+        fake.transport.close()
+
+
+def test_silent_prefill_fails_requests_and_keeps_leases_for_the_grace(ctx: zmq.Context) -> None:
+    with _decode_and_fake(ctx) as (decode, fake):
         decode.announce("r", {"main": [1, 2]})
         assert isinstance(fake.recv(), wire.Announce)
         t0 = time.monotonic()
@@ -261,16 +272,10 @@ def test_silent_prefill_fails_requests_and_keeps_leases_for_the_grace(ctx: zmq.C
         assert decode.num_live_leases == 1               # a write posted before the death may still land
         time.sleep(OPTS.lease_grace + 0.2)
         assert decode.num_live_leases == 0
-    fake.transport.close()
 
 
 def test_decode_handles_each_message_of_a_batch_and_drops_only_the_bad_one(ctx: zmq.Context) -> None:
-    fake = FakePrefill(ctx)
-    with DecodeEndpoint(KVMemory.allocate(make_layout("decode")), "local", options=OPTS,
-                        digest_mode="off") as decode:
-        fut = _connect_async(decode, fake.address)
-        fake.welcome()
-        fut.result(5)
+    with _decode_and_fake(ctx) as (decode, fake):
         decode.announce("r1", {"main": [1, 2]})
         decode.announce("r2", {"main": [3]})
         gens = {}
@@ -288,7 +293,6 @@ def test_decode_handles_each_message_of_a_batch_and_drops_only_the_bad_one(ctx: 
         assert decode.num_bad_messages == bad + 1
         assert decode.num_live_leases == 0            # both Fails were settled: the leases ended
         assert decode.peers == [fake.address]
-    fake.transport.close()
 
 
 def test_prefill_refuses_an_oversized_batch_and_serves_on(prefill: PrefillEndpoint, ctx: zmq.Context) -> None:

@@ -140,6 +140,17 @@ def test_sglang_nixl_backend_same_cases(pool: str) -> None:
     RESULTS["nixl", pool] = decode
 
 
+def _kvferry_ranks_all_exact(pool: str, prefill_tp: int, decode_tp: int) -> None:
+    """kvferry's backend, a process per rank: every rank concludes every request and decode is exact."""
+    prefills, decodes = run_ranks("kvferry", pool, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    for p in prefills:
+        assert "refused" not in p and _ok(p) == N, (p["rank"], Counter(p["outcomes"].values()), p["errors"])
+    for d in decodes:
+        assert "refused" not in d and _ok(d) == N, (d["rank"], Counter(d["outcomes"].values()), d["errors"])
+        assert_exact(d)
+    RESULTS["kvferry", f"{pool} TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
+
+
 @pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), [*HETERO_TP, ("mla", 2, 2)])
 def test_kvferry_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:
     """MLA pools between attention TP sizes, each rank a process of its own, paired by SGLang's own rank
@@ -148,13 +159,7 @@ def test_kvferry_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: 
     Each prefill rank filled its pool from its own seed, so decode holding, byte for byte, the pages of the
     rank that must write it (``sglang_peer.src_rank``) proves no other rank wrote there; every prefill
     rank's senders, the dummy's included, still conclude Success for SGLang. TP 2 -> 2: rank d to rank d."""
-    prefills, decodes = run_ranks("kvferry", pool, prefill_tp=prefill_tp, decode_tp=decode_tp)
-    for p in prefills:
-        assert "refused" not in p and _ok(p) == N, (p["rank"], Counter(p["outcomes"].values()), p["errors"])
-    for d in decodes:
-        assert "refused" not in d and _ok(d) == N, (d["rank"], Counter(d["outcomes"].values()), d["errors"])
-        assert_exact(d)
-    RESULTS["kvferry", f"{pool} TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
+    _kvferry_ranks_all_exact(pool, prefill_tp, decode_tp)
 
 
 @pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), HETERO_TP)
@@ -180,13 +185,7 @@ def test_kvferry_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_
     filled its pool from its own seed: decode checks every token row of every KV page head by head against
     the prefill rank holding that head, K and V each by its own head dim (mha_v: V 16 wide, K 32), aux from
     one rank, every other page untouched."""
-    prefills, decodes = run_ranks("kvferry", pool, prefill_tp=prefill_tp, decode_tp=decode_tp)
-    for p in prefills:
-        assert "refused" not in p and _ok(p) == N, (p["rank"], Counter(p["outcomes"].values()), p["errors"])
-    for d in decodes:
-        assert "refused" not in d and _ok(d) == N, (d["rank"], Counter(d["outcomes"].values()), d["errors"])
-        assert_exact(d)
-    RESULTS["kvferry", f"{pool} TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
+    _kvferry_ranks_all_exact(pool, prefill_tp, decode_tp)
 
 
 @pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), [("mha", 2, 1), ("mha", 1, 2), ("mha", 4, 2)])
