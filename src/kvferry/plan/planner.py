@@ -53,7 +53,7 @@ class PoolPlan:
     def __init__(self, pool: str, buffer_ids: np.ndarray, src_pages: np.ndarray, dst_pages: np.ndarray,
                  runs: np.ndarray, src: PoolArrays, dst: PoolArrays) -> None:
         self._set(pool=pool, buffer_ids=buffer_ids, src=src, dst=dst, page_lists=None, run_lists=None,
-                  num_runs=runs.shape[1], _src_pages=src_pages, _dst_pages=dst_pages, _runs=runs)
+                  num_runs=runs.shape[1], _arrays=(src_pages, dst_pages, runs))
 
     @classmethod
     def from_lists(cls, pool: str, src_pages: tuple[int, ...], dst_pages: tuple[int, ...],
@@ -62,7 +62,7 @@ class PoolPlan:
         """A plan of a few validated pages, kept as ints; the arrays are made on first use."""
         plan = cls.__new__(cls)
         plan._set(pool=pool, buffer_ids=src.buffer_ids, src=src, dst=dst, page_lists=(src_pages, dst_pages),
-                  run_lists=runs, num_runs=len(runs[2]), _src_pages=None, _dst_pages=None, _runs=None)
+                  run_lists=runs, num_runs=len(runs[2]), _arrays=None)
         return plan
 
     def _set(self, **values: object) -> None:
@@ -71,34 +71,34 @@ class PoolPlan:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"PoolPlan is immutable: cannot set {name!r}")
 
-    def _arrays(self) -> None:
-        # Made once from the ints; two threads racing here both build equal read-only arrays.
+    def _make_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(source pages, destination pages, runs) from the ints, once; two threads racing here both build
+        equal read-only arrays."""
         assert self.page_lists is not None and self.run_lists is not None
         n, r = len(self.page_lists[0]), self.num_runs
         packed = readonly(np.array(self.page_lists[0] + self.page_lists[1] + self.run_lists[0]
                                    + self.run_lists[1] + self.run_lists[2], dtype=np.int64))
-        self._set(_src_pages=packed[:n], _dst_pages=packed[n:2 * n], _runs=packed[2 * n:].reshape(3, r))
+        arrays = (packed[:n], packed[n:2 * n], packed[2 * n:].reshape(3, r))
+        self._set(_arrays=arrays)
+        return arrays
 
     @property
     def src_pages(self) -> np.ndarray:
         """int64 [P]: validated source pages, in request order."""
-        if self._src_pages is None:
-            self._arrays()
-        return self._src_pages  # type: ignore[return-value]
+        arrays = self._arrays
+        return (arrays if arrays is not None else self._make_arrays())[0]
 
     @property
     def dst_pages(self) -> np.ndarray:
         """int64 [P]: validated destination pages."""
-        if self._dst_pages is None:
-            self._arrays()
-        return self._dst_pages  # type: ignore[return-value]
+        arrays = self._arrays
+        return (arrays if arrays is not None else self._make_arrays())[1]
 
     @property
     def runs(self) -> np.ndarray:
         """int64 [3, R]: joint runs, rows (first source page, first destination page, pages)."""
-        if self._runs is None:
-            self._arrays()
-        return self._runs  # type: ignore[return-value]
+        arrays = self._arrays
+        return (arrays if arrays is not None else self._make_arrays())[2]
 
     @property
     def run_src(self) -> np.ndarray:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import operator
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from types import TracebackType
 
 import numpy as np
@@ -195,8 +196,12 @@ def _pool_pages_inside(pool_plan: PoolPlan, src_cap: int, dst_cap: int) -> bool:
                 and _pages_inside(pool_plan.src_pages, src_cap, pool_plan.dst_pages, dst_cap))
     # A few pages kept as ints (what ``_few_selectors`` turns into indices): checked as they are.
     src, dst = lists
-    return len(src) == len(dst) and (not src or (min(src) >= 0 and max(src) < src_cap
-                                                 and min(dst) >= 0 and max(dst) < dst_cap))
+    return len(src) == len(dst) and _ints_inside(src, src_cap) and _ints_inside(dst, dst_cap)
+
+
+def _ints_inside(pages: Sequence[int], cap: int) -> bool:
+    """Every page in ``0 .. cap - 1`` (Python ints: no wrap-around to guard against)."""
+    return not pages or (min(pages) >= 0 and max(pages) < cap)
 
 
 # A transport that can post page indices (NIXL's prepared lists) does so while a plan's runs average at
@@ -266,9 +271,7 @@ def _pages_inside(src_pages: np.ndarray, src_cap: int, dst_pages: np.ndarray, ds
         if pages.dtype != np.int64 or pages.ndim != 1:
             return False
         if len(pages) <= FEW_RUNS:
-            # Python ints for a few pages (fewer calls); negative pages fail ``min``.
-            listed = pages.tolist()
-            if listed and (min(listed) < 0 or max(listed) >= cap):
+            if not _ints_inside(pages.tolist(), cap):  # Python ints for a few pages: fewer calls
                 return False
         elif int(np.maximum.reduce(pages.view(np.uint64))) >= cap:  # as uint64, negatives are > 2**63
             return False
