@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from kvferry import KVMemory, ModeMismatch, PeerLost
-from kvferry.control import DecodeEndpoint, PrefillEndpoint
+from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint
 from kvferry.errors import RequestFailed
 
 from . import test_control_nixl
 from .control_peer import fill, make_layout, snapshot, wait_all, workload
-from .test_control_nixl import OPTS, SEED, Peer, _idle, _until, serve_64_and_verify
+from .test_control_nixl import OPTS, SEED, TIMEOUTS, Peer, _idle, _until, serve_64_and_verify
 from .test_fencing import PAGES_A, SRC_A, _holds
 
 peers = test_control_nixl.peers   # the fixture that ends every peer process a test started
@@ -74,6 +74,30 @@ def test_decode_process_pulls_from_prefill_here(peers: list[Peer]) -> None:
         decode("verify")
         assert set(wait_all(prefill, [r.rid for r in reqs], 10).values()) == {"done"}
         _until(lambda: prefill.counters()["source_holds"] == 0 and _idle(prefill), 5)
+
+
+def test_first_read_is_not_held_up_by_an_idle_prefill(peers: list[Peer]) -> None:
+    """A connection's first NIXL read needs prefill's side to answer (UCX wires up on it). Prefill keeps
+    driving its transport until its first verdict, so that read is not held until its idle poll ends (a
+    quarter heartbeat: 1 s here; it was 125 ms per fresh decode at the default heartbeat)."""
+    opts = {**TIMEOUTS, "heartbeat_interval": 4.0, "peer_timeout": 20.0}
+    src = KVMemory.allocate(make_layout("prefill"))
+    fill(src, SEED)
+    with PrefillEndpoint(src, "nixl", options=EndpointOptions(**opts), mode="pull") as prefill:
+        decode = Peer("decode", mode="pull", options=opts)
+        peers.append(decode)
+        decode("connect", address=prefill.address)
+        decode("announce", n=1, seed=5)
+        (req,) = workload(1, seed=5)
+        time.sleep(1.5)   # the handshake's traffic is over: prefill's thread sits in its idle poll
+        start = time.monotonic()
+        for s in req.sends:
+            prefill.send(req.rid, s["pages"], offset=s["offset"], last=s["last"], buffers=s["buffers"])
+        prefill.wait(req.rid, 10)
+        took = time.monotonic() - start
+        assert decode("wait_all")["results"] == {req.rid: "done"}
+        decode("verify")
+        assert took < 0.5, f"the first read took {took:.3f} s"
 
 
 def test_mode_mismatch_between_processes(peers: list[Peer]) -> None:

@@ -567,6 +567,9 @@ class DecodeEndpoint(EndpointBase, PullReader):
         # Live requests wait for chunk notifications, which only polling the transport brings in.
         return self._num_live > 0 or bool(self._reading)
 
+    def _num_waiting(self) -> int:
+        return self._num_live + len(self._reading)
+
     def _set_state(self, rec: RequestRecord, state: RequestState) -> None:
         was_live = rec.is_live
         super()._set_state(rec, state)

@@ -13,11 +13,11 @@ error is handled where it happens (a failed send fails that peer, not the loop),
 stops, every request and every link fails at once with ``EndpointClosed``, the cause chained.
 
 The thread polls ZMQ with a timeout when nothing is in flight, and spins with a short sleep while a
-write or a notification is outstanding (NIXL notifications wake no file descriptor). The sleep starts at
+write or a notification is outstanding (NIXL notifications wake no file descriptor; a ZMQ message or a
+caller's call ends the sleep at once). The sleep starts at
 ``busy_poll`` and doubles with each idle spin up to ``busy_poll_max``: most of a spinning thread's CPU
 is the wake-up itself, and under load (many requests in flight, where latency is queueing) a spin that
-finds several notifications at once costs less than several spins that find one each. A caller's call
-(``announce``, ``send``) cuts the sleep short.
+finds several notifications at once costs less than several spins that find one each.
 
 Messages to a peer are queued during an iteration and leave at its end (``_flush``), and before its
 transfers for what its calls and the messages it read produced: several for one peer go as one
@@ -77,7 +77,9 @@ class EndpointOptions:
       writing; its pages stay quarantined until it acknowledges or is certainly gone (docs/fencing.md).
     * ``handshake_timeout``: default bound of ``DecodeEndpoint.connect`` and of a half-open handshake.
     * ``busy_poll``: sleep between progress iterations while something is in flight, right after one
-      that found work; each idle iteration doubles it, up to ``busy_poll_max`` (never below ``busy_poll``).
+      that found work; each idle iteration doubles it, up to ``busy_poll_max``, and up to ``busy_poll``
+      times the number of requests in flight (never below ``busy_poll``): a lone request is polled every
+      ``busy_poll``, many share longer sleeps.
     * ``max_message_bytes``: ZMQ drops peers that send larger messages (silently: decode notices the
       drop and fails the link with an error naming this limit).
     """
@@ -442,6 +444,7 @@ class EndpointBase:
             calls, self._calls = self._calls, []
             for fn in calls:
                 fn()
+            self._flush()   # what the calls queued (decode's Announces) leaves before the reads below run
             for sock in events:
                 self._drain_socket(sock)
             # What the calls and the messages just read produced (decode's Announces, above all) leaves
@@ -459,13 +462,29 @@ class EndpointBase:
 
     def _busy_wait(self) -> None:
         """Sleep between busy iterations: ``busy_poll`` after one that found work, doubling while idle up
-        to ``busy_poll_max``. A caller's call (the wake pipe) ends it early; ZMQ messages wait for the next
-        iteration, as before."""
+        to ``busy_poll_max``. A caller's call (the wake pipe) or a ZMQ message ends it early.
+
+        ``zmq_poll`` counts its timeout in whole milliseconds, too coarse here, so this sleeps in
+        ``select`` on each socket's ``zmq.FD`` beside the wake pipe. That descriptor is edge-triggered (it
+        signals a change, not "a message is waiting"), so a socket whose ``zmq.EVENTS`` already shows one
+        is not slept on at all: the next iteration reads it."""
         opts = self.options
-        delay = min(opts.busy_poll * (1 << self._idle_spins), max(opts.busy_poll, opts.busy_poll_max))
+        # A lone request is polled every busy_poll (its latency is the whole cost); many share longer
+        # sleeps, each wake finding several of them (their CPU is the cost, and their latency is queueing).
+        cap = min(opts.busy_poll_max, opts.busy_poll * self._num_waiting())
+        delay = min(opts.busy_poll * (1 << self._idle_spins), max(opts.busy_poll, cap))
         self._idle_spins = min(self._idle_spins + 1, 16)
+        fds = [self._wake_r]
+        try:
+            for sock, _ in self._poller.sockets:
+                if isinstance(sock, zmq.Socket):
+                    if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        return
+                    fds.append(sock.getsockopt(zmq.FD))
+        except zmq.ZMQError:   # a socket closed under us: the next iteration deals with it
+            return
         with contextlib.suppress(OSError, ValueError):  # the pipe closed under us: we are shutting down
-            select.select([self._wake_r], [], [], delay)
+            select.select(fds, [], [], delay)
 
     def _drain_wake(self) -> None:
         try:
@@ -497,6 +516,10 @@ class EndpointBase:
 
     # -- protocol hooks (run on the progress thread, under the lock) -----------------------------------
     def _is_busy(self) -> bool:
+        raise NotImplementedError
+
+    def _num_waiting(self) -> int:
+        """How many requests the busy loop is polling for (sets its longest sleep, see ``_busy_wait``)."""
         raise NotImplementedError
 
     def _on_frames(self, sock: Any, frames: list[bytes]) -> None:

@@ -89,6 +89,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         super().__init__(memory, transport, digest_mode=digest_mode, options=options)
         self.modes = accepted_modes(mode)
         self._holds: set[PrefillRequest] = set()   # pull mode: records whose source pages decode may read
+        self._cold: set[Session] = set()   # pull sessions offered a chunk, with no verdict yet (see _is_busy)
         self._secret = as_secret(secret)
         self._sock = self._new_socket(zmq.ROUTER)
         self._sock.bind(f"tcp://{host}:{port}")
@@ -471,6 +472,9 @@ class PrefillEndpoint(EndpointBase, PullSource):
         if rec is None:
             return
         self._release_source(rec)  # pull mode: decode reads no more of it, whatever its verdict
+        if not session.read_once:
+            session.read_once = True
+            self._cold.discard(session)
         if msg.ok:
             rec.decode_ok = True
             self._dirty.add(rec)
@@ -565,7 +569,10 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     # -- timers (progress thread) ----------------------------------------------------------------------
     def _is_busy(self) -> bool:
-        return bool(self._dirty)
+        return bool(self._dirty or self._cold)
+
+    def _num_waiting(self) -> int:
+        return len(self._dirty) + len(self._cold)
 
     def _tick(self, now: float) -> None:
         for session in list(self._sessions.values()):
@@ -619,6 +626,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         # Best effort: a decode that still hears us learns it was dropped, and quarantines its leases.
         self._send(session, wire.Bye(str(error)[:wire.MAX_REASON_LEN]))
         session.state = "dead"
+        self._cold.discard(session)
         self._hold_after_death(session, time.monotonic())
         for rec in list(self._active):
             if rec.session is session:

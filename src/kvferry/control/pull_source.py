@@ -33,6 +33,7 @@ class PullSource:
     holds. Relies on the endpoint's ``_send``, ``_send_now``, ``_outbox``, ``_dirty``, ``options`` and lock."""
 
     _holds: set[PrefillRequest]
+    _cold: set[Session]
     _dirty: set[PrefillRequest]
     _outbox: dict[Any, list[bytes]]
     options: Any
@@ -47,6 +48,8 @@ class PullSource:
                            list(spec.buffers or ()), chunk.digests)
         rec.source_held, rec.release_at = True, None
         self._holds.add(rec)
+        if not session.read_once:
+            self._cold.add(session)
         self._send(session, ready)
         if len(self._outbox[session.identity]) == 1:
             # The first of this iteration leaves at once (decode may be idle, waiting for it); the rest

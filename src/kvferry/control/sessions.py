@@ -49,6 +49,10 @@ class Session:
         self.mode = hello.mode
         self.peer_timeout = hello.peer_timeout
         self.process = ProcessIdentity(hello.host, hello.pid, hello.started) if hello.pid else None
+        # Pull mode: until decode's first verdict, prefill drives its transport's progress (busy): the first
+        # read of a connection needs this side's answer to wire up (NIXL over UCX), and a progress thread
+        # blocked in its idle poll would hold it up to a quarter heartbeat.
+        self.read_once = False
 
     @property
     def label(self) -> str:
