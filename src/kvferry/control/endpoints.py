@@ -178,8 +178,9 @@ class EndpointBase:
 
     # -- public: any thread ----------------------------------------------------------------------------
     # poll, timing, failure and wait's answer for a request that has ended read the record without the
-    # endpoint's lock. The progress thread holds that lock for a whole iteration (NIXL writes included on
-    # prefill), so a caller asking about many requests would block behind it once per question. Each
+    # endpoint's lock. The progress thread holds that lock for a whole iteration (all but prefill's copies,
+    # see PrefillEndpoint._write), so a caller asking about many requests would block behind it once per
+    # question. Each
     # field is one attribute the thread assigns in a single store (the error before the state, the state
     # before the end time), so an unlocked read sees a value the record had, never a torn one; a state
     # read a moment stale is what a locked read returns a moment later too.

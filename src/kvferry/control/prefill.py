@@ -173,7 +173,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
             rec = self._records.get(request_id)
             if not isinstance(rec, PrefillRequest):
                 return False
-            return any(m.source_held or m.handles for m in rec.group)
+            return any(m.source_held or m.handles or m.posting for m in rec.group)
 
     @property
     def num_live_handles(self) -> int:
@@ -256,13 +256,30 @@ class PrefillEndpoint(EndpointBase, PullSource):
         if session.mode == "pull":
             self._offer(rec, session, spec, pairs, chunk)   # decode reads it: this side writes nothing
         else:
-            handle = self.transport.write(plan, session.agent, wire.encode(chunk),
-                                          label=f"{rec.request_id}#{index}")
-            rec.handles.append(handle)
+            rec.handles.append(self._write(rec, plan, session, chunk))
         self._dirty.add(rec)
         rec.last_posted = spec.last
-        if rec.state is not RequestState.TRANSFERRING:
+        if rec.is_live and rec.state is not RequestState.TRANSFERRING:  # abort() may have come during the write
             self._set_state(rec, RequestState.TRANSFERRING)
+
+    def _write(self, rec: PrefillRequest, plan: Plan, session: Session, chunk: wire.Chunk) -> TransferHandle:
+        """Post one write with the endpoint's lock let go: on one host (cma) the copy runs inside this call,
+        hundreds of microseconds with the GIL released, and callers' ``send`` (hashing, queueing the next
+        chunk) and ``wait`` then proceed alongside it rather than queue behind the whole iteration.
+
+        Only this thread touches the transport and posts or settles writes, so what a caller may do in
+        the meantime cannot race the write: ``send`` queues, ``abort`` fails the record (its settled
+        Fail is sent by this thread, after the handle below is recorded, once it settled), and
+        ``holds_source`` counts ``posting`` as a write in flight."""
+        data = wire.encode(chunk)
+        label = f"{rec.request_id}#{chunk.chunk}"
+        rec.posting = True
+        self._lock.release()
+        try:
+            return self.transport.write(plan, session.agent, data, label=label)
+        finally:
+            self._lock.acquire()
+            rec.posting = False
 
     def _check_current(self, rec: PrefillRequest, session: Session) -> None:
         """Right before a write: the session is alive by our own clock and the request still current.

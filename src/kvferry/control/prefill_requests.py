@@ -48,8 +48,8 @@ class PrefillRequest(RequestRecord):
     ``group`` of one record per decode rank, each with its own session, lease and writes."""
 
     __slots__ = ("coverage", "decode_ok", "dst", "expected", "fail_sent", "generation", "group", "handles",
-                 "history", "last_posted", "last_queued", "next_chunk", "pending", "release_at", "session",
-                 "source_held")
+                 "history", "last_posted", "last_queued", "next_chunk", "pending", "posting", "release_at",
+                 "session", "source_held")
 
     def __init__(self, request_id: str, state: RequestState, deadline: float) -> None:
         super().__init__(request_id, state, deadline)
@@ -59,6 +59,9 @@ class PrefillRequest(RequestRecord):
         self.coverage: dict[str, np.ndarray] = {}     # pool -> bool [buffers of pool, destination pages]
         self.pending: deque[ChunkSpec] = deque()
         self.handles: list[TransferHandle] = []
+        # True while the progress thread is inside a write of this record with the endpoint's lock let go
+        # (see PrefillEndpoint._write): a write in flight with no handle yet, as good as one for holds.
+        self.posting = False
         self.next_chunk = 0
         self.last_queued = self.last_posted = self.decode_ok = self.fail_sent = False
         self.group: list[PrefillRequest] = [self]               # shared by the group's records; the leader first
