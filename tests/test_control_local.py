@@ -266,6 +266,58 @@ def test_abort_keeps_pages_leased_until_the_write_settled(
     _assert_idle(prefill, decode)
 
 
+class CopyingTransport(LocalTransport):
+    """Writes copy inside ``write`` (as NIXL's cma does), and the first copy lasts until ``done`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copying = threading.Event()
+        self.done = threading.Event()
+
+    def write(self, plan: TransferPlan, peer: str, notif: bytes, label: str = "") -> LocalHandle:
+        if not self.copying.is_set():
+            self.copying.set()
+            assert self.done.wait(10)
+        return super().write(plan, peer, notif, label)
+
+
+def test_callers_are_served_while_a_write_copies_and_abort_waits_for_it() -> None:
+    """Prefill lets go of its lock while a write copies: ``send``, ``abort`` and ``holds_source`` answer
+    at once, and an abort that came during the copy still keeps the pages until that write settled."""
+    src, dst = _memories()
+    before = snapshot(dst)
+    transport = CopyingTransport()
+    first, second = {"main": [3, 9, 4]}, {"main": [20, 21]}
+    with PrefillEndpoint(src, transport, options=OPTS) as prefill, \
+            DecodeEndpoint(dst, "local", options=OPTS) as decode:
+        decode.connect(prefill.address)
+        decode.announce("first", {"main": [7, 1, 30]})
+        prefill.send("first", first)
+        assert transport.copying.wait(5)
+        threading.Timer(2.0, transport.done.set).start()   # so that a prefill holding its lock fails, not hangs
+        t0 = time.monotonic()
+        prefill.send("second", second)                 # accepted while the first copy runs
+        prefill.abort("first", "changed my mind")
+        assert prefill.holds_source("first")           # the write is in flight: its pages are not free
+        assert prefill.poll("first") is RequestState.FAILED
+        assert time.monotonic() - t0 < 1.0
+        time.sleep(0.3)                                # several heartbeats: decode keeps the pages leased
+        assert decode.num_live_leases == 1
+        transport.done.set()
+        with pytest.raises(RequestFailed, match="aborted by prefill"):
+            prefill.wait("first", 5)
+        _until(lambda: not prefill.holds_source("first") and decode.num_live_leases == 0)
+        decode.announce("second", {"main": [11, 12]})  # the second request was kept, and goes through
+        prefill.wait("second", 5)
+        decode.wait("second", 5)
+        _assert_idle(prefill, decode)
+    for buf in dst.layout.pool("main").buffers:        # the first write landed whole, the second too
+        got, want = dst.array(buf.name), src.array(buf.name)
+        assert np.array_equal(got[[7, 1, 30, 11, 12]], want[[3, 9, 4, 20, 21]])
+        untouched = np.setdiff1d(np.arange(len(got)), [7, 1, 30, 11, 12])
+        assert np.array_equal(got[untouched], before[buf.name][untouched])
+
+
 def test_decode_deadline_fails_and_releases(pair: tuple[PrefillEndpoint, DecodeEndpoint]) -> None:
     prefill, decode = pair
     src, dst = prefill.memory, decode.memory

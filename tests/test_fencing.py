@@ -77,7 +77,7 @@ def _until(pred: Any, timeout: float) -> float:
 
 class StallingTransport(LocalTransport):
     """The first write sleeps ``stall`` seconds before copying: prefill's progress thread stalls exactly
-    between its last check (session alive, generation current) and its post, holding its own lock."""
+    between its last check (session alive, generation current) and its post."""
 
     def __init__(self, stall: float) -> None:
         super().__init__()

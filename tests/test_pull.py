@@ -285,9 +285,65 @@ def _hold_lock(ep: Any, seconds: float) -> None:
         time.sleep(seconds)
 
 
+class CopyingReader(LocalTransport):
+    """Reads copy inside ``read`` (as NIXL's cma does); the first lasts until ``done`` is set, then copies,
+    or raises when ``fail`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copying, self.done, self.fail = threading.Event(), threading.Event(), threading.Event()
+
+    def read(self, plan: TransferPlan, peer: str, label: str = "") -> LocalHandle:
+        if not self.copying.is_set():
+            self.copying.set()
+            assert self.done.wait(10)
+            if self.fail.is_set():
+                raise TransportError(f"read {label!r} failed")
+        return super().read(plan, peer, label)
+
+
+@pytest.mark.parametrize("read_fails", [False, True])
+def test_announce_and_abort_are_served_while_a_read_copies(read_fails: bool) -> None:
+    """Decode lets go of its lock while a read copies: ``announce`` and ``abort`` answer at once, and an
+    abort that came during the copy ends the lease only once that read is over (landed or failed)."""
+    src, dst = _memories()
+    before = snapshot(dst)
+    reader = CopyingReader()
+    with PrefillEndpoint(src, "local", options=OPTS, mode="pull") as prefill, \
+            DecodeEndpoint(dst, reader, options=OPTS, mode="pull") as decode:
+        decode.connect(prefill.address)
+        decode.announce("a", PAGES_A)
+        prefill.send("a", SRC_A)
+        assert reader.copying.wait(5)
+        threading.Timer(2.0, reader.done.set).start()   # so that a decode holding its lock fails, not hangs
+        t0 = time.monotonic()
+        decode.announce("b", {"main": [40, 41]})         # accepted while the first read copies
+        decode.abort("a", "changed my mind")
+        assert time.monotonic() - t0 < 1.0
+        assert decode.poll("a") is RequestState.FAILED and decode.holds_lease("a")
+        if read_fails:
+            reader.fail.set()
+        reader.done.set()
+        _until(lambda: not decode.holds_lease("a") and not prefill.holds_source("a"))
+        prefill.send("b", {"main": [50, 51]})
+        decode.wait("b", 5)
+        _assert_idle(prefill, decode)
+    a_dst = {} if read_fails else PAGES_A
+    a_src = {} if read_fails else SRC_A
+    for pool, b_dst, b_src in (("main", [40, 41], [50, 51]), ("c4", [], [])):
+        landed = np.concatenate([a_dst.get(pool, []), b_dst]).astype(np.int64)
+        sources = np.concatenate([a_src.get(pool, []), b_src]).astype(np.int64)
+        for buf in dst.layout.pool(pool).buffers:
+            got = dst.array(buf.name)
+            assert np.array_equal(got[landed], src.array(buf.name)[sources]), buf.name
+            untouched = np.setdiff1d(np.arange(len(got)), landed)
+            assert np.array_equal(got[untouched], before[buf.name][untouched]), buf.name
+    reader.close()
+
+
 class StallingReader(LocalTransport):
     """Decode's transport whose first read sleeps ``stall`` seconds before copying: decode's progress thread
-    stalls exactly between its last check (link current) and the read, holding its own lock."""
+    stalls exactly between its last check (link current) and the read."""
 
     def __init__(self, stall: float) -> None:
         super().__init__()

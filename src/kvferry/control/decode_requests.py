@@ -23,7 +23,7 @@ __all__ = ["DecodeRequest", "Part"]
 class Part:
     """One prefill rank's share of a request on this decode rank. ``settled``: no write of it can land."""
 
-    __slots__ = ("chunks_seen", "link", "num_chunks", "reads", "release_at", "settled", "told")
+    __slots__ = ("chunks_seen", "link", "num_chunks", "posting", "reads", "release_at", "settled", "told")
 
     def __init__(self, link: Link) -> None:
         self.link = link
@@ -33,6 +33,9 @@ class Part:
         self.told = False   # that prefill knows the request ended: it failed it, or we sent Abort/Result
         self.release_at: float | None = None   # set once the writer is certainly gone: settled then
         self.reads: list[Any] = []   # pull mode: this side's reads in flight (pull_reader.Read)
+        # Pull mode: a read of this part is being posted with the endpoint's lock let go (PullReader._read):
+        # in flight, with no handle yet; the lease may not end under it.
+        self.posting = False
 
     @property
     def is_complete(self) -> bool:

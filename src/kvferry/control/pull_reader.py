@@ -59,6 +59,7 @@ class PullReader:
     ``_reject_part``, ``_part_complete``, ``_end_lease``, ``_link_dead``, ``_set_state``)."""
 
     _reading: set[DecodeRequest]
+    _lock: Any
     memory: KVMemory
     transport: Any
     options: Any
@@ -125,12 +126,27 @@ class PullReader:
             why = self._fenced(link, time.monotonic())
             if why is not None:
                 raise PeerLost(f"not reading request {rec.request_id!r}: {why}")
-            handle = self.transport.read(plan, link.agent, label=f"{rec.request_id}#{msg.chunk}")
+            handle = self._read(part, plan, f"{rec.request_id}#{msg.chunk}")
         except KVFerryError as exc:
             self._reject_part(rec, part, exc)
+            self._pull_failed(rec)   # again, harmlessly: an abort() during the failed post left the lease
             return
         part.reads.append(Read(handle, chunk))
         self._reading.add(rec)
+
+    def _read(self, part: Part, plan: Plan, label: str) -> TransferHandle:
+        """Post one read with the endpoint's lock let go: on one host (cma) the copy runs inside this call,
+        with the GIL released, and callers (``announce`` above all) proceed alongside it rather than queue
+        behind the whole iteration. Only this thread posts and settles reads; an ``abort`` meanwhile fails
+        the request, but its lease cannot end under the read (``posting`` counts as a read in flight,
+        ``_pull_failed``): it ends once the read is terminal, as for any read in flight."""
+        part.posting = True
+        self._lock.release()
+        try:
+            return self.transport.read(plan, part.link.agent, label=label)
+        finally:
+            self._lock.acquire()
+            part.posting = False
 
     def _read_plan(self, rec: DecodeRequest, link: Link, msg: wire.Ready) -> Plan:
         """The read of one chunk: prefill's pages (untrusted: checked against its layout) into the
@@ -202,7 +218,7 @@ class PullReader:
         own reads of it are terminal (now, when none is in flight)."""
         for part in rec.parts.values():
             part.settled = True
-        if not any(p.reads for p in rec.parts.values()):
+        if not any(p.reads or p.posting for p in rec.parts.values()):
             self._end_lease(rec)
 
     def _num_reads(self) -> int:
