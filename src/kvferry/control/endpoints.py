@@ -166,6 +166,7 @@ class EndpointBase:
         self._version = 0
         # When the current iteration's poll returned: what frames read in it are stamped with (see _step).
         self._recv_time = time.monotonic()
+        self._published_at = self._recv_time   # when waiters last heard of this thread's news (_publish)
         self.num_bad_messages = 0
         self._ctx = zmq.Context()
         self._poller = zmq.Poller()
@@ -378,6 +379,15 @@ class EndpointBase:
             for frame in wire.batches(self._take_out(peer)):
                 self._send_frame(peer, frame)
 
+    def _publish(self) -> None:
+        """Mid-iteration (progress thread, under the lock): send what is queued and wake the waiters now,
+        rather than at the end of an iteration that still has copies to run."""
+        self._published_at = time.monotonic()
+        self._flush()
+        if self._changed:
+            self._changed = False
+            self._notify()
+
     def _on_batch(self, messages: list[Any], handle: Callable[[Any], None]) -> None:
         """``handle`` each message of one frame in order; a bad one is counted and dropped, not the rest."""
         for msg in messages:
@@ -455,6 +465,7 @@ class EndpointBase:
                 self._idle_spins = 0
             self._tick(time.monotonic())
             self._flush()
+            self._published_at = time.monotonic()
             changed, self._changed = self._changed, False
         if changed:
             self._notify()

@@ -42,6 +42,9 @@ from kvferry.transport import TransferHandle
 
 __all__ = ["PullReader", "Read"]
 
+# Within a run of reads, finished ones are concluded (Results sent, waiters woken) at most this often.
+PUBLISH_S = 2e-3
+
 
 class Read:
     """One posted read: its handle and the chunk it brings (digests, index, count)."""
@@ -60,6 +63,8 @@ class PullReader:
 
     _reading: set[DecodeRequest]
     _lock: Any
+    _published_at: float
+    _publish: Any
     memory: KVMemory
     transport: Any
     options: Any
@@ -133,6 +138,13 @@ class PullReader:
             return
         part.reads.append(Read(handle, chunk))
         self._reading.add(rec)
+        now = time.monotonic()
+        if now - self._published_at >= PUBLISH_S:
+            # A long run of reads (one frame can carry dozens of Readys): conclude the finished ones now
+            # and let their Results and waiters go, so that prefill and the engine work on the next
+            # requests while this thread reads on. Not after every read: several Results share a frame.
+            self._pump_reads()
+            self._publish()
 
     def _read(self, part: Part, plan: Plan, label: str) -> TransferHandle:
         """Post one read with the endpoint's lock let go: on one host (cma) the copy runs inside this call,
