@@ -4,7 +4,9 @@ Part of the control plane, above ``states`` and the transports, below ``prefill`
 endpoint runs exactly one progress thread. It alone touches the ZMQ sockets and the transport (neither is
 thread-safe; NIXL also needs the receiving side to call ``get_notifications`` regularly, which this thread
 does). Public methods may be called from any thread: they take the endpoint's lock, change request records,
-queue what must be sent, and wake the thread.
+queue what must be sent, and wake the thread. The thread holds that lock while it works, except inside a
+copy (prefill's writes, decode's pull-mode reads: on one host the transport copies inside the call, with the
+GIL released); a record being posted then counts as a transfer in flight (``posting``).
 
 Blocking calls (``wait``, ``connect``, ``close``) are bounded by their own deadline whatever the thread does:
 they wait on a separate, briefly held signal (not on the endpoint's lock, which a stalled thread may hold)
