@@ -412,7 +412,7 @@ def test_auto_posts_rows_when_nixl_cannot_prepare_page_lists(pair, monkeypatch) 
 
 
 # -- reads (pull mode) -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("descriptors", ["dlist", "prepped"])
+@pytest.mark.parametrize("descriptors", ["dlist", "prepped", "auto"])
 def test_read_pulls_the_peers_pages_into_ours(pair, descriptors: str) -> None:
     """A NIXL READ: the plan's source is the peer's memory, its destination ours; the bytes that arrive
     here are the peer's, every other local page is unchanged, and the peer gets no notification."""

@@ -410,7 +410,7 @@ class NixlTransport(Transport):
         if indices is _FAST_INDICES:
             # NIXL reads the indices during the call only: the reused buffer is free again on return.
             src_idx, dst_idx = self._rows.selectors(plan)
-        else:  # "prepped" forced on a plan the fast check did not vouch for, or a read: its own selectors
+        else:  # "prepped" forced on a plan the fast check did not vouch for: its own selectors
             src_sel, dst_sel = plan.page_selectors()
             src_idx, dst_idx = src_sel.astype(np.int32), dst_sel.astype(np.int32)
         if op == "READ":
@@ -524,12 +524,17 @@ class NixlTransport(Transport):
                                  f"its metadata describes it (stale manifest?)")
 
     def _check_read_plan(self, plan: Plan, state: _Peer, label: str) -> str:
-        """Refuse a read plan outside the registered regions; say what to post (``_ROWS`` or the plan's
-        own selectors, ``_PLAN_INDICES``, into the prepared per-page lists)."""
+        """Refuse a read plan outside the registered regions; say what to post (``_ROWS``, or indices into
+        the prepared per-page lists: ``_FAST_INDICES`` or the plan's own selectors, ``_PLAN_INDICES``)."""
         self._check_memories(plan.dst_memory, plan.src_memory, state, label, "read")
-        indices = _PLAN_INDICES if self.descriptors == "prepped" or (
-            self.descriptors == "auto" and self._local_indexable and state.indexable and self._lists_ready(state)
-        ) else _ROWS
+        mode = self.descriptors
+        indexable = self._local_indexable and state.indexable
+        use_indices = mode == "prepped" or (mode == "auto" and indexable and self._lists_ready(state))
+        # As for a write (_check_plan): pages checked against both sides' capacities make the indices
+        # bounds-checked by construction; the source is the peer's memory as its metadata describes it.
+        if use_indices and indexable and pages_in_regions(plan, state.memory, self._memory):
+            return _FAST_INDICES
+        indices = _PLAN_INDICES if use_indices else _ROWS
         # Remote rows against the peer's regions as its metadata describes them, local rows against ours.
         check_plan_in_regions(plan, state.memory, self._memory, state.name, label,
                               selectors=indices is _PLAN_INDICES)
