@@ -7,6 +7,9 @@ outstanding and reusing its pages as requests finish (so every announce goes thr
 
 * ``raw``: decode sends "go i" as a NIXL notification; prefill plans and posts request i's write with a
   notification; decode times "go" -> notification. The transport alone, same bytes, same window.
+* ``raw read`` (run when pull mode is): decode plans and posts request i's NIXL READ from prefill's pages
+  itself and times post -> complete, prefill only driving its side's progress. The transport alone doing
+  what pull mode does, so pull's rows also say ``p50 vs raw read``.
 * ``control <push|pull> digest=<mode>``: ``DecodeEndpoint.announce`` -> ``DONE`` (``timing()``), with prefill
   calling ``PrefillEndpoint.send`` up to a window ahead. Handshake, ZMQ messages, leases, states,
   coverage checks, digests (per ``--digests``) and the decode's verdict back to prefill included. In pull
@@ -141,6 +144,25 @@ def prefill_raw(args: argparse.Namespace) -> None:
         sys.stdin.readline()
 
 
+def prefill_raw_read(args: argparse.Namespace) -> None:
+    """Raw reads: decode reads this side's pages by itself; this process only drives NIXL's progress (the
+    first read of a connection needs this side to answer) until told to stop."""
+    import select
+
+    from kvferry.transport.nixl import NixlTransport
+
+    src = memory("prefill")
+    with NixlTransport() as transport:
+        _say({"meta": transport.register(src).hex(), "manifest": src.manifest().hex()})
+        transport.add_peer(bytes.fromhex(json.loads(sys.stdin.readline())["meta"]))
+        cpu0 = cpu_s()
+        while not select.select([sys.stdin], [], [], 1e-3)[0]:
+            transport.get_notifications()
+        sys.stdin.readline()                         # "done": decode has every byte
+        _say({"done": True, "cpu_s": cpu_s() - cpu0})
+        sys.stdin.readline()
+
+
 def _settled(handle: Any) -> bool:
     if handle.poll():
         handle.release()
@@ -203,6 +225,50 @@ def run_raw(args: argparse.Namespace) -> dict[str, Any]:
         _write(proc, {"exit": True})
     proc.wait(30)
     return _summary("raw transport", lat, wall, args.requests, prefill_cpu, cpu)
+
+
+def run_raw_read(args: argparse.Namespace) -> dict[str, Any]:
+    from kvferry.transport.nixl import NixlTransport
+
+    dst = memory("decode")
+    proc = spawn(args, "raw-read")
+    with NixlTransport() as transport:
+        meta = transport.register(dst)
+        hello = _read(proc)
+        peer = transport.add_peer(bytes.fromhex(hello["meta"]))
+        src = KVMemory.from_manifest(bytes.fromhex(hello["manifest"]))
+        _write(proc, {"meta": meta.hex()})
+        # A request is issued when a slot frees (its clock starts then, as an announce's does) and waits
+        # in a queue for its read to be posted: on one host a read copies inside the call, so posting
+        # is one read at a time, and ``in_flight`` requests are outstanding throughout.
+        queue: deque[tuple[int, int, float]] = deque()
+        live: deque[tuple[Any, float, int]] = deque()
+        lat: list[float] = []
+        nxt = 0
+        t0, cpu0 = time.monotonic(), cpu_s()
+        for slot in range(min(args.in_flight, args.requests)):
+            queue.append((nxt, slot, time.monotonic()))
+            nxt += 1
+        while len(lat) < args.requests:
+            if queue:
+                i, slot, start = queue.popleft()
+                src_i, dst_i = src_pages(i), dst_pages(slot, args.in_flight)
+                plan = plan_transfer(src, dst, {p: (src_i[p], dst_i[p]) for p in ("main", "c4")})
+                live.append((transport.read(plan, peer, f"r{i}"), start, slot))
+            elif live:
+                time.sleep(50e-6)
+            while live and _settled(live[0][0]):   # in order, as run_control counts them
+                _, start, slot = live.popleft()
+                lat.append(time.monotonic() - start)
+                if nxt < args.requests:
+                    queue.append((nxt, slot, time.monotonic()))
+                    nxt += 1
+        wall, cpu = time.monotonic() - t0, cpu_s() - cpu0
+        _write(proc, {"done": True})
+        prefill_cpu = _read(proc)["cpu_s"]
+        _write(proc, {"exit": True})
+    proc.wait(30)
+    return _summary("raw read", lat, wall, args.requests, prefill_cpu, cpu)
 
 
 def run_control(args: argparse.Namespace, digest: str, transfer: str = "push") -> dict[str, Any]:
@@ -294,7 +360,7 @@ def _summary(name: str, lat: list[float], wall: float, n: int, prefill_cpu: floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role", default="decode", choices=["decode", "prefill"])
-    ap.add_argument("--mode", default="control", choices=["control", "raw"])
+    ap.add_argument("--mode", default="control", choices=["control", "raw", "raw-read"])
     ap.add_argument("--digest", default="off")
     ap.add_argument("--digests", default="off,sampled", help="digest modes to run the control plane with")
     ap.add_argument("--transfer", default="push",
@@ -311,7 +377,7 @@ def main() -> None:
         args.requests, args.repeats = 200, 1
     warm_pages(args.requests, args.in_flight)
     if args.role == "prefill":
-        (prefill_raw if args.mode == "raw" else prefill_control)(args)
+        {"raw": prefill_raw, "raw-read": prefill_raw_read, "control": prefill_control}[args.mode](args)
         return
     if args.profile:
         for digest in args.digests.split(","):
@@ -320,15 +386,20 @@ def main() -> None:
     # Runs interleaved, repeated, medians reported: on a shared 2-core machine one run is noise.
     runs: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.repeats):
-        controls = [run_control(args, d, t) for t in args.transfer.split(",") for d in args.digests.split(",")]
-        for r in [run_raw(args), *controls]:
+        transfers = args.transfer.split(",")
+        controls = [run_control(args, d, t) for t in transfers for d in args.digests.split(",")]
+        raws = [run_raw(args), *([run_raw_read(args)] if "pull" in transfers else [])]
+        for r in [*raws, *controls]:
             runs.setdefault(r["name"], []).append(r)
     results = [{"name": name, "repeats": len(rs),
                 **{k: float(np.median([r[k] for r in rs])) for k in METRICS}}
                for name, rs in runs.items()]
     base = results[0]["p50_us"]
+    read_base = next((r["p50_us"] for r in results if r["name"] == "raw read"), None)
     for r in results:
         r["p50_vs_raw"] = r["p50_us"] / base - 1.0
+        if read_base is not None and (r["name"] == "raw read" or " pull " in r["name"]):
+            r["p50_vs_raw_read"] = r["p50_us"] / read_base - 1.0
     if args.json:
         print(json.dumps(results, indent=2))
         return
@@ -339,10 +410,11 @@ def main() -> None:
           f"{args.in_flight} in flight")
     print(f"medians of {args.repeats} interleaved runs")
     print(f"{'run':<30}{'req/s':>10}{'p50 us':>10}{'p99 us':>10}{'p50 vs raw':>12}"
-          f"{'prefill CPU us/req':>20}{'decode CPU us/req':>19}")
+          f"{'prefill CPU us/req':>20}{'decode CPU us/req':>19}{'p50 vs raw read':>17}")
     for r in results:
+        vs_read = f"{r['p50_vs_raw_read'] * 100:>16.0f}%" if "p50_vs_raw_read" in r else ""
         print(f"{r['name']:<30}{r['requests_per_s']:>10.0f}{r['p50_us']:>10.0f}{r['p99_us']:>10.0f}"
-              f"{r['p50_vs_raw'] * 100:>11.0f}%{r['prefill_cpu_us']:>20.0f}{r['decode_cpu_us']:>19.0f}")
+              f"{r['p50_vs_raw'] * 100:>11.0f}%{r['prefill_cpu_us']:>20.0f}{r['decode_cpu_us']:>19.0f}{vs_read}")
 
 
 if __name__ == "__main__":
