@@ -318,6 +318,33 @@ def test_callers_are_served_while_a_write_copies_and_abort_waits_for_it() -> Non
         assert np.array_equal(got[untouched], before[buf.name][untouched])
 
 
+def test_ended_lists_each_request_once_in_the_order_they_ended(
+        pair: tuple[PrefillEndpoint, DecodeEndpoint]) -> None:
+    prefill, decode = pair
+    before = snapshot(decode.memory)
+    for ep in (prefill, decode):
+        assert ep.ended() == []                        # starts the record
+    reqs = workload(6, seed=3)
+    announce(decode, reqs)
+    decode.abort(reqs[0].rid, "not needed")
+    run_prefill(prefill, reqs[1:])
+    seen: dict[str, list[str]] = {"prefill": [], "decode": []}
+    deadline = time.monotonic() + 10
+    while (len(seen["prefill"]) < 6 or len(seen["decode"]) < 6) and time.monotonic() < deadline:
+        for name, ep in (("prefill", prefill), ("decode", decode)):
+            seen[name] += ep.ended(0.05)
+    for name, ep in (("prefill", prefill), ("decode", decode)):
+        assert sorted(seen[name]) == sorted(r.rid for r in reqs), name
+        ends = [ep.timing(rid)[1] for rid in seen[name]]
+        assert ends == sorted(ends), f"{name}: not in the order they ended"   # type: ignore[type-var]
+        assert {ep.poll(r.rid) for r in reqs[1:]} == {RequestState.DONE}
+        assert ep.poll(reqs[0].rid) is RequestState.FAILED
+    t0 = time.monotonic()
+    assert decode.ended(0.1) == [] and time.monotonic() - t0 >= 0.09   # nothing more: it waited, then []
+    verify(decode.memory, SEED, reqs[1:], before)     # the aborted request's pages were never written
+    _assert_idle(prefill, decode)
+
+
 def test_decode_deadline_fails_and_releases(pair: tuple[PrefillEndpoint, DecodeEndpoint]) -> None:
     prefill, decode = pair
     src, dst = prefill.memory, decode.memory

@@ -40,7 +40,7 @@ import os
 import select
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +155,7 @@ class EndpointBase:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._records: OrderedDict[str, RequestRecord] = OrderedDict()   # newest incarnation per id
+        self._ended: deque[str] | None = None   # ids that ended, in order, once a caller asked (``ended``)
         self._calls: list[Callable[[], None]] = []                      # run on the progress thread
         self._outbox: dict[Any, list[bytes]] = {}   # peer -> encoded messages, sent at the iteration's end
         self._wake_pending = False   # a byte is in the wake pipe that the thread has not drained yet
@@ -227,6 +228,26 @@ class EndpointBase:
             raise TransferTimeout(f"{self._role}: request {request_id!r} still {state} "
                                   f"after waiting {timeout:.3f} s")
         self._raise_if_failed(seen[0])
+
+    def ended(self, timeout: float = 0.0) -> list[str]:
+        """Ids of the requests that ended (DONE or FAILED) since the previous call, in the order they
+        ended; waits up to ``timeout`` seconds while there is none (returns ``[]`` then).
+
+        For an engine's step loop: one call per step, rather than one ``poll`` per live request, and one
+        wake-up however many ended. The first call starts the record (requests that ended before it are
+        not listed): make it once at start-up. Each id is returned once, to whichever caller takes it.
+        Lock-free, as ``poll``; raises ``EndpointClosed`` when the progress thread has died.
+        """
+        queue = self._ended
+        if queue is None:
+            queue = self._ended = deque()
+        if not queue and timeout > 0:
+            self._wait_for(lambda: bool(queue), time.monotonic() + timeout, locked=False)
+        out: list[str] = []
+        with contextlib.suppress(IndexError):   # another caller took the last one meanwhile
+            while queue:
+                out.append(queue.popleft())
+        return out
 
     @staticmethod
     def _raise_if_failed(rec: RequestRecord) -> None:
@@ -337,6 +358,9 @@ class EndpointBase:
         if state in TERMINAL:  # only endings wake waiters: waking them on every step costs the GIL
             rec.ended_at = time.monotonic()
             self._changed = True
+            ended = self._ended
+            if ended is not None and self._records.get(rec.request_id) is rec:   # the record poll/wait see
+                ended.append(rec.request_id)
 
     def _fail(self, rec: RequestRecord, error: KVFerryError) -> bool:
         """Fail a live request (first reason wins); False when it had already ended."""
