@@ -15,6 +15,10 @@ outstanding and reusing its pages as requests finish (so every announce goes thr
   coverage checks, digests (per ``--digests``) and the decode's verdict back to prefill included. In pull
   mode (``--transfer pull``) prefill sends a Ready and decode posts the NIXL READ itself.
 
+Decode keeps ``--in-flight`` requests announced throughout: a slot is reused as soon as its request ends,
+in whatever order they end (``DecodeEndpoint.ended``). Each row reports ``in_flight``, the requests
+outstanding on average (throughput x mean latency): p50s compare like with like only where it is the same.
+
 Usage: ``python bench/control.py [--quick] [--requests N] [--in-flight N] [--digests off,sampled]
 [--transfer push,pull] [--repeats N] [--json] [--profile]``. Clocks: latencies are measured in this process
 only. ``--profile`` runs one control-plane run per digest mode with decode's progress thread and this

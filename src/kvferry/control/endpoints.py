@@ -21,8 +21,9 @@ caller's call ends the sleep at once). The sleep starts at
 is the wake-up itself, and under load (many requests in flight, where latency is queueing) a spin that
 finds several notifications at once costs less than several spins that find one each.
 
-Messages to a peer are queued during an iteration and leave at its end (``_flush``), and before its
-transfers for what its calls and the messages it read produced: several for one peer go as one
+Messages to a peer are queued during an iteration and leave at its end (``_flush``), before its
+transfers for what its calls and the messages it read produced, and every 2 ms within a long run of
+pull-mode reads (``_publish``, which also wakes the waiters then): several for one peer go as one
 ``wire.Batch``, so under load libzmq's I/O thread is woken once per iteration and peer, not once per
 request. Each side's clocks of "what the peer heard from us" (heartbeats, prefill's check before a write,
 decode's pull-mode fence) advance when a frame actually leaves, never when a message was queued. (Holding
@@ -182,12 +183,11 @@ class EndpointBase:
 
     # -- public: any thread ----------------------------------------------------------------------------
     # poll, timing, failure and wait's answer for a request that has ended read the record without the
-    # endpoint's lock. The progress thread holds that lock for a whole iteration (all but prefill's copies,
-    # see PrefillEndpoint._write), so a caller asking about many requests would block behind it once per
-    # question. Each
-    # field is one attribute the thread assigns in a single store (the error before the state, the state
-    # before the end time), so an unlocked read sees a value the record had, never a torn one; a state
-    # read a moment stale is what a locked read returns a moment later too.
+    # endpoint's lock. The progress thread holds that lock for a whole iteration (all but its copies: see
+    # PrefillEndpoint._write, PullReader._read), so a caller asking about many requests would block behind
+    # it once per question. Each field is one attribute the thread assigns in a single store (the error
+    # before the state, the state before the end time), so an unlocked read sees a value the record had,
+    # never a torn one; a state read a moment stale is what a locked read returns a moment later too.
     def poll(self, request_id: str) -> RequestState:
         """Non-blocking, lock-free: the request's state. ``KeyError`` for an id this endpoint does not know."""
         return self._record(request_id).state
