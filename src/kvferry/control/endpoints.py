@@ -44,7 +44,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -56,6 +56,8 @@ from kvferry.layout.memory import KVMemory
 from kvferry.transport import Transport, make_transport
 
 __all__ = ["EndpointOptions"]
+
+T = TypeVar("T")
 
 # On close, queued control messages (a final Result, Fail or Bye) get this long to leave; without it a
 # peer can lose the verdict of a request that this side had finished, and fail it.
@@ -404,6 +406,19 @@ class EndpointBase:
         for peer in list(self._outbox):
             for frame in wire.batches(self._take_out(peer)):
                 self._send_frame(peer, frame)
+
+    def _let_go(self, holder: Any, post: Callable[[], T]) -> T:
+        """Run ``post`` (a transport call that may copy for hundreds of microseconds with the GIL released)
+        with the endpoint's lock let go, so that callers proceed alongside it. ``holder.posting`` (a
+        record or part) is True meanwhile: what would end a lease or a hold must count it as a transfer in
+        flight. Progress thread only, holding the lock once (the iteration's)."""
+        holder.posting = True
+        self._lock.release()
+        try:
+            return post()
+        finally:
+            self._lock.acquire()
+            holder.posting = False
 
     def _publish(self) -> None:
         """Mid-iteration (progress thread, under the lock): send what is queued and wake the waiters now,

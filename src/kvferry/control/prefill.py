@@ -271,15 +271,8 @@ class PrefillEndpoint(EndpointBase, PullSource):
         the meantime cannot race the write: ``send`` queues, ``abort`` fails the record (its settled
         Fail is sent by this thread, after the handle below is recorded, once it settled), and
         ``holds_source`` counts ``posting`` as a write in flight."""
-        data = wire.encode(chunk)
-        label = f"{rec.request_id}#{chunk.chunk}"
-        rec.posting = True
-        self._lock.release()
-        try:
-            return self.transport.write(plan, session.agent, data, label=label)
-        finally:
-            self._lock.acquire()
-            rec.posting = False
+        data, label = wire.encode(chunk), f"{rec.request_id}#{chunk.chunk}"
+        return self._let_go(rec, lambda: self.transport.write(plan, session.agent, data, label=label))
 
     def _check_current(self, rec: PrefillRequest, session: Session) -> None:
         """Right before a write: the session is alive by our own clock and the request still current.

@@ -62,9 +62,9 @@ class PullReader:
     ``_reject_part``, ``_part_complete``, ``_end_lease``, ``_link_dead``, ``_set_state``)."""
 
     _reading: set[DecodeRequest]
-    _lock: Any
     _published_at: float
     _publish: Any
+    _let_go: Any
     memory: KVMemory
     transport: Any
     options: Any
@@ -152,13 +152,7 @@ class PullReader:
         behind the whole iteration. Only this thread posts and settles reads; an ``abort`` meanwhile fails
         the request, but its lease cannot end under the read (``posting`` counts as a read in flight,
         ``_pull_failed``): it ends once the read is terminal, as for any read in flight."""
-        part.posting = True
-        self._lock.release()
-        try:
-            return self.transport.read(plan, part.link.agent, label=label)
-        finally:
-            self._lock.acquire()
-            part.posting = False
+        return self._let_go(part, lambda: self.transport.read(plan, part.link.agent, label=label))
 
     def _read_plan(self, rec: DecodeRequest, link: Link, msg: wire.Ready) -> Plan:
         """The read of one chunk: prefill's pages (untrusted: checked against its layout) into the
