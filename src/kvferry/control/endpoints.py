@@ -237,12 +237,15 @@ class EndpointBase:
 
         For an engine's step loop: one call per step, rather than one ``poll`` per live request, and one
         wake-up however many ended. The first call starts the record (requests that ended before it are
-        not listed): make it once at start-up. Each id is returned once, to whichever caller takes it.
-        Lock-free, as ``poll``; raises ``EndpointClosed`` when the progress thread has died.
+        not listed): make it once at start-up. Each id is returned once, to whichever caller takes it;
+        at most ``MAX_FINISHED`` (65,536) wait to be taken, the oldest dropped first, as the records
+        themselves are forgotten. Lock-free, as ``poll``; raises ``EndpointClosed`` when the progress
+        thread has died.
         """
         queue = self._ended
         if queue is None:
-            queue = self._ended = deque()
+            # Bounded as the records are (MAX_FINISHED): a caller that stops asking leaks nothing.
+            queue = self._ended = deque(maxlen=MAX_FINISHED)
         if not queue and timeout > 0:
             self._wait_for(lambda: bool(queue), time.monotonic() + timeout, locked=False)
         out: list[str] = []
