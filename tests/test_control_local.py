@@ -345,6 +345,22 @@ def test_ended_lists_each_request_once_in_the_order_they_ended(
     _assert_idle(prefill, decode)
 
 
+def test_ended_keeps_at_most_max_finished_ids(pair: tuple[PrefillEndpoint, DecodeEndpoint],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller that stops asking leaks nothing: the oldest ids beyond the bound are dropped."""
+    from kvferry.control import endpoints
+
+    prefill, decode = pair
+    monkeypatch.setattr(endpoints, "MAX_FINISHED", 4)
+    assert decode.ended() == []
+    reqs = workload(6, seed=4)
+    for req in reqs:                                   # one after another: they end in this order
+        decode.announce(req.rid, req.dst)
+        run_prefill(prefill, [req])
+        decode.wait(req.rid, 5)
+    assert decode.ended() == [r.rid for r in reqs[-4:]]
+
+
 def test_decode_deadline_fails_and_releases(pair: tuple[PrefillEndpoint, DecodeEndpoint]) -> None:
     prefill, decode = pair
     src, dst = prefill.memory, decode.memory
