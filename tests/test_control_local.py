@@ -13,7 +13,15 @@ import pytest
 
 from kvferry import IncompatiblePeer, IntegrityError, KVMemory, LeaseError, PeerLost, TransferTimeout
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
-from kvferry.errors import EndpointClosed, HandshakeError, KVFerryError, PlanError, RequestFailed, UsageError
+from kvferry.errors import (
+    EndpointClosed,
+    HandshakeError,
+    KVFerryError,
+    PlanError,
+    RequestFailed,
+    TransportError,
+    UsageError,
+)
 from kvferry.plan import TransferPlan
 from kvferry.transport import LocalTransport
 from kvferry.transport.local import LocalHandle
@@ -267,18 +275,27 @@ def test_abort_keeps_pages_leased_until_the_write_settled(
 
 
 class CopyingTransport(LocalTransport):
-    """Writes copy inside ``write`` (as NIXL's cma does), and the first copy lasts until ``done`` is set."""
+    """Transfers copy inside the call (as NIXL's cma does); the first one, write or read, lasts until
+    ``done`` is set, then copies, or raises when ``fail`` is set."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.copying = threading.Event()
-        self.done = threading.Event()
+        self.copying, self.done, self.fail = threading.Event(), threading.Event(), threading.Event()
 
-    def write(self, plan: TransferPlan, peer: str, notif: bytes, label: str = "") -> LocalHandle:
+    def _first_copy(self, label: str) -> None:
         if not self.copying.is_set():
             self.copying.set()
             assert self.done.wait(10)
+            if self.fail.is_set():
+                raise TransportError(f"transfer {label!r} failed")
+
+    def write(self, plan: TransferPlan, peer: str, notif: bytes, label: str = "") -> LocalHandle:
+        self._first_copy(label)
         return super().write(plan, peer, notif, label)
+
+    def read(self, plan: TransferPlan, peer: str, label: str = "") -> LocalHandle:
+        self._first_copy(label)
+        return super().read(plan, peer, label)
 
 
 def test_callers_are_served_while_a_write_copies_and_abort_waits_for_it() -> None:

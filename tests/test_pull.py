@@ -23,7 +23,7 @@ from kvferry.transport import LocalTransport
 from kvferry.transport.local import LocalHandle
 
 from .control_peer import announce, run_prefill, snapshot, verify, wait_all, workload
-from .test_control_local import OPTS, SEED, _assert_idle, _memories, _until
+from .test_control_local import OPTS, SEED, CopyingTransport, _assert_idle, _memories, _until
 from .test_fencing import PAGES_A, SRC_A, _block, _holds, _memory
 
 
@@ -285,30 +285,13 @@ def _hold_lock(ep: Any, seconds: float) -> None:
         time.sleep(seconds)
 
 
-class CopyingReader(LocalTransport):
-    """Reads copy inside ``read`` (as NIXL's cma does); the first lasts until ``done`` is set, then copies,
-    or raises when ``fail`` is set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.copying, self.done, self.fail = threading.Event(), threading.Event(), threading.Event()
-
-    def read(self, plan: TransferPlan, peer: str, label: str = "") -> LocalHandle:
-        if not self.copying.is_set():
-            self.copying.set()
-            assert self.done.wait(10)
-            if self.fail.is_set():
-                raise TransportError(f"read {label!r} failed")
-        return super().read(plan, peer, label)
-
-
 @pytest.mark.parametrize("read_fails", [False, True])
 def test_announce_and_abort_are_served_while_a_read_copies(read_fails: bool) -> None:
     """Decode lets go of its lock while a read copies: ``announce`` and ``abort`` answer at once, and an
     abort that came during the copy ends the lease only once that read is over (landed or failed)."""
     src, dst = _memories()
     before = snapshot(dst)
-    reader = CopyingReader()
+    reader = CopyingTransport()
     with PrefillEndpoint(src, "local", options=OPTS, mode="pull") as prefill, \
             DecodeEndpoint(dst, reader, options=OPTS, mode="pull") as decode:
         decode.connect(prefill.address)
