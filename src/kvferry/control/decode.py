@@ -563,11 +563,8 @@ class DecodeEndpoint(EndpointBase, PullReader):
             self._send(p.link, wire.Result(rec.request_id, rec.generation, True, ""))
 
     # -- timers (progress thread) ----------------------------------------------------------------------
-    def _is_busy(self) -> bool:
-        # Live requests wait for chunk notifications, which only polling the transport brings in.
-        return self._num_live > 0 or bool(self._reading)
-
     def _num_waiting(self) -> int:
+        # Live requests wait for chunk notifications, which only polling the transport brings in.
         return self._num_live + len(self._reading)
 
     def _set_state(self, rec: RequestRecord, state: RequestState) -> None:

@@ -484,7 +484,7 @@ class EndpointBase:
 
     def _step(self) -> None:
         with self._lock:
-            busy = self._is_busy() or bool(self._calls) or bool(self._outbox)
+            busy = self._num_waiting() > 0 or bool(self._calls) or bool(self._outbox)
             timeout_ms = 0 if busy else self._idle_timeout_ms()
         events = dict(self._poller.poll(timeout_ms))
         with self._cond:
@@ -502,8 +502,8 @@ class EndpointBase:
             self._flush()   # what the calls queued (decode's Announces) leaves before the reads below run
             for sock in events:
                 self._drain_socket(sock)
-            # What the calls and the messages just read produced (decode's Announces, above all) leaves
-            # before this iteration's transfers: the peer can start on it while they run.
+            # What the messages just read produced leaves before this iteration's transfers too: the peer
+            # can start on it while they run.
             self._flush()
             if self._pump() or events or calls:
                 self._idle_spins = 0
@@ -571,11 +571,9 @@ class EndpointBase:
         return max(1, int(self.options.heartbeat_interval * 1000 / 4))
 
     # -- protocol hooks (run on the progress thread, under the lock) -----------------------------------
-    def _is_busy(self) -> bool:
-        raise NotImplementedError
-
     def _num_waiting(self) -> int:
-        """How many requests the busy loop is polling for (sets its longest sleep, see ``_busy_wait``)."""
+        """How many requests the loop polls for: while any, it spins (``_busy_wait``, whose longest sleep
+        this sets) rather than block in its idle poll."""
         raise NotImplementedError
 
     def _on_frames(self, sock: Any, frames: list[bytes]) -> None:

@@ -89,7 +89,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         super().__init__(memory, transport, digest_mode=digest_mode, options=options)
         self.modes = accepted_modes(mode)
         self._holds: set[PrefillRequest] = set()   # pull mode: records whose source pages decode may read
-        self._cold: set[Session] = set()   # pull sessions offered a chunk, with no verdict yet (see _is_busy)
+        self._cold: set[Session] = set()   # pull sessions offered a chunk, with no verdict yet (see _num_waiting)
         self._secret = as_secret(secret)
         self._sock = self._new_socket(zmq.ROUTER)
         self._sock.bind(f"tcp://{host}:{port}")
@@ -578,9 +578,6 @@ class PrefillEndpoint(EndpointBase, PullSource):
         self._send_now(identity, wire.encode(wire.Reject(reason[:wire.MAX_REASON_LEN])))
 
     # -- timers (progress thread) ----------------------------------------------------------------------
-    def _is_busy(self) -> bool:
-        return bool(self._dirty or self._cold)
-
     def _num_waiting(self) -> int:
         return len(self._dirty) + len(self._cold)
 
