@@ -378,6 +378,47 @@ def test_ended_keeps_at_most_max_finished_ids(pair: tuple[PrefillEndpoint, Decod
     assert decode.ended() == [r.rid for r in reqs[-4:]]
 
 
+def test_under_load_calls_do_not_wake_the_loop_yet_leave_within_its_sleep(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """From LAZY_WAKE_MIN requests in flight a caller's call writes no wake-up byte (the spinning loop comes
+    round within its busy sleep); below it, it does. Either way every request completes, bytes checked."""
+    import os
+
+    from kvferry.control import endpoints
+
+    src, dst = _memories()
+    before = snapshot(dst)
+    opts = EndpointOptions(heartbeat_interval=0.1, peer_timeout=2.0, request_timeout=20.0, busy_poll=2e-3,
+                           busy_poll_max=20e-3)
+    with PrefillEndpoint(src, "local", options=opts) as prefill, DecodeEndpoint(dst, "local", options=opts) as decode:
+        decode.connect(prefill.address)
+        wakes: list[int] = []
+        write = os.write
+
+        def counting_write(fd: int, data: bytes) -> int:
+            if fd == decode._wake_w:
+                wakes.append(fd)
+            return write(fd, data)
+
+        monkeypatch.setattr(endpoints.os, "write", counting_write)
+        n = endpoints.LAZY_WAKE_MIN
+        reqs = workload(n + 4, seed=11)
+        for req in reqs[:n - 1]:
+            decode.announce(req.rid, req.dst)          # each one wakes: fewer than n are in flight with it
+            time.sleep(0.01)                           # the loop drains the byte; the next call writes again
+        assert len(wakes) == n - 1
+        time.sleep(0.05)                               # spinning now
+        t0 = time.monotonic()
+        announce(decode, reqs[n - 1:])                 # n to n + 4 in flight: under load
+        assert len(wakes) == n - 1                     # not one byte for these five
+        run_prefill(prefill, reqs)
+        assert wait_all(decode, [r.rid for r in reqs], 10) == {r.rid: "done" for r in reqs}
+        # The five announces left with the loop's next round (a sleep of at most busy_poll_max).
+        assert max(decode.timing(r.rid)[1] for r in reqs[n - 1:]) - t0 < 5.0   # type: ignore[operator]
+        verify(dst, SEED, reqs, before)
+        _assert_idle(prefill, decode)
+
+
 def test_decode_deadline_fails_and_releases(pair: tuple[PrefillEndpoint, DecodeEndpoint]) -> None:
     prefill, decode = pair
     src, dst = prefill.memory, decode.memory

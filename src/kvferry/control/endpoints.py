@@ -19,7 +19,12 @@ write or a notification is outstanding (NIXL notifications wake no file descript
 caller's call ends the sleep at once). The sleep starts at
 ``busy_poll`` and doubles with each idle spin up to ``busy_poll_max``: most of a spinning thread's CPU
 is the wake-up itself, and under load (many requests in flight, where latency is queueing) a spin that
-finds several notifications at once costs less than several spins that find one each.
+finds several notifications at once costs less than several spins that find one each. From
+``LAZY_WAKE_MIN`` requests in flight the loop is *under load*: it sleeps a quarter of ``busy_poll`` per
+request in flight (up to ``busy_poll_max``) whether or not the last spin found work, and a caller's call
+no longer wakes it (it comes round within that sleep). A request behind n others already waits about
+n service times; the sleep adds a few per cent of that, and the wake-ups it saves were most of decode's
+CPU (issue 13, bench/RESULTS.md, "sixth round").
 
 Messages to a peer are queued during an iteration and leave at its end (``_flush``), before its
 transfers for what its calls and the messages it read produced, and every 2 ms within a long run of
@@ -65,6 +70,13 @@ FLUSH_MS = 500
 
 log = logging.getLogger("kvferry.control")
 
+# Requests in flight from which the progress loop is under load (see the module doc): it sleeps
+# LOAD_POLL_SHARE of busy_poll per request in flight after every iteration, and a caller's call no longer
+# wakes it. The call waits one such sleep at most, a few per cent of the latency of a request queued
+# behind this many.
+LAZY_WAKE_MIN = 8
+LOAD_POLL_SHARE = 0.25
+
 # Terminal records kept so poll/wait can still answer after the fact; the oldest are forgotten first.
 MAX_FINISHED = 1 << 16
 
@@ -84,7 +96,8 @@ class EndpointOptions:
     * ``busy_poll``: sleep between progress iterations while something is in flight, right after one
       that found work; each idle iteration doubles it, up to ``busy_poll_max``, and up to ``busy_poll``
       times the number of requests in flight (never below ``busy_poll``): a lone request is polled every
-      ``busy_poll``, many share longer sleeps.
+      ``busy_poll``, many share longer sleeps. Under load (``LAZY_WAKE_MIN`` or more in flight) the loop
+      sleeps ``busy_poll / 4`` per request in flight, up to ``busy_poll_max``, after every iteration.
     * ``max_message_bytes``: ZMQ drops peers that send larger messages (silently: decode notices the
       drop and fails the link with an error naming this limit).
     """
@@ -95,7 +108,7 @@ class EndpointOptions:
     lease_grace: float = 5.0
     handshake_timeout: float = 10.0
     busy_poll: float = 50e-6
-    busy_poll_max: float = 400e-6
+    busy_poll_max: float = 1e-3
     max_message_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
@@ -180,6 +193,8 @@ class EndpointBase:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        # The last iteration found work in flight: the next comes within busy_poll_max (see _wake).
+        self._spinning = False
         self._idle_spins = 0   # busy iterations in a row that found nothing to do (sets the sleep)
         self._thread = threading.Thread(target=self._run, name=f"kvferry-{self._role}", daemon=True)
 
@@ -386,6 +401,10 @@ class EndpointBase:
         # one means we are shutting down.
         if self._wake_pending and not force:
             return
+        # Under load the thread is spinning and comes round within its busy sleep anyway; a wake per
+        # request would cost a context switch and an iteration each (issue 13: most of decode's CPU).
+        if not force and self._spinning and self._num_waiting() >= LAZY_WAKE_MIN:
+            return
         self._wake_pending = True
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"x")
@@ -485,6 +504,7 @@ class EndpointBase:
     def _step(self) -> None:
         with self._lock:
             busy = self._num_waiting() > 0 or bool(self._calls) or bool(self._outbox)
+            self._spinning = busy
             timeout_ms = 0 if busy else self._idle_timeout_ms()
         events = dict(self._poller.poll(timeout_ms))
         with self._cond:
@@ -527,8 +547,12 @@ class EndpointBase:
         opts = self.options
         # A lone request is polled every busy_poll (its latency is the whole cost); many share longer
         # sleeps, each wake finding several of them (their CPU is the cost, and their latency is queueing).
-        cap = min(opts.busy_poll_max, opts.busy_poll * self._num_waiting())
-        delay = min(opts.busy_poll * (1 << self._idle_spins), max(opts.busy_poll, cap))
+        waiting = self._num_waiting()
+        if waiting >= LAZY_WAKE_MIN:
+            delay = min(opts.busy_poll_max, opts.busy_poll * LOAD_POLL_SHARE * waiting)
+        else:
+            cap = min(opts.busy_poll_max, opts.busy_poll * waiting)
+            delay = min(opts.busy_poll * (1 << self._idle_spins), max(opts.busy_poll, cap))
         self._idle_spins = min(self._idle_spins + 1, 16)
         fds = [self._wake_r]
         try:
