@@ -419,6 +419,48 @@ def test_under_load_calls_do_not_wake_the_loop_yet_leave_within_its_sleep(
         _assert_idle(prefill, decode)
 
 
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_chunk_sent_after_its_announce_is_planned_on_the_callers_thread(
+        pair: tuple[PrefillEndpoint, DecodeEndpoint], monkeypatch: pytest.MonkeyPatch, stale: bool) -> None:
+    """Decode announced first (as engines mostly do): send() plans the chunk, so the progress thread (whose
+    time bounds push mode's throughput) only posts it. A plan that no longer matches the record (here:
+    made stale by force) is planned again on the progress thread. Either way the bytes are checked."""
+    from kvferry.control import prefill as prefill_mod
+    from kvferry.control.prefill_requests import Planned
+
+    prefill, decode = pair
+    before = snapshot(decode.memory)
+    planners: list[str] = []
+    real = prefill_mod.plan_pages
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        planners.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prefill_mod, "plan_pages", recording)
+    if stale:
+        monkeypatch.setattr(Planned, "matches", lambda self, rec: False)
+    reqs = workload(4, seed=12)
+    announce(decode, reqs)
+    deadline = time.monotonic() + 5
+    for req in reqs:    # prefill has heard every announce
+        while time.monotonic() < deadline:
+            try:
+                if prefill.poll(req.rid) is RequestState.WAITING_FOR_INPUT:
+                    break
+            except UsageError:   # not heard of yet
+                pass
+            time.sleep(0.002)
+    run_prefill(prefill, reqs)
+    assert wait_all(decode, [r.rid for r in reqs], 10) == {r.rid: "done" for r in reqs}
+    verify(decode.memory, SEED, reqs, before)
+    chunks = sum(len(r.sends) for r in reqs)
+    caller = threading.current_thread().name
+    assert planners.count(caller) == chunks                      # every chunk planned in send()
+    assert planners.count("kvferry-prefill") == (chunks if stale else 0)
+    _assert_idle(prefill, decode)
+
+
 def test_decode_deadline_fails_and_releases(pair: tuple[PrefillEndpoint, DecodeEndpoint]) -> None:
     prefill, decode = pair
     src, dst = prefill.memory, decode.memory

@@ -206,7 +206,7 @@ class EndpointBase:
     # before the state, the state before the end time), so an unlocked read sees a value the record had,
     # never a torn one; a state read a moment stale is what a locked read returns a moment later too.
     def poll(self, request_id: str) -> RequestState:
-        """Non-blocking, lock-free: the request's state. ``KeyError`` for an id this endpoint does not know."""
+        """Non-blocking, lock-free: the request's state. ``UsageError`` for an id this endpoint does not know."""
         return self._record(request_id).state
 
     def timing(self, request_id: str) -> tuple[float, float | None]:
@@ -224,7 +224,7 @@ class EndpointBase:
         ``__cause__`` the specific error: ``PeerLost``, ``TransferTimeout``, ``IntegrityError``...).
 
         Raises ``TransferTimeout`` when ``timeout`` seconds pass first; the request itself goes on (its own
-        deadline is ``options.request_timeout``). ``KeyError`` for an unknown id. Reads the record without
+        deadline is ``options.request_timeout``). ``UsageError`` for an unknown id. Reads the record without
         the endpoint's lock (see above), so it never queues behind the progress thread's iteration.
         """
         rec = self._record(request_id)

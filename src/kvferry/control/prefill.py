@@ -36,9 +36,10 @@ from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions, a
 from kvferry.control.liveness import this_process
 from kvferry.control.prefill_requests import (
     ChunkSpec,
+    Planned,
     PrefillRequest,
     can_join,
-    dst_slice,
+    chunk_pairs,
     group_done,
     make_spec,
     num_decode_ranks,
@@ -128,6 +129,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         if self._may_use_source_digests():
             spec.digests = source_digests(self.memory, self.digest_mode, spec.src, spec.buffers,
                                           self._digest_rng)
+        self._preplan(request_id, spec)
         with self._lock:
             self._check_open()
             # This endpoint's records are all PrefillRequest: casts for the type checker, not checks.
@@ -141,6 +143,28 @@ class PrefillEndpoint(EndpointBase, PullSource):
             if rec.last_queued:
                 raise UsageError(f"request {request_id!r}: the last chunk was already sent")
             self._queue(rec, spec)
+
+    def _preplan(self, request_id: str, spec: ChunkSpec) -> None:
+        """Plan the chunk here, on the caller's thread, when decode has announced the request already (as
+        engines mostly do: decode leases pages before prefill has computed them). The progress thread's
+        time bounds push mode's throughput; it then only checks that the plan still matches the record
+        (``Planned.matches``) and posts it. Anything unusual (no announce yet, a group of decode ranks,
+        another TP size, a chunk outside the lease) is left to the progress thread, which plans (or
+        fails the request) as before."""
+        with self._lock:
+            rec = self._records.get(request_id)
+            if not isinstance(rec, PrefillRequest) or not rec.is_live or len(rec.group) > 1:
+                return
+            session, generation, dst = rec.session, rec.generation, rec.dst
+        if session is None or session.planner is not None or session.remote is None:
+            return
+        try:
+            pairs = chunk_pairs(request_id, dst, spec)
+        except KVFerryError:
+            return
+        # Outside the lock: the record may move on meanwhile, which Planned.matches notices at posting.
+        spec.planned = Planned(session, generation, dst, pairs,
+                               plan_pages(self.memory, session.remote, pairs, spec.buffer_ids))
 
     def _may_use_source_digests(self) -> bool:
         """Whole-page digests hashed in ``send`` serve only equal-TP peers; when every connected peer is a
@@ -242,9 +266,12 @@ class PrefillEndpoint(EndpointBase, PullSource):
     def _post_chunk(self, rec: PrefillRequest, spec: ChunkSpec) -> None:
         session = rec.session
         assert session is not None and session.remote is not None
-        pairs = {pool: (src, dst_slice(rec, pool, spec.offsets[pool], len(src)))
-                 for pool, src in spec.src.items()}
-        plan = self._plan(session, pairs, spec.buffer_ids)
+        planned = spec.planned
+        if planned is not None and planned.matches(rec):
+            pairs, plan = planned.pairs, planned.plan
+        else:
+            pairs = chunk_pairs(rec.request_id, rec.dst, spec)
+            plan = self._plan(session, pairs, spec.buffer_ids)
         cover(self.memory.layout, rec, spec)
         index = rec.next_chunk
         rec.next_chunk += 1
@@ -295,7 +322,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         """Whole pages at equal TP; across TP, this rank's head slices through the session's planner.
 
         Trusting: source pages were validated by ``send`` (``make_spec``), destination pages when the
-        announce arrived (``_check_announce``), their counts by ``dst_slice``, the shapes at the handshake."""
+        announce arrived (``_check_announce``), their counts by ``chunk_pairs``, the shapes at the handshake."""
         assert session.remote is not None
         if session.planner is not None:
             return session.planner.plan_pages(pairs, buffer_ids)

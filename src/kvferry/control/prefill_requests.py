@@ -26,20 +26,36 @@ from kvferry.plan.planner import select_buffers
 from kvferry.plan.ranks import source_ranks
 from kvferry.transport import TransferHandle
 
-__all__ = ["ChunkSpec", "PrefillRequest", "can_join", "dst_slice", "group_done", "make_spec", "num_decode_ranks"]
+__all__ = ["ChunkSpec", "Planned", "PrefillRequest", "can_join", "chunk_pairs", "group_done", "make_spec",
+           "num_decode_ranks"]
 
 
 class ChunkSpec:
     """One ``send``: source pages per pool, the offset of each into decode's page list, the buffers
     (None: all), whether it is the last, and its source digests (hashed by ``send``)."""
 
-    __slots__ = ("buffer_ids", "buffers", "digests", "last", "offsets", "src")
+    __slots__ = ("buffer_ids", "buffers", "digests", "last", "offsets", "planned", "src")
 
     def __init__(self, src: dict[str, np.ndarray], offsets: dict[str, int], last: bool,
                  buffers: tuple[str, ...] | None, buffer_ids: np.ndarray | None) -> None:
         self.src, self.offsets, self.last, self.buffers = src, offsets, last, buffers
         self.buffer_ids = buffer_ids  # the buffers as the planner selects them (plan.planner.select_buffers)
         self.digests: Any = None   # integrity.SourceDigests hashed by send(), keyed once decode's pages are known
+        self.planned: Planned | None = None   # planned by send() when decode had announced already
+
+
+class Planned:
+    """A chunk planned by ``send`` on the caller's thread against one announce of the request: valid for
+    posting only while the record still has that session, generation and page list (``matches``)."""
+
+    __slots__ = ("dst", "generation", "pairs", "plan", "session")
+
+    def __init__(self, session: Session, generation: int, dst: dict[str, np.ndarray],
+                 pairs: dict[str, tuple[np.ndarray, np.ndarray]], plan: Any) -> None:
+        self.session, self.generation, self.dst, self.pairs, self.plan = session, generation, dst, pairs, plan
+
+    def matches(self, rec: PrefillRequest) -> bool:
+        return self.session is rec.session and self.generation == rec.generation and self.dst is rec.dst
 
 
 class PrefillRequest(RequestRecord):
@@ -95,15 +111,22 @@ def _offset(offset: int | Mapping[str, int], pool: str) -> int:
     return int(value)
 
 
-def dst_slice(rec: PrefillRequest, pool: str, offset: int, count: int) -> np.ndarray:
-    """Decode's pages ``offset .. offset + count`` of ``pool`` for ``rec``, or ``PlanError``."""
-    dst = rec.dst.get(pool)
-    if dst is None:
-        raise PlanError(f"request {rec.request_id!r}: decode leased no pages in pool {pool!r}")
-    if offset + count > len(dst):
-        raise PlanError(f"request {rec.request_id!r}, pool {pool!r}: chunk covers destination positions "
-                        f"{offset}..{offset + count - 1} but decode leased {len(dst)} pages")
-    return dst[offset:offset + count]
+def chunk_pairs(request_id: str, dst: Mapping[str, np.ndarray],
+                spec: ChunkSpec) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """pool -> (the chunk's source pages, decode's pages ``offset .. offset + count`` of its lease ``dst``),
+    or ``PlanError`` when the chunk falls outside the lease."""
+    return {pool: (src, _dst_slice(request_id, dst, pool, spec.offsets[pool], len(src)))
+            for pool, src in spec.src.items()}
+
+
+def _dst_slice(request_id: str, dst: Mapping[str, np.ndarray], pool: str, offset: int, count: int) -> np.ndarray:
+    pages = dst.get(pool)
+    if pages is None:
+        raise PlanError(f"request {request_id!r}: decode leased no pages in pool {pool!r}")
+    if offset + count > len(pages):
+        raise PlanError(f"request {request_id!r}, pool {pool!r}: chunk covers destination positions "
+                        f"{offset}..{offset + count - 1} but decode leased {len(pages)} pages")
+    return pages[offset:offset + count]
 
 
 # -- request groups (decode TP > prefill TP) ---------------------------------------------------------------
