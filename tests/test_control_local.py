@@ -405,7 +405,9 @@ def test_under_load_calls_do_not_wake_the_loop_yet_leave_within_its_sleep(
         reqs = workload(n + 4, seed=11)
         for req in reqs[:n - 1]:
             decode.announce(req.rid, req.dst)          # each one wakes: fewer than n are in flight with it
-            time.sleep(0.01)                           # the loop drains the byte; the next call writes again
+            deadline = time.monotonic() + 5
+            while decode._wake_pending and time.monotonic() < deadline:
+                time.sleep(0.001)                      # the loop drains the byte; the next call writes again
         assert len(wakes) == n - 1
         time.sleep(0.05)                               # spinning now
         t0 = time.monotonic()

@@ -163,8 +163,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         except KVFerryError:
             return
         # Outside the lock: the record may move on meanwhile, which Planned.matches notices at posting.
-        spec.planned = Planned(session, generation, dst, pairs,
-                               plan_pages(self.memory, session.remote, pairs, spec.buffer_ids))
+        spec.planned = Planned(session, generation, dst, pairs, self._plan(session, pairs, spec.buffer_ids))
 
     def _may_use_source_digests(self) -> bool:
         """Whole-page digests hashed in ``send`` serve only equal-TP peers; when every connected peer is a
