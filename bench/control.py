@@ -10,6 +10,9 @@ outstanding and reusing its pages as requests finish (so every announce goes thr
 * ``raw read`` (run when pull mode is): decode plans and posts request i's NIXL READ from prefill's pages
   itself and times post -> complete, prefill only driving its side's progress. The transport alone doing
   what pull mode does, so pull's rows also say ``p50 vs raw read``.
+* ``raw batched`` (with ``--raw-batched``): as ``raw``, but prefill posts all the requests one poll of its
+  notifications brought as one NIXL write, with one notification naming them all. Not what kvferry does
+  (one write per chunk): it measures what per-transfer costs add (bench/RESULTS.md, issue 13, sixth round).
 * ``control <push|pull> digest=<mode>``: ``DecodeEndpoint.announce`` -> ``DONE`` (``timing()``), with prefill
   calling ``PrefillEndpoint.send`` up to a window ahead. Handshake, ZMQ messages, leases, states,
   coverage checks, digests (per ``--digests``) and the decode's verdict back to prefill included. In pull
@@ -20,8 +23,8 @@ in whatever order they end (``DecodeEndpoint.ended``). Each row reports ``in_fli
 outstanding on average (throughput x mean latency): p50s compare like with like only where it is the same.
 
 Usage: ``python bench/control.py [--quick] [--requests N] [--in-flight N] [--digests off,sampled]
-[--transfer push,pull] [--repeats N] [--json] [--profile]``. Clocks: latencies are measured in this process
-only. ``--profile`` runs one control-plane run per digest mode with decode's progress thread and this
+[--transfer push,pull] [--repeats N] [--raw-batched] [--json] [--profile]``. Clocks: latencies are measured
+in this process only. ``--profile`` runs one control-plane run per digest mode with decode's progress thread and this
 (application) thread under ``cProfile`` and prints where each spends its time, waits included (cProfile's
 clock is wall time): it shows which calls block or hand off to another thread, not CPU alone.
 """
@@ -136,12 +139,14 @@ def prefill_raw(args: argparse.Namespace) -> None:
         served = 0
         cpu0 = cpu_s()
         while served < args.requests or handles:
-            for _, msg in transport.get_notifications():
-                i, slot = (int(x) for x in msg.split()[1:])
-                src_i, dst_i = src_pages(i), dst_pages(slot, args.in_flight)
-                pages = {p: (src_i[p], dst_i[p]) for p in ("main", "c4")}
-                handles.append(transport.write(plan_transfer(src, dst, pages), peer, f"done {i}".encode()))
-                served += 1
+            asked = [tuple(int(x) for x in msg.split()[1:]) for _, msg in transport.get_notifications()]
+            for group in ([asked] if args.mode == "raw-batched" and asked else [[a] for a in asked]):
+                pages = {p: (np.concatenate([src_pages(i)[p] for i, _ in group]),
+                             np.concatenate([dst_pages(slot, args.in_flight)[p] for _, slot in group]))
+                         for p in ("main", "c4")}
+                done = "done " + " ".join(str(i) for i, _ in group)
+                handles.append(transport.write(plan_transfer(src, dst, pages), peer, done.encode()))
+                served += len(group)
             handles = [h for h in handles if not _settled(h)]
             time.sleep(50e-6)
         _say({"done": True, "cpu_s": cpu_s() - cpu0})
@@ -197,11 +202,11 @@ def _write(proc: subprocess.Popen[str], obj: dict[str, Any]) -> None:
     proc.stdin.flush()
 
 
-def run_raw(args: argparse.Namespace) -> dict[str, Any]:
+def run_raw(args: argparse.Namespace, batched: bool = False) -> dict[str, Any]:
     from kvferry.transport.nixl import NixlTransport
 
     dst = memory("decode")
-    proc = spawn(args, "raw")
+    proc = spawn(args, "raw-batched" if batched else "raw")
     with NixlTransport() as transport:
         meta = transport.register(dst)
         peer = transport.add_peer(bytes.fromhex(_read(proc)["meta"]))
@@ -215,8 +220,7 @@ def run_raw(args: argparse.Namespace) -> dict[str, Any]:
             transport.send_notification(peer, f"go {nxt} {slot}".encode())
             nxt += 1
         while len(lat) < args.requests:
-            for _, msg in transport.get_notifications():
-                i = int(msg.split()[1])
+            for i in (int(x) for _, msg in transport.get_notifications() for x in msg.split()[1:]):
                 start, slot = sent.pop(i)
                 lat.append(time.monotonic() - start)
                 if nxt < args.requests:
@@ -228,7 +232,7 @@ def run_raw(args: argparse.Namespace) -> dict[str, Any]:
         prefill_cpu = _read(proc)["cpu_s"]
         _write(proc, {"exit": True})
     proc.wait(30)
-    return _summary("raw transport", lat, wall, args.requests, prefill_cpu, cpu)
+    return _summary("raw batched" if batched else "raw transport", lat, wall, args.requests, prefill_cpu, cpu)
 
 
 def run_raw_read(args: argparse.Namespace) -> dict[str, Any]:
@@ -362,7 +366,7 @@ def _summary(name: str, lat: list[float], wall: float, n: int, prefill_cpu: floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--role", default="decode", choices=["decode", "prefill"])
-    ap.add_argument("--mode", default="control", choices=["control", "raw", "raw-read"])
+    ap.add_argument("--mode", default="control", choices=["control", "raw", "raw-batched", "raw-read"])
     ap.add_argument("--digest", default="off")
     ap.add_argument("--digests", default="off,sampled", help="digest modes to run the control plane with")
     ap.add_argument("--transfer", default="push",
@@ -372,6 +376,8 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each kind; medians reported")
     ap.add_argument("--quick", action="store_true", help="200 requests, one repeat")
+    ap.add_argument("--raw-batched", action="store_true",
+                    help="also the raw baseline posting each poll's requests as one write (per-transfer costs)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", action="store_true", help="cProfile decode's threads in one run per mode")
     args = ap.parse_args()
@@ -379,7 +385,8 @@ def main() -> None:
         args.requests, args.repeats = 200, 1
     warm_pages(args.requests, args.in_flight)
     if args.role == "prefill":
-        {"raw": prefill_raw, "raw-read": prefill_raw_read, "control": prefill_control}[args.mode](args)
+        {"raw": prefill_raw, "raw-batched": prefill_raw, "raw-read": prefill_raw_read,
+         "control": prefill_control}[args.mode](args)
         return
     if args.profile:
         for digest in args.digests.split(","):
@@ -390,7 +397,8 @@ def main() -> None:
     for _ in range(args.repeats):
         transfers = args.transfer.split(",")
         controls = [run_control(args, d, t) for t in transfers for d in args.digests.split(",")]
-        raws = [run_raw(args), *([run_raw_read(args)] if "pull" in transfers else [])]
+        raws = [run_raw(args), *([run_raw_read(args)] if "pull" in transfers else []),
+                *([run_raw(args, batched=True)] if args.raw_batched else [])]
         for r in [*raws, *controls]:
             runs.setdefault(r["name"], []).append(r)
     results = [{"name": name, "repeats": len(rs),
