@@ -24,9 +24,10 @@ outstanding on average (throughput x mean latency): p50s compare like with like 
 
 Usage: ``python bench/control.py [--quick] [--requests N] [--in-flight N] [--digests off,sampled]
 [--transfer push,pull] [--repeats N] [--raw-batched] [--json] [--profile]``. Clocks: latencies are measured
-in this process only. ``--profile`` runs one control-plane run per digest mode with decode's progress thread and this
-(application) thread under ``cProfile`` and prints where each spends its time, waits included (cProfile's
-clock is wall time): it shows which calls block or hand off to another thread, not CPU alone.
+in this process only. ``--profile`` runs one control-plane run per digest mode with decode's progress
+thread and this (application) thread under ``cProfile`` and prints where each spends its time, waits
+included (cProfile's clock is wall time): it shows which calls block or hand off to another thread, not
+CPU alone.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ With ``--control`` it also times, per request of ``bench/control.py`` (16 pages,
 control plane's own steps in one process, warm: prefill's ``make_spec`` and ``plan_pages``, the sampled
 digests (``source_digests`` in ``send``, ``chunk_digests`` at posting), decode's ``PageDigests.from_bytes``
 and ``verify_digests``; and ``digest_pages`` by where its pages are (``digest_reads_us``): the same pages
-every call (cached), each request's own pages, and each request's own after a 64 MiB copy (cold).
+every call (cached), each request's own pages, and those after a 3 MiB copy (cold, as above).
 
 Runs against whichever kvferry is importable, so the same command measures an older checkout:
 ``git archive <commit> src | tar -x -C /tmp/before`` then ``PYTHONPATH=/tmp/before/src python bench/overhead.py``.
@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import subprocess
@@ -246,28 +247,24 @@ def control_steps(repeat: int, stat: str) -> dict[str, float]:
     return {name: round(timed(fn, repeat, False, stat), 1) for name, fn in steps.items()}
 
 
-def digest_reads(calls: int = 300) -> dict[str, float]:
-    """Median us of ``digest_pages`` (sampled) for one request of ``bench/control.py``: it reads 24 pages
-    of 1-4 KiB at scattered addresses, so where those pages are decides its cost more than its Python."""
+def digest_reads(repeat: int, stat: str) -> dict[str, float]:
+    """``digest_pages`` (sampled, us) for one request of ``bench/control.py``: it reads 24 pages of 1-4 KiB
+    at scattered addresses, so where those pages are decides its cost more than its Python. The same
+    pages every call (cached), each call a request's own pages, and those after a 3 MiB copy (cold)."""
     import control  # bench/control.py, beside this file
     from kvferry.integrity import digests
 
     src, rng = control.memory("prefill"), np.random.default_rng(0)
-    flush_from, flush_to = np.ones(64 << 20, np.uint8), np.empty(64 << 20, np.uint8)
+    control.warm_pages(2 * repeat + 2, 1)   # every request's pages made before the clock runs (cached)
+    requests = itertools.count()
 
-    def median_us(own_pages: bool, flush: bool) -> float:
-        times = []
-        for i in range(calls):
-            pages = control.src_pages(i if own_pages else 0)
-            if flush:
-                np.copyto(flush_to, flush_from)   # evicts the caches (and TLB entries) as a large copy does
-            t = time.perf_counter()
-            digests.digest_pages(src, pages, "sampled", seed=rng)
-            times.append(time.perf_counter() - t)
-        return round(float(np.median(times)) * 1e6, 1)
+    def own() -> object:
+        return digests.digest_pages(src, control.src_pages(next(requests)), "sampled", seed=rng)
 
-    return {"cached": median_us(False, False), "own pages": median_us(True, False),
-            "own pages, cold": median_us(True, True)}
+    return {"cached": round(timed(lambda: digests.digest_pages(src, control.src_pages(0), "sampled", seed=rng),
+                                  repeat, False, stat), 1),
+            "own pages": round(timed(own, repeat, False, stat), 1),
+            "own pages, cold": round(timed(own, repeat, True, stat), 1)}
 
 
 def handles(rounds: int = 3) -> dict[str, Any]:
@@ -412,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         out["steps_in_place_us"] = steps(args.repeat, args.stat)
     if args.control:
         out["control_steps_us"] = control_steps(max(args.repeat, 1000), args.stat)
-        out["digest_reads_us"] = digest_reads()
+        out["digest_reads_us"] = digest_reads(args.repeat, args.stat)
     if args.bandwidth:
         out["bandwidth"] = bandwidth([float(x) for x in args.bandwidth.split(",")], args.bandwidth_repeats)
     print(json.dumps(out, indent=1))
