@@ -507,13 +507,21 @@ class DecodeEndpoint(EndpointBase, PullReader):
             link = self._by_agent.get(agent)
             try:
                 msg = wire.decode(data)
-                if link is None or not isinstance(msg, wire.Chunk):
+                if link is None or not isinstance(msg, (wire.Chunk, wire.Batch)):
                     raise ProtocolError(f"unexpected notification from {agent!r}")
             except ProtocolError:
                 self.num_bad_messages += 1
                 continue
-            self._on_chunk(link, msg)
+            if isinstance(msg, wire.Batch):   # one write carried several chunks (prefill's write_batch)
+                self._on_batch(wire.unbatch(msg), lambda m, link=link: self._on_batched_chunk(link, m))
+            else:
+                self._on_chunk(link, msg)
         return news or bool(notifications)
+
+    def _on_batched_chunk(self, link: Link, msg: Any) -> None:
+        if not isinstance(msg, wire.Chunk):
+            raise ProtocolError(f"{type(msg).__name__} in the notification of a write from prefill {link.address}")
+        self._on_chunk(link, msg)
 
     def _on_chunk(self, link: Link, msg: wire.Chunk) -> None:
         rec = self._lookup(link, msg.request_id, msg.generation)

@@ -47,7 +47,7 @@ import select
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -100,6 +100,10 @@ class EndpointOptions:
       sleeps ``busy_poll / 4`` per request in flight, up to ``busy_poll_max``, after every iteration.
     * ``max_message_bytes``: ZMQ drops peers that send larger messages (silently: decode notices the
       drop and fails the link with an error naming this limit).
+    * ``batch_chunks``, ``batch_bytes``: prefill posts the chunks one iteration has ready for one decode
+      as one write of at most this many chunks and bytes (``control.write_batch``; 1 chunk: every chunk
+      its own write). Nothing waits to be batched; the bytes cap bounds how long the first chunk of a
+      write waits for the rest of it to land.
     """
 
     heartbeat_interval: float = 0.5
@@ -110,12 +114,21 @@ class EndpointOptions:
     busy_poll: float = 50e-6
     busy_poll_max: float = 1e-3
     max_message_bytes: int = 64 << 20
+    batch_chunks: int = 16
+    batch_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "peer_timeout", "request_timeout", "lease_grace",
                      "handshake_timeout", "busy_poll", "busy_poll_max"):
             if not getattr(self, name) > 0:
                 raise UsageError(f"EndpointOptions.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("batch_chunks", "batch_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"EndpointOptions.{name} must be an int >= 1, got {value!r}")
+        if self.batch_chunks > wire.MAX_BATCH:
+            raise UsageError(f"EndpointOptions.batch_chunks must be <= {wire.MAX_BATCH} (wire.MAX_BATCH), "
+                             f"got {self.batch_chunks}")
         if self.peer_timeout <= self.heartbeat_interval:
             raise UsageError("peer_timeout must exceed heartbeat_interval, or live peers look dead")
 
@@ -429,18 +442,21 @@ class EndpointBase:
             for frame in wire.batches(self._take_out(peer)):
                 self._send_frame(peer, frame)
 
-    def _let_go(self, holder: Any, post: Callable[[], T]) -> T:
+    def _let_go(self, holders: Sequence[Any], post: Callable[[], T]) -> T:
         """Run ``post`` (a transport call that may copy for hundreds of microseconds with the GIL released)
-        with the endpoint's lock let go, so that callers proceed alongside it. ``holder.posting`` (a
-        record or part) is True meanwhile: what would end a lease or a hold must count it as a transfer in
-        flight. Progress thread only, holding the lock once (the iteration's)."""
-        holder.posting = True
+        with the endpoint's lock let go, so that callers proceed alongside it. ``posting`` is True meanwhile
+        on each of ``holders`` (the records or parts the transfer carries): what would end a lease or a
+        hold must count it as a transfer in flight. Progress thread only, holding the lock once (the
+        iteration's)."""
+        for holder in holders:
+            holder.posting = True
         self._lock.release()
         try:
             return post()
         finally:
             self._lock.acquire()
-            holder.posting = False
+            for holder in holders:
+                holder.posting = False
 
     def _publish(self) -> None:
         """Mid-iteration (progress thread, under the lock): send what is queued and wake the waiters now,

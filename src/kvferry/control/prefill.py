@@ -48,6 +48,7 @@ from kvferry.control.pull import DEFAULT_MODE, MODE_REFUSAL, accepted_modes, mod
 from kvferry.control.pull_source import PullSource
 from kvferry.control.sessions import Session, drop_half_open
 from kvferry.control.states import RequestState
+from kvferry.control.write_batch import Queued, WriteBatches, joinable, share, write_groups
 from kvferry.errors import (
     EndpointClosed,
     IntegrityError,
@@ -64,7 +65,7 @@ from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
 from kvferry.plan.pages import validate_pages
-from kvferry.plan.planner import plan_pages
+from kvferry.plan.planner import concat_plans, plan_pages
 from kvferry.transport import TransferHandle, Transport
 
 __all__ = ["PrefillEndpoint"]
@@ -108,6 +109,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         self._process = this_process()   # reported in Welcome: decode ends quarantines once it is gone
         self._unpeer: set[str] = set()    # decode agents to forget once no write to them is in flight
         self._hash_in_send = True         # see _may_use_source_digests
+        self._batches = WriteBatches()    # chunks queued for this iteration's writes (_post_batches)
         self._thread.start()
 
     # -- public API: any thread ------------------------------------------------------------------------
@@ -163,7 +165,10 @@ class PrefillEndpoint(EndpointBase, PullSource):
         except KVFerryError:
             return
         # Outside the lock: the record may move on meanwhile, which Planned.matches notices at posting.
-        spec.planned = Planned(session, generation, dst, pairs, self._plan(session, pairs, spec.buffer_ids))
+        plan = self._plan(session, pairs, spec.buffer_ids)
+        if joinable(plan):
+            _ = plan.nbytes   # cached here, not on the progress thread (write_groups caps on it)
+        spec.planned = Planned(session, generation, dst, pairs, plan)
 
     def _may_use_source_digests(self) -> bool:
         """Whole-page digests hashed in ``send`` serve only equal-TP peers; when every connected peer is a
@@ -281,6 +286,10 @@ class PrefillEndpoint(EndpointBase, PullSource):
         self._check_current(rec, session)
         if session.mode == "pull":
             self._offer(rec, session, spec, pairs, chunk)   # decode reads it: this side writes nothing
+        elif self.options.batch_chunks > 1 and joinable(plan):
+            # Posted at the start of this iteration's _pump, with what else is ready for this decode.
+            rec.posting = True
+            self._batches.add(session, Queued(rec, plan, wire.encode(chunk), f"{rec.request_id}#{index}"))
         else:
             rec.handles.append(self._write(rec, plan, session, chunk))
         self._dirty.add(rec)
@@ -298,7 +307,43 @@ class PrefillEndpoint(EndpointBase, PullSource):
         Fail is sent by this thread, after the handle below is recorded, once it settled), and
         ``holds_source`` counts ``posting`` as a write in flight."""
         data, label = wire.encode(chunk), f"{rec.request_id}#{chunk.chunk}"
-        return self._let_go(rec, lambda: self.transport.write(plan, session.agent, data, label=label))
+        return self._let_go((rec,), lambda: self.transport.write(plan, session.agent, data, label=label))
+
+    def _post_batches(self) -> None:
+        """Post the chunks queued in this iteration (``control.write_batch``): per decode, those ready go
+        as few writes as the caps allow. Each record is checked again right before its write (``posting``
+        kept it from settling meanwhile); one that failed or lost its session is not written."""
+        for session, queued in self._batches.take():
+            for group in write_groups(queued, self.options.batch_chunks, self.options.batch_bytes):
+                ready = [q for q in group if self._still_current(q.rec, session)]
+                if ready:
+                    self._post_group(session, ready)
+
+    def _still_current(self, rec: PrefillRequest, session: Session) -> bool:
+        rec.posting = False
+        try:
+            self._check_current(rec, session)
+        except KVFerryError as exc:
+            self._fail_req(rec, exc)   # a no-op for a record that failed meanwhile; either way it settles
+            return False
+        rec.posting = True
+        return True
+
+    def _post_group(self, session: Session, group: list[Queued]) -> None:
+        recs = [q.rec for q in group]
+        if len(group) == 1:
+            plan, notif, label = group[0].plan, group[0].data, group[0].label
+        else:
+            plan = concat_plans([q.plan for q in group])
+            notif, label = wire.batch_frame([q.data for q in group]), ", ".join(q.label for q in group)
+        try:
+            handle = self._let_go(recs, lambda: self.transport.write(plan, session.agent, notif, label=label))
+        except KVFerryError as exc:
+            for rec in recs:
+                self._fail_req(rec, exc)
+            return
+        for rec, member in zip(recs, share(handle, len(recs)) if len(recs) > 1 else [handle], strict=True):
+            rec.handles.append(member)
 
     def _check_current(self, rec: PrefillRequest, session: Session) -> None:
         """Right before a write: the session is alive by our own clock and the request still current.
@@ -372,7 +417,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     def _settle(self, rec: PrefillRequest) -> None:
         """With no write in flight: finish, or tell decode the failure is settled; then forget it."""
-        if rec.handles:
+        if rec.handles or rec.posting:   # posting: a chunk queued for this iteration's write
             return
         if rec.is_live and rec.last_posted and rec.decode_ok and group_done(rec):
             self._set_state(rec, RequestState.DONE)
@@ -391,6 +436,8 @@ class PrefillEndpoint(EndpointBase, PullSource):
             self._active.discard(rec)
 
     def _pump(self) -> bool:
+        if self._batches:
+            self._post_batches()
         try:
             self.transport.get_notifications()  # prefill expects none; the call drives the backend's progress
         except KVFerryError as exc:  # handles report their own failures; the loop goes on
@@ -537,7 +584,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         session's, or an older incarnation of the request id that ``_match`` does not see."""
         for rec in self._active:
             old = rec.session
-            if (rec.handles and rec.request_id == msg.request_id and rec.generation == msg.generation
+            if ((rec.handles or rec.posting) and rec.request_id == msg.request_id and rec.generation == msg.generation
                     and old is not None and old.agent == session.agent):
                 return rec
         return None
@@ -678,7 +725,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
                 self._poll_handles(rec)
                 # Writes still in flight are not cancelled blind: they finish (or fail) under _pump, and
                 # decode keeps the pages quarantined until we tell a reconnected decode they did.
-                if not rec.handles:
+                if not rec.handles and not rec.posting:
                     self._active.discard(rec)
                     self._dirty.discard(rec)
         self._sessions.pop(session.identity, None)
@@ -692,7 +739,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         (removing one under a write in flight could fail it halfway, with no word on what landed)."""
         in_use = {s.agent for s in self._sessions.values()}
         self._unpeer -= in_use  # a session with that decode again: its own death will ask anew
-        writing = {r.session.agent for r in self._active if r.handles and r.session is not None}
+        writing = {r.session.agent for r in self._active if (r.handles or r.posting) and r.session is not None}
         for agent in self._unpeer - writing:
             self._unpeer.discard(agent)
             with contextlib.suppress(TransportError):

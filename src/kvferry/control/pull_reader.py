@@ -152,7 +152,7 @@ class PullReader:
         behind the whole iteration. Only this thread posts and settles reads; an ``abort`` meanwhile fails
         the request, but its lease cannot end under the read (``posting`` counts as a read in flight,
         ``_pull_failed``): it ends once the read is terminal, as for any read in flight."""
-        return self._let_go(part, lambda: self.transport.read(plan, part.link.agent, label=label))
+        return self._let_go((part,), lambda: self.transport.read(plan, part.link.agent, label=label))
 
     def _read_plan(self, rec: DecodeRequest, link: Link, msg: wire.Ready) -> Plan:
         """The read of one chunk: prefill's pages (untrusted: checked against its layout) into the

@@ -11,7 +11,8 @@ Flow (decode D, prefill P)::
     D -> P  Hello (manifest, transport metadata, nonce)      P -> D  Challenge (nonce), if P has a secret
     D -> P  Auth (HMAC over both nonces and the Hello)       P -> D  Welcome (manifest, metadata, proof) | Reject
     D -> P  Announce (request, generation, pages)            P -> D  Ack (only if no chunk is posted at once) | Fail
-    NIXL    Chunk (request, generation, chunk, last, digests), delivered after the chunk's write landed
+    NIXL    Chunk (request, generation, chunk, last, digests), delivered after the chunk's write landed;
+            a Batch of Chunks when one write carried several requests' chunks (prefill under load)
     P -> D  Ready (request, generation, chunk, source pages, digests)   pull mode, instead of a write + Chunk
     D -> P  Result (ok or not, after digests verified)       either  Abort / Fail (settled: no write can land)
     either  Heartbeat, Bye
@@ -23,7 +24,9 @@ than one as a ``Batch``: one ZMQ frame holding each message's own envelope bytes
 had come alone (version checked, typed, capped), in order; a bad one is dropped and counted without
 dropping the rest. A Batch is accepted only on an established session, never holds a Batch, and holds at
 most ``MAX_BATCH`` messages (more is refused by name); one ZMQ message per iteration instead of one per
-request saves a wake-up of libzmq's I/O thread on both sides.
+request saves a wake-up of libzmq's I/O thread on both sides. Prefill under load also posts the chunks
+ready in one iteration for one decode as one write (``write_batch``); that write's notification is a Batch
+of their Chunks (``batch_frame``), which decode reads as if each Chunk had come with a write of its own.
 
 Modes (docs/fencing.md): in push mode prefill writes into decode's pages; in pull mode decode reads prefill's
 pages after a Ready, verifies them, and its Result (or Abort) lets prefill release them. Hello names the mode
@@ -58,7 +61,7 @@ from kvferry.errors import (
 
 __all__ = ["BATCH_BYTES", "KINDS", "MAX_BATCH", "PROTOCOL_VERSION", "Abort", "Ack", "Announce", "Auth", "Batch", "Bye",
            "Challenge", "Chunk", "Envelope", "Fail", "Heartbeat", "Hello", "Ready", "Reject", "Result", "Welcome",
-           "batches", "decode", "decode_pages", "encode", "encode_pages", "error_from_wire",
+           "batch_frame", "batches", "decode", "decode_pages", "encode", "encode_pages", "error_from_wire",
            "error_kind", "unbatch"]
 
 # Bump when any message's fields, their meaning, or the flow above changes. Peers with another version are
@@ -67,7 +70,8 @@ __all__ = ["BATCH_BYTES", "KINDS", "MAX_BATCH", "PROTOCOL_VERSION", "Abort", "Ac
 # 3: Hello and Welcome state the transfer mode (push or pull) and peer_timeout, Hello names decode's
 #    process; Ready (pull mode).
 # 4: Batch (several messages in one ZMQ frame).
-PROTOCOL_VERSION = 4
+# 5: a write's NIXL notification may be a Batch of Chunks (one write for several requests).
+PROTOCOL_VERSION = 5
 
 # Caps on untrusted input, far above real use and far below what exhausts memory.
 MAX_ID_LEN = 256
@@ -300,7 +304,13 @@ def batches(messages: list[bytes]) -> list[bytes]:
 def _frame(group: list[bytes]) -> list[bytes]:
     if len(group) < 2:
         return group
-    return [_ENCODER.encode(Envelope(PROTOCOL_VERSION, "batch", msgspec.Raw(_ENCODER.encode(Batch(group)))))]
+    return [batch_frame(group)]
+
+
+def batch_frame(messages: list[bytes]) -> bytes:
+    """Encoded messages (2 to ``MAX_BATCH``) as one ``Batch`` frame: ``batches`` when the caller has already
+    sized the group (the notification of one write carrying several chunks)."""
+    return _ENCODER.encode(Envelope(PROTOCOL_VERSION, "batch", msgspec.Raw(_ENCODER.encode(Batch(messages)))))
 
 
 def encode_pages(pages: dict[str, np.ndarray]) -> dict[str, bytes]:

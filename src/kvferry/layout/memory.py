@@ -71,6 +71,8 @@ class PoolArrays:
     row_basis: np.ndarray
     # ``flat_start`` as Python ints: a few pages' selector lists are built from it without a numpy call.
     flat_start_ints: tuple[int, ...]
+    # Bytes of one page across all these buffers, as an int: a plan's size without a numpy call.
+    page_bytes_sum: int
 
 
 # The vectors of PoolArrays that have one entry per buffer (restricted together by ``KVMemory.pool_subset``).
@@ -245,6 +247,7 @@ class KVMemory:
                 kinds=readonly(np.array(kinds, dtype=np.uint64).reshape(-1, 2)),
                 row_basis=readonly(np.stack([page_bytes, base, device_id], axis=1)),
                 flat_start_ints=tuple(flat_start[ids].tolist()),
+                page_bytes_sum=int(page_bytes.sum()),
             )
             self._built[id(arrays)] = arrays
         return out
@@ -262,7 +265,8 @@ class KVMemory:
         full = self.pool_arrays[pool]
         fields = {f: readonly(getattr(full, f)[keep]) for f in PER_BUFFER}
         sub = PoolArrays(**fields, min_pages=full.min_pages, kinds=full.kinds,
-                         flat_start_ints=tuple(fields["flat_start"].tolist()))
+                         flat_start_ints=tuple(fields["flat_start"].tolist()),
+                         page_bytes_sum=int(fields["page_bytes"].sum()))
         with self._subsets_lock:
             if len(self._subsets) >= _MAX_SUBSETS:
                 old = self._subsets.pop(next(iter(self._subsets)))

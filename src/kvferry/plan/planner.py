@@ -14,7 +14,7 @@ Row order: pool by pool (in request order), buffer by buffer within a pool (layo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -26,8 +26,8 @@ from kvferry.layout.compare import shape_difference
 from kvferry.layout.memory import KVMemory, PoolArrays
 from kvferry.plan.pages import FEW_PAGES, PagesArg, validate_pairs
 
-__all__ = ["PoolPlan", "Row", "TransferPlan", "coalesce_runs", "joint_runs", "plan_pages", "plan_transfer",
-           "select_buffers"]
+__all__ = ["PoolPlan", "Row", "TransferPlan", "coalesce_runs", "concat_plans", "joint_runs", "plan_pages",
+           "plan_transfer", "select_buffers"]
 
 
 class PoolPlan:
@@ -119,6 +119,12 @@ class PoolPlan:
     def num_rows(self) -> int:
         return len(self.buffer_ids) * self.num_runs
 
+    @property
+    def num_pages(self) -> int:
+        """Pages moved (per buffer), without making the arrays of a plan kept as ints."""
+        lists = self.page_lists
+        return len(lists[0]) if lists is not None else len(self.src_pages)
+
     def __repr__(self) -> str:
         return f"PoolPlan({self.pool!r}, {len(self.buffer_ids)} buffers, {self.num_runs} runs)"
 
@@ -163,12 +169,15 @@ class TransferPlan:
 
     @cached_property
     def nbytes(self) -> int:
-        return sum(int(p.run_len.sum()) * int(p.src.page_bytes.sum()) for p in self.pools)
+        return sum(p.num_pages * p.src.page_bytes_sum for p in self.pools)
 
     @cached_property
     def num_pages(self) -> dict[str, int]:
         """Pages moved per pool (each page counted once, whatever the number of its buffers)."""
-        return {p.pool: len(p.src_pages) for p in self.pools}
+        out: dict[str, int] = {}
+        for p in self.pools:  # a pool repeats in a plan of several requests (concat_plans)
+            out[p.pool] = out.get(p.pool, 0) + p.num_pages
+        return out
 
     @cached_property
     def buffer_names(self) -> tuple[str, ...]:
@@ -326,6 +335,21 @@ def plan_transfer(src: KVMemory, dst: KVMemory, pages: PagesArg,
     _check_shapes(src, dst)
     selected = select_buffers(src, buffers)
     return plan_pages(src, dst, validate_pairs(src.layout, dst.layout, pages), selected)
+
+
+def concat_plans(plans: Sequence[TransferPlan]) -> TransferPlan:
+    """Several plans between the same two memories as one, rows in the order given: one transfer for
+    several requests (the control plane's batched writes). Each part keeps its own pools, bounds and
+    order, so a pool may repeat; ``buffer_rows`` then names the first part's rows only. The parts are
+    not merged or re-coalesced: nothing is planned twice, and each keeps the checks it was made with."""
+    first = plans[0]
+    for plan in plans:
+        if type(plan) is not TransferPlan or plan.src_memory is not first.src_memory \
+                or plan.dst_memory is not first.dst_memory:
+            raise PlanError(f"concat_plans joins whole-page plans between the same two memories, got {plan!r}")
+    return TransferPlan.with_counts(first.src_memory, first.dst_memory,
+                                    tuple(pool for plan in plans for pool in plan.pools),
+                                    sum(p.num_descriptors for p in plans), sum(p.num_selectors for p in plans))
 
 
 def _plan_few(src: KVMemory, dst: KVMemory, pages: dict) -> TransferPlan | None:

@@ -1,0 +1,128 @@
+"""Prefill's batched writes: the chunks one progress iteration has ready for one decode, posted as one write.
+
+Part of the control plane, above ``wire``, ``plan`` and the transports, below ``prefill``. Under load the
+progress thread finds tens of requests ready per iteration, and each write costs the same fixed work
+whatever its size (a NIXL transfer made, posted, polled and released; a notification sent and received):
+about 55 us per request on the raw baseline (``bench/control.py --raw-batched``, bench/RESULTS.md). So the
+chunks queued for one decode in one iteration go as one write of their joined plans (``concat_plans``),
+whose notification is a ``wire.Batch`` of their ``Chunk`` messages. Nothing waits for company: a chunk alone
+in its iteration goes alone, as before, with its plain ``Chunk``.
+
+Each record still settles, fails and aborts on its own: it holds its own handle on the shared write
+(``share``), released once every record let go. A failed write fails every record in it (their bytes may
+have landed in part). Only whole-page plans join (equal TP; across TP each rank's plan goes alone), and a
+group is capped in chunks, bytes moved (the first request's latency is the group's copy) and
+notification bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from kvferry.control.sessions import Session
+from kvferry.plan.contract import Plan
+from kvferry.plan.planner import TransferPlan
+from kvferry.transport import TransferHandle
+
+__all__ = ["NOTIF_BYTES", "Queued", "WriteBatches", "joinable", "share", "write_groups"]
+
+# Notification bytes of one batched write: a chunk's sampled digests are ~1 KB, so tens fit; a chunk with
+# larger digests (full mode over many pages) goes alone.
+NOTIF_BYTES = 64 << 10
+
+
+class Queued:
+    """One chunk waiting for its iteration's write: the record, its plan, its encoded ``Chunk``."""
+
+    __slots__ = ("data", "label", "plan", "rec")
+
+    def __init__(self, rec: Any, plan: Plan, data: bytes, label: str) -> None:
+        self.rec, self.plan, self.data, self.label = rec, plan, data, label
+
+
+def joinable(plan: Plan) -> bool:
+    """Whether ``plan`` may share a write: a whole-page plan of the planner's own type (a TP plan of head
+    slices, or the fault injector's, goes alone)."""
+    return type(plan) is TransferPlan
+
+
+class WriteBatches:
+    """The chunks queued in this iteration, per decode session, in order (progress thread, under the lock)."""
+
+    def __init__(self) -> None:
+        self._queued: dict[Session, list[Queued]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._queued)
+
+    def add(self, session: Session, queued: Queued) -> None:
+        group = self._queued.get(session)
+        if group is None:
+            self._queued[session] = [queued]
+        else:
+            group.append(queued)
+
+    def take(self) -> list[tuple[Session, list[Queued]]]:
+        """Everything queued, taken off (to be posted now)."""
+        out = list(self._queued.items())
+        self._queued.clear()
+        return out
+
+
+def write_groups(queued: list[Queued], max_chunks: int, max_bytes: int) -> Iterator[list[Queued]]:
+    """``queued`` in order, cut into the groups that go as one write each: up to ``max_chunks`` joinable
+    chunks, ``max_bytes`` moved and ``NOTIF_BYTES`` of notification (a group's first chunk may exceed the
+    byte caps: it goes alone). A chunk that cannot join goes alone, in its place."""
+    group: list[Queued] = []
+    moved = notif = 0
+    for q in queued:
+        if not joinable(q.plan):
+            if group:
+                yield group
+            yield [q]
+            group, moved, notif = [], 0, 0
+            continue
+        nbytes = q.plan.nbytes
+        if group and (len(group) >= max_chunks or moved + nbytes > max_bytes or notif + len(q.data) > NOTIF_BYTES):
+            yield group
+            group, moved, notif = [], 0, 0
+        group.append(q)
+        moved += nbytes
+        notif += len(q.data)
+    if group:
+        yield group
+
+
+class _Shared:
+    __slots__ = ("handle", "refs")
+
+    def __init__(self, handle: TransferHandle, refs: int) -> None:
+        self.handle, self.refs = handle, refs
+
+
+class _Member(TransferHandle):
+    """One record's handle on a shared write: polls it; releasing it lets go of one reference (once)."""
+
+    __slots__ = ("_released", "_shared", "label", "peer")
+
+    def __init__(self, shared: _Shared) -> None:
+        self._shared, self._released = shared, False
+        self.peer, self.label = shared.handle.peer, shared.handle.label
+
+    def poll(self) -> bool:
+        return self._shared.handle.poll()
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._shared.refs -= 1
+        if self._shared.refs == 0:
+            self._shared.handle.release()
+
+
+def share(handle: TransferHandle, count: int) -> list[TransferHandle]:
+    """``count`` handles on one write, one per record in it; the write is released when all are."""
+    shared = _Shared(handle, count)
+    return [_Member(shared) for _ in range(count)]

@@ -1,0 +1,329 @@
+"""Prefill's batched writes (control.write_batch): chunks ready together for one decode go as one write,
+and each request still completes, fails and aborts on its own. Bytes checked on every path."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvferry import KVMemory, plan_transfer
+from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, wire
+from kvferry.control.write_batch import NOTIF_BYTES, Queued, joinable, share, write_groups
+from kvferry.errors import PlanError, RequestFailed, TransportError, UsageError
+from kvferry.plan import TransferPlan
+from kvferry.plan.planner import concat_plans
+from kvferry.transport import LocalTransport
+from kvferry.transport.local import LocalHandle
+
+from .control_peer import announce, fill, make_layout, run_prefill, snapshot, verify, wait_all, workload
+from .test_control_local import CopyingTransport, GatedTransport
+
+OPTS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=1.0, lease_grace=0.4, request_timeout=20.0)
+SEED = 7
+
+
+def _memories() -> tuple[KVMemory, KVMemory]:
+    src, dst = KVMemory.allocate(make_layout("prefill")), KVMemory.allocate(make_layout("decode"))
+    fill(src, SEED)
+    fill(dst, 999)
+    return src, dst
+
+
+def _until(pred: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.002)
+
+
+def _idle(*eps: Any) -> None:
+    for ep in eps:
+        _until(lambda ep=ep: (lambda c: c["live_requests"] == c["live_leases"] == c["live_handles"] == 0)(
+            ep.counters()))
+
+
+def _heard(prefill: PrefillEndpoint, reqs: list[Any]) -> None:
+    """Prefill has bound every announce (its chunks can be posted the moment they are queued)."""
+    def bound() -> bool:
+        with prefill._lock:
+            return all(getattr(prefill._records.get(r.rid), "session", None) is not None for r in reqs)
+    _until(bound)
+
+
+def _send_together(prefill: PrefillEndpoint, reqs: list[Any]) -> None:
+    """Every chunk of ``reqs`` queued while the progress thread waits for the lock: one iteration then
+    posts them all (what happens under load, made certain)."""
+    with prefill._lock:
+        run_prefill(prefill, reqs)
+
+
+class Recording(LocalTransport):
+    """A local transport that remembers each write's notification (what was batched with what)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.notifs: list[bytes] = []
+
+    def write(self, plan: TransferPlan, peer: str, notif: bytes, label: str = "") -> LocalHandle:
+        self.notifs.append(bytes(notif))
+        return super().write(plan, peer, notif, label)
+
+    def chunks_per_write(self) -> list[int]:
+        return [len(m.messages) if isinstance(m, wire.Batch) else 1 for m in map(wire.decode, self.notifs)]
+
+
+@pytest.fixture
+def recorded() -> Iterator[tuple[PrefillEndpoint, DecodeEndpoint, Recording]]:
+    src, dst = _memories()
+    transport = Recording()
+    with PrefillEndpoint(src, transport, options=OPTS) as prefill, \
+            DecodeEndpoint(dst, "local", options=OPTS) as decode:
+        decode.connect(prefill.address)
+        yield prefill, decode, transport
+    transport.close()
+
+
+# -- end to end -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("digest_mode", ["sampled", "full", "off"])
+def test_chunks_ready_together_go_as_one_write_and_every_request_completes(digest_mode: str) -> None:
+    src, dst = _memories()
+    before = snapshot(dst)
+    transport = Recording()
+    reqs = workload(24, seed=31)
+    with PrefillEndpoint(src, transport, options=OPTS, digest_mode=digest_mode) as prefill, \
+            DecodeEndpoint(dst, "local", options=OPTS, digest_mode=digest_mode) as decode:
+        decode.connect(prefill.address)
+        announce(decode, reqs)
+        _heard(prefill, reqs)
+        _send_together(prefill, reqs)
+        assert set(wait_all(decode, [r.rid for r in reqs], 10).values()) == {"done"}
+        assert set(wait_all(prefill, [r.rid for r in reqs], 10).values()) == {"done"}
+        verify(dst, SEED, reqs, before)
+        _idle(prefill, decode)
+        assert decode.counters()["bad_messages"] == decode.counters()["stray_notifications"] == 0
+    per_write = transport.chunks_per_write()
+    assert sum(per_write) == sum(len(r.sends) for r in reqs)      # every chunk written once
+    assert max(per_write) == OPTS.batch_chunks                     # full batches of the default cap
+    assert len(per_write) < sum(per_write) // 4
+    transport.close()
+
+
+def test_one_chunk_per_write_when_batching_is_off() -> None:
+    src, dst = _memories()
+    before = snapshot(dst)
+    transport = Recording()
+    opts = EndpointOptions(heartbeat_interval=0.1, peer_timeout=1.0, request_timeout=20.0, batch_chunks=1)
+    reqs = workload(9, seed=32)
+    with PrefillEndpoint(src, transport, options=opts) as prefill, \
+            DecodeEndpoint(dst, "local", options=opts) as decode:
+        decode.connect(prefill.address)
+        announce(decode, reqs)
+        _heard(prefill, reqs)
+        _send_together(prefill, reqs)
+        assert set(wait_all(decode, [r.rid for r in reqs], 10).values()) == {"done"}
+        verify(dst, SEED, reqs, before)
+    assert transport.chunks_per_write() == [1] * sum(len(r.sends) for r in reqs)
+    transport.close()
+
+
+class FailBatches(Recording):
+    """Refuses every write that carries more than one chunk, before a byte moves."""
+
+    def write(self, plan: TransferPlan, peer: str, notif: bytes, label: str = "") -> LocalHandle:
+        if isinstance(wire.decode(notif), wire.Batch):
+            raise TransportError(f"write {label!r} to peer {peer!r} refused by the test")
+        return super().write(plan, peer, notif, label)
+
+
+def test_a_failed_batched_write_fails_every_request_in_it_on_both_sides() -> None:
+    src, dst = _memories()
+    before = snapshot(dst)
+    transport = FailBatches()
+    reqs = workload(6, seed=33)
+    whole = [r for r in reqs if len(r.sends) == 1]      # one chunk each: all in the refused write
+    with PrefillEndpoint(src, transport, options=OPTS) as prefill, \
+            DecodeEndpoint(dst, "local", options=OPTS) as decode:
+        decode.connect(prefill.address)
+        announce(decode, whole)
+        _heard(prefill, whole)
+        _send_together(prefill, whole)
+        for req in whole:
+            for ep in (prefill, decode):
+                with pytest.raises(RequestFailed, match="refused by the test"):
+                    ep.wait(req.rid, 5)
+        _idle(prefill, decode)                          # every lease freed once the Fail said settled
+        assert transport.notifs == []                   # nothing was written...
+        for buf in dst.layout.buffers:                  # ...and no byte of decode's memory changed
+            assert np.array_equal(dst.array(buf.name), before[buf.name])
+        label = wait_all(prefill, [whole[0].rid], 1)[whole[0].rid]
+        assert all(r.rid in label for r in whole)       # the error names every request of the write
+    transport.close()
+
+
+def test_abort_of_one_request_in_a_batched_write_waits_for_that_write(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write in flight carries three requests; prefill aborts one. Decode keeps all three leases while
+    the write is in flight; once it lands the other two complete with their bytes, and the aborted one's
+    pages are freed only then."""
+    src, dst = _memories()
+    before = snapshot(dst)
+    transport = GatedTransport()
+    reqs = [r for r in workload(9, seed=34) if len(r.sends) == 1][:3]
+    with PrefillEndpoint(src, transport, options=OPTS) as prefill, \
+            DecodeEndpoint(dst, "local", options=OPTS) as decode:
+        decode.connect(prefill.address)
+        announce(decode, reqs)
+        _heard(prefill, reqs)
+        _send_together(prefill, reqs)
+        _until(lambda: prefill.num_live_handles == 3)   # three records, one write
+        prefill.abort(reqs[1].rid, "changed my mind")
+        with pytest.raises(RequestFailed, match="aborted by prefill"):
+            prefill.wait(reqs[1].rid, 5)
+        time.sleep(0.3)                                 # heartbeats pass: nothing settles under the write
+        assert decode.num_live_leases == 3 and prefill.holds_source(reqs[1].rid)
+        transport.gate.set()
+        for req in (reqs[0], reqs[2]):
+            decode.wait(req.rid, 5)
+            prefill.wait(req.rid, 5)
+        with pytest.raises(RequestFailed, match="aborted"):
+            decode.wait(reqs[1].rid, 5)
+        _idle(prefill, decode)
+        verify(dst, SEED, reqs, before)                 # the aborted request's bytes landed too, whole
+    transport.close()
+
+
+def test_a_request_aborted_while_queued_for_a_later_write_is_not_written() -> None:
+    """Three chunks queued together, two per write: while the first write copies (the lock let go) prefill
+    aborts the third request. Its write is not posted, no byte of its pages changes, and decode frees them."""
+    src, dst = _memories()
+    before = snapshot(dst)
+    transport = CopyingTransport()
+    opts = EndpointOptions(heartbeat_interval=0.1, peer_timeout=1.0, request_timeout=20.0, batch_chunks=2)
+    reqs = [r for r in workload(9, seed=36) if len(r.sends) == 1][:3]
+    with PrefillEndpoint(src, transport, options=opts) as prefill, \
+            DecodeEndpoint(dst, "local", options=opts) as decode:
+        decode.connect(prefill.address)
+        announce(decode, reqs)
+        _heard(prefill, reqs)
+        _send_together(prefill, reqs)
+        assert transport.copying.wait(5)
+        assert prefill.holds_source(reqs[2].rid)        # queued for the next write: as good as in flight
+        prefill.abort(reqs[2].rid, "changed my mind")
+        transport.done.set()
+        for req in reqs[:2]:
+            decode.wait(req.rid, 5)
+        with pytest.raises(RequestFailed, match="aborted by prefill"):
+            decode.wait(reqs[2].rid, 5)
+        _idle(prefill, decode)
+        verify(dst, SEED, reqs[:2], before)             # and the third request's pages are untouched
+    transport.close()
+
+
+def test_decode_reads_a_batched_notification_chunk_by_chunk(
+        recorded: tuple[PrefillEndpoint, DecodeEndpoint, Recording]) -> None:
+    """A Batch notification's bad item is counted and dropped; the chunks beside it are handled (here one
+    for no lease: a stray notification, counted as such)."""
+    prefill, decode, transport = recorded
+    stray = wire.encode(wire.Chunk("nobody", 1, 0, True, 1, b""))
+    frame = wire.batch_frame([wire.encode(wire.Heartbeat()), stray])
+    agent = decode.transport.agent_name
+    with prefill._lock:
+        prefill._call_soon(lambda: transport.send_notification(agent, frame))
+    _until(lambda: decode.counters()["bad_messages"] == 1 and decode.counters()["stray_notifications"] == 1)
+
+
+# -- the pieces -------------------------------------------------------------------------------------------
+def _plans(n: int, pages: int = 2) -> tuple[KVMemory, KVMemory, list[TransferPlan]]:
+    src, dst = _memories()
+    rng = np.random.default_rng(5)
+    cap = min(src.layout.pool("main").min_pages, dst.layout.pool("main").min_pages)
+    picks = rng.permutation(cap)[: 2 * n * pages].reshape(n, 2, pages)
+    return src, dst, [plan_transfer(src, dst, {"main": (p[0], p[1])}) for p in picks]
+
+
+def test_concat_plans_posts_each_part_as_it_was() -> None:
+    src, dst, plans = _plans(5)
+    joined = concat_plans(plans)
+    assert np.array_equal(joined.src_descs, np.concatenate([p.src_descs for p in plans]))
+    assert np.array_equal(joined.dst_descs, np.concatenate([p.dst_descs for p in plans]))
+    for side in (0, 1):
+        assert np.array_equal(joined.page_selectors()[side], np.concatenate([p.page_selectors()[side] for p in plans]))
+    assert joined.nbytes == sum(p.nbytes for p in plans)
+    assert joined.num_pages == {"main": 10}
+    other = plan_transfer(src, KVMemory.allocate(dst.layout), {"main": ([0], [0])})
+    with pytest.raises(PlanError, match="same two memories"):
+        concat_plans([plans[0], other])
+
+
+def test_write_groups_cut_at_every_cap_and_keep_order() -> None:
+    _, _, plans = _plans(7)
+    queued = [Queued(i, p, b"x" * 10, f"r{i}") for i, p in enumerate(plans)]
+    assert [[q.rec for q in g] for g in write_groups(queued, 3, 1 << 30)] == [[0, 1, 2], [3, 4, 5], [6]]
+    size = plans[0].nbytes
+    assert [len(g) for g in write_groups(queued, 16, 2 * size)] == [2, 2, 2, 1]
+    big = [Queued(i, p, b"x" * (NOTIF_BYTES // 2 + 1), "") for i, p in enumerate(plans[:3])]
+    assert [len(g) for g in write_groups(big, 16, 1 << 30)] == [1, 1, 1]
+
+    class Slices(TransferPlan):   # not the planner's own type (a TP plan, the fault injector's)
+        pass
+
+    odd = Queued("odd", Slices(plans[0].src_memory, plans[0].dst_memory, plans[0].pools), b"", "")
+    assert not joinable(odd.plan)
+    groups = list(write_groups([*queued[:2], odd, *queued[2:4]], 16, 1 << 30))
+    assert [[q.rec for q in g] for g in groups] == [[0, 1], ["odd"], [2, 3]]
+
+
+def test_shared_handle_is_released_once_every_record_let_go() -> None:
+    released: list[str] = []
+
+    class Handle(LocalHandle):
+        def release(self) -> None:
+            released.append(self.label)
+
+    members = share(Handle("peer", "w"), 3)
+    assert all(m.poll() for m in members)
+    members[0].release()
+    members[0].release()          # idempotent: still one reference gone, not two
+    members[1].release()
+    assert released == []
+    members[2].release()
+    assert released == ["w"]
+
+
+@pytest.mark.parametrize("bad", [{"batch_chunks": 0}, {"batch_chunks": wire.MAX_BATCH + 1}, {"batch_bytes": 0},
+                                 {"batch_chunks": True}])
+def test_batch_options_are_checked(bad: dict[str, Any]) -> None:
+    with pytest.raises(UsageError, match=next(iter(bad))):
+        EndpointOptions(**bad)
+
+
+def test_batching_over_nixl_in_one_process() -> None:
+    """The same, over NIXL (UCX) between two agents: one write of several chunks lands whole and its Batch
+    notification completes each request."""
+    pytest.importorskip("kvferry.transport.nixl")
+    src, dst = _memories()
+    before = snapshot(dst)
+    reqs = workload(12, seed=35)
+    with PrefillEndpoint(src, "nixl", options=OPTS) as prefill, DecodeEndpoint(dst, "nixl", options=OPTS) as decode:
+        decode.connect(prefill.address)
+        announce(decode, reqs)
+        _heard(prefill, reqs)
+        written = threading.Event()
+        real = prefill.transport.write
+
+        def spy(plan: Any, peer: str, notif: bytes, label: str = "") -> Any:
+            if isinstance(wire.decode(notif), wire.Batch):
+                written.set()
+            return real(plan, peer, notif, label)
+
+        prefill.transport.write = spy   # type: ignore[method-assign]
+        _send_together(prefill, reqs)
+        assert set(wait_all(decode, [r.rid for r in reqs], 20).values()) == {"done"}
+        assert written.is_set()
+        verify(dst, SEED, reqs, before)
+        _idle(prefill, decode)
