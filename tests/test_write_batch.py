@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvferry import KVMemory, plan_transfer
-from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, wire
+from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState, wire
 from kvferry.control.write_batch import NOTIF_BYTES, Queued, joinable, share, write_groups
 from kvferry.errors import PlanError, RequestFailed, TransportError, UsageError
 from kvferry.plan import TransferPlan
@@ -20,31 +20,9 @@ from kvferry.plan.planner import concat_plans
 from kvferry.transport import LocalTransport
 from kvferry.transport.local import LocalHandle
 
-from .control_peer import announce, fill, make_layout, run_prefill, snapshot, verify, wait_all, workload
-from .test_control_local import CopyingTransport, GatedTransport
-
-OPTS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=1.0, lease_grace=0.4, request_timeout=20.0)
-SEED = 7
-
-
-def _memories() -> tuple[KVMemory, KVMemory]:
-    src, dst = KVMemory.allocate(make_layout("prefill")), KVMemory.allocate(make_layout("decode"))
-    fill(src, SEED)
-    fill(dst, 999)
-    return src, dst
-
-
-def _until(pred: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.002)
-
-
-def _idle(*eps: Any) -> None:
-    for ep in eps:
-        _until(lambda ep=ep: (lambda c: c["live_requests"] == c["live_leases"] == c["live_handles"] == 0)(
-            ep.counters()))
+from .control_peer import announce, run_prefill, snapshot, verify, wait_all, workload
+from .test_control_local import OPTS, SEED, CopyingTransport, GatedTransport, _memories, _until
+from .test_control_local import _assert_idle as _idle
 
 
 def _heard(prefill: PrefillEndpoint, reqs: list[Any]) -> None:
@@ -235,6 +213,102 @@ def test_decode_reads_a_batched_notification_chunk_by_chunk(
     with prefill._lock:
         prefill._call_soon(lambda: transport.send_notification(agent, frame))
     _until(lambda: decode.counters()["bad_messages"] == 1 and decode.counters()["stray_notifications"] == 1)
+
+
+# -- pull mode: decode's reads, batched the same way ----------------------------------------------------
+class RecordingReads(LocalTransport):
+    """A local transport that remembers how many chunks each read carried (its label names each)."""
+
+    def __init__(self, refuse_batches: bool = False) -> None:
+        super().__init__()
+        self.reads: list[int] = []
+        self.refuse_batches = refuse_batches
+
+    def read(self, plan: TransferPlan, peer: str, label: str = "") -> LocalHandle:
+        chunks = label.count(", ") + 1
+        if self.refuse_batches and chunks > 1:
+            raise TransportError(f"read {label!r} from peer {peer!r} refused by the test")
+        self.reads.append(chunks)
+        return super().read(plan, peer, label)
+
+
+def _offer_together(prefill: PrefillEndpoint, decode: DecodeEndpoint, reqs: list[Any]) -> None:
+    """Prefill offers every chunk (its Readys) while decode's progress thread waits for the lock: decode's
+    next iteration reads them all."""
+    with decode._lock:
+        run_prefill(prefill, reqs)
+        _until(lambda: all(prefill.poll(r.rid) is RequestState.TRANSFERRING for r in reqs))
+        time.sleep(0.05)   # the last Readys reach decode's socket
+
+
+def _pulling(decode_transport: LocalTransport, **opts: Any) -> tuple[PrefillEndpoint, DecodeEndpoint, Any]:
+    src, dst = _memories()
+    options = EndpointOptions(heartbeat_interval=0.1, peer_timeout=1.0, request_timeout=20.0, **opts)
+    prefill = PrefillEndpoint(src, "local", options=options, mode="pull")
+    decode = DecodeEndpoint(dst, decode_transport, options=options, mode="pull")
+    decode.connect(prefill.address)
+    return prefill, decode, snapshot(dst)
+
+
+def test_pull_reads_ready_together_go_as_one_read_and_every_request_completes() -> None:
+    transport = RecordingReads()
+    prefill, decode, before = _pulling(transport)
+    reqs = workload(24, seed=41)
+    with prefill, decode:
+        announce(decode, reqs)
+        _heard(prefill, reqs)
+        _offer_together(prefill, decode, reqs)
+        assert set(wait_all(decode, [r.rid for r in reqs], 10).values()) == {"done"}
+        assert set(wait_all(prefill, [r.rid for r in reqs], 10).values()) == {"done"}
+        verify(decode.memory, SEED, reqs, before)
+        _idle(prefill, decode)
+        assert sum(prefill.holds_source(r.rid) for r in reqs) == 0
+    assert sum(transport.reads) == sum(len(r.sends) for r in reqs)
+    assert max(transport.reads) == OPTS.batch_chunks and len(transport.reads) < sum(transport.reads) // 4
+    transport.close()
+
+
+def test_a_failed_batched_read_fails_every_request_in_it() -> None:
+    transport = RecordingReads(refuse_batches=True)
+    prefill, decode, before = _pulling(transport)
+    reqs = [r for r in workload(9, seed=42) if len(r.sends) == 1]
+    with prefill, decode:
+        announce(decode, reqs)
+        _heard(prefill, reqs)
+        _offer_together(prefill, decode, reqs)
+        for req in reqs:
+            for ep in (decode, prefill):
+                with pytest.raises(RequestFailed, match="refused by the test"):
+                    ep.wait(req.rid, 5)
+        _idle(prefill, decode)
+        _until(lambda: sum(prefill.holds_source(r.rid) for r in reqs) == 0)
+        for buf in decode.memory.layout.buffers:
+            assert np.array_equal(decode.memory.array(buf.name), before[buf.name])
+    transport.close()
+
+
+def test_a_request_aborted_while_its_read_is_queued_is_not_read() -> None:
+    """Three chunks ready together, two per read: while the first read copies, decode aborts the third
+    request. It is not read, its pages are untouched and free again, and prefill lets go of its source."""
+    transport = CopyingTransport()
+    prefill, decode, before = _pulling(transport, batch_chunks=2)
+    reqs = [r for r in workload(9, seed=43) if len(r.sends) == 1][:3]
+    with prefill, decode:
+        announce(decode, reqs)
+        _heard(prefill, reqs)
+        _offer_together(prefill, decode, reqs)
+        assert transport.copying.wait(5)
+        decode.abort(reqs[2].rid, "changed my mind")
+        assert decode.num_live_leases == 3          # its read is queued: the lease waits for it
+        transport.done.set()
+        for req in reqs[:2]:
+            decode.wait(req.rid, 5)
+        with pytest.raises(RequestFailed, match="aborted"):
+            prefill.wait(reqs[2].rid, 5)
+        _idle(prefill, decode)
+        _until(lambda: not prefill.holds_source(reqs[2].rid))
+        verify(decode.memory, SEED, reqs[:2], before)
+    transport.close()
 
 
 # -- the pieces -------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from kvferry.control.pull import DEFAULT_MODE, check_mode, check_pull_options, i
 from kvferry.control.pull_reader import PullReader
 from kvferry.control.quarantine import Quarantine, writer_gone
 from kvferry.control.states import RequestState
+from kvferry.control.write_batch import WriteBatches
 from kvferry.errors import (
     HandshakeError,
     IncompatiblePeer,
@@ -83,6 +84,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
         super().__init__(memory, transport, digest_mode=digest_mode, options=options)
         self.mode = mode
         self._reading: set[DecodeRequest] = set()   # pull mode: requests with reads in flight
+        self._read_queue = WriteBatches()              # pull mode: reads queued for this iteration (_post_reads)
         self._secret = as_secret(secret)
         self._leases = LeaseTable(memory.layout)
         self._links: dict[str, Link] = {}
@@ -496,7 +498,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
 
     # -- chunk notifications (progress thread) ---------------------------------------------------------
     def _pump(self) -> bool:
-        news = self._pump_reads() if self._reading else False
+        news = self._pump_reads() if self._reading or self._read_queue else False
         try:
             notifications = self.transport.get_notifications()
         except KVFerryError as exc:  # the transport's trouble fails requests by their deadlines, not the loop

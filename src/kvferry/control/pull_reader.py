@@ -25,6 +25,7 @@ from kvferry.control.digests import verify_chunk
 from kvferry.control.links import Link
 from kvferry.control.pull import fence_s, welcome_mismatch
 from kvferry.control.states import RequestState
+from kvferry.control.write_batch import Queued, WriteBatches, joinable, share, write_groups
 from kvferry.errors import (
     HandshakeError,
     KVFerryError,
@@ -37,7 +38,7 @@ from kvferry.errors import (
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
 from kvferry.plan.pages import validate_pages
-from kvferry.plan.planner import plan_pages, select_buffers
+from kvferry.plan.planner import concat_plans, plan_pages, select_buffers
 from kvferry.transport import TransferHandle
 
 __all__ = ["PullReader", "Read"]
@@ -62,6 +63,7 @@ class PullReader:
     ``_reject_part``, ``_part_complete``, ``_end_lease``, ``_link_dead``, ``_set_state``)."""
 
     _reading: set[DecodeRequest]
+    _read_queue: WriteBatches
     _published_at: float
     _publish: Any
     _let_go: Any
@@ -125,26 +127,83 @@ class PullReader:
         part = rec.parts[link]
         if msg.chunk in part.chunks_seen or any(r.chunk.chunk == msg.chunk for r in part.reads):
             return
+        if any(q.part is part and q.chunk.chunk == msg.chunk for q in self._read_queue.queued(link)):
+            return
         chunk = wire.Chunk(msg.request_id, msg.generation, msg.chunk, msg.last, msg.num_chunks, msg.digests)
+        label = f"{rec.request_id}#{msg.chunk}"
         try:
             plan = self._read_plan(rec, link, msg)
-            why = self._fenced(link, time.monotonic())
-            if why is not None:
-                raise PeerLost(f"not reading request {rec.request_id!r}: {why}")
-            handle = self._read(part, plan, f"{rec.request_id}#{msg.chunk}")
+            self._check_fence(rec, link)
+            if self.options.batch_chunks > 1 and joinable(plan):
+                # Read at the start of this iteration's _pump, with what else is ready from this prefill.
+                part.posting = True
+                self._read_queue.add(link, Queued(rec, plan, b"", label, part, chunk))
+                return
+            handle = self._read(part, plan, label)
         except KVFerryError as exc:
-            self._reject_part(rec, part, exc)
-            self._pull_failed(rec)   # again, harmlessly: an abort() during the failed post left the lease
+            self._read_failed(rec, part, exc)
             return
         part.reads.append(Read(handle, chunk))
         self._reading.add(rec)
-        now = time.monotonic()
-        if now - self._published_at >= PUBLISH_S:
+        self._publish_now_and_then()
+
+    def _check_fence(self, rec: DecodeRequest, link: Link) -> None:
+        why = self._fenced(link, time.monotonic())
+        if why is not None:
+            raise PeerLost(f"not reading request {rec.request_id!r}: {why}")
+
+    def _read_failed(self, rec: DecodeRequest, part: Part, exc: KVFerryError) -> None:
+        self._reject_part(rec, part, exc)
+        self._pull_failed(rec)   # again, harmlessly: an abort() during the failed post left the lease
+
+    def _publish_now_and_then(self) -> None:
+        if time.monotonic() - self._published_at >= PUBLISH_S:
             # A long run of reads (one frame can carry dozens of Readys): conclude the finished ones now
             # and let their Results and waiters go, so that prefill and the engine work on the next
             # requests while this thread reads on. Not after every read: several Results share a frame.
             self._pump_reads()
             self._publish()
+
+    def _post_reads(self) -> None:
+        """Post the reads queued in this iteration (``control.write_batch``): per prefill, those ready go as
+        few reads as the caps allow. Each is checked again right before (``posting`` kept its lease from
+        ending meanwhile): a request that failed, or a link whose fence tripped, is not read."""
+        for link, queued in self._read_queue.take():
+            for group in write_groups(queued, self.options.batch_chunks, self.options.batch_bytes):
+                ready = [q for q in group if self._still_reading(q, link)]
+                if ready:
+                    self._post_read_group(link, ready)
+                    self._publish_now_and_then()
+
+    def _still_reading(self, q: Queued, link: Link) -> bool:
+        rec, part = q.rec, q.part
+        part.posting = False
+        if not rec.is_live:
+            self._pull_failed(rec)   # its lease ends once no read of it is in flight
+            return False
+        try:
+            self._check_fence(rec, link)
+        except KVFerryError as exc:
+            self._read_failed(rec, part, exc)
+            return False
+        part.posting = True
+        return True
+
+    def _post_read_group(self, link: Link, group: list[Queued]) -> None:
+        parts = [q.part for q in group]
+        if len(group) == 1:
+            plan, label = group[0].plan, group[0].label
+        else:
+            plan, label = concat_plans([q.plan for q in group]), ", ".join(q.label for q in group)
+        try:
+            handle = self._let_go(parts, lambda: self.transport.read(plan, link.agent, label=label))
+        except KVFerryError as exc:
+            for q in group:
+                self._read_failed(q.rec, q.part, exc)
+            return
+        for q, member in zip(group, share(handle, len(group)) if len(group) > 1 else [handle], strict=True):
+            q.part.reads.append(Read(member, q.chunk))
+            self._reading.add(q.rec)
 
     def _read(self, part: Part, plan: Plan, label: str) -> TransferHandle:
         """Post one read with the endpoint's lock let go: on one host (cma) the copy runs inside this call,
@@ -171,7 +230,9 @@ class PullReader:
 
     # -- completions ----------------------------------------------------------------------------------
     def _pump_reads(self) -> bool:
-        """Poll every read in flight; True when one ended."""
+        """Post the reads queued in this iteration, then poll every read in flight; True when one ended."""
+        if self._read_queue:
+            self._post_reads()
         news = False
         now = time.monotonic()
         for rec in list(self._reading):

@@ -1,6 +1,7 @@
-"""Prefill's batched writes: the chunks one progress iteration has ready for one decode, posted as one write.
+"""Batched transfers: the chunks one progress iteration has ready for one peer, posted as one transfer.
 
-Part of the control plane, above ``wire``, ``plan`` and the transports, below ``prefill``. Under load the
+Part of the control plane, above ``wire``, ``plan`` and the transports, below ``prefill`` (push mode's
+writes) and ``pull_reader`` (pull mode's reads, the same way round). Under load the
 progress thread finds tens of requests ready per iteration, and each write costs the same fixed work
 whatever its size (a NIXL transfer made, posted, polled and released; a notification sent and received):
 about 55 us per request on the raw baseline (``bench/control.py --raw-batched``, bench/RESULTS.md). So the
@@ -20,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from kvferry.control.sessions import Session
 from kvferry.plan.contract import Plan
 from kvferry.plan.planner import TransferPlan
 from kvferry.transport import TransferHandle
@@ -33,12 +33,13 @@ NOTIF_BYTES = 64 << 10
 
 
 class Queued:
-    """One chunk waiting for its iteration's write: the record, its plan, its encoded ``Chunk``."""
+    """One chunk waiting for its iteration's transfer: the record, its plan, its encoded ``Chunk`` (a
+    write's notification; empty for a read) and, for a read, decode's part and the chunk it brings."""
 
-    __slots__ = ("data", "label", "plan", "rec")
+    __slots__ = ("chunk", "data", "label", "part", "plan", "rec")
 
-    def __init__(self, rec: Any, plan: Plan, data: bytes, label: str) -> None:
-        self.rec, self.plan, self.data, self.label = rec, plan, data, label
+    def __init__(self, rec: Any, plan: Plan, data: bytes, label: str, part: Any = None, chunk: Any = None) -> None:
+        self.rec, self.plan, self.data, self.label, self.part, self.chunk = rec, plan, data, label, part, chunk
 
 
 def joinable(plan: Plan) -> bool:
@@ -48,22 +49,26 @@ def joinable(plan: Plan) -> bool:
 
 
 class WriteBatches:
-    """The chunks queued in this iteration, per decode session, in order (progress thread, under the lock)."""
+    """The chunks queued in this iteration, per peer (prefill: a decode session; decode: a link), in order
+    (progress thread, under the lock)."""
 
     def __init__(self) -> None:
-        self._queued: dict[Session, list[Queued]] = {}
+        self._queued: dict[Any, list[Queued]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._queued)
 
-    def add(self, session: Session, queued: Queued) -> None:
-        group = self._queued.get(session)
+    def add(self, peer: Any, queued: Queued) -> None:
+        group = self._queued.get(peer)
         if group is None:
-            self._queued[session] = [queued]
+            self._queued[peer] = [queued]
         else:
             group.append(queued)
 
-    def take(self) -> list[tuple[Session, list[Queued]]]:
+    def queued(self, peer: Any) -> list[Queued]:
+        return self._queued.get(peer, [])
+
+    def take(self) -> list[tuple[Any, list[Queued]]]:
         """Everything queued, taken off (to be posted now)."""
         out = list(self._queued.items())
         self._queued.clear()
