@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from kvferry import Buffer, KVMemory, Layout, Pool, plan_transfer
+from kvferry.control import EndpointOptions
 
 LAYERS = 4
 METRICS = ("requests_per_s", "p50_us", "mean_us", "p99_us", "prefill_cpu_us", "decode_cpu_us", "in_flight")
@@ -111,7 +112,8 @@ def prefill_control(args: argparse.Namespace) -> None:
     from kvferry.control import PrefillEndpoint
 
     # Accepts both transfer modes: each decode run chooses one (--transfer).
-    with PrefillEndpoint(memory("prefill"), "nixl", digest_mode=args.digest, mode=("push", "pull")) as ep:
+    with PrefillEndpoint(memory("prefill"), "nixl", digest_mode=args.digest, mode=("push", "pull"),
+                         options=options(args)) as ep:
         _say({"address": ep.address})
         json.loads(sys.stdin.readline())                  # "start": decode is connected
         cpu0 = cpu_s()
@@ -181,9 +183,14 @@ def _settled(handle: Any) -> bool:
 
 
 # -- decode (this process) ---------------------------------------------------------------------------------
+def options(args: argparse.Namespace) -> EndpointOptions:
+    return EndpointOptions(batch_chunks=args.batch_chunks)
+
+
 def spawn(args: argparse.Namespace, mode: str, digest: str = "off") -> subprocess.Popen[str]:
     cmd = [sys.executable, __file__, "--role", "prefill", "--mode", mode, "--digest", digest,
-           "--requests", str(args.requests), "--in-flight", str(args.in_flight)]
+           "--requests", str(args.requests), "--in-flight", str(args.in_flight),
+           "--batch-chunks", str(args.batch_chunks)]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -284,7 +291,7 @@ def run_control(args: argparse.Namespace, digest: str, transfer: str = "push") -
     from kvferry.control import DecodeEndpoint
 
     proc = spawn(args, "control", digest)
-    with DecodeEndpoint(memory("decode"), "nixl", digest_mode=digest, mode=transfer) as decode:
+    with DecodeEndpoint(memory("decode"), "nixl", digest_mode=digest, mode=transfer, options=options(args)) as decode:
         decode.connect(_read(proc)["address"])
         _write(proc, {"start": True})
         lat: list[float] = []
@@ -379,6 +386,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="200 requests, one repeat")
     ap.add_argument("--raw-batched", action="store_true",
                     help="also the raw baseline posting each poll's requests as one write (per-transfer costs)")
+    ap.add_argument("--batch-chunks", type=int, default=EndpointOptions().batch_chunks,
+                    help="EndpointOptions.batch_chunks of both sides (1: every chunk its own transfer)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", action="store_true", help="cProfile decode's threads in one run per mode")
     args = ap.parse_args()

@@ -320,18 +320,32 @@ def _plans(n: int, pages: int = 2) -> tuple[KVMemory, KVMemory, list[TransferPla
     return src, dst, [plan_transfer(src, dst, {"main": (p[0], p[1])}) for p in picks]
 
 
-def test_concat_plans_posts_each_part_as_it_was() -> None:
-    src, dst, plans = _plans(5)
-    joined = concat_plans(plans)
-    assert np.array_equal(joined.src_descs, np.concatenate([p.src_descs for p in plans]))
-    assert np.array_equal(joined.dst_descs, np.concatenate([p.dst_descs for p in plans]))
-    for side in (0, 1):
-        assert np.array_equal(joined.page_selectors()[side], np.concatenate([p.page_selectors()[side] for p in plans]))
-    assert joined.nbytes == sum(p.nbytes for p in plans)
-    assert joined.num_pages == {"main": 10}
+def test_concat_plans_refuses_plans_between_other_memories() -> None:
+    src, dst, plans = _plans(2)
     other = plan_transfer(src, KVMemory.allocate(dst.layout), {"main": ([0], [0])})
     with pytest.raises(PlanError, match="same two memories"):
         concat_plans([plans[0], other])
+
+
+def _pairs(plan: TransferPlan) -> list[tuple[int, ...]]:
+    return sorted(map(tuple, np.concatenate([plan.src_descs, plan.dst_descs], axis=1).tolist()))
+
+
+def test_concat_plans_joins_pools_over_the_same_buffers_and_moves_the_same_rows() -> None:
+    """Parts over two pools and two buffer selections (layer by layer): pool plans over the same buffers
+    become one, and the joined plan moves exactly the parts' rows (as pairs) and selectors."""
+    src, dst = _memories()
+    reqs = workload(6, seed=37)
+    layer = tuple(b.name for b in src.layout.buffers if b.name.endswith("L0"))
+    parts = [plan_transfer(src, dst, {p: (r.src[p], r.dst[p]) for p in r.src}, buffers=layer if i % 2 else None)
+             for i, r in enumerate(reqs)]
+    joined = concat_plans(parts)
+    assert len(joined.pools) == 4                       # (main, c4) x (all buffers, layer 0)
+    assert _pairs(joined) == sorted(row for p in parts for row in _pairs(p))
+    pick = sorted(zip(*(s.tolist() for s in joined.page_selectors()), strict=True))
+    assert pick == sorted(pair for p in parts for pair in zip(*(s.tolist() for s in p.page_selectors()), strict=True))
+    assert joined.num_descriptors == sum(p.num_descriptors for p in parts) == len(joined.src_descs)
+    assert joined.nbytes == sum(p.nbytes for p in parts)
 
 
 def test_write_groups_cut_at_every_cap_and_keep_order() -> None:

@@ -338,18 +338,31 @@ def plan_transfer(src: KVMemory, dst: KVMemory, pages: PagesArg,
 
 
 def concat_plans(plans: Sequence[TransferPlan]) -> TransferPlan:
-    """Several plans between the same two memories as one, rows in the order given: one transfer for
-    several requests (the control plane's batched writes). Each part keeps its own pools, bounds and
-    order, so a pool may repeat; ``buffer_rows`` then names the first part's rows only. The parts are
-    not merged or re-coalesced: nothing is planned twice, and each keeps the checks it was made with."""
+    """Several plans between the same two memories as one: one transfer for several requests (the control
+    plane's batched writes). The parts' pool plans over the same buffers (the same per-buffer vectors on
+    both sides) become one, their pages and runs concatenated in the order given: a transport then checks
+    and indexes a few pools, not one per request. Nothing is planned twice, and runs are not re-coalesced
+    across parts. Rows come pool by pool in order of first appearance, so a pool may appear more than once
+    (parts restricted to different buffers); ``buffer_rows`` then names its first appearance only."""
     first = plans[0]
+    joined: dict[tuple[int, int], list[PoolPlan]] = {}
     for plan in plans:
         if type(plan) is not TransferPlan or plan.src_memory is not first.src_memory \
                 or plan.dst_memory is not first.dst_memory:
             raise PlanError(f"concat_plans joins whole-page plans between the same two memories, got {plan!r}")
-    return TransferPlan.with_counts(first.src_memory, first.dst_memory,
-                                    tuple(pool for plan in plans for pool in plan.pools),
+        for pool_plan in plan.pools:
+            joined.setdefault((id(pool_plan.src), id(pool_plan.dst)), []).append(pool_plan)
+    return TransferPlan.with_counts(first.src_memory, first.dst_memory, tuple(map(_join_pools, joined.values())),
                                     sum(p.num_descriptors for p in plans), sum(p.num_selectors for p in plans))
+
+
+def _join_pools(parts: list[PoolPlan]) -> PoolPlan:
+    if len(parts) == 1:
+        return parts[0]
+    head = parts[0]
+    return PoolPlan(head.pool, head.buffer_ids, readonly(np.concatenate([p.src_pages for p in parts])),
+                    readonly(np.concatenate([p.dst_pages for p in parts])),
+                    readonly(np.concatenate([p.runs for p in parts], axis=1)), head.src, head.dst)
 
 
 def _plan_few(src: KVMemory, dst: KVMemory, pages: dict) -> TransferPlan | None:
