@@ -165,10 +165,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         except KVFerryError:
             return
         # Outside the lock: the record may move on meanwhile, which Planned.matches notices at posting.
-        plan = self._plan(session, pairs, spec.buffer_ids)
-        if joinable(plan):
-            _ = plan.nbytes   # cached here, not on the progress thread (write_groups caps on it)
-        spec.planned = Planned(session, generation, dst, pairs, plan)
+        spec.planned = Planned(session, generation, dst, pairs, self._plan(session, pairs, spec.buffer_ids))
 
     def _may_use_source_digests(self) -> bool:
         """Whole-page digests hashed in ``send`` serve only equal-TP peers; when every connected peer is a

@@ -167,8 +167,9 @@ class TransferPlan:
     def num_descriptors(self) -> int:
         return sum(p.num_rows for p in self.pools)
 
-    @cached_property
+    @property
     def nbytes(self) -> int:
+        # Not cached: O(pools) with no numpy call, cheaper than cached_property's lock (see with_counts).
         return sum(p.num_pages * p.src.page_bytes_sum for p in self.pools)
 
     @cached_property
