@@ -34,9 +34,10 @@ def _heard(prefill: PrefillEndpoint, reqs: list[Any]) -> None:
 
 
 def _send_together(prefill: PrefillEndpoint, reqs: list[Any]) -> None:
-    """Every chunk of ``reqs`` queued while the progress thread waits for the lock: one iteration then
-    posts them all (what happens under load, made certain)."""
+    """Every chunk of ``reqs`` queued while the progress thread waits for the lock, as after an iteration
+    that posted several (under load): one iteration then posts them all, batched from the first."""
     with prefill._lock:
+        prefill._batches.batching = True
         run_prefill(prefill, reqs)
 
 
@@ -89,6 +90,25 @@ def test_chunks_ready_together_go_as_one_write_and_every_request_completes(diges
     assert max(per_write) == OPTS.batch_chunks                     # full batches of the default cap
     assert len(per_write) < sum(per_write) // 4
     transport.close()
+
+
+def test_a_lone_chunk_is_written_at_once_and_the_second_of_an_iteration_starts_batching(
+        recorded: tuple[PrefillEndpoint, DecodeEndpoint, Recording]) -> None:
+    """Not under load (the last iteration posted one chunk or none), the first chunk of an iteration is
+    written at once, alone; the chunks after it in the same iteration share writes."""
+    prefill, decode, transport = recorded
+    before = snapshot(decode.memory)
+    reqs = [r for r in workload(12, seed=38) if len(r.sends) == 1]
+    announce(decode, reqs)
+    _heard(prefill, reqs)
+    run_prefill(prefill, reqs[:1])
+    decode.wait(reqs[0].rid, 5)
+    with prefill._lock:
+        assert not prefill._batches.batching
+        run_prefill(prefill, reqs[1:])
+    assert set(wait_all(decode, [r.rid for r in reqs], 10).values()) == {"done"}
+    verify(decode.memory, SEED, reqs, before)
+    assert transport.chunks_per_write() == [1, 1, len(reqs) - 2]
 
 
 def test_one_chunk_per_write_when_batching_is_off() -> None:
@@ -236,6 +256,7 @@ def _offer_together(prefill: PrefillEndpoint, decode: DecodeEndpoint, reqs: list
     """Prefill offers every chunk (its Readys) while decode's progress thread waits for the lock: decode's
     next iteration reads them all."""
     with decode._lock:
+        decode._read_queue.batching = True
         run_prefill(prefill, reqs)
         _until(lambda: all(prefill.poll(r.rid) is RequestState.TRANSFERRING for r in reqs))
         time.sleep(0.05)   # the last Readys reach decode's socket

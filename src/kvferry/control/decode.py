@@ -497,8 +497,14 @@ class DecodeEndpoint(EndpointBase, PullReader):
         self._changed = True
 
     # -- chunk notifications (progress thread) ---------------------------------------------------------
+    def _post_queued(self) -> None:
+        if self._read_queue:   # pull mode: reads queued by the Readys just read (pull_reader)
+            self._post_reads()
+
     def _pump(self) -> bool:
-        news = self._pump_reads() if self._reading or self._read_queue else False
+        self._post_queued()
+        self._read_queue.next_iteration()
+        news = self._pump_reads() if self._reading else False
         try:
             notifications = self.transport.get_notifications()
         except KVFerryError as exc:  # the transport's trouble fails requests by their deadlines, not the loop

@@ -535,9 +535,11 @@ class EndpointBase:
             calls, self._calls = self._calls, []
             for fn in calls:
                 fn()
+            self._post_queued()
             self._flush()   # what the calls queued (decode's Announces) leaves before the reads below run
             for sock in events:
                 self._drain_socket(sock)
+            self._post_queued()
             # What the messages just read produced leaves before this iteration's transfers too: the peer
             # can start on it while they run.
             self._flush()
@@ -618,6 +620,10 @@ class EndpointBase:
 
     def _on_frames(self, sock: Any, frames: list[bytes]) -> None:
         raise NotImplementedError
+
+    def _post_queued(self) -> None:
+        """Post the transfers queued by what just ran (the calls, or the messages read): the chunks ready
+        for one peer go together (``control.write_batch``)."""
 
     def _pump(self) -> bool:
         """Drive the transport; True when it brought news (a notification, a settled write)."""

@@ -4,7 +4,9 @@ The top of the control plane (with ``decode``), above every other control module
 each decode connects, handshakes (layout shapes compared, optional HMAC challenge) and announces requests with
 destination pages. The engine calls ``send`` as KV becomes ready: all at once, in chunks (an offset into
 decode's page list, the last one marked), or restricted to some buffers (layer by layer). Either may come
-first. Each chunk becomes one transport write whose notification carries the chunk's digests. A request is
+first. Each chunk is written with a notification carrying its digests; the chunks one progress iteration
+has ready for one decode go as one write (``write_batch``: under load, tens per iteration), each record
+still settling, failing and aborting on its own. A request is
 ``DONE`` here once every write completed and decode reported the bytes verified. Whenever a request fails,
 decode is told with ``Fail(settled=True)`` only after every write of it has settled, because decode frees the
 pages then. Right before each write prefill checks that the session is alive and the request current; a
@@ -13,7 +15,8 @@ that reconnects is told, generation by generation, once they have (docs/fencing.
 
 This module runs the protocol; the parts it drives live beside it: ``sessions`` (the decode peers),
 ``admission`` (what a Hello must show), ``prefill_requests`` (records, chunk specs, request groups across
-TP), ``coverage`` (cells written by chunked sends) and ``digests`` (what each notification carries).
+TP), ``coverage`` (cells written by chunked sends), ``digests`` (what each notification carries) and
+``write_batch`` (several chunks in one write).
 """
 
 from __future__ import annotations
@@ -283,8 +286,8 @@ class PrefillEndpoint(EndpointBase, PullSource):
         self._check_current(rec, session)
         if session.mode == "pull":
             self._offer(rec, session, spec, pairs, chunk)   # decode reads it: this side writes nothing
-        elif self.options.batch_chunks > 1 and joinable(plan):
-            # Posted at the start of this iteration's _pump, with what else is ready for this decode.
+        elif self._batches.wanted() and self.options.batch_chunks > 1 and joinable(plan):
+            # Posted once the calls, or the messages, of this iteration ran: with what else is ready for it.
             rec.posting = True
             self._batches.add(session, Queued(rec, plan, wire.encode(chunk), f"{rec.request_id}#{index}"))
         else:
@@ -432,9 +435,13 @@ class PrefillEndpoint(EndpointBase, PullSource):
                      or session.state != "established")):
             self._active.discard(rec)
 
-    def _pump(self) -> bool:
+    def _post_queued(self) -> None:
         if self._batches:
             self._post_batches()
+
+    def _pump(self) -> bool:
+        self._post_queued()   # what the shutdown step queued
+        self._batches.next_iteration()
         try:
             self.transport.get_notifications()  # prefill expects none; the call drives the backend's progress
         except KVFerryError as exc:  # handles report their own failures; the loop goes on

@@ -134,8 +134,8 @@ class PullReader:
         try:
             plan = self._read_plan(rec, link, msg)
             self._check_fence(rec, link)
-            if self.options.batch_chunks > 1 and joinable(plan):
-                # Read at the start of this iteration's _pump, with what else is ready from this prefill.
+            if self._read_queue.wanted() and self.options.batch_chunks > 1 and joinable(plan):
+                # Read once the messages of this iteration were read: with what else is ready from this prefill.
                 part.posting = True
                 self._read_queue.add(link, Queued(rec, plan, b"", label, part, chunk))
                 return
@@ -230,9 +230,7 @@ class PullReader:
 
     # -- completions ----------------------------------------------------------------------------------
     def _pump_reads(self) -> bool:
-        """Post the reads queued in this iteration, then poll every read in flight; True when one ended."""
-        if self._read_queue:
-            self._post_reads()
+        """Poll every read in flight; True when one ended."""
         news = False
         now = time.monotonic()
         for rec in list(self._reading):

@@ -7,7 +7,8 @@ whatever its size (a NIXL transfer made, posted, polled and released; a notifica
 about 55 us per request on the raw baseline (``bench/control.py --raw-batched``, bench/RESULTS.md). So the
 chunks queued for one decode in one iteration go as one write of their joined plans (``concat_plans``),
 whose notification is a ``wire.Batch`` of their ``Chunk`` messages. Nothing waits for company: a chunk alone
-in its iteration goes alone, as before, with its plain ``Chunk``.
+in its iteration goes alone, as before, with its plain ``Chunk``, and is posted at once unless the previous
+iteration posted several (``WriteBatches.wanted``).
 
 Each record still settles, fails and aborts on its own: it holds its own handle on the shared write
 (``share``), released once every record let go. A failed write fails every record in it (their bytes may
@@ -54,6 +55,19 @@ class WriteBatches:
 
     def __init__(self) -> None:
         self._queued: dict[Any, list[Queued]] = {}
+        self._seen = 0          # chunks posted in this iteration, queued or not
+        self.batching = False   # the last iteration posted several
+
+    def wanted(self) -> bool:
+        """Count one more chunk posted in this iteration; whether to queue it for a shared transfer. Yes
+        when the last iteration posted several (under load), or this one already did. At one request in
+        flight a chunk is posted at once: queueing it costs a few tens of microseconds there (measured
+        at p50, bench/RESULTS.md) and finds no company."""
+        self._seen += 1
+        return self.batching or self._seen > 1
+
+    def next_iteration(self) -> None:
+        self.batching, self._seen = self._seen > 1, 0
 
     def __bool__(self) -> bool:
         return bool(self._queued)
