@@ -3,6 +3,7 @@ and each request still completes, fails and aborts on its own. Bytes checked on 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -56,6 +57,23 @@ class Recording(LocalTransport):
         return [len(m.messages) if isinstance(m, wire.Batch) else 1 for m in map(wire.decode, self.notifs)]
 
 
+@contextlib.contextmanager
+def _pushed(transport: LocalTransport, reqs: list[Any], opts: EndpointOptions = OPTS,
+            digest_mode: str = "sampled") -> Iterator[tuple[PrefillEndpoint, DecodeEndpoint, dict[str, np.ndarray]]]:
+    """A prefill on ``transport`` and a local decode; decode announces ``reqs``, then prefill sends them
+    all together (``_send_together``). Yields both and decode's memory as it was before."""
+    src, dst = _memories()
+    before = snapshot(dst)
+    with PrefillEndpoint(src, transport, options=opts, digest_mode=digest_mode) as prefill, \
+            DecodeEndpoint(dst, "local", options=opts, digest_mode=digest_mode) as decode:
+        decode.connect(prefill.address)
+        announce(decode, reqs)
+        _heard(prefill, reqs)
+        _send_together(prefill, reqs)
+        yield prefill, decode, before
+    transport.close()
+
+
 @pytest.fixture
 def recorded() -> Iterator[tuple[PrefillEndpoint, DecodeEndpoint, Recording]]:
     src, dst = _memories()
@@ -70,26 +88,18 @@ def recorded() -> Iterator[tuple[PrefillEndpoint, DecodeEndpoint, Recording]]:
 # -- end to end -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("digest_mode", ["sampled", "full", "off"])
 def test_chunks_ready_together_go_as_one_write_and_every_request_completes(digest_mode: str) -> None:
-    src, dst = _memories()
-    before = snapshot(dst)
     transport = Recording()
     reqs = workload(24, seed=31)
-    with PrefillEndpoint(src, transport, options=OPTS, digest_mode=digest_mode) as prefill, \
-            DecodeEndpoint(dst, "local", options=OPTS, digest_mode=digest_mode) as decode:
-        decode.connect(prefill.address)
-        announce(decode, reqs)
-        _heard(prefill, reqs)
-        _send_together(prefill, reqs)
+    with _pushed(transport, reqs, digest_mode=digest_mode) as (prefill, decode, before):
         assert set(wait_all(decode, [r.rid for r in reqs], 10).values()) == {"done"}
         assert set(wait_all(prefill, [r.rid for r in reqs], 10).values()) == {"done"}
-        verify(dst, SEED, reqs, before)
+        verify(decode.memory, SEED, reqs, before)
         _idle(prefill, decode)
         assert decode.counters()["bad_messages"] == decode.counters()["stray_notifications"] == 0
     per_write = transport.chunks_per_write()
     assert sum(per_write) == sum(len(r.sends) for r in reqs)      # every chunk written once
     assert max(per_write) == OPTS.batch_chunks                     # full batches of the default cap
     assert len(per_write) < sum(per_write) // 4
-    transport.close()
 
 
 def test_a_lone_chunk_is_written_at_once_and_the_second_of_an_iteration_starts_batching(
@@ -112,21 +122,13 @@ def test_a_lone_chunk_is_written_at_once_and_the_second_of_an_iteration_starts_b
 
 
 def test_one_chunk_per_write_when_batching_is_off() -> None:
-    src, dst = _memories()
-    before = snapshot(dst)
     transport = Recording()
     opts = EndpointOptions(heartbeat_interval=0.1, peer_timeout=1.0, request_timeout=20.0, batch_chunks=1)
     reqs = workload(9, seed=32)
-    with PrefillEndpoint(src, transport, options=opts) as prefill, \
-            DecodeEndpoint(dst, "local", options=opts) as decode:
-        decode.connect(prefill.address)
-        announce(decode, reqs)
-        _heard(prefill, reqs)
-        _send_together(prefill, reqs)
+    with _pushed(transport, reqs, opts) as (_, decode, before):
         assert set(wait_all(decode, [r.rid for r in reqs], 10).values()) == {"done"}
-        verify(dst, SEED, reqs, before)
+        verify(decode.memory, SEED, reqs, before)
     assert transport.chunks_per_write() == [1] * sum(len(r.sends) for r in reqs)
-    transport.close()
 
 
 class FailBatches(Recording):
@@ -139,45 +141,28 @@ class FailBatches(Recording):
 
 
 def test_a_failed_batched_write_fails_every_request_in_it_on_both_sides() -> None:
-    src, dst = _memories()
-    before = snapshot(dst)
     transport = FailBatches()
-    reqs = workload(6, seed=33)
-    whole = [r for r in reqs if len(r.sends) == 1]      # one chunk each: all in the refused write
-    with PrefillEndpoint(src, transport, options=OPTS) as prefill, \
-            DecodeEndpoint(dst, "local", options=OPTS) as decode:
-        decode.connect(prefill.address)
-        announce(decode, whole)
-        _heard(prefill, whole)
-        _send_together(prefill, whole)
+    whole = [r for r in workload(6, seed=33) if len(r.sends) == 1]   # one chunk each: one refused write
+    with _pushed(transport, whole) as (prefill, decode, before):
         for req in whole:
             for ep in (prefill, decode):
                 with pytest.raises(RequestFailed, match="refused by the test"):
                     ep.wait(req.rid, 5)
         _idle(prefill, decode)                          # every lease freed once the Fail said settled
         assert transport.notifs == []                   # nothing was written...
-        for buf in dst.layout.buffers:                  # ...and no byte of decode's memory changed
-            assert np.array_equal(dst.array(buf.name), before[buf.name])
+        for buf in decode.memory.layout.buffers:        # ...and no byte of decode's memory changed
+            assert np.array_equal(decode.memory.array(buf.name), before[buf.name])
         label = wait_all(prefill, [whole[0].rid], 1)[whole[0].rid]
         assert all(r.rid in label for r in whole)       # the error names every request of the write
-    transport.close()
 
 
-def test_abort_of_one_request_in_a_batched_write_waits_for_that_write(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_abort_of_one_request_in_a_batched_write_waits_for_that_write() -> None:
     """A write in flight carries three requests; prefill aborts one. Decode keeps all three leases while
     the write is in flight; once it lands the other two complete with their bytes, and the aborted one's
     pages are freed only then."""
-    src, dst = _memories()
-    before = snapshot(dst)
     transport = GatedTransport()
     reqs = [r for r in workload(9, seed=34) if len(r.sends) == 1][:3]
-    with PrefillEndpoint(src, transport, options=OPTS) as prefill, \
-            DecodeEndpoint(dst, "local", options=OPTS) as decode:
-        decode.connect(prefill.address)
-        announce(decode, reqs)
-        _heard(prefill, reqs)
-        _send_together(prefill, reqs)
+    with _pushed(transport, reqs) as (prefill, decode, before):
         _until(lambda: prefill.num_live_handles == 3)   # three records, one write
         prefill.abort(reqs[1].rid, "changed my mind")
         with pytest.raises(RequestFailed, match="aborted by prefill"):
@@ -191,24 +176,16 @@ def test_abort_of_one_request_in_a_batched_write_waits_for_that_write(
         with pytest.raises(RequestFailed, match="aborted"):
             decode.wait(reqs[1].rid, 5)
         _idle(prefill, decode)
-        verify(dst, SEED, reqs, before)                 # the aborted request's bytes landed too, whole
-    transport.close()
+        verify(decode.memory, SEED, reqs, before)       # the aborted request's bytes landed too, whole
 
 
 def test_a_request_aborted_while_queued_for_a_later_write_is_not_written() -> None:
     """Three chunks queued together, two per write: while the first write copies (the lock let go) prefill
     aborts the third request. Its write is not posted, no byte of its pages changes, and decode frees them."""
-    src, dst = _memories()
-    before = snapshot(dst)
     transport = CopyingTransport()
     opts = EndpointOptions(heartbeat_interval=0.1, peer_timeout=1.0, request_timeout=20.0, batch_chunks=2)
     reqs = [r for r in workload(9, seed=36) if len(r.sends) == 1][:3]
-    with PrefillEndpoint(src, transport, options=opts) as prefill, \
-            DecodeEndpoint(dst, "local", options=opts) as decode:
-        decode.connect(prefill.address)
-        announce(decode, reqs)
-        _heard(prefill, reqs)
-        _send_together(prefill, reqs)
+    with _pushed(transport, reqs, opts) as (prefill, decode, before):
         assert transport.copying.wait(5)
         assert prefill.holds_source(reqs[2].rid)        # queued for the next write: as good as in flight
         prefill.abort(reqs[2].rid, "changed my mind")
@@ -218,8 +195,7 @@ def test_a_request_aborted_while_queued_for_a_later_write_is_not_written() -> No
         with pytest.raises(RequestFailed, match="aborted by prefill"):
             decode.wait(reqs[2].rid, 5)
         _idle(prefill, decode)
-        verify(dst, SEED, reqs[:2], before)             # and the third request's pages are untouched
-    transport.close()
+        verify(decode.memory, SEED, reqs[:2], before)   # and the third request's pages are untouched
 
 
 def test_decode_reads_a_batched_notification_chunk_by_chunk(

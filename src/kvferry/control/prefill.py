@@ -51,7 +51,7 @@ from kvferry.control.pull import DEFAULT_MODE, MODE_REFUSAL, accepted_modes, mod
 from kvferry.control.pull_source import PullSource
 from kvferry.control.sessions import Session, drop_half_open
 from kvferry.control.states import RequestState
-from kvferry.control.write_batch import Queued, WriteBatches, joinable, share, write_groups
+from kvferry.control.write_batch import Queued, WriteBatches, joinable, joined, share, write_groups
 from kvferry.errors import (
     EndpointClosed,
     IntegrityError,
@@ -68,7 +68,7 @@ from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
 from kvferry.plan.pages import validate_pages
-from kvferry.plan.planner import concat_plans, plan_pages
+from kvferry.plan.planner import plan_pages
 from kvferry.transport import TransferHandle, Transport
 
 __all__ = ["PrefillEndpoint"]
@@ -331,18 +331,15 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     def _post_group(self, session: Session, group: list[Queued]) -> None:
         recs = [q.rec for q in group]
-        if len(group) == 1:
-            plan, notif, label = group[0].plan, group[0].data, group[0].label
-        else:
-            plan = concat_plans([q.plan for q in group])
-            notif, label = wire.batch_frame([q.data for q in group]), ", ".join(q.label for q in group)
+        plan, label = joined(group)
+        notif = group[0].data if len(group) == 1 else wire.batch_frame([q.data for q in group])
         try:
             handle = self._let_go(recs, lambda: self.transport.write(plan, session.agent, notif, label=label))
         except KVFerryError as exc:
             for rec in recs:
                 self._fail_req(rec, exc)
             return
-        for rec, member in zip(recs, share(handle, len(recs)) if len(recs) > 1 else [handle], strict=True):
+        for rec, member in zip(recs, share(handle, len(recs)), strict=True):
             rec.handles.append(member)
 
     def _check_current(self, rec: PrefillRequest, session: Session) -> None:

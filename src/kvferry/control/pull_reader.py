@@ -25,7 +25,7 @@ from kvferry.control.digests import verify_chunk
 from kvferry.control.links import Link
 from kvferry.control.pull import fence_s, welcome_mismatch
 from kvferry.control.states import RequestState
-from kvferry.control.write_batch import Queued, WriteBatches, joinable, share, write_groups
+from kvferry.control.write_batch import Queued, WriteBatches, joinable, joined, share, write_groups
 from kvferry.errors import (
     HandshakeError,
     KVFerryError,
@@ -38,7 +38,7 @@ from kvferry.errors import (
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
 from kvferry.plan.pages import validate_pages
-from kvferry.plan.planner import concat_plans, plan_pages, select_buffers
+from kvferry.plan.planner import plan_pages, select_buffers
 from kvferry.transport import TransferHandle
 
 __all__ = ["PullReader", "Read"]
@@ -191,17 +191,14 @@ class PullReader:
 
     def _post_read_group(self, link: Link, group: list[Queued]) -> None:
         parts = [q.part for q in group]
-        if len(group) == 1:
-            plan, label = group[0].plan, group[0].label
-        else:
-            plan, label = concat_plans([q.plan for q in group]), ", ".join(q.label for q in group)
+        plan, label = joined(group)
         try:
             handle = self._let_go(parts, lambda: self.transport.read(plan, link.agent, label=label))
         except KVFerryError as exc:
             for q in group:
                 self._read_failed(q.rec, q.part, exc)
             return
-        for q, member in zip(group, share(handle, len(group)) if len(group) > 1 else [handle], strict=True):
+        for q, member in zip(group, share(handle, len(group)), strict=True):
             q.part.reads.append(Read(member, q.chunk))
             self._reading.add(q.rec)
 

@@ -23,10 +23,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvferry.plan.contract import Plan
-from kvferry.plan.planner import TransferPlan
+from kvferry.plan.planner import TransferPlan, concat_plans
 from kvferry.transport import TransferHandle
 
-__all__ = ["NOTIF_BYTES", "Queued", "WriteBatches", "joinable", "share", "write_groups"]
+__all__ = ["NOTIF_BYTES", "Queued", "WriteBatches", "joinable", "joined", "share", "write_groups"]
 
 # Notification bytes of one batched write: a chunk's sampled digests are ~1 KB, so tens fit; a chunk with
 # larger digests (full mode over many pages) goes alone.
@@ -142,6 +142,16 @@ class _Member(TransferHandle):
 
 
 def share(handle: TransferHandle, count: int) -> list[TransferHandle]:
-    """``count`` handles on one write, one per record in it; the write is released when all are."""
+    """``count`` handles on one transfer, one per record in it; it is released when all are (one record:
+    the handle itself)."""
+    if count == 1:
+        return [handle]
     shared = _Shared(handle, count)
     return [_Member(shared) for _ in range(count)]
+
+
+def joined(group: list[Queued]) -> tuple[Plan, str]:
+    """The plan and the label (naming every chunk, for errors) of one transfer carrying ``group``."""
+    if len(group) == 1:
+        return group[0].plan, group[0].label
+    return concat_plans([q.plan for q in group]), ", ".join(q.label for q in group)
