@@ -170,7 +170,9 @@ def test_with_recompute_vllm_prefills_a_rejected_request_itself(model: Path, pro
 def test_without_digests_the_same_corruption_changes_tokens(model: Path, decode: Any, prompts: list[Any],
                                                             expected: list[list[int]]) -> None:
     """The control for the test above: the corruption is one the tokens show, so catching it matters."""
-    faulty = make_llm(model, "kv_producer", {"transport": "tests.vllm_faults:first_page_flip", "digest_mode": "off"})
+    # One request per write: without digests the fault cannot tell where a batched write's requests start.
+    faulty = make_llm(model, "kv_producer", {"transport": "tests.vllm_faults:first_page_flip", "digest_mode": "off",
+                                             "batch_chunks": 1})
     try:
         outputs = generate_pd(faulty, decode, prompts, MAX_TOKENS)
     finally:

@@ -12,7 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from kvferry.control import wire
 from kvferry.diagnostics.faults import FaultSpec, flip_bytes
+from kvferry.integrity import PageDigests
 from kvferry.layout import KVMemory
 from kvferry.transport import Transport, make_transport
 from kvferry.workload.faults import FaultyTransport
@@ -21,21 +23,39 @@ LAYER0 = "model.layers.0.self_attn.attn"
 
 
 class FirstPageFlip(FaultyTransport):
-    """Inverts every byte of one page per write (the request's first block of layer 0) while the write
-    reads it, and restores it after: prefill keeps its own KV intact, only decode receives bad bytes. A
-    whole page, because a single flipped byte of fp32 KV can leave greedy tokens unchanged."""
+    """Inverts every byte of one page per request a write carries (its first block of layer 0) while the
+    write reads it, and restores it after: prefill keeps its own KV intact, only decode receives bad bytes.
+    A whole page, because a single flipped byte of fp32 KV can leave greedy tokens unchanged."""
 
     def __init__(self, inner: Transport) -> None:
         super().__init__(inner, f"flip:{LAYER0}")
 
     def write(self, plan: Any, peer: str, notif: bytes, label: str = "") -> Any:
-        self.fault = FaultSpec.parse(f"flip:{LAYER0}:{int(plan.pools[0].dst_pages[0])}")
+        pages = ",".join(map(str, first_pages(plan, notif)))
+        self.fault = FaultSpec.parse(f"flip:{LAYER0}:{pages}")
         return super().write(plan, peer, notif, label)
 
     def _flip(self, memory: KVMemory, pages: dict[str, tuple[np.ndarray, np.ndarray]]) -> list[tuple[int, int]]:
         src, dst = pages[memory.layout.pool_of[LAYER0]]
         page_bytes = memory.layout.buffer(LAYER0).page_bytes
         return flip_bytes(memory, LAYER0, src[np.isin(dst, self.fault.pages or ())].tolist(), num_bytes=page_bytes)
+
+
+def first_pages(plan: Any, notif: bytes) -> list[int]:
+    """The first layer-0 page of each chunk a write carries. Under load one write carries several requests'
+    chunks (its notification a Batch of their Chunks, control.write_batch), and the joined plan no longer
+    shows where one ends; their digests name their pages (full mode, as the tests use). Without digests:
+    the plan's first page."""
+    msg = wire.decode(notif)
+    chunks = [m for m in wire.unbatch(msg) if isinstance(m, wire.Chunk)] if isinstance(msg, wire.Batch) else [msg]
+    pages = []
+    for chunk in chunks:
+        if not isinstance(chunk, wire.Chunk) or not chunk.digests:
+            continue
+        digests = PageDigests.from_bytes(chunk.digests)
+        layer0 = digests.pages[np.asarray(digests.buffer_names)[digests.buffer_ids] == LAYER0]
+        pages += [int(layer0[0])] if len(layer0) else []
+    return pages or [int(plan.pools[0].dst_pages[0])]
 
 
 def first_page_flip(side: str) -> Transport:

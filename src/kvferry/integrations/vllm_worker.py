@@ -47,6 +47,7 @@ class WorkerConfig:
     ``full``. ``secret``: shared by both sides, or None. Times in seconds. ``mode``: the transfer mode a
     consumer asks its prefills for, ``"push"`` (prefill writes into decode's blocks) or ``"pull"`` (decode
     reads prefill's blocks, see docs/fencing.md); a producer accepts either, so the consumer chooses.
+    ``batch_chunks``: ``EndpointOptions.batch_chunks`` (1: every request's blocks a transfer of their own).
     """
 
     role: str
@@ -58,6 +59,7 @@ class WorkerConfig:
     request_timeout: float = 60.0
     handshake_timeout: float = 10.0
     mode: str = "push"
+    batch_chunks: int = EndpointOptions().batch_chunks
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -76,7 +78,8 @@ class WorkerConfig:
         return cls(role, **dict(extra or {}))
 
     def options(self) -> EndpointOptions:
-        return EndpointOptions(request_timeout=self.request_timeout, handshake_timeout=self.handshake_timeout)
+        return EndpointOptions(request_timeout=self.request_timeout, handshake_timeout=self.handshake_timeout,
+                               batch_chunks=self.batch_chunks)
 
     def make_transport(self, side: str) -> Transport:
         if ":" not in self.transport:
