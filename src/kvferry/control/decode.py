@@ -38,7 +38,6 @@ from kvferry.control.pull import DEFAULT_MODE, check_mode, check_pull_options, i
 from kvferry.control.pull_reader import PullReader
 from kvferry.control.quarantine import Quarantine, writer_gone
 from kvferry.control.states import RequestState
-from kvferry.control.write_batch import WriteBatches
 from kvferry.errors import (
     HandshakeError,
     IncompatiblePeer,
@@ -84,7 +83,6 @@ class DecodeEndpoint(EndpointBase, PullReader):
         super().__init__(memory, transport, digest_mode=digest_mode, options=options)
         self.mode = mode
         self._reading: set[DecodeRequest] = set()   # pull mode: requests with reads in flight
-        self._read_queue = WriteBatches()              # pull mode: reads queued for this iteration (_post_reads)
         self._secret = as_secret(secret)
         self._leases = LeaseTable(memory.layout)
         self._links: dict[str, Link] = {}
@@ -498,12 +496,10 @@ class DecodeEndpoint(EndpointBase, PullReader):
 
     # -- chunk notifications (progress thread) ---------------------------------------------------------
     def _post_queued(self) -> None:
-        if self._read_queue:   # pull mode: reads queued by the Readys just read (pull_reader)
+        if self._batches:   # pull mode: reads queued by the Readys just read (pull_reader)
             self._post_reads()
 
     def _pump(self) -> bool:
-        self._post_queued()
-        self._read_queue.next_iteration()
         news = self._pump_reads() if self._reading else False
         try:
             notifications = self.transport.get_notifications()

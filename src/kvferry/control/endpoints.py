@@ -55,6 +55,7 @@ import zmq
 
 from kvferry.control import wire
 from kvferry.control.states import TERMINAL, RequestState, advance
+from kvferry.control.write_batch import WriteBatches
 from kvferry.errors import EndpointClosed, KVFerryError, RequestFailed, TransferTimeout, UsageError
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
@@ -100,10 +101,11 @@ class EndpointOptions:
       sleeps ``busy_poll / 4`` per request in flight, up to ``busy_poll_max``, after every iteration.
     * ``max_message_bytes``: ZMQ drops peers that send larger messages (silently: decode notices the
       drop and fails the link with an error naming this limit).
-    * ``batch_chunks``, ``batch_bytes``: prefill posts the chunks one iteration has ready for one decode
-      as one write of at most this many chunks and bytes (``control.write_batch``; 1 chunk: every chunk
-      its own write). Nothing waits to be batched; the bytes cap bounds how long the first chunk of a
-      write waits for the rest of it to land.
+    * ``batch_chunks``, ``batch_bytes``: under load prefill posts the chunks one iteration has ready for
+      one decode as one write (decode in pull mode, those ready from one prefill as one read) of at most
+      this many chunks and bytes (``control.write_batch``; 1 chunk: every chunk its own transfer).
+      Nothing waits to be batched; the bytes cap bounds how long the first chunk of a transfer waits for
+      the rest of it to land.
     """
 
     heartbeat_interval: float = 0.5
@@ -208,6 +210,10 @@ class EndpointBase:
         self._poller.register(self._wake_r, zmq.POLLIN)
         # The last iteration found work in flight: the next comes within busy_poll_max (see _wake).
         self._spinning = False
+        # Transfers queued in this iteration, posted by _post_queued: prefill's writes, decode's pull-mode
+        # reads (control.write_batch). Whether to queue depends on the last iteration, so the loop, which
+        # knows where an iteration ends, moves it on.
+        self._batches = WriteBatches()
         self._idle_spins = 0   # busy iterations in a row that found nothing to do (sets the sleep)
         self._thread = threading.Thread(target=self._run, name=f"kvferry-{self._role}", daemon=True)
 
@@ -545,6 +551,7 @@ class EndpointBase:
             self._flush()
             if self._pump() or events or calls:
                 self._idle_spins = 0
+            self._batches.next_iteration()
             self._tick(time.monotonic())
             self._flush()
             self._published_at = time.monotonic()

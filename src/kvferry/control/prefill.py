@@ -51,7 +51,7 @@ from kvferry.control.pull import DEFAULT_MODE, MODE_REFUSAL, accepted_modes, mod
 from kvferry.control.pull_source import PullSource
 from kvferry.control.sessions import Session, drop_half_open
 from kvferry.control.states import RequestState
-from kvferry.control.write_batch import Queued, WriteBatches, joinable, joined, share, write_groups
+from kvferry.control.write_batch import Queued, joinable, joined, share, write_groups
 from kvferry.errors import (
     EndpointClosed,
     IntegrityError,
@@ -112,7 +112,6 @@ class PrefillEndpoint(EndpointBase, PullSource):
         self._process = this_process()   # reported in Welcome: decode ends quarantines once it is gone
         self._unpeer: set[str] = set()    # decode agents to forget once no write to them is in flight
         self._hash_in_send = True         # see _may_use_source_digests
-        self._batches = WriteBatches()    # chunks queued for this iteration's writes (_post_batches)
         self._thread.start()
 
     # -- public API: any thread ------------------------------------------------------------------------
@@ -286,28 +285,18 @@ class PrefillEndpoint(EndpointBase, PullSource):
         self._check_current(rec, session)
         if session.mode == "pull":
             self._offer(rec, session, spec, pairs, chunk)   # decode reads it: this side writes nothing
-        elif self._batches.wanted() and self.options.batch_chunks > 1 and joinable(plan):
-            # Posted once the calls, or the messages, of this iteration ran: with what else is ready for it.
-            rec.posting = True
-            self._batches.add(session, Queued(rec, plan, wire.encode(chunk), f"{rec.request_id}#{index}"))
         else:
-            rec.handles.append(self._write(rec, plan, session, chunk))
+            queued = Queued(rec, plan, wire.encode(chunk), f"{rec.request_id}#{index}")
+            if self._batches.wanted() and self.options.batch_chunks > 1 and joinable(plan):
+                # Posted once the calls, or the messages, of this iteration ran: with what else is ready.
+                rec.posting = True
+                self._batches.add(session, queued)
+            else:
+                self._post_group(session, [queued])
         self._dirty.add(rec)
         rec.last_posted = spec.last
         if rec.is_live and rec.state is not RequestState.TRANSFERRING:  # abort() may have come during the write
             self._set_state(rec, RequestState.TRANSFERRING)
-
-    def _write(self, rec: PrefillRequest, plan: Plan, session: Session, chunk: wire.Chunk) -> TransferHandle:
-        """Post one write with the endpoint's lock let go: on one host (cma) the copy runs inside this call,
-        hundreds of microseconds with the GIL released, and callers' ``send`` (hashing, queueing the next
-        chunk) and ``wait`` then proceed alongside it rather than queue behind the whole iteration.
-
-        Only this thread touches the transport and posts or settles writes, so what a caller may do in
-        the meantime cannot race the write: ``send`` queues, ``abort`` fails the record (its settled
-        Fail is sent by this thread, after the handle below is recorded, once it settled), and
-        ``holds_source`` counts ``posting`` as a write in flight."""
-        data, label = wire.encode(chunk), f"{rec.request_id}#{chunk.chunk}"
-        return self._let_go((rec,), lambda: self.transport.write(plan, session.agent, data, label=label))
 
     def _post_batches(self) -> None:
         """Post the chunks queued in this iteration (``control.write_batch``): per decode, those ready go
@@ -330,6 +319,16 @@ class PrefillEndpoint(EndpointBase, PullSource):
         return True
 
     def _post_group(self, session: Session, group: list[Queued]) -> None:
+        """Post one write of ``group``'s chunks (one, or several sharing it) with the endpoint's lock let
+        go: on one host (cma) the copy runs inside this call, hundreds of microseconds with the GIL
+        released, and callers' ``send`` (hashing, queueing the next chunk) and ``wait`` then proceed
+        alongside it rather than queue behind the whole iteration. A write that fails to post fails every
+        record in it.
+
+        Only this thread touches the transport and posts or settles writes, so what a caller may do in
+        the meantime cannot race the write: ``send`` queues, ``abort`` fails the record (its settled
+        Fail is sent by this thread, after the handle below is recorded, once it settled), and
+        ``holds_source`` counts ``posting`` as a write in flight."""
         recs = [q.rec for q in group]
         plan, label = joined(group)
         notif = group[0].data if len(group) == 1 else wire.batch_frame([q.data for q in group])
@@ -437,8 +436,6 @@ class PrefillEndpoint(EndpointBase, PullSource):
             self._post_batches()
 
     def _pump(self) -> bool:
-        self._post_queued()   # what the shutdown step queued
-        self._batches.next_iteration()
         try:
             self.transport.get_notifications()  # prefill expects none; the call drives the backend's progress
         except KVFerryError as exc:  # handles report their own failures; the loop goes on

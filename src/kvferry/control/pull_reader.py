@@ -63,7 +63,7 @@ class PullReader:
     ``_reject_part``, ``_part_complete``, ``_end_lease``, ``_link_dead``, ``_set_state``)."""
 
     _reading: set[DecodeRequest]
-    _read_queue: WriteBatches
+    _batches: WriteBatches
     _published_at: float
     _publish: Any
     _let_go: Any
@@ -127,24 +127,23 @@ class PullReader:
         part = rec.parts[link]
         if msg.chunk in part.chunks_seen or any(r.chunk.chunk == msg.chunk for r in part.reads):
             return
-        if any(q.part is part and q.chunk.chunk == msg.chunk for q in self._read_queue.queued(link)):
+        if any(q.part is part and q.chunk.chunk == msg.chunk for q in self._batches.queued(link)):
             return
         chunk = wire.Chunk(msg.request_id, msg.generation, msg.chunk, msg.last, msg.num_chunks, msg.digests)
         label = f"{rec.request_id}#{msg.chunk}"
         try:
             plan = self._read_plan(rec, link, msg)
             self._check_fence(rec, link)
-            if self._read_queue.wanted() and self.options.batch_chunks > 1 and joinable(plan):
-                # Read once the messages of this iteration were read: with what else is ready from this prefill.
-                part.posting = True
-                self._read_queue.add(link, Queued(rec, plan, b"", label, part, chunk))
-                return
-            handle = self._read(part, plan, label)
         except KVFerryError as exc:
             self._read_failed(rec, part, exc)
             return
-        part.reads.append(Read(handle, chunk))
-        self._reading.add(rec)
+        queued = Queued(rec, plan, b"", label, part, chunk)
+        if self._batches.wanted() and self.options.batch_chunks > 1 and joinable(plan):
+            # Read once the messages of this iteration were read: with what else is ready from this prefill.
+            part.posting = True
+            self._batches.add(link, queued)
+            return
+        self._post_read_group(link, [queued])
         self._publish_now_and_then()
 
     def _check_fence(self, rec: DecodeRequest, link: Link) -> None:
@@ -168,7 +167,7 @@ class PullReader:
         """Post the reads queued in this iteration (``control.write_batch``): per prefill, those ready go as
         few reads as the caps allow. Each is checked again right before (``posting`` kept its lease from
         ending meanwhile): a request that failed, or a link whose fence tripped, is not read."""
-        for link, queued in self._read_queue.take():
+        for link, queued in self._batches.take():
             for group in write_groups(queued, self.options.batch_chunks, self.options.batch_bytes):
                 ready = [q for q in group if self._still_reading(q, link)]
                 if ready:
@@ -190,6 +189,12 @@ class PullReader:
         return True
 
     def _post_read_group(self, link: Link, group: list[Queued]) -> None:
+        """Post one read of ``group``'s chunks (one, or several sharing it) with the endpoint's lock let go:
+        on one host (cma) the copy runs inside this call, with the GIL released, and callers (``announce``
+        above all) proceed alongside it rather than queue behind the whole iteration. Only this thread
+        posts and settles reads; an ``abort`` meanwhile fails the request, but its lease cannot end under
+        the read (``posting`` counts as a read in flight, ``_pull_failed``): it ends once the read is
+        terminal, as for any read in flight. A read that fails to post fails every request in it."""
         parts = [q.part for q in group]
         plan, label = joined(group)
         try:
@@ -201,14 +206,6 @@ class PullReader:
         for q, member in zip(group, share(handle, len(group)), strict=True):
             q.part.reads.append(Read(member, q.chunk))
             self._reading.add(q.rec)
-
-    def _read(self, part: Part, plan: Plan, label: str) -> TransferHandle:
-        """Post one read with the endpoint's lock let go: on one host (cma) the copy runs inside this call,
-        with the GIL released, and callers (``announce`` above all) proceed alongside it rather than queue
-        behind the whole iteration. Only this thread posts and settles reads; an ``abort`` meanwhile fails
-        the request, but its lease cannot end under the read (``posting`` counts as a read in flight,
-        ``_pull_failed``): it ends once the read is terminal, as for any read in flight."""
-        return self._let_go((part,), lambda: self.transport.read(plan, part.link.agent, label=label))
 
     def _read_plan(self, rec: DecodeRequest, link: Link, msg: wire.Ready) -> Plan:
         """The read of one chunk: prefill's pages (untrusted: checked against its layout) into the
