@@ -18,6 +18,7 @@ from kvferry.control import wire
 from kvferry.control.links import Link
 from kvferry.errors import IntegrityError, KVFerryError
 from kvferry.integrity import DigestMode, PageDigests, digest_pages, digest_plan, verify_digests
+from kvferry.integrity.sampling import PageSampler
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
 
@@ -25,14 +26,14 @@ __all__ = ["chunk_digests", "source_digests", "verify_chunk"]
 
 
 def source_digests(memory: KVMemory, mode: DigestMode, src: Mapping[str, np.ndarray], buffers: tuple[str, ...] | None,
-                   rng: np.random.Generator) -> Any:
+                   sampler: PageSampler) -> Any:
     """A chunk's source digests in ``mode`` (None when off); keyed at posting time.
 
-    Sampling draws from one endpoint generator (numpy's generators lock themselves, so callers on
-    several threads are safe): a fresh choice per chunk, without seeding a generator per call."""
+    Sampling draws from one endpoint ``PageSampler`` (thread-safe, so callers on several threads are
+    safe): a fresh choice per chunk, drawn in blocks for chunks of one shape."""
     if mode == "off":
         return None
-    return digest_pages(memory, src, mode, seed=rng, buffers=buffers)
+    return digest_pages(memory, src, mode, seed=sampler, buffers=buffers)
 
 
 def chunk_digests(mode: DigestMode, src: Any, pairs: Mapping[str, tuple[np.ndarray, np.ndarray]],

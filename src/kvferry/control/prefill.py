@@ -65,6 +65,7 @@ from kvferry.errors import (
     UsageError,
 )
 from kvferry.integrity import DigestMode
+from kvferry.integrity.sampling import PageSampler
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
 from kvferry.plan.pages import validate_pages
@@ -106,7 +107,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         self._active: set[PrefillRequest] = set()
         self._dirty: set[PrefillRequest] = set()
         self._next_deadline_check = 0.0
-        self._digest_rng = np.random.default_rng()  # sampling for send()'s digests
+        self._digest_rng = PageSampler()  # sampling for send()'s digests
         # What close() fails live requests with; decode hears of it as PeerLost (see _send_fail).
         self._close_error = KVFerryError("prefill endpoint closing")
         self._process = this_process()   # reported in Welcome: decode ends quarantines once it is gone

@@ -10,7 +10,7 @@ digest.
 Digests are keyed by buffer and *destination* page, so decode checks its own pages without knowing the
 source page numbers. ``digest_pages`` hashes source pages before the destination is known (prefill's
 ``send``) and ``SourceDigests.keyed`` names the destination pages later; ``digest_plan`` is the two in one.
-Both sides pick the pages to hash with numpy across all buffers at once; ``hashing`` hashes them
+``sampling`` draws the pages to hash with numpy across all buffers at once; ``hashing`` hashes them
 (xxh3-64, one call per page).
 
 Across tensor-parallel sizes a prefill page is not a decode page: prefill rank ``r`` writes only the heads
@@ -39,6 +39,7 @@ from kvferry.arrays import readonly
 from kvferry.codec import decode_versioned, encode
 from kvferry.errors import IntegrityError, KVFerryError, PageMismatchError, UsageError
 from kvferry.integrity.hashing import hash_cells, hash_index, hash_pages
+from kvferry.integrity.sampling import PageSampler, SampleShape, draw
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import MAX_BUFFERS, MAX_NAME_LEN
 from kvferry.plan.contract import Plan
@@ -225,14 +226,15 @@ def _digest_tp_plan(plan: TPPlan, mode: DigestMode | str, seed: int, k: int) -> 
 
 
 def digest_pages(memory: KVMemory, pages: Mapping[str, np.ndarray], mode: DigestMode | str, *,
-                 seed: int | np.random.Generator = 0, samples_per_buffer: int = 2,
+                 seed: int | np.random.Generator | PageSampler = 0, samples_per_buffer: int = 2,
                  buffers: Iterable[str] | None = None) -> SourceDigests:
     """Digest source pages (pool -> validated int64 pages) before their destination pages are known.
 
     Covers exactly the cells ``plan_transfer(memory, peer, {pool: (pages[pool], dst)}, buffers)`` writes,
     in the same order, and with the same int ``seed`` samples as ``digest_plan`` on that plan does;
     ``SourceDigests.keyed`` then names the destination pages. Lets prefill hash on the thread that calls
-    ``send`` (the pages are final then) rather than on its progress thread. Blocking.
+    ``send`` (the pages are final then) rather than on its progress thread. Blocking. ``seed``: an int (the
+    same int, the same pages), a generator to draw from, or a ``sampling.PageSampler`` (draws in blocks).
 
     What does not depend on the pages themselves (which buffers, their names and sizes, how many picks per
     buffer) is built once per memory, mode, buffer selection and page count per pool, and reused.
@@ -317,6 +319,9 @@ class _Frame:
     page_bytes: np.ndarray            # int64 [N]
     slices: Mapping[str, PageSlice] | None
     shape: str
+    sample_shape: SampleShape         # what ``sampling`` draws positions for
+    starts: np.ndarray | None         # int64 [N]: where each entry's pool starts in the pools' pages joined
+    fixed: np.ndarray | None          # int64 [N]: the positions, when nothing is drawn (full, or few pages)
 
 
 def _frame(memory: KVMemory, cells: Sequence[tuple[str, np.ndarray, int]], mode: DigestMode, k: int,
@@ -332,15 +337,20 @@ def _frame(memory: KVMemory, cells: Sequence[tuple[str, np.ndarray, int]], mode:
     bufs = memory.layout.buffers
     gids = (np.concatenate([ids.repeat(m) for (_, ids, _), m in zip(cells, picks)]).astype(np.int64)
             if cells else np.zeros(0, np.int64))
+    sample_shape = tuple((len(ids), n, m) for (_, ids, n), m in zip(cells, picks))
+    pool_ids = np.repeat(np.arange(len(cells), dtype=np.int64), counts)
+    starts = np.array(list(itertools.accumulate([n for _, _, n in cells], initial=0))[:-1], dtype=np.int64)
+    fixed = draw(None, sample_shape)[0] if all(m == n for _, n, m in sample_shape) else None
     return _Frame(mode, k, tuple(c[0] for c in cells), tuple(len(c[1]) for c in cells), tuple(c[2] for c in cells),
                   tuple(picks), tuple(bufs[g].name for c in cells for g in c[1].tolist()),
                   readonly(np.arange(sum(len(c[1]) for c in cells), dtype=np.uint32).repeat(
                       np.repeat(picks, [len(c[1]) for c in cells]).astype(np.int64))),
-                  readonly(np.repeat(np.arange(len(cells), dtype=np.int64), counts)), readonly(gids), gids.tolist(),
-                  readonly(hash_index(memory).page_bytes[gids]), slices, shape)
+                  readonly(pool_ids), readonly(gids), gids.tolist(), readonly(hash_index(memory).page_bytes[gids]),
+                  slices, shape, sample_shape, readonly(starts[pool_ids]) if len(cells) > 1 else None,
+                  None if fixed is None else readonly(fixed))
 
 
-def _digest_cells(memory: KVMemory, cells: _Cells, mode: DigestMode | str, seed: int | np.random.Generator,
+def _digest_cells(memory: KVMemory, cells: _Cells, mode: DigestMode | str, seed: int,
                   k: int, slices: Mapping[str, PageSlice] | None = None, shape: str | None = None,
                   ) -> SourceDigests:
     """Choose the pages to hash (every one, or ``k`` per buffer), then hash them all in one pass: whole
@@ -351,49 +361,28 @@ def _digest_cells(memory: KVMemory, cells: _Cells, mode: DigestMode | str, seed:
 
 
 def _digest_frame(memory: KVMemory, frame: _Frame, pages: list[np.ndarray],
-                  seed: int | np.random.Generator) -> SourceDigests:
+                  seed: int | np.random.Generator | PageSampler) -> SourceDigests:
     """Hash ``frame``'s cells for these pages (per pool of the frame, in its order)."""
     if not frame.pool_names:
         return SourceDigests(frame.mode, (), *_empty_entries(), shape=frame.shape)
-    rng = _rng(seed) if frame.mode is DigestMode.SAMPLED else None
-    # ndarray methods, not the numpy functions of the same name: those add a Python-level dispatch that
-    # cost more than the work on these few-entry arrays (this runs per chunk).
-    pos, src = [], []
-    for nb, n, src_pages in zip(frame.num_buffers, frame.num_pages, pages):
-        chosen = _choose(rng, nb, n, frame.mode, frame.k)   # [buffers of the pool, picks]: positions
-        pos.append(chosen.ravel())
-        src.append(src_pages[chosen].ravel())
-    one = len(pos) == 1
-    positions, src_all = (pos[0], src[0]) if one else (np.concatenate(pos), np.concatenate(src))
-    digests = hash_cells(memory, frame.gids, src_all, frame.slices, "src", gid_list=frame.gid_list,
+    positions = frame.fixed if frame.fixed is not None else _draw(frame.sample_shape, seed)
+    src = pages[0][positions] if frame.starts is None else np.concatenate(pages)[frame.starts + positions]
+    digests = hash_cells(memory, frame.gids, src, frame.slices, "src", gid_list=frame.gid_list,
                          page_bytes=frame.page_bytes)
     return SourceDigests(frame.mode, frame.names, frame.local, frame.pool_names, frame.pool_ids,
                          readonly(positions), readonly(digests), frame.shape)
 
 
-def _rng(seed: int | np.random.Generator) -> np.random.Generator:
-    if isinstance(seed, np.random.Generator):
-        return seed
-    return np.random.default_rng(seed % (1 << 64))  # any int: request ids may hash negative
+def _draw(shape: SampleShape, seed: int | np.random.Generator | PageSampler) -> np.ndarray:
+    if isinstance(seed, PageSampler):
+        return seed.take(shape)
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed % (1 << 64))  # ids hash < 0
+    return draw(rng, shape)[0]
 
 
 def _empty_entries() -> tuple[np.ndarray, tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]:
     z = readonly(np.zeros(0, np.int64))
     return readonly(np.zeros(0, np.uint32)), (), z, z, readonly(np.zeros(0, np.uint64))
-
-
-def _choose(rng: np.random.Generator | None, num_buffers: int, num_pages: int, mode: DigestMode,
-            k: int) -> np.ndarray:
-    """Indices into the pool's page list, one row per buffer: all of them, or ``k`` drawn per buffer."""
-    if mode is DigestMode.FULL or num_pages <= k:
-        return np.broadcast_to(np.arange(num_pages), (num_buffers, num_pages))
-    assert rng is not None
-    # k smallest of uniform keys = k pages without replacement, independently for each buffer; sorted
-    # so the hashes read memory in page order.
-    keys = rng.random((num_buffers, num_pages))
-    chosen = keys.argpartition(k - 1, axis=1)[:, :k]
-    chosen.sort(axis=1)  # in place, on the view: a method call rather than np.sort's dispatch and copy
-    return chosen
 
 
 # -- decode side -------------------------------------------------------------------------------------------
