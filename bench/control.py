@@ -184,13 +184,13 @@ def _settled(handle: Any) -> bool:
 
 # -- decode (this process) ---------------------------------------------------------------------------------
 def options(args: argparse.Namespace) -> EndpointOptions:
-    return EndpointOptions(batch_chunks=args.batch_chunks)
+    return EndpointOptions(batch_chunks=args.batch_chunks, batch_bytes=args.batch_bytes)
 
 
 def spawn(args: argparse.Namespace, mode: str, digest: str = "off") -> subprocess.Popen[str]:
     cmd = [sys.executable, __file__, "--role", "prefill", "--mode", mode, "--digest", digest,
            "--requests", str(args.requests), "--in-flight", str(args.in_flight),
-           "--batch-chunks", str(args.batch_chunks)]
+           "--batch-chunks", str(args.batch_chunks), "--batch-bytes", str(args.batch_bytes)]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -388,6 +388,8 @@ def main() -> None:
                     help="also the raw baseline posting each poll's requests as one write (per-transfer costs)")
     ap.add_argument("--batch-chunks", type=int, default=EndpointOptions().batch_chunks,
                     help="EndpointOptions.batch_chunks of both sides (1: every chunk its own transfer)")
+    ap.add_argument("--batch-bytes", type=int, default=EndpointOptions().batch_bytes,
+                    help="EndpointOptions.batch_bytes of both sides (bytes one shared transfer may move)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", action="store_true", help="cProfile decode's threads in one run per mode")
     args = ap.parse_args()

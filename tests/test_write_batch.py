@@ -14,7 +14,7 @@ import pytest
 
 from kvferry import KVMemory, plan_transfer
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState, wire
-from kvferry.control.write_batch import NOTIF_BYTES, Queued, joinable, share, write_groups
+from kvferry.control.write_batch import NOTIF_BYTES, Queued, group_cap, joinable, share, write_groups
 from kvferry.errors import PlanError, RequestFailed, TransportError, UsageError
 from kvferry.plan import TransferPlan
 from kvferry.plan.planner import concat_plans
@@ -98,7 +98,8 @@ def test_chunks_ready_together_go_as_one_write_and_every_request_completes(diges
         assert decode.counters()["bad_messages"] == decode.counters()["stray_notifications"] == 0
     per_write = transport.chunks_per_write()
     assert sum(per_write) == sum(len(r.sends) for r in reqs)      # every chunk written once
-    assert max(per_write) == OPTS.batch_chunks                     # full batches of the default cap
+    # Full writes of half the window (24 announced: two writes share it; group_cap), not of the default cap.
+    assert max(per_write) == group_cap(OPTS.batch_chunks, len(reqs)) == len(reqs) // 2
     assert len(per_write) < sum(per_write) // 4
 
 
@@ -108,17 +109,19 @@ def test_a_lone_chunk_is_written_at_once_and_the_second_of_an_iteration_starts_b
     written at once, alone; the chunks after it in the same iteration share writes."""
     prefill, decode, transport = recorded
     before = snapshot(decode.memory)
-    reqs = [r for r in workload(12, seed=38) if len(r.sends) == 1]
+    reqs = [r for r in workload(24, seed=38) if len(r.sends) == 1]   # eight of one chunk
     announce(decode, reqs)
     _heard(prefill, reqs)
     run_prefill(prefill, reqs[:1])
     decode.wait(reqs[0].rid, 5)
+    prefill.wait(reqs[0].rid, 5)   # ended on both sides: out of the window
     with prefill._lock:
         assert not prefill._batches.batching
         run_prefill(prefill, reqs[1:])
     assert set(wait_all(decode, [r.rid for r in reqs], 10).values()) == {"done"}
     verify(decode.memory, SEED, reqs, before)
-    assert transport.chunks_per_write() == [1, 1, len(reqs) - 2]
+    # Seven in flight after the first: writes of three (group_cap), so the last six go as two.
+    assert transport.chunks_per_write() == [1, 1, 3, 3]
 
 
 def test_one_chunk_per_write_when_batching_is_off() -> None:
@@ -142,7 +145,7 @@ class FailBatches(Recording):
 
 def test_a_failed_batched_write_fails_every_request_in_it_on_both_sides() -> None:
     transport = FailBatches()
-    whole = [r for r in workload(6, seed=33) if len(r.sends) == 1]   # one chunk each: one refused write
+    whole = [r for r in workload(16, seed=33) if len(r.sends) == 1]   # six of one chunk: two refused writes
     with _pushed(transport, whole) as (prefill, decode, before):
         for req in whole:
             for ep in (prefill, decode):
@@ -152,25 +155,27 @@ def test_a_failed_batched_write_fails_every_request_in_it_on_both_sides() -> Non
         assert transport.notifs == []                   # nothing was written...
         for buf in decode.memory.layout.buffers:        # ...and no byte of decode's memory changed
             assert np.array_equal(decode.memory.array(buf.name), before[buf.name])
-        label = wait_all(prefill, [whole[0].rid], 1)[whole[0].rid]
-        assert all(r.rid in label for r in whole)       # the error names every request of the write
+        labels = wait_all(prefill, [r.rid for r in whole], 1).values()
+        named = [{r.rid for r in whole if r.rid in label} for label in labels]
+        assert all(len(n) == 3 for n in named)          # the error names every request of its write...
+        assert set().union(*named) == {r.rid for r in whole}   # ... of the two writes
 
 
 def test_abort_of_one_request_in_a_batched_write_waits_for_that_write() -> None:
-    """A write in flight carries three requests; prefill aborts one. Decode keeps all three leases while
-    the write is in flight; once it lands the other two complete with their bytes, and the aborted one's
-    pages are freed only then."""
+    """Two writes in flight carry three requests each (half the window of six); prefill aborts one. Decode
+    keeps every lease while the writes are in flight; once they land the others complete with their bytes,
+    and the aborted one's pages are freed only then."""
     transport = GatedTransport()
-    reqs = [r for r in workload(9, seed=34) if len(r.sends) == 1][:3]
+    reqs = [r for r in workload(16, seed=34) if len(r.sends) == 1][:6]
     with _pushed(transport, reqs) as (prefill, decode, before):
-        _until(lambda: prefill.num_live_handles == 3)   # three records, one write
+        _until(lambda: prefill.num_live_handles == 6)   # six records, two writes
         prefill.abort(reqs[1].rid, "changed my mind")
         with pytest.raises(RequestFailed, match="aborted by prefill"):
             prefill.wait(reqs[1].rid, 5)
         time.sleep(0.3)                                 # heartbeats pass: nothing settles under the write
-        assert decode.num_live_leases == 3 and prefill.holds_source(reqs[1].rid)
+        assert decode.num_live_leases == 6 and prefill.holds_source(reqs[1].rid)
         transport.gate.set()
-        for req in (reqs[0], reqs[2]):
+        for req in reqs[:1] + reqs[2:]:
             decode.wait(req.rid, 5)
             prefill.wait(req.rid, 5)
         with pytest.raises(RequestFailed, match="aborted"):
@@ -180,22 +185,22 @@ def test_abort_of_one_request_in_a_batched_write_waits_for_that_write() -> None:
 
 
 def test_a_request_aborted_while_queued_for_a_later_write_is_not_written() -> None:
-    """Three chunks queued together, two per write: while the first write copies (the lock let go) prefill
-    aborts the third request. Its write is not posted, no byte of its pages changes, and decode frees them."""
+    """Four chunks queued together, two per write: while the first write copies (the lock let go) prefill
+    aborts the fourth request. It is not written, no byte of its pages changes, and decode frees them."""
     transport = CopyingTransport()
     opts = EndpointOptions(heartbeat_interval=0.1, peer_timeout=1.0, request_timeout=20.0, batch_chunks=2)
-    reqs = [r for r in workload(9, seed=36) if len(r.sends) == 1][:3]
+    reqs = [r for r in workload(16, seed=36) if len(r.sends) == 1][:4]
     with _pushed(transport, reqs, opts) as (prefill, decode, before):
         assert transport.copying.wait(5)
-        assert prefill.holds_source(reqs[2].rid)        # queued for the next write: as good as in flight
-        prefill.abort(reqs[2].rid, "changed my mind")
+        assert prefill.holds_source(reqs[3].rid)        # queued for the next write: as good as in flight
+        prefill.abort(reqs[3].rid, "changed my mind")
         transport.done.set()
-        for req in reqs[:2]:
+        for req in reqs[:3]:
             decode.wait(req.rid, 5)
         with pytest.raises(RequestFailed, match="aborted by prefill"):
-            decode.wait(reqs[2].rid, 5)
+            decode.wait(reqs[3].rid, 5)
         _idle(prefill, decode)
-        verify(decode.memory, SEED, reqs[:2], before)   # and the third request's pages are untouched
+        verify(decode.memory, SEED, reqs[:3], before)   # and the fourth request's pages are untouched
 
 
 def test_decode_reads_a_batched_notification_chunk_by_chunk(
@@ -261,14 +266,15 @@ def test_pull_reads_ready_together_go_as_one_read_and_every_request_completes() 
         _idle(prefill, decode)
         assert sum(prefill.holds_source(r.rid) for r in reqs) == 0
     assert sum(transport.reads) == sum(len(r.sends) for r in reqs)
-    assert max(transport.reads) == OPTS.batch_chunks and len(transport.reads) < sum(transport.reads) // 4
+    assert max(transport.reads) == group_cap(OPTS.batch_chunks, len(reqs)) == len(reqs) // 2   # half the window
+    assert len(transport.reads) < sum(transport.reads) // 4
     transport.close()
 
 
 def test_a_failed_batched_read_fails_every_request_in_it() -> None:
     transport = RecordingReads(refuse_batches=True)
     prefill, decode, before = _pulling(transport)
-    reqs = [r for r in workload(9, seed=42) if len(r.sends) == 1]
+    reqs = [r for r in workload(16, seed=42) if len(r.sends) == 1]   # six of one chunk: two refused reads
     with prefill, decode:
         announce(decode, reqs)
         _heard(prefill, reqs)
@@ -285,26 +291,26 @@ def test_a_failed_batched_read_fails_every_request_in_it() -> None:
 
 
 def test_a_request_aborted_while_its_read_is_queued_is_not_read() -> None:
-    """Three chunks ready together, two per read: while the first read copies, decode aborts the third
+    """Four chunks ready together, two per read: while the first read copies, decode aborts the fourth
     request. It is not read, its pages are untouched and free again, and prefill lets go of its source."""
     transport = CopyingTransport()
     prefill, decode, before = _pulling(transport, batch_chunks=2)
-    reqs = [r for r in workload(9, seed=43) if len(r.sends) == 1][:3]
+    reqs = [r for r in workload(16, seed=43) if len(r.sends) == 1][:4]
     with prefill, decode:
         announce(decode, reqs)
         _heard(prefill, reqs)
         _offer_together(prefill, decode, reqs)
         assert transport.copying.wait(5)
-        decode.abort(reqs[2].rid, "changed my mind")
-        assert decode.num_live_leases == 3          # its read is queued: the lease waits for it
+        decode.abort(reqs[3].rid, "changed my mind")
+        assert decode.num_live_leases == 4          # its read is queued: the lease waits for it
         transport.done.set()
-        for req in reqs[:2]:
+        for req in reqs[:3]:
             decode.wait(req.rid, 5)
         with pytest.raises(RequestFailed, match="aborted"):
-            prefill.wait(reqs[2].rid, 5)
+            prefill.wait(reqs[3].rid, 5)
         _idle(prefill, decode)
-        _until(lambda: not prefill.holds_source(reqs[2].rid))
-        verify(decode.memory, SEED, reqs[:2], before)
+        _until(lambda: not prefill.holds_source(reqs[3].rid))
+        verify(decode.memory, SEED, reqs[:3], before)
     transport.close()
 
 
@@ -412,3 +418,10 @@ def test_batching_over_nixl_in_one_process() -> None:
         assert written.is_set()
         verify(dst, SEED, reqs, before)
         _idle(prefill, decode)
+
+
+@pytest.mark.parametrize(("max_chunks", "in_flight", "cap"),
+                         [(64, 0, 1), (64, 1, 1), (64, 3, 1), (64, 4, 2), (64, 64, 32), (64, 500, 64), (16, 64, 16),
+                          (1, 64, 1)])
+def test_a_transfer_carries_at_most_half_the_window(max_chunks: int, in_flight: int, cap: int) -> None:
+    assert group_cap(max_chunks, in_flight) == cap

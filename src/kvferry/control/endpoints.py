@@ -103,9 +103,10 @@ class EndpointOptions:
       drop and fails the link with an error naming this limit).
     * ``batch_chunks``, ``batch_bytes``: under load prefill posts the chunks one iteration has ready for
       one decode as one write (decode in pull mode, those ready from one prefill as one read) of at most
-      this many chunks and bytes (``control.write_batch``; 1 chunk: every chunk its own transfer).
-      Nothing waits to be batched; the bytes cap bounds how long the first chunk of a transfer waits for
-      the rest of it to land.
+      this many chunks and bytes, and of at most half the requests in flight, so that two transfers share
+      the window (``control.write_batch.group_cap``; 1 chunk: every chunk its own transfer). Nothing waits
+      to be batched; the bytes cap bounds how long the first chunk of a transfer waits for the rest of it
+      to land.
     """
 
     heartbeat_interval: float = 0.5
@@ -116,7 +117,7 @@ class EndpointOptions:
     busy_poll: float = 50e-6
     busy_poll_max: float = 1e-3
     max_message_bytes: int = 64 << 20
-    batch_chunks: int = 16
+    batch_chunks: int = 64
     batch_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:

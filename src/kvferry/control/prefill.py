@@ -51,7 +51,7 @@ from kvferry.control.pull import DEFAULT_MODE, MODE_REFUSAL, accepted_modes, mod
 from kvferry.control.pull_source import PullSource
 from kvferry.control.sessions import Session, drop_half_open
 from kvferry.control.states import RequestState
-from kvferry.control.write_batch import Queued, joinable, joined, share, write_groups
+from kvferry.control.write_batch import Queued, group_cap, joinable, joined, share, write_groups
 from kvferry.errors import (
     EndpointClosed,
     IntegrityError,
@@ -303,8 +303,11 @@ class PrefillEndpoint(EndpointBase, PullSource):
         """Post the chunks queued in this iteration (``control.write_batch``): per decode, those ready go
         as few writes as the caps allow. Each record is checked again right before its write (``posting``
         kept it from settling meanwhile); one that failed or lost its session is not written."""
+        # The window: requests some decode announced that have not ended here (a record before its
+        # announce, one the caller sent ahead of decode, has no session).
+        cap = group_cap(self.options.batch_chunks, sum(1 for rec in self._active if rec.session is not None))
         for session, queued in self._batches.take():
-            for group in write_groups(queued, self.options.batch_chunks, self.options.batch_bytes):
+            for group in write_groups(queued, cap, self.options.batch_bytes):
                 ready = [q for q in group if self._still_current(q.rec, session)]
                 if ready:
                     self._post_group(session, ready)

@@ -25,7 +25,7 @@ from kvferry.control.digests import verify_chunk
 from kvferry.control.links import Link
 from kvferry.control.pull import fence_s, welcome_mismatch
 from kvferry.control.states import RequestState
-from kvferry.control.write_batch import Queued, WriteBatches, joinable, joined, share, write_groups
+from kvferry.control.write_batch import Queued, WriteBatches, group_cap, joinable, joined, share, write_groups
 from kvferry.errors import (
     HandshakeError,
     KVFerryError,
@@ -63,6 +63,7 @@ class PullReader:
     ``_reject_part``, ``_part_complete``, ``_end_lease``, ``_link_dead``, ``_set_state``)."""
 
     _reading: set[DecodeRequest]
+    _num_live: int
     _batches: WriteBatches
     _published_at: float
     _publish: Any
@@ -167,8 +168,9 @@ class PullReader:
         """Post the reads queued in this iteration (``control.write_batch``): per prefill, those ready go as
         few reads as the caps allow. Each is checked again right before (``posting`` kept its lease from
         ending meanwhile): a request that failed, or a link whose fence tripped, is not read."""
+        cap = group_cap(self.options.batch_chunks, self._num_live)
         for link, queued in self._batches.take():
-            for group in write_groups(queued, self.options.batch_chunks, self.options.batch_bytes):
+            for group in write_groups(queued, cap, self.options.batch_bytes):
                 ready = [q for q in group if self._still_reading(q, link)]
                 if ready:
                     self._post_read_group(link, ready)

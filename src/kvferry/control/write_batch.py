@@ -13,8 +13,9 @@ iteration posted several (``WriteBatches.wanted``).
 Each record still settles, fails and aborts on its own: it holds its own handle on the shared write
 (``share``), released once every record let go. A failed write fails every record in it (their bytes may
 have landed in part). Only whole-page plans join (equal TP; across TP each rank's plan goes alone), and a
-group is capped in chunks, bytes moved (the first request's latency is the group's copy) and
-notification bytes.
+group is capped in chunks, bytes moved (the first request's latency is the group's copy), notification
+bytes and half the requests in flight (``group_cap``: two transfers share the window, so that decode
+finishes one while prefill copies the next).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvferry.plan.contract import Plan
 from kvferry.plan.planner import TransferPlan, concat_plans
 from kvferry.transport import TransferHandle
 
-__all__ = ["NOTIF_BYTES", "Queued", "WriteBatches", "joinable", "joined", "share", "write_groups"]
+__all__ = ["NOTIF_BYTES", "Queued", "WriteBatches", "group_cap", "joinable", "joined", "share", "write_groups"]
 
 # Notification bytes of one batched write: a chunk's sampled digests are ~1 KB, so tens fit; a chunk with
 # larger digests (full mode over many pages) goes alone.
@@ -87,6 +88,14 @@ class WriteBatches:
         out = list(self._queued.items())
         self._queued.clear()
         return out
+
+
+def group_cap(max_chunks: int, in_flight: int) -> int:
+    """Chunks one transfer may carry: ``max_chunks``, and at most half of the requests in flight, so that at
+    least two transfers share the window: one side copies one while the other finishes the last (a
+    transfer carrying the whole window leaves decode idle while prefill copies, and prefill idle while
+    decode checks and announces; bench/RESULTS.md, issue 13, eighth round)."""
+    return max(1, min(max_chunks, in_flight // 2))
 
 
 def write_groups(queued: list[Queued], max_chunks: int, max_bytes: int) -> Iterator[list[Queued]]:
