@@ -250,12 +250,15 @@ def control_steps(repeat: int, stat: str) -> dict[str, float]:
 def digest_reads(repeat: int, stat: str) -> dict[str, float]:
     """``digest_pages`` (sampled, us) for one request of ``bench/control.py``: it reads 24 pages of 1-4 KiB
     at scattered addresses, so where those pages are decides its cost more than its Python. The same
-    pages every call (cached), each call a request's own pages, and those after a 3 MiB copy (cold)."""
+    pages every call (cached), each call a request's own pages, and those after a 3 MiB copy (cold); drawing
+    per call from a generator, and (``own pages, sampler``) from a ``PageSampler`` as ``send`` does."""
     import control  # bench/control.py, beside this file
     from kvferry.integrity import digests
+    from kvferry.integrity.sampling import PageSampler
 
     src, rng = control.memory("prefill"), np.random.default_rng(0)
-    control.warm_pages(2 * repeat + 2, 1)   # every request's pages made before the clock runs (cached)
+    sampler = PageSampler(np.random.default_rng(0))
+    control.warm_pages(3 * repeat + 3, 1)   # every request's pages made before the clock runs (cached)
     requests = itertools.count()
 
     def own() -> object:
@@ -264,7 +267,10 @@ def digest_reads(repeat: int, stat: str) -> dict[str, float]:
     return {"cached": round(timed(lambda: digests.digest_pages(src, control.src_pages(0), "sampled", seed=rng),
                                   repeat, False, stat), 1),
             "own pages": round(timed(own, repeat, False, stat), 1),
-            "own pages, cold": round(timed(own, repeat, True, stat), 1)}
+            "own pages, cold": round(timed(own, repeat, True, stat), 1),
+            "own pages, sampler": round(timed(
+                lambda: digests.digest_pages(src, control.src_pages(next(requests)), "sampled", seed=sampler),
+                repeat, False, stat), 1)}
 
 
 def handles(rounds: int = 3) -> dict[str, Any]:

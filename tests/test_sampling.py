@@ -7,13 +7,14 @@ import threading
 from collections import Counter
 
 import numpy as np
+import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry import Buffer, KVMemory, Layout, Pool
 from kvferry.integrity import digest_pages
-from kvferry.integrity.sampling import PageSampler, draw
+from kvferry.integrity.sampling import PageSampler, _floyd, _smallest_keys, draw
 
 shapes = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 40), st.integers(1, 5)), min_size=1, max_size=4).map(
     lambda pools: tuple((b, n, min(k, n)) for b, n, k in pools))
@@ -30,7 +31,7 @@ def split(row: np.ndarray, shape: tuple[tuple[int, int, int], ...]) -> list[np.n
 
 
 @settings(max_examples=200, deadline=None)
-@given(shapes, st.integers(1, 9), st.integers(0, 2**32))
+@given(shapes, st.sampled_from([1, 9, 300]), st.integers(0, 2**32))
 def test_each_buffer_gets_its_picks_distinct_in_range_and_ascending(shape, rows: int, seed: int) -> None:
     block = draw(np.random.default_rng(seed), shape, rows)
     assert block.shape == (rows, sum(b * k for b, _, k in shape)) and block.dtype == np.int64
@@ -42,9 +43,10 @@ def test_each_buffer_gets_its_picks_distinct_in_range_and_ascending(shape, rows:
                 assert (per_buffer == np.arange(pages)).all()        # every page: nothing drawn
 
 
-def test_every_k_subset_is_about_equally_likely() -> None:
+@pytest.mark.parametrize("method", [_smallest_keys, _floyd])
+def test_every_k_subset_is_about_equally_likely(method) -> None:
     n, k, rows = 6, 3, 60_000
-    block = draw(np.random.default_rng(7), ((1, n, k),), rows)
+    block = method(np.random.default_rng(7), rows, n, k)
     counts = Counter(map(tuple, block.tolist()))
     subsets = list(itertools.combinations(range(n), k))
     assert set(counts) == set(subsets)

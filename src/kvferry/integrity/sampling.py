@@ -5,10 +5,12 @@ pool by pool, how many buffers it has, how many pages the request moves in it, a
 hash per buffer; the draw is one row of page positions, pool by pool, buffer by buffer, ascending within a
 buffer (so the hashes read memory in page order).
 
-Each buffer's pages are drawn with Floyd's algorithm, vectorised over buffers: ``k`` steps of one
-``integers`` call each, whatever the number of pages. (Drawing a uniform key per page and keeping the
-``k`` smallest, the previous method, costs a key per page: ~1 ms for a 512-page, 183-buffer request.)
-numpy has no "k of n without replacement, for each of many rows" call: ``Generator.choice`` takes one row.
+Each buffer's pages are drawn one of two ways, both uniform over k-subsets, chosen by size. Few pages: a
+uniform key per page, keeping the ``k`` smallest (``argpartition``): cheapest per call, but a key per page
+(~1 ms for a 512-page, 183-buffer request). Many: Floyd's algorithm, vectorised over buffers, ``k`` steps
+of one ``integers`` call each whatever the number of pages (~20 us per call of fixed numpy overhead, so
+worse on small draws). numpy has no "k of n without replacement, for each of many rows" call:
+``Generator.choice`` takes one row.
 
 ``PageSampler`` serves prefill's ``send``: it draws rows for many calls of one shape at once and hands them
 out one by one, because under load each call's own few-element draws cost more Python than the hashing
@@ -32,6 +34,7 @@ SampleShape = tuple[tuple[int, int, int], ...]
 _MAX_ROWS = 256           # rows drawn at once for one shape
 _MAX_BLOCK_ENTRIES = 1 << 16   # ... and at most this many positions in a block (large requests draw fewer rows)
 _MAX_SHAPES = 64          # shapes kept per sampler (request lengths vary; each length is a shape)
+_MAX_KEYS = 1536          # up to this many keys in a pool's draw, keys beat Floyd (measured: even at ~2,000)
 
 
 def draw(rng: np.random.Generator | None, shape: SampleShape, rows: int = 1) -> np.ndarray:
@@ -43,10 +46,18 @@ def draw(rng: np.random.Generator | None, shape: SampleShape, rows: int = 1) -> 
             parts.append(np.broadcast_to(np.tile(np.arange(pages, dtype=np.int64), buffers), (rows, buffers * pages)))
         else:
             assert rng is not None, "a sampled draw needs a generator"
-            parts.append(_floyd(rng, rows * buffers, pages, picks).reshape(rows, buffers * picks))
+            pick = _smallest_keys if rows * buffers * pages <= _MAX_KEYS else _floyd
+            parts.append(pick(rng, rows * buffers, pages, picks).reshape(rows, buffers * picks))
     if not parts:
         return np.zeros((rows, 0), np.int64)
     return np.ascontiguousarray(parts[0]) if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+
+def _smallest_keys(rng: np.random.Generator, rows: int, n: int, k: int) -> np.ndarray:
+    """``k`` distinct values of ``range(n)`` per row, ascending: the ``k`` smallest of uniform keys."""
+    chosen = rng.random((rows, n)).argpartition(k - 1, axis=1)[:, :k]
+    chosen.sort(axis=1)  # in place, on the view: a method call rather than np.sort's dispatch and copy
+    return chosen
 
 
 def _floyd(rng: np.random.Generator, rows: int, n: int, k: int) -> np.ndarray:
