@@ -107,7 +107,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         self._active: set[PrefillRequest] = set()
         self._dirty: set[PrefillRequest] = set()
         self._next_deadline_check = 0.0
-        self._digest_rng = PageSampler()  # sampling for send()'s digests
+        self._sampler = PageSampler()  # sampling for send()'s digests
         # What close() fails live requests with; decode hears of it as PeerLost (see _send_fail).
         self._close_error = KVFerryError("prefill endpoint closing")
         self._process = this_process()   # reported in Welcome: decode ends quarantines once it is gone
@@ -133,7 +133,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         spec = make_spec(self.memory, pages, offset, last, buffers)
         if self._may_use_source_digests():
             spec.digests = source_digests(self.memory, self.digest_mode, spec.src, spec.buffers,
-                                          self._digest_rng)
+                                          self._sampler)
         self._preplan(request_id, spec)
         with self._lock:
             self._check_open()
