@@ -102,11 +102,11 @@ class EndpointOptions:
     * ``max_message_bytes``: ZMQ drops peers that send larger messages (silently: decode notices the
       drop and fails the link with an error naming this limit).
     * ``batch_chunks``, ``batch_bytes``: under load prefill posts the chunks one iteration has ready for
-      one decode as one write (decode in pull mode, those ready from one prefill as one read) of at most
-      this many chunks and bytes, and of at most half the requests in flight, so that two transfers share
-      the window (``control.write_batch.group_cap``; 1 chunk: every chunk its own transfer). Nothing waits
-      to be batched; the bytes cap bounds how long the first chunk of a transfer waits for the rest of it
-      to land.
+      one decode as few writes as the caps allow (decode in pull mode, those ready from one prefill as few
+      reads), each of at most this many chunks and bytes, and of at most half the requests in flight, so
+      that two transfers share the window (``control.write_batch.group_cap``; 1 chunk: every chunk its own
+      transfer). Nothing waits to be batched; the bytes cap bounds how long the first chunk of a transfer
+      waits for the rest of it to land.
     """
 
     heartbeat_interval: float = 0.5
