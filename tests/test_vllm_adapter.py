@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from kvferry.errors import LayoutError, UsageError
-from kvferry.integrations.vllm_layout import HYBRID_POOL, GroupSpec, memory_from_kv_caches, request_pages
-from kvferry.integrations.vllm_scheduler import SchedulerSide
-from kvferry.integrations.vllm_worker import WorkerConfig, WorkerSide
+from kvferry.integrations.vllm.layout import HYBRID_POOL, GroupSpec, memory_from_kv_caches, request_pages
+from kvferry.integrations.vllm.scheduler import SchedulerSide
+from kvferry.integrations.vllm.worker import WorkerConfig, WorkerSide
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
@@ -196,11 +196,13 @@ def test_a_remote_prefill_with_a_local_prefix_hit_is_computed_here() -> None:
 
 
 def test_the_adapter_imports_neither_vllm_nor_torch() -> None:
-    """Only ``kvferry.integrations.vllm`` (the class vLLM loads) imports vLLM; the halves it drives do not."""
+    """Only ``kvferry.integrations.vllm.connector`` (the class vLLM loads) imports vLLM; the package and the
+    halves it drives do not."""
     import subprocess
     import sys
 
-    code = ("import sys, kvferry.integrations.vllm_worker, kvferry.integrations.vllm_layout; "
+    code = ("import sys, kvferry.integrations.vllm, kvferry.integrations.vllm.worker, "
+            "kvferry.integrations.vllm.layout, kvferry.integrations.vllm.scheduler; "
             "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

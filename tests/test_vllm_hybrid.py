@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
 
-from kvferry.integrations.vllm_layout import HYBRID_POOL, GroupSpec
+from kvferry.integrations.vllm.layout import HYBRID_POOL, GroupSpec
 
 from .vllm_pd import BLOCK_SIZE, close_llm, greedy, make_llm, metric, tokens
 

@@ -1,6 +1,6 @@
 """``kvferry vllm-proxy``: one address in front of a prefill and a decode ``vllm serve`` using kvferry.
 
-A command module, below ``main``, above ``kvferry.integrations.vllm_proxy`` (imported in the handler: it
+A command module, below ``main``, above ``kvferry.integrations.vllm.proxy`` (imported in the handler: it
 needs aiohttp, which comes with vLLM). See docs/vllm.md.
 """
 
@@ -28,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_proxy(args: argparse.Namespace) -> int:
     """Handler: serve until interrupted."""
-    from kvferry.integrations.vllm_proxy import ProxyConfig, serve
+    from kvferry.integrations.vllm.proxy import ProxyConfig, serve
 
     serve(ProxyConfig(args.prefill.rstrip("/"), args.decode.rstrip("/"), args.timeout), args.host, args.port)
     return 0

@@ -6,11 +6,10 @@ block ids to pages, and reports failures the way the engine expects. Engine pack
 are imported only inside the adapter modules that need them, and nothing here is imported by
 ``import kvferry``.
 
-* ``vllm_layout``: vLLM's per-layer KV tensors and block tables as kvferry layouts and page lists (no vLLM
-  import: unit-testable with numpy).
-* ``vllm_scheduler`` / ``vllm_worker``: the scheduler-side and worker-side halves of the connector, plain
-  Python over kvferry's endpoints.
-* ``vllm``: ``KVFerryConnector``, the class vLLM loads (``kv_connector_module_path="kvferry.integrations.vllm"``).
+* ``vllm``: vLLM's KV connector, ``KVFerryConnector`` (``kv_connector_module_path="kvferry.integrations.vllm"``):
+  ``layout`` (vLLM's KV tensors and block tables as kvferry layouts and page lists), ``scheduler`` / ``worker``
+  (the connector's two halves, plain Python over kvferry's endpoints), ``proxy`` (``kvferry vllm-proxy``) and
+  ``connector`` (the class vLLM loads, the only module importing vLLM).
 * ``sglang``: a transfer backend for SGLang's disaggregation, loaded as an SGLang plugin
   (``SGLANG_PLUGINS=kvferry``, ``--disaggregation-transfer-backend kvferry``).
 """

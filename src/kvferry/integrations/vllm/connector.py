@@ -1,6 +1,6 @@
 """``KVFerryConnector``: kvferry as a vLLM v1 KV connector (prefill pushes, decode verifies).
 
-The top of the integrations layer, above ``vllm_scheduler`` and ``vllm_worker``, which hold the logic; this
+The top of ``kvferry.integrations.vllm``, above ``scheduler`` and ``worker``, which hold the logic; this
 module only adapts vLLM's types to theirs. vLLM loads it with::
 
     kv_transfer_config={"kv_connector": "KVFerryConnector",
@@ -29,9 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvferry.errors import UsageError
-from kvferry.integrations.vllm_layout import GroupSpec, memory_from_kv_caches
-from kvferry.integrations.vllm_scheduler import SchedulerSide, StepPlan
-from kvferry.integrations.vllm_worker import WorkerConfig, WorkerSide
+from kvferry.integrations.vllm.layout import GroupSpec, memory_from_kv_caches
+from kvferry.integrations.vllm.scheduler import SchedulerSide, StepPlan
+from kvferry.integrations.vllm.worker import WorkerConfig, WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -68,7 +68,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
     """kvferry's vLLM connector. Each hook's contract is vLLM's (``KVConnectorBase_V1``); what it does here
     is one call into the scheduler-side or worker-side half. ``SupportsHMA``: vLLM keeps its hybrid KV cache
     manager on, so a model with full-attention and sliding-window layers has a KV cache group per kind
-    (overlaid in memory: one kvferry pool, see ``vllm_layout``), and vLLM calls
+    (overlaid in memory: one kvferry pool, see ``layout``), and vLLM calls
     ``request_finished_all_groups`` with every group's blocks."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:

@@ -1,8 +1,8 @@
 """The worker-side half of kvferry's vLLM connector: the endpoints, driven by the scheduler's step plans.
 
-Part of the integrations layer, above ``control`` and ``vllm_scheduler``, below ``vllm`` (the connector class,
+Part of the integrations layer, above ``control`` and ``scheduler``, below ``connector`` (the class vLLM loads,
 which forwards its worker hooks here). No vLLM import: the memory comes in as a ``KVMemory`` built by
-``vllm_layout``, the work as ``StepPlan``s, so the whole flow runs in tests with numpy memory.
+``layout``, the work as ``StepPlan``s, so the whole flow runs in tests with numpy memory.
 
 Push by default: decode announces (and leases) its blocks, prefill writes into them and reports digests,
 decode verifies. With ``mode: "pull"`` decode reads prefill's blocks itself (docs/fencing.md). Prefill
@@ -23,7 +23,7 @@ from typing import Any
 
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
 from kvferry.errors import HandshakeError, IncompatiblePeer, KVFerryError, LayoutError, UsageError
-from kvferry.integrations.vllm_scheduler import RecvSpec, SendSpec, StepPlan
+from kvferry.integrations.vllm.scheduler import RecvSpec, SendSpec, StepPlan
 from kvferry.layout import KVMemory
 from kvferry.transport import Transport, make_transport
 

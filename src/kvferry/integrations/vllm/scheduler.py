@@ -1,9 +1,9 @@
 """The scheduler-side half of kvferry's vLLM connector: which requests move, which blocks, when.
 
-Part of the integrations layer, above ``vllm_layout``, below ``vllm`` (the connector class vLLM loads, which
+Part of the integrations layer, above ``layout``, below ``connector`` (the class vLLM loads, which
 forwards its scheduler hooks here). Plain Python over vLLM's values (request ids, prompt lengths, block
 tables as lists), so it runs without vLLM. It never touches memory or sockets: it stages, per engine step,
-a ``StepPlan`` that vLLM carries to the worker-side half (``vllm_worker``), and learns from the worker's
+a ``StepPlan`` that vLLM carries to the worker-side half (``worker``), and learns from the worker's
 reports which requests' blocks vLLM may free.
 
 The hand-off, as vLLM's own disaggregated flow does it:
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.errors import LayoutError, UsageError
-from kvferry.integrations.vllm_layout import GroupSpec, request_pages
+from kvferry.integrations.vllm.layout import GroupSpec, request_pages
 
 __all__ = ["RecvSpec", "SchedulerSide", "SendSpec", "StepPlan", "transfer_params"]
 

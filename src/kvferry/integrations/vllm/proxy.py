@@ -1,6 +1,6 @@
 """A small HTTP proxy for two ``vllm serve`` processes: prefill first, then decode with its transfer params.
 
-Part of the integrations layer, above ``vllm_scheduler`` (whose transfer parameters it carries), below the
+Part of the integrations layer, above ``scheduler`` (whose transfer parameters it carries), below the
 ``kvferry vllm-proxy`` command. It speaks vLLM's OpenAI-compatible ``/v1/completions``: each request goes
 to prefill with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``; prefill's answer
 carries the transfer parameters, and the original request goes to decode with them, whose answer (streamed

@@ -1,6 +1,6 @@
 """vLLM's KV cache as a kvferry layout: one buffer per layer tensor, one pool per KV cache group.
 
-Part of the integrations layer, above ``layout`` and below ``vllm_worker``. vLLM hands a connector one
+Part of the integrations layer, above ``kvferry.layout`` and below ``worker``. vLLM hands a connector one
 tensor per attention layer (``register_kv_caches``) and, per KV cache group, one block table per request.
 Block ``j`` of a request holds tokens ``[j * block_size, (j + 1) * block_size)``, so a request's block ids
 *are* its page list. Each layer's tensor becomes its own ``Buffer`` with its own page size and page count,
