@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import queue
@@ -197,4 +198,27 @@ def test_prefill_killed_mid_transfer_then_restarted(peers: list[Peer]) -> None:
         second("serve", n=24, seed=24, prefix="again")
         assert set(wait_all(decode, [r.rid for r in again], 30).values()) == {"done"}
         verify(decode.memory, SEED, again, before)
+        _until(lambda: _idle(decode), 5)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_decode_prefix_between_processes(peers: list[Peer], mode: str) -> None:
+    """Decode holds each request's first two main pages (its prefix cache): prefill sends whole requests
+    (in one go, chunked and layer by layer) and only the rest moves; the held pages are untouched."""
+    prefill = Peer("prefill", digest_mode="full", mode=mode)
+    peers.append(prefill)
+    dst = KVMemory.allocate(make_layout("decode"))
+    fill(dst, 999)
+    before = snapshot(dst)
+    reqs = workload(32, seed=23)
+    rest = [dataclasses.replace(r, src={**r.src, "main": r.src["main"][2:]}, dst={**r.dst, "main": r.dst["main"][2:]})
+            for r in reqs]
+    with DecodeEndpoint(dst, "nixl", options=OPTS, mode=mode) as decode:
+        decode.connect(prefill.address)
+        for r in rest:
+            decode.announce(r.rid, r.dst, prefix={"main": 2})
+        prefill("serve", n=32, seed=23)
+        assert set(wait_all(decode, [r.rid for r in reqs], 30).values()) == {"done"}
+        assert set(prefill("wait_all")["results"].values()) == {"done"}
+        verify(dst, SEED, rest, before)
         _until(lambda: _idle(decode), 5)

@@ -53,6 +53,7 @@ from kvferry.errors import (
 )
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
+from kvferry.plan.prefix import prefix_pages
 from kvferry.plan.tp import source_ranks
 from kvferry.transport import Transport
 
@@ -144,7 +145,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
         return chosen
 
     def announce(self, request_id: str, pages: Mapping[str, Any], *,
-                 peer: str | Sequence[str] | None = None) -> None:
+                 peer: str | Sequence[str] | None = None, prefix: int | Mapping[str, int] | None = None) -> None:
         """Non-blocking: lease ``pages`` (pool -> destination pages) to ``request_id`` and tell prefill.
 
         Raises ``LeaseError`` before anything moves when a page is out of range, repeated, or held by a
@@ -152,7 +153,15 @@ class DecodeEndpoint(EndpointBase, PullReader):
         request needs. ``peer`` names the prefill (its address), or across TP sizes the prefill ranks (as
         ``connect_all`` returned them); needed only when connected to more than that. The request is DONE
         only when every one of those ranks' writes landed and verified.
+
+        ``prefix``: what decode already holds of the request (its prefix cache), so that only the rest
+        moves. Tokens (an int: each announced pool with ``tokens_per_page`` holds that many tokens' pages,
+        and a count that is not whole pages there is a ``UsageError`` naming the pool; state-slot pools
+        move whole) or leading pages per pool. ``pages`` are then the destination pages of the rest only:
+        page ``i`` of ``pages[pool]`` receives the request's page ``prefix[pool] + i``. The prefix pages
+        are not leased, and nothing writes them.
         """
+        held = prefix_pages(self.memory.layout, pages, prefix)
         with self._lock:
             self._check_open()
             links = pick_links(self._links, peer, self.memory.layout)
@@ -167,7 +176,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
             self._num_live += 1
             # Queued here, sent by the progress thread at the end of its next iteration (with the others
             # of that iteration: see endpoints' _flush).
-            data = wire.encode(wire.Announce(request_id, gen, wire.encode_pages(leased)))
+            data = wire.encode(wire.Announce(request_id, gen, wire.encode_pages(leased), held))
             for link in links:
                 self._queue_out(link, data)
             self._wake()

@@ -46,6 +46,7 @@ from kvferry.control.prefill_requests import (
     group_done,
     make_spec,
     num_decode_ranks,
+    past_prefix,
 )
 from kvferry.control.pull import DEFAULT_MODE, MODE_REFUSAL, accepted_modes, mode_refusal
 from kvferry.control.pull_source import PullSource
@@ -70,6 +71,7 @@ from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
 from kvferry.plan.pages import validate_pages
 from kvferry.plan.planner import plan_pages
+from kvferry.plan.prefix import check_prefix
 from kvferry.transport import TransferHandle, Transport
 
 __all__ = ["PrefillEndpoint"]
@@ -120,7 +122,11 @@ class PrefillEndpoint(EndpointBase, PullSource):
              last: bool = True, buffers: Iterable[str] | None = None) -> None:
         """Non-blocking: hand over a request's ready KV (pool -> source pages) to be written.
 
-        ``pages[pool][i]`` goes to decode's announced page ``dst[pool][offset + i]``. Chunked prefill calls
+        ``pages[pool][i]`` is the request's page ``offset + i``: it goes to decode's announced page
+        ``dst[pool][offset + i - prefix[pool]]``, where ``prefix`` is what decode announced it already holds
+        (``decode_prefix``; none by default). Positions before the prefix are skipped, neither planned,
+        moved nor digested, so a caller may send the whole request before decode announced, or only the
+        rest (``offset=prefix``); a prefix longer than the request fails it (``PlanError``). Chunked prefill calls
         this once per chunk with growing ``offset`` and ``last=True`` on the final one; layer-by-layer
         calls restrict ``buffers``. Writes start once decode has announced the request. Raises
         ``PlanError`` for pages outside this side's buffers or unknown pools/buffers, ``RequestFailed``
@@ -158,8 +164,8 @@ class PrefillEndpoint(EndpointBase, PullSource):
         fails the request) as before."""
         with self._lock:
             rec = self._records.get(request_id)
-            if not isinstance(rec, PrefillRequest) or not rec.is_live or len(rec.group) > 1:
-                return
+            if not isinstance(rec, PrefillRequest) or not rec.is_live or len(rec.group) > 1 or rec.prefix:
+                return   # (a prefix: the progress thread cuts the chunk first, past_prefix)
             session, generation, dst = rec.session, rec.generation, rec.dst
         if session is None or session.planner is not None or session.remote is None:
             return
@@ -192,6 +198,16 @@ class PrefillEndpoint(EndpointBase, PullSource):
         with self._lock:
             rec = cast(PrefillRequest, self._record(request_id))
             self._fail_req(rec, KVFerryError(f"aborted by prefill: {reason}"))
+
+    def decode_prefix(self, request_id: str) -> dict[str, int] | None:
+        """What decode announced it already holds of ``request_id`` (pool -> leading pages; pools left out
+        hold none), or None before decode announced it. ``send`` may start its pages there (``offset``) or
+        at 0: positions before the prefix are skipped either way."""
+        with self._lock:
+            rec = self._records.get(request_id)
+            if not isinstance(rec, PrefillRequest) or rec.session is None:
+                return None
+            return dict(rec.prefix)
 
     def holds_source(self, request_id: str) -> bool:
         """Non-blocking: whether the request's source pages may still be read (pull mode: until decode
@@ -243,7 +259,8 @@ class PrefillEndpoint(EndpointBase, PullSource):
             if member.session is not None:
                 self._call_soon(lambda m=member: self._post_ready(m))
 
-    def _join(self, leader: PrefillRequest, session: Session, generation: int, dst: dict[str, np.ndarray]) -> None:
+    def _join(self, leader: PrefillRequest, session: Session, generation: int, dst: dict[str, np.ndarray],
+              prefix: dict[str, int]) -> None:
         """Another decode rank announced a request this rank already serves (decode TP > prefill TP): a
         record of its own, given every chunk queued so far; the leader is DONE only once all are."""
         rec = PrefillRequest(leader.request_id, RequestState.WAITING_FOR_INPUT, leader.deadline)
@@ -252,7 +269,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         rec.pending.extend(leader.history or ())
         rec.last_queued = leader.last_queued
         self._active.add(rec)
-        self._bind(rec, session, generation, dst)
+        self._bind(rec, session, generation, dst, prefix)
         if len(rec.group) >= leader.expected:
             leader.history = None  # every decode rank has its copy of the queue
 
@@ -267,9 +284,12 @@ class PrefillEndpoint(EndpointBase, PullSource):
             except KVFerryError as exc:
                 self._fail_req(rec, exc)
 
-    def _post_chunk(self, rec: PrefillRequest, spec: ChunkSpec) -> None:
+    def _post_chunk(self, rec: PrefillRequest, sent: ChunkSpec) -> None:
         session = rec.session
         assert session is not None and session.remote is not None
+        spec = past_prefix(rec, sent)
+        if spec is None:
+            return   # wholly inside decode's prefix: nothing moves, and no chunk is counted
         planned = spec.planned
         if planned is not None and planned.matches(rec):
             pairs, plan = planned.pairs, planned.plan
@@ -507,6 +527,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
     def _on_announce(self, session: Session, msg: wire.Announce) -> None:
         try:
             dst = self._check_announce(session, msg)
+            prefix = check_prefix(session.remote.layout, msg.prefix, f"announce from {session.label}")
         except KVFerryError as exc:
             self._refuse(session, msg, exc)
             return
@@ -515,7 +536,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
             if not can_join(rec, session):
                 self._refuse(session, msg, PlanError(f"request {msg.request_id!r} is already announced and live"))
                 return
-            self._join(rec, session, msg.generation, dst)
+            self._join(rec, session, msg.generation, dst, prefix)
             self._post_and_ack(rec.group[-1], msg)
             return
         if isinstance(rec, PrefillRequest) and rec.state is RequestState.FAILED and rec.session is None:
@@ -523,7 +544,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
             return
         if not isinstance(rec, PrefillRequest) or not rec.is_live:
             rec = self._new_request(msg.request_id, RequestState.WAITING_FOR_INPUT)
-        self._bind(rec, session, msg.generation, dst)
+        self._bind(rec, session, msg.generation, dst, prefix)
         self._post_and_ack(rec, msg)
 
     def _post_and_ack(self, rec: PrefillRequest, msg: wire.Announce) -> None:
@@ -539,8 +560,10 @@ class PrefillEndpoint(EndpointBase, PullSource):
         return validate_pages(session.remote.layout, "destination", wire.decode_pages(msg.pages), PlanError,
                               unique=True)
 
-    def _bind(self, rec: PrefillRequest, session: Session, generation: int, dst: dict[str, np.ndarray]) -> None:
+    def _bind(self, rec: PrefillRequest, session: Session, generation: int, dst: dict[str, np.ndarray],
+              prefix: dict[str, int]) -> None:
         rec.session, rec.generation, rec.dst = session, generation, dst
+        rec.prefix, rec.request_pages = prefix, {}
         rec.coverage = {}   # made per pool when a chunk needs it (see coverage.cover)
         if rec.leader is rec:
             rec.expected = num_decode_ranks(self.memory.layout, session)

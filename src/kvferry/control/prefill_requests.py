@@ -23,11 +23,12 @@ from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Layout
 from kvferry.plan.pages import validate_pages
 from kvferry.plan.planner import select_buffers
+from kvferry.plan.prefix import prefix_past_request, split_prefix
 from kvferry.plan.ranks import source_ranks
 from kvferry.transport import TransferHandle
 
 __all__ = ["ChunkSpec", "Planned", "PrefillRequest", "can_join", "chunk_pairs", "group_done", "make_spec",
-           "num_decode_ranks"]
+           "num_decode_ranks", "past_prefix"]
 
 
 class ChunkSpec:
@@ -64,14 +65,18 @@ class PrefillRequest(RequestRecord):
     ``group`` of one record per decode rank, each with its own session, lease and writes."""
 
     __slots__ = ("coverage", "decode_ok", "dst", "expected", "fail_sent", "generation", "group", "handles",
-                 "history", "last_posted", "last_queued", "next_chunk", "pending", "posting", "release_at",
-                 "session", "source_held")
+                 "history", "last_posted", "last_queued", "next_chunk", "pending", "posting", "prefix", "release_at",
+                 "request_pages", "session", "source_held")
 
     def __init__(self, request_id: str, state: RequestState, deadline: float) -> None:
         super().__init__(request_id, state, deadline)
         self.session: Session | None = None
         self.generation = -1
         self.dst: dict[str, np.ndarray] = {}
+        # Decode's prefix (pool -> leading pages it holds, from the announce) and, while it is not empty, the
+        # request's pages per pool as far as prefill has sent them (to refuse a prefix past the request).
+        self.prefix: dict[str, int] = {}
+        self.request_pages: dict[str, int] = {}
         self.coverage: dict[str, np.ndarray] = {}     # pool -> bool [buffers of pool, destination pages]
         self.pending: deque[ChunkSpec] = deque()
         self.handles: list[TransferHandle] = []
@@ -109,6 +114,32 @@ def _offset(offset: int | Mapping[str, int], pool: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise PlanError(f"pool {pool!r}: offset must be an int >= 0, got {value!r}")
     return int(value)
+
+
+def past_prefix(rec: PrefillRequest, spec: ChunkSpec) -> ChunkSpec | None:
+    """``spec`` without the pages decode already holds (``rec.prefix``), its offsets into decode's leased
+    pages; None for a chunk wholly inside the prefix that is not the last (nothing to post). ``spec``
+    itself when the prefix does not touch it. The last chunk refuses a prefix past the request.
+
+    A trimmed chunk loses its source digests (hashed by ``send`` over pages that no longer all move): the
+    posting hashes its plan instead."""
+    if not rec.prefix:
+        return spec
+    for pool, src in spec.src.items():
+        rec.request_pages[pool] = max(rec.request_pages.get(pool, 0), spec.offsets[pool] + len(src))
+    if spec.last:
+        for pool, held in rec.prefix.items():
+            if held > rec.request_pages.get(pool, 0):
+                raise prefix_past_request(rec.request_id, pool, held, rec.request_pages.get(pool, 0))
+    cut = {pool: split_prefix(pool, src, spec.offsets[pool], rec.prefix.get(pool, 0))
+           for pool, src in spec.src.items()}
+    if all(len(src) == len(cut[pool][0]) for pool, src in spec.src.items()) and \
+            all(cut[pool][1] == spec.offsets[pool] for pool in spec.src):
+        return spec
+    if not spec.last and not any(len(pages) for pages, _ in cut.values()):
+        return None
+    return ChunkSpec({p: pages for p, (pages, _) in cut.items()}, {p: off for p, (_, off) in cut.items()},
+                     spec.last, spec.buffers, spec.buffer_ids)
 
 
 def chunk_pairs(request_id: str, dst: Mapping[str, np.ndarray],

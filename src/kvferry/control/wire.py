@@ -10,7 +10,7 @@ Flow (decode D, prefill P)::
 
     D -> P  Hello (manifest, transport metadata, nonce)      P -> D  Challenge (nonce), if P has a secret
     D -> P  Auth (HMAC over both nonces and the Hello)       P -> D  Welcome (manifest, metadata, proof) | Reject
-    D -> P  Announce (request, generation, pages)            P -> D  Ack (only if no chunk is posted at once) | Fail
+    D -> P  Announce (request, generation, pages, prefix)    P -> D  Ack (only if no chunk is posted at once) | Fail
     NIXL    Chunk (request, generation, chunk, last, digests), delivered after the chunk's write landed;
             a Batch of Chunks when one write carried several requests' chunks (prefill under load)
     P -> D  Ready (request, generation, chunk, source pages, digests)   pull mode, instead of a write + Chunk
@@ -71,7 +71,9 @@ __all__ = ["BATCH_BYTES", "KINDS", "MAX_BATCH", "PROTOCOL_VERSION", "Abort", "Ac
 #    process; Ready (pull mode).
 # 4: Batch (several messages in one ZMQ frame).
 # 5: a write's NIXL notification may be a Batch of Chunks (one write for several requests).
-PROTOCOL_VERSION = 5
+# 6: Announce names the leading pages of the request decode already holds (its prefix cache), per pool;
+#    prefill's chunk positions are positions in the whole request and skip them.
+PROTOCOL_VERSION = 6
 
 # Caps on untrusted input, far above real use and far below what exhausts memory.
 MAX_ID_LEN = 256
@@ -93,6 +95,8 @@ Mode = Annotated[str, msgspec.Meta(max_length=16)]
 Timeout = Annotated[float, msgspec.Meta(gt=0, le=1e9)]   # any EndpointOptions.peer_timeout
 PageBytes = Annotated[bytes, msgspec.Meta(max_length=MAX_PAGES_BYTES)]
 Pages = Annotated[dict[Annotated[str, msgspec.Meta(max_length=256)], PageBytes], msgspec.Meta(max_length=MAX_POOLS)]
+PrefixPages = Annotated[dict[Annotated[str, msgspec.Meta(max_length=256)],
+                             Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]], msgspec.Meta(max_length=MAX_POOLS)]
 
 
 class _Msg(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
@@ -158,6 +162,9 @@ class Announce(_Msg):
     request_id: Id
     generation: Gen
     pages: Pages                # pool -> little-endian int64 destination pages (the lease)
+    # pool -> leading pages of the request decode already holds (prefix cache): the leased pages are those
+    # after them, and prefill skips chunk positions before them. Absent pools: none held.
+    prefix: PrefixPages = msgspec.field(default_factory=dict)
 
 
 class Ack(_Msg):
