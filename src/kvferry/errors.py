@@ -19,6 +19,7 @@ it in one place per backend with ``raise ... from exc``, so callers catch kvferr
     │   ├── TransferTimeout    ... a deadline passed first
     │   └── PeerLost           ... the peer died, left, or stopped answering
     ├── RequestFailed          a request ended failed or aborted (carries the reason)
+    ├── RequestAborted         a request was aborted, by this side's caller or by the peer
     ├── IntegrityError         bytes arrived but are not the bytes that were sent
     │   └── PageMismatchError  ... naming every page whose digest differs
     └── FaultSpecError         a fault-injection spec that cannot be parsed
@@ -37,7 +38,7 @@ from typing import Any
 
 __all__ = ["EndpointClosed", "FaultSpecError", "HandshakeError", "IncompatiblePeer", "IntegrityError", "KVFerryError",
            "LayoutError", "LeaseError", "ModeMismatch", "OutOfPages", "PageMismatchError", "PeerLost", "PlanError",
-           "ProtocolError", "RequestFailed", "TransferTimeout", "TransportError", "UsageError"]
+           "ProtocolError", "RequestAborted", "RequestFailed", "TransferTimeout", "TransportError", "UsageError"]
 
 
 class KVFerryError(Exception):
@@ -96,6 +97,11 @@ class RequestFailed(KVFerryError):
         super().__init__(f"request {request_id!r} failed: {reason}")
         self.request_id = request_id
         self.reason = reason
+
+
+class RequestAborted(KVFerryError):
+    """A request was aborted (``abort``), by this side's caller or by the peer's; what a failed request's
+    ``failure()`` is then."""
 
 
 class IntegrityError(KVFerryError):

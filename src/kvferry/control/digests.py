@@ -16,7 +16,8 @@ import numpy as np
 
 from kvferry.control import wire
 from kvferry.control.links import Link
-from kvferry.errors import IntegrityError, KVFerryError
+from kvferry.control.stats import StatsRecorder
+from kvferry.errors import IntegrityError, KVFerryError, PageMismatchError
 from kvferry.integrity import DigestMode, PageDigests, digest_pages, digest_plan, verify_digests
 from kvferry.integrity.sampling import PageSampler
 from kvferry.layout.memory import KVMemory
@@ -53,9 +54,11 @@ def _plan_digests(mode: DigestMode, plan: Plan, generation: int, index: int) -> 
     return bytes(digest_plan(plan, mode, seed=seed).to_bytes())
 
 
-def verify_chunk(memory: KVMemory, mode: DigestMode, link: Link, msg: wire.Chunk) -> KVFerryError | None:
+def verify_chunk(memory: KVMemory, mode: DigestMode, link: Link, msg: wire.Chunk,
+                 stats: StatsRecorder | None = None) -> KVFerryError | None:
     """Decode side: why the chunk's landed bytes do not match its digests (an ``IntegrityError``), or None.
-    A chunk without digests passes only when this side's ``mode`` is off."""
+    A chunk without digests passes only when this side's ``mode`` is off. ``stats`` counts the page
+    digests that matched, or those that did not (by pool and buffer kind)."""
     if not msg.digests:
         if mode == "off":
             return None
@@ -65,8 +68,14 @@ def verify_chunk(memory: KVMemory, mode: DigestMode, link: Link, msg: wire.Chunk
         digests = PageDigests.from_bytes(msg.digests)
         # Across TP the digests cover only the slices this prefill rank writes here (link.slices).
         verify_digests(memory, digests, link.slices)
+    except PageMismatchError as exc:
+        if stats is not None:
+            stats.digest_failed(exc.mismatches)
+        return exc
     except KVFerryError as exc:
         return exc if isinstance(exc, IntegrityError) else IntegrityError(str(exc))
     except Exception as exc:  # untrusted digest bytes must not kill the progress thread
         return IntegrityError(f"malformed digests from prefill {link.address}: {exc!r}")
+    if stats is not None:
+        stats.verified(len(digests))
     return None

@@ -55,6 +55,7 @@ import zmq
 
 from kvferry.control import wire
 from kvferry.control.states import TERMINAL, RequestState, advance
+from kvferry.control.stats import EndpointStats, NullRecorder, StatsRecorder
 from kvferry.control.write_batch import WriteBatches
 from kvferry.errors import EndpointClosed, KVFerryError, RequestFailed, TransferTimeout, UsageError
 from kvferry.integrity import DigestMode
@@ -107,6 +108,8 @@ class EndpointOptions:
       that two transfers share the window (``control.write_batch.group_cap``; 1 chunk: every chunk its own
       transfer). Nothing waits to be batched; the bytes cap bounds how long the first chunk of a transfer
       waits for the rest of it to land.
+    * ``stats``: keep the running totals ``stats()`` reports (``control.stats``); off only to measure what
+      they cost (``bench/control.py --stats``).
     """
 
     heartbeat_interval: float = 0.5
@@ -119,6 +122,7 @@ class EndpointOptions:
     max_message_bytes: int = 64 << 20
     batch_chunks: int = 64
     batch_bytes: int = 8 << 20
+    stats: bool = True
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "peer_timeout", "request_timeout", "lease_grace",
@@ -203,6 +207,7 @@ class EndpointBase:
         self._recv_time = time.monotonic()
         self._published_at = self._recv_time   # when waiters last heard of this thread's news (_publish)
         self.num_bad_messages = 0
+        self._stats = (StatsRecorder if self.options.stats else NullRecorder)(self._role, memory.layout)
         self._ctx = zmq.Context()
         self._poller = zmq.Poller()
         self._wake_r, self._wake_w = os.pipe()
@@ -234,6 +239,11 @@ class EndpointBase:
         ended (None while live; set after the state turned terminal). For latency metrics."""
         rec = self._record(request_id)
         return rec.started_at, rec.ended_at
+
+    def stats(self) -> EndpointStats:
+        """Non-blocking, lock-free, any thread: this endpoint's running totals and current figures since it
+        started (``control.stats``: never reset; take differences of two snapshots for an interval)."""
+        return self._stats.snapshot(**self._gauges())
 
     def failure(self, request_id: str) -> KVFerryError | None:
         """Non-blocking, lock-free: why the request failed (None unless it is ``FAILED``)."""
@@ -397,6 +407,10 @@ class EndpointBase:
         rec.state = advance(rec.state, state, rec.request_id)
         if state in TERMINAL:  # only endings wake waiters: waking them on every step costs the GIL
             rec.ended_at = time.monotonic()
+            if state is RequestState.DONE:
+                self._stats.request_done(rec.ended_at - rec.started_at, *self._done_pages(rec))
+            else:
+                self._stats.request_failed(rec.error)
             self._changed = True
             ended = self._ended
             if ended is not None and self._records.get(rec.request_id) is rec:   # the record poll/wait see
@@ -628,6 +642,15 @@ class EndpointBase:
 
     def _on_frames(self, sock: Any, frames: list[bytes]) -> None:
         raise NotImplementedError
+
+    def _done_pages(self, rec: RequestRecord) -> tuple[int, int]:
+        """A request turning DONE: its pages (summed over pools) and their bytes here, for ``stats``."""
+        return 0, 0
+
+    def _gauges(self) -> dict[str, int]:
+        """``EndpointStats``' current figures. Any thread, without the lock: reads only values a single
+        load gives (lengths, plain ints), never iterates a container the progress thread changes."""
+        return {}
 
     def _post_queued(self) -> None:
         """Post the transfers queued by what just ran (the calls, or the messages read): the chunks ready

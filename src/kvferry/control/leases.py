@@ -34,6 +34,9 @@ class LeaseTable:
         # Sized by the pool's smallest buffer: a page must be valid in every buffer of its pool.
         self._owner = {p.name: np.full(p.min_pages, FREE, dtype=np.int64) for p in layout.pools}
         self._leases: dict[int, tuple[str, dict[str, np.ndarray]]] = {}
+        # Kept as leases come and go, so that stats() can read it from any thread without iterating.
+        self._num_leased_pages = 0
+        self._page_bytes = {p.name: sum(b.page_bytes for b in p.buffers) for p in layout.pools}
 
     @property
     def num_leases(self) -> int:
@@ -41,12 +44,17 @@ class LeaseTable:
 
     @property
     def num_leased_pages(self) -> int:
-        return sum(len(p) for _, pages in self._leases.values() for p in pages.values())
+        return self._num_leased_pages
 
     def num_pages(self, lease_id: int) -> int:
         """Pages held by ``lease_id`` (0 when it holds none)."""
         entry = self._leases.get(lease_id)
         return 0 if entry is None else sum(len(p) for p in entry[1].values())
+
+    def nbytes(self, lease_id: int) -> int:
+        """Bytes of the pages ``lease_id`` holds, over every buffer of their pools (0 when it holds none)."""
+        entry = self._leases.get(lease_id)
+        return 0 if entry is None else sum(len(p) * self._page_bytes[pool] for pool, p in entry[1].items())
 
     def pages(self, lease_id: int) -> dict[str, np.ndarray]:
         """The pages ``lease_id`` holds, pool -> page array in announce order (empty when it holds none)."""
@@ -76,6 +84,7 @@ class LeaseTable:
         for pool_name, arr in checked.items():
             self._owner[pool_name][arr] = lease_id
         self._leases[lease_id] = (request_id, checked)
+        self._num_leased_pages += sum(len(arr) for arr in checked.values())
         return checked
 
     def release(self, lease_id: int) -> None:
@@ -85,6 +94,7 @@ class LeaseTable:
             return
         for pool_name, arr in entry[1].items():
             self._owner[pool_name][arr] = FREE
+            self._num_leased_pages -= len(arr)
 
     def _validate(self, request_id: str, pages: Mapping[str, Any]) -> dict[str, np.ndarray]:
         if not isinstance(pages, Mapping) or not pages:

@@ -25,6 +25,7 @@ from kvferry.control.digests import verify_chunk
 from kvferry.control.links import Link
 from kvferry.control.pull import fence_s, welcome_mismatch
 from kvferry.control.states import RequestState
+from kvferry.control.stats import StatsRecorder
 from kvferry.control.write_batch import Queued, WriteBatches, group_cap, joinable, joined, share, write_groups
 from kvferry.errors import (
     HandshakeError,
@@ -73,6 +74,7 @@ class PullReader:
     options: Any
     digest_mode: Any
     _leases: Any
+    _stats: StatsRecorder
 
     # -- handshake ------------------------------------------------------------------------------------
     def _welcome_pull(self, link: Link, msg: wire.Welcome) -> KVFerryError | None:
@@ -205,6 +207,7 @@ class PullReader:
             for q in group:
                 self._read_failed(q.rec, q.part, exc)
             return
+        handle = self._stats.posted(plan, handle)
         for q, member in zip(group, share(handle, len(group)), strict=True):
             q.part.reads.append(Read(member, q.chunk))
             self._reading.add(q.rec)
@@ -264,7 +267,7 @@ class PullReader:
                            f"prefill rank {link.rank} ({link.address}): read not accepted")
             return
         if error is None:
-            error = verify_chunk(self.memory, self.digest_mode, link, chunk)
+            error = verify_chunk(self.memory, self.digest_mode, link, chunk, self._stats)
         if error is not None:
             self._reject_part(rec, part, error)
             return
