@@ -41,6 +41,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "every page that decode received. Exit status 1 if any page was corrupted or any "
                     "request failed.")
     add_workload_arguments(p, sessions=80, turns=25, timeout=900.0)
+    p.add_argument("--reuse-prefix", action="store_true",
+                   help="decode keeps each session's whole pages between turns and kvferry moves only the "
+                        "pages it lacks; reports pages and bytes moved per turn against the whole prompt's")
     p.set_defaults(handler=run_stress)
 
 
@@ -87,7 +90,8 @@ def config_from_args(args: argparse.Namespace) -> WorkloadConfig:
                         max_tokens=args.max_tokens, min_tokens=min(_SPEC.min_tokens, args.max_tokens))
     return WorkloadConfig(workload=spec, preset=args.preset, num_pages=args.pages, budget_bytes=args.budget,
                           knobs=tuple(args.knob), transport=_transport(args.transport), digest_mode=args.digests,
-                          inject=args.inject, timeout_s=args.timeout, mode=args.mode)
+                          inject=args.inject, timeout_s=args.timeout, mode=args.mode,
+                          reuse_prefix=getattr(args, "reuse_prefix", False))  # demo has no such flag
 
 
 def _transport(choice: str) -> str:
@@ -123,6 +127,8 @@ def render(console: Console, result: WorkloadResult, title: str) -> None:
     """Summary table, layout table, and the verdict line last (what a reader's eye lands on)."""
     console.print(_summary_table(result, title))
     console.print(_layout_table(result))
+    if result.reuse_prefix:
+        console.print(turn_table(result))
     console.print(verdict(result), style="bold green" if result.ok else "bold red", soft_wrap=True)
 
 
@@ -202,6 +208,22 @@ def _layout_table(r: WorkloadResult) -> Table:
         for role in pool["roles"]:
             table.add_row(pool["pool"], tpp, f"{role['role']} x{role['buffers']}", role["kind"], role["dtype"],
                           str(role["page_bytes"]), str(role["num_pages"]))
+    return table
+
+
+def turn_table(r: WorkloadResult) -> Table:
+    """Per turn: pages and bytes decode received against the whole prompt's KV (decode kept the rest)."""
+    reuse = r.reuse
+    table = Table(title=f"moved per turn (decode kept the rest): {reuse.get('evictions', 0)} evictions, "
+                        f"{reuse.get('whole_sends', 0)} whole and {reuse.get('suffix_sends', 0)} suffix sends "
+                        "with a prefix")
+    for column in ("turn", "requests", "with prefix", "pages moved / whole", "bytes moved", "bytes whole",
+                   "moved"):
+        table.add_column(column, justify="right")
+    for row in r.per_turn:
+        table.add_row(str(row["turn"]), str(row["requests"]), str(row["prefix_hits"]),
+                      f"{row['pages_moved']} / {row['pages_whole']}", human_bytes(row["bytes_moved"]),
+                      human_bytes(row["bytes_whole"]), f"{row['moved_fraction']:.1%}")
     return table
 
 

@@ -32,7 +32,8 @@ class WorkloadConfig:
     ``request_timeout_s`` bounds each request from announce to completion. ``peer_timeout_s`` and
     ``lease_grace_s`` set the endpoints' options of those names when given. ``mode`` is the transfer mode
     of both endpoints: ``"push"`` (prefill writes) or ``"pull"`` (decode reads; prefill frees a request's
-    pages only once decode is done with them).
+    pages only once decode is done with them). ``reuse_prefix``: decode keeps each session's whole pages
+    between turns and announces only the pages it lacks (``workload.reuse`` says which pages, per pool).
     """
 
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
@@ -49,6 +50,7 @@ class WorkloadConfig:
     peer_timeout_s: float | None = None
     lease_grace_s: float | None = None
     mode: str = "push"
+    reuse_prefix: bool = False
 
     def __post_init__(self) -> None:
         if self.transport not in ("nixl", "local"):
@@ -79,6 +81,12 @@ class WorkloadResult:
     ``startup_seconds``). ``corrupted_by_buffer`` maps each buffer with a corrupted page to the count, in
     layout order (the first key is where a misaddressing fault starts). ``silent_corruptions`` are
     corrupted pages in requests kvferry reported done: corruption its digests missed.
+
+    ``per_turn``: per turn (0-based), requests done, how many had a prefix kept by decode, and the pool
+    pages and bytes moved against those of the whole prompt's KV (equal without ``reuse_prefix``).
+    ``reuse``: with ``reuse_prefix``, ``evictions`` (idle sessions whose kept pages decode freed to make
+    room), ``pages_rechecked`` (kept buffer pages checked again when evicted; also counted in
+    ``corrupted_pages`` when wrong), and prefill's ``whole_sends`` and ``suffix_sends``.
     """
 
     preset: str
@@ -106,6 +114,9 @@ class WorkloadResult:
     error: str | None = None
     latencies_ms: tuple[float, ...] = ()  # per request, announce to verified; left out of to_dict
     mode: str = "push"
+    reuse_prefix: bool = False
+    per_turn: tuple[dict[str, Any], ...] = ()
+    reuse: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

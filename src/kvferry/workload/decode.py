@@ -5,6 +5,12 @@ previous one finished and its pages fit, leases destination pages (``DecodeLink`
 tells prefill to start over the router pipe, and when the request completes checks every page of every buffer
 against ``sim``'s expected pattern (independently of kvferry's digests), then frees the pages for reuse. Its
 report (``DecodeStats.report``) is what ``runner`` turns into a ``WorkloadResult``.
+
+With ``reuse_prefix`` decode is also a prefix cache (``reuse``): after a turn it keeps the session's whole
+pages, announces the next turn with ``prefix=`` and only the pages it lacks, and checks the kept pages
+again with the turn (they must still hold the earlier turns' bytes). When pages run short it evicts the
+idle session whose next turn is furthest away (it knows the queue: the best choice for a cyclic,
+turn-major load, where LRU would evict exactly the next sessions due), checking its pages first.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from kvferry.errors import RequestFailed
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Layout
 from kvferry.workload.config import WorkloadConfig
+from kvferry.workload.reuse import Held, TurnTally, announce_prefix, kept_counts
 from kvferry.workload.side import IDLE_S, PROGRESS_S, Live, Side, check_state, endpoint_options, recv_message
 from kvferry.workload.sim import RequestSpec, check_pages
 
@@ -46,6 +53,8 @@ class DecodeSide(Side):
         self.stats = DecodeStats()
         self.quarantine: list[Live] = []
         self.last_progress = 0.0
+        self.reuse = config.reuse_prefix
+        self.held: dict[int, Held] = {}  # idle sessions' kept pages (reuse_prefix)
 
     def close(self) -> None:
         self.link.close()
@@ -71,17 +80,45 @@ class DecodeSide(Side):
         while self.ready:
             _, session = self.ready[0]
             spec = self.turns[session][0]
-            pages = self._allocate(spec)
-            if pages is None:
+            held = self.held.get(session, Held())
+            new = self._allocate_evicting(spec, held)
+            if new is None:
                 break  # first come, first served: a large turn is not overtaken by smaller ones
             heapq.heappop(self.ready)
             self.turns[session].pop(0)
+            self.held.pop(session, None)
+            pages, writers = held.joined(new, spec.index)
             started = time.monotonic()
-            self.link.announce(spec.request_id, pages)
-            self.router.send(("start", spec.index))
-            self.live[spec.request_id] = Live(spec, pages, started)
+            self._announce(spec, new, held)
+            self.router.send(("start", spec.index, held.counts) if self.reuse else ("start", spec.index))
+            self.live[spec.request_id] = Live(spec, pages, started, held.counts, writers if held.pages else None)
             admitted += 1
         return admitted
+
+    def _announce(self, spec: RequestSpec, new: dict[str, np.ndarray], held: Held) -> None:
+        """Lease the pages decode lacks; the kept ones are named by count only (``prefix=``)."""
+        self.link.announce(spec.request_id, new, prefix=announce_prefix(self.layout, held.counts))
+
+    def _allocate_evicting(self, spec: RequestSpec, held: Held) -> dict[str, np.ndarray] | None:
+        """The pages ``spec`` lacks, evicting other idle sessions' kept pages while they do not fit."""
+        while (new := self._allocate(spec, held.counts)) is None:
+            if not self._evict(spec.session):
+                return None
+        return new
+
+    def _evict(self, keep: int) -> bool:
+        """Free the kept pages of the idle session (not ``keep``) whose next turn comes last, checked first;
+        False when there is none."""
+        idle = [s for s in self.held if s != keep]
+        if not idle:
+            return False
+        victim = max(idle, key=lambda s: self.turns[s][0].index)
+        held = self.held.pop(victim)
+        spec = self.turns[victim][0]
+        self.stats.rechecked += self._check(spec, held.pages, held.writers, reported_done=True)
+        self._free(held.pages)
+        self.stats.evictions += 1
+        return True
 
     def _poll(self) -> int:
         return poll_live(self.link, self.live, self.config.request_timeout_s, self._finish)
@@ -90,26 +127,54 @@ class DecodeSide(Side):
         elapsed = time.monotonic() - live.started
         del self.live[live.spec.request_id]
         self._verify(live, failure is None)
-        if failure is not None and self.link.lease_held(live.spec.request_id):
-            self.quarantine.append(live)  # a write may still land there: reuse only once the lease ends
+        new = live.new_pages()
+        if failure is None:
+            self._keep(live)
         else:
-            self._free(live.pages)
-        self.stats.record(live, elapsed, failure, self._nbytes(live.pages))
+            self._free({p: ids[:live.prefix.get(p, 0)] for p, ids in live.pages.items()})  # never leased
+            if self.link.lease_held(live.spec.request_id):
+                self.quarantine.append(Live(live.spec, new, live.started))  # a write may still land there
+            else:
+                self._free(new)
+        self.stats.record(live, elapsed, failure, self._nbytes(new))
+        if failure is None:
+            self.stats.tally(live, self._nbytes(new), self._nbytes(live.pages))
         following = self.turns[live.spec.session]
         if following:
             heapq.heappush(self.ready, (following[0].index, live.spec.session))
+
+    def _keep(self, live: Live) -> None:
+        """Keep the session's whole pages for its next turn (reuse_prefix, a next turn due); free the rest."""
+        counts = kept_counts(self.layout, live.spec.num_tokens) if self.reuse else {}
+        if not self.turns[live.spec.session]:
+            counts = {}  # the session ended: its pages go back
+        if counts:
+            writers = live.writers or {p: np.full(len(ids), live.spec.index, dtype=np.int64)
+                                       for p, ids in live.pages.items()}
+            self.held[live.spec.session] = Held({p: live.pages[p][:n] for p, n in counts.items()},
+                                                {p: writers[p][:n] for p, n in counts.items()})
+        self._free({p: ids[counts.get(p, 0):] for p, ids in live.pages.items()})
 
     def _release_quarantine(self) -> int:
         return release_ended(self.link, self.quarantine, self._free)
 
     def _verify(self, live: Live, reported_done: bool) -> None:
-        """Every page of every buffer against the pattern prefill wrote; counts per buffer."""
-        for name, ids, keys in self._buffers(live.spec, live.pages):
+        """Every page of every buffer against the pattern prefill wrote (kept prefix pages: the earlier
+        turn's that wrote them); counts per buffer."""
+        self.stats.pages_verified += self._check(live.spec, live.pages, live.writers, reported_done)
+
+    def _check(self, spec: RequestSpec, pages: dict[str, np.ndarray], writers: dict[str, np.ndarray] | None,
+               reported_done: bool) -> int:
+        """Check ``pages`` (their bytes written by ``writers``, default ``spec``); returns buffer pages
+        checked and counts the corrupted ones."""
+        checked = 0
+        for name, ids, keys in self._buffers(spec, pages, writers=writers):
             bad = int(check_pages(self.views[name], ids, keys).sum())
-            self.stats.pages_verified += len(ids)
+            checked += len(ids)
             if bad:
                 self.stats.corrupted[name] = self.stats.corrupted.get(name, 0) + bad
                 self.stats.silent += bad if reported_done else 0
+        return checked
 
     def _nbytes(self, pages: dict[str, np.ndarray]) -> int:
         return request_bytes(self.layout, pages)
@@ -136,6 +201,9 @@ class DecodeStats:
     failures: dict[str, int] = field(default_factory=dict)
     first_failure: str | None = None
     latencies: list[float] = field(default_factory=list)
+    turns: dict[int, TurnTally] = field(default_factory=dict)
+    evictions: int = 0
+    rechecked: int = 0
 
     def record(self, live: Live, elapsed: float, failure: str | None, nbytes: int) -> None:
         self.finished += 1
@@ -149,6 +217,13 @@ class DecodeStats:
         self.failures[key] = self.failures.get(key, 0) + 1
         self.first_failure = self.first_failure or f"{live.spec.request_id}: {failure}"
 
+    def tally(self, live: Live, bytes_moved: int, bytes_whole: int) -> None:
+        """A done request's pages and bytes moved against its whole prompt's, under its turn."""
+        whole = sum(len(ids) for ids in live.pages.values())
+        kept = sum(live.prefix.values())
+        turn = self.turns.setdefault(live.spec.turn, TurnTally())
+        turn.add(kept > 0, whole - kept, whole, bytes_moved, bytes_whole)
+
     def report(self) -> dict[str, Any]:
         lat = np.asarray(self.latencies) * 1e3
         return {
@@ -160,6 +235,8 @@ class DecodeStats:
             "p50_ms": float(np.percentile(lat, 50)) if len(lat) else 0.0,
             "p99_ms": float(np.percentile(lat, 99)) if len(lat) else 0.0,
             "latencies_ms": lat.tolist(),
+            "per_turn": [self.turns[t].row(t) for t in sorted(self.turns)],
+            "evictions": self.evictions, "pages_rechecked": self.rechecked,
         }
 
 
@@ -216,8 +293,12 @@ class DecodeLink:
     def connect(self, address: str) -> None:
         self.endpoint.connect(address)
 
-    def announce(self, request_id: str, pages: dict[str, np.ndarray]) -> None:
-        self.endpoint.announce(request_id, pages)
+    def announce(self, request_id: str, pages: dict[str, np.ndarray], *,
+                 prefix: int | dict[str, int] | None = None) -> None:
+        if prefix is None:  # keep the plain call where nothing is kept (any endpoint version takes it)
+            self.endpoint.announce(request_id, pages)
+        else:
+            self.endpoint.announce(request_id, pages, prefix=prefix)
 
     def poll(self, request_id: str) -> bool:
         return check_state(self.endpoint, request_id)

@@ -62,6 +62,7 @@ def _check_capacity(config: WorkloadConfig, layout: Layout) -> None:
 # -- result ------------------------------------------------------------------------------------------------
 def _result(config: WorkloadConfig, layout: Layout, reports: Reports, wall_s: float) -> WorkloadResult:
     dec = reports.decode or {}
+    pre = reports.prefill or {}
     seconds = float(dec.get("seconds", 0.0))
     nbytes = int(dec.get("bytes", 0))
     spec = config.workload
@@ -79,7 +80,18 @@ def _result(config: WorkloadConfig, layout: Layout, reports: Reports, wall_s: fl
         failures=dict(dec.get("failures", {})), first_failure=dec.get("first_failure"),
         layout=layout_summary(layout), error=reports.error,
         latencies_ms=tuple(float(x) for x in dec.get("latencies_ms", ())), mode=config.mode,
+        reuse_prefix=config.reuse_prefix, per_turn=tuple(dec.get("per_turn", ())),
+        reuse=_reuse(config, dec, pre),
     )
+
+
+def _reuse(config: WorkloadConfig, dec: dict[str, Any], pre: dict[str, Any]) -> dict[str, int]:
+    """What decode's prefix cache did (``reuse_prefix`` only): evictions, kept pages rechecked, and how
+    prefill sent the requests that had a prefix."""
+    if not config.reuse_prefix:
+        return {}
+    return {"evictions": int(dec.get("evictions", 0)), "pages_rechecked": int(dec.get("pages_rechecked", 0)),
+            "whole_sends": int(pre.get("whole_sends", 0)), "suffix_sends": int(pre.get("suffix_sends", 0))}
 
 
 def layout_summary(layout: Layout) -> dict[str, Any]:

@@ -8,8 +8,8 @@ config implies, and ``check_state``, which turns an endpoint's request state int
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -18,6 +18,7 @@ import numpy as np
 from kvferry.errors import KVFerryError, RequestFailed, TransferTimeout
 from kvferry.layout.memory import KVMemory
 from kvferry.workload.config import WorkloadConfig
+from kvferry.workload.reuse import expected_keys
 from kvferry.workload.sim import PageAllocator, RequestSpec, build_schedule, page_keys, pages_needed
 
 IDLE_S = 200e-6      # sleep when a loop iteration did nothing: keeps two busy sides off one core's back
@@ -26,11 +27,22 @@ PROGRESS_S = 0.1     # progress messages to the parent, and the router's blockin
 
 @dataclass
 class Live:
-    """A request one side is working on: its spec, its pages on this side, when it started."""
+    """A request one side is working on: its spec, its pages on this side, when it started.
+
+    With ``--reuse-prefix`` on decode: ``prefix`` is how many leading pages of ``pages[pool]`` decode
+    kept from the session's earlier turns (not announced, not moved), and ``writers[pool]`` the schedule
+    index of the turn whose bytes each page must hold (None: this request's, every page).
+    """
 
     spec: RequestSpec
     pages: dict[str, np.ndarray]
     started: float
+    prefix: dict[str, int] = field(default_factory=dict)
+    writers: dict[str, np.ndarray] | None = None
+
+    def new_pages(self) -> dict[str, np.ndarray]:
+        """The pages this request leased and received: those after the kept prefix."""
+        return {pool: ids[self.prefix.get(pool, 0):] for pool, ids in self.pages.items()}
 
 
 class Side:
@@ -73,9 +85,12 @@ class Side:
     def close(self) -> None:
         raise NotImplementedError
 
-    def _allocate(self, spec: RequestSpec) -> dict[str, np.ndarray] | None:
-        """This request's pages on this side, or None (nothing taken) when a pool is short."""
-        need = {p: n for p, n in pages_needed(self.layout, spec.num_tokens).items() if n}
+    def _allocate(self, spec: RequestSpec, have: Mapping[str, int] | None = None) -> dict[str, np.ndarray] | None:
+        """This request's pages on this side, or None (nothing taken) when a pool is short; ``have``: the
+        leading pages per pool this side holds already (decode's kept prefix), not allocated again."""
+        have = have or {}
+        need = {p: n - have.get(p, 0) for p, n in pages_needed(self.layout, spec.num_tokens).items()}
+        need = {p: n for p, n in need.items() if n}
         if not all(self.allocators[p].can_allocate(n) for p, n in need.items()):
             return None
         return {p: self.allocators[p].allocate(n) for p, n in need.items()}
@@ -84,13 +99,23 @@ class Side:
         for pool, ids in pages.items():
             self.allocators[pool].free(ids)
 
-    def _buffers(self, spec: RequestSpec, pages: dict[str, np.ndarray]) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
-        """(buffer, its pages, their expected keys) for every buffer of every pool the request has pages in."""
+    def _buffers(self, spec: RequestSpec, pages: dict[str, np.ndarray], *,
+                 writers: Mapping[str, np.ndarray] | None = None, skip: Mapping[str, int] | None = None
+                 ) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+        """(buffer, its pages, their expected keys) for every buffer of every pool the request has pages in.
+
+        ``writers[pool]``: per page, the request whose bytes it holds (decode's kept prefix pages hold an
+        earlier turn's); default: ``spec``'s, every page. ``skip[pool]``: leading pages left out (prefill
+        filling only the suffix it sends)."""
+        seed = self.config.workload.seed
         for pool, ids in pages.items():
             names = [b.name for b in self.layout.pool(pool).buffers]
-            keys = page_keys(self.config.workload.seed, spec.index, self.pool_buffer_ids[pool], len(ids))
+            bids = self.pool_buffer_ids[pool]
+            keys = (page_keys(seed, spec.index, bids, len(ids)) if writers is None
+                    else expected_keys(seed, bids, writers[pool]))
+            first = (skip or {}).get(pool, 0)
             for name, row in zip(names, keys):
-                yield name, ids, row
+                yield name, ids[first:], row[first:]
 
     def _check_stop(self) -> None:
         """Notice the parent's ("stop",): the run is over (deadline, the other side failed)."""
