@@ -7,11 +7,15 @@ import multiprocessing
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from kvferry.layout.presets import get_preset
+from kvferry.layout.spec import Layout
 from kvferry.workload import WorkloadConfig, WorkloadResult, run_workload
-from kvferry.workload.sim import OutOfPages, WorkloadSpec
+from kvferry.workload.decode import DecodeSide
+from kvferry.workload.reuse import Held, announce_prefix
+from kvferry.workload.sim import OutOfPages, RequestSpec, WorkloadSpec, build_schedule, pages_needed
 
 needs_nixl = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed")
 
@@ -116,3 +120,103 @@ def test_nixl_two_process_run_catches_the_buffer0_fault() -> None:
     assert result.corrupted_pages > 0 and result.silent_corruptions == 0
     assert set(index_k_buffers()[1:]) <= set(result.corrupted_by_buffer)
     assert multiprocessing.active_children() == []
+
+
+# -- --reuse-prefix: decode keeps each session's whole pages between turns ----------------------------------
+# Turns add ~600 tokens, so every turn brings several new c4 pages after the kept ones; 256 MiB per side holds
+# all four sessions' pages at once (no eviction: the figures below follow from the schedule alone).
+REUSE = WorkloadSpec(num_sessions=4, num_turns=4, first_tokens=512, turn_tokens=600, max_tokens=4096)
+
+
+def reuse(**overrides: object) -> WorkloadConfig:
+    fields: dict[str, object] = {"workload": REUSE, "budget_bytes": 256 << 20, "reuse_prefix": True}
+    return small(**{**fields, **overrides})
+
+
+def expected_moved(layout: Layout, spec: WorkloadSpec) -> dict[int, tuple[int, int, int, int]]:
+    """Per turn (pool pages moved, whole, bytes moved, whole), from the schedule: decode keeps, of each
+    pool with pages of tokens and no window, the pages wholly before the prompt's last token."""
+    prev: dict[int, int] = {}
+    out: dict[int, list[int]] = {}
+    for req in build_schedule(spec):
+        row = out.setdefault(req.turn, [0, 0, 0, 0])
+        for pool, n in pages_needed(layout, req.num_tokens).items():
+            p = layout.pool(pool)
+            kept = 0
+            if req.session in prev and p.tokens_per_page and not p.window_tokens:
+                kept = (prev[req.session] - 1) // p.tokens_per_page
+            page_bytes = sum(b.page_bytes for b in p.buffers)
+            row[0] += n - kept
+            row[1] += n
+            row[2] += (n - kept) * page_bytes
+            row[3] += n * page_bytes
+        prev[req.session] = req.num_tokens
+    return {turn: (a, b, c, d) for turn, (a, b, c, d) in out.items()}
+
+
+def buffer_pages(layout: Layout, spec: WorkloadSpec) -> int:
+    """Buffer pages of every turn's whole prompt: what decode must check, kept pages included."""
+    return sum(n * len(layout.pool(pool).buffers) for req in build_schedule(spec)
+               for pool, n in pages_needed(layout, req.num_tokens).items())
+
+
+def test_reuse_prefix_moves_only_what_decode_lacks_and_checks_the_kept_pages() -> None:
+    config = reuse()
+    result = run_workload(config)
+    assert result.error is None and result.ok, result.first_failure
+    assert result.requests == REUSE.num_requests and result.silent_corruptions == 0
+    assert result.reuse["evictions"] == 0
+    # Every position of every turn checked, the kept prefix pages too (they hold earlier turns' bytes).
+    assert result.pages_verified == buffer_pages(config.layout(), REUSE)
+    want = expected_moved(config.layout(), REUSE)
+    got = {r["turn"]: (r["pages_moved"], r["pages_whole"], r["bytes_moved"], r["bytes_whole"])
+           for r in result.per_turn}
+    assert got == want
+    assert all(moved < whole for moved, whole, _, _ in list(got.values())[1:])
+    assert result.bytes == sum(r["bytes_moved"] for r in result.per_turn)
+    assert [r["prefix_hits"] for r in result.per_turn] == [0] + [REUSE.num_sessions] * (REUSE.num_turns - 1)
+    # Prefill sent both ways: the whole request (kvferry skips the prefix) and the suffix from its offset.
+    assert result.reuse["whole_sends"] > 0 and result.reuse["suffix_sends"] > 0
+    assert result.to_dict()["per_turn"][0]["moved_fraction"] == 1.0
+
+
+def test_reuse_prefix_in_pull_mode_evicts_when_short_and_announces_tokens() -> None:
+    # llama3_8b: one pool of pages of tokens, so decode announces its prefix as a token count; 48 MiB per
+    # side holds about two sessions' pages, so decode evicts idle sessions and rechecks their pages first.
+    config = reuse(preset="llama3_8b", knobs=(("num_layers", 2),), budget_bytes=48 << 20, mode="pull")
+    assert announce_prefix(config.layout(), {"kv": 3}) == 48
+    assert announce_prefix(get_preset("deepseek_v4", num_pages=8), {"c4": 2, "c128": 2}) == {"c4": 2, "c128": 2}
+    result = run_workload(config)
+    assert result.error is None and result.ok, result.first_failure
+    assert result.reuse["evictions"] > 0 and result.reuse["pages_rechecked"] > 0
+    assert result.pages_verified == buffer_pages(config.layout(), REUSE)
+    assert sum(r["prefix_hits"] for r in result.per_turn) > 0
+    assert result.bytes < sum(r["bytes_whole"] for r in result.per_turn)
+
+
+def _overwrite_prefix(self: DecodeSide, spec: RequestSpec, new: dict[str, np.ndarray], held: Held
+                      ) -> dict[str, int]:
+    """A decode that forgets to say it holds the prefix: its kept pages are leased and written again."""
+    pages, _ = held.joined(new, spec.index)
+    self.link.announce(spec.request_id, pages)
+    return {}
+
+
+def _misplace_suffix(self: DecodeSide, spec: RequestSpec, new: dict[str, np.ndarray], held: Held
+                     ) -> dict[str, int]:
+    """A decode whose suffix pages go to the wrong places: after a prefix, the new pages rotated by one."""
+    rotated = {p: np.roll(ids, 1) if p in held.pages else ids for p, ids in new.items()}
+    self.link.announce(spec.request_id, rotated, prefix=announce_prefix(self.layout, held.counts))
+    return held.counts
+
+
+@pytest.mark.parametrize("fault", [_overwrite_prefix, _misplace_suffix], ids=["overwrite", "misplace"])
+def test_reuse_prefix_byte_check_sees_overwritten_prefix_and_misplaced_suffix(
+        monkeypatch: pytest.MonkeyPatch, fault: object) -> None:
+    monkeypatch.setattr(DecodeSide, "_announce", fault)  # the local transport runs decode in this process
+    result = run_workload(reuse())
+    assert not result.ok and result.failed_requests == 0
+    # kvferry wrote where it was told and its digests passed: only decode's byte check sees it, and only in
+    # the pools decode keeps pages of (the sliding-window pool moves whole every turn).
+    assert result.corrupted_pages > 0 and result.silent_corruptions == result.corrupted_pages
+    assert {name.split(".")[0] for name in result.corrupted_by_buffer} <= {"c4", "c128"}

@@ -89,15 +89,17 @@ class DecodeSide(Side):
             self.held.pop(session, None)
             pages, writers = held.joined(new, spec.index)
             started = time.monotonic()
-            self._announce(spec, new, held)
-            self.router.send(("start", spec.index, held.counts) if self.reuse else ("start", spec.index))
+            prefix = self._announce(spec, new, held)
+            self.router.send(("start", spec.index, prefix) if self.reuse else ("start", spec.index))
             self.live[spec.request_id] = Live(spec, pages, started, held.counts, writers if held.pages else None)
             admitted += 1
         return admitted
 
-    def _announce(self, spec: RequestSpec, new: dict[str, np.ndarray], held: Held) -> None:
-        """Lease the pages decode lacks; the kept ones are named by count only (``prefix=``)."""
+    def _announce(self, spec: RequestSpec, new: dict[str, np.ndarray], held: Held) -> dict[str, int]:
+        """Lease the pages decode lacks; the kept ones are named by count only (``prefix=``). Returns the
+        prefix announced, pages per pool (what prefill's "start" says)."""
         self.link.announce(spec.request_id, new, prefix=announce_prefix(self.layout, held.counts))
+        return held.counts
 
     def _allocate_evicting(self, spec: RequestSpec, held: Held) -> dict[str, np.ndarray] | None:
         """The pages ``spec`` lacks, evicting other idle sessions' kept pages while they do not fit."""
