@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 
 from kvferry.errors import LayoutError, UsageError
-from kvferry.integrations.vllm.layout import HYBRID_POOL, GroupSpec, memory_from_kv_caches, request_pages
+from kvferry.integrations.vllm.layout import (
+    HYBRID_POOL,
+    GroupSpec,
+    decode_pages,
+    memory_from_kv_caches,
+    request_pages,
+)
 from kvferry.integrations.vllm.scheduler import SchedulerSide
 from kvferry.integrations.vllm.worker import WorkerConfig, WorkerSide
 
@@ -186,13 +192,58 @@ def test_decode_abort_keeps_blocks_until_the_lease_ends(pair: tuple[Instance, In
     assert not decode.scheduler.has_pending_work()
 
 
-def test_a_remote_prefill_with_a_local_prefix_hit_is_computed_here() -> None:
+def test_with_a_local_prefix_hit_only_the_tokens_past_it_arrive() -> None:
     scheduler = SchedulerSide(groups())
     params = {"do_remote_prefill": True, "kvferry_address": "tcp://x", "kvferry_request_id": "p",
               "remote_num_tokens": 70}
-    assert scheduler.matched_tokens("d", 70, params, 32) == (0, False)
+    assert scheduler.matched_tokens("d", 70, params, 32) == (38, True)
     assert scheduler.matched_tokens("d", 71, params, 0) == (0, False)   # not the prompt prefill computed
     assert scheduler.matched_tokens("d", 70, None, 0) == (0, False)
+    scheduler.after_alloc("d", params, ([7, 3, 9],), 38)   # the whole table; block 7 is the cached one
+    (recv,) = scheduler.take_plan().recvs
+    assert (recv.pages, recv.prefix) == ({"group0": [3, 9]}, {"group0": 1})
+
+
+def test_decode_announces_the_blocks_past_its_hit_and_counts_the_rest_as_prefix() -> None:
+    assert decode_pages(([7, 3, 9, 4],), groups(), 65, 64) == ({"group0": [9]}, {"group0": 2})
+    assert decode_pages(([7, 3, 9],), groups(), 70, 0) == ({"group0": [7, 3, 9]}, {"group0": 0})
+    with pytest.raises(LayoutError, match="not whole blocks of 32 tokens"):
+        decode_pages(([7, 3, 9],), groups(), 70, 40)
+    with pytest.raises(LayoutError, match="short of the prompt's 64"):
+        decode_pages(([7, 3],), groups(), 64, 64)
+    # Hybrid, 130 tokens, a hit of 96 (3 blocks): prefill's position-major list is
+    # [f0, f1, s2, f2, s3, f3, s4, f4]; decode holds the first 4 (positions 0-2) and receives the rest.
+    tables = ([0, 0, 31, 32, 33], [40, 41, 42, 43, 44])
+    assert decode_pages(tables, (SLIDING, FULL), 130, 96) == ({HYBRID_POOL: [32, 43, 33, 44]}, {HYBRID_POOL: 4})
+    assert decode_pages(tables, (SLIDING, FULL), 130, 32) == (
+        {HYBRID_POOL: [41, 31, 42, 32, 43, 33, 44]}, {HYBRID_POOL: 1})
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_prefix_decode_holds_is_not_moved_and_not_touched(mode: str) -> None:
+    """Decode's prefix cache holds the first two blocks (a sentinel here, shared with other requests in
+    vLLM): only the third and fourth move, and the held ones keep their bytes."""
+    prefill = Instance("producer", kv_caches(64), digest_mode="full")
+    decode = Instance("consumer", kv_caches(48, seed=None), mode=mode)
+    src, dst = [1, 2, 3, 4], [20, 21, 22, 23]
+    for layer in LAYERS:
+        decode.caches[layer][dst[:2]] = 7.0
+    try:
+        delay, params = prefill.scheduler.finished("p", {"do_remote_decode": True}, (src,), 100, completed=True)
+        assert delay and params is not None
+        assert decode.scheduler.matched_tokens("d", 100, params, 64) == (36, True)
+        decode.scheduler.after_alloc("d", params, (dst,), 36)
+        wait_for(lambda: (prefill.step(), decode.step(), bool(decode.recving))[-1])
+        wait_for(lambda: (prefill.step(), bool(prefill.sending))[-1])
+        assert not decode.failed
+        for layer in LAYERS:
+            np.testing.assert_array_equal(decode.caches[layer][dst[2:]], prefill.caches[layer][src[2:]])
+            assert (decode.caches[layer][dst[:2]] == 7.0).all()
+            assert not decode.caches[layer][24:].any()   # nothing else written
+        assert prefill.worker.prefill.decode_prefix("p") == {"group0": 2}
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
 
 
 def test_the_adapter_imports_neither_vllm_nor_torch() -> None:
@@ -251,9 +302,9 @@ def test_overlaid_groups_share_one_pool_of_the_distinct_tensors() -> None:
 
 
 def test_a_sliding_window_moves_the_blocks_its_window_reads() -> None:
-    tables = ([0, 0, 21, 22, 23], [5, 6, 7, 8, 9])
-    assert request_pages(tables, (SLIDING, FULL), 130) == {HYBRID_POOL: [21, 22, 23, 5, 6, 7, 8, 9]}
-    assert request_pages(([7, 8, 9], [4, 5, 6]), (SLIDING, FULL), 70) == {HYBRID_POOL: [7, 8, 9, 4, 5, 6]}
+    tables = ([0, 0, 21, 22, 23], [5, 6, 7, 8, 9])   # position-major: any decode prefix is a leading part
+    assert request_pages(tables, (SLIDING, FULL), 130) == {HYBRID_POOL: [5, 6, 21, 7, 22, 8, 23, 9]}
+    assert request_pages(([7, 8, 9], [4, 5, 6]), (SLIDING, FULL), 70) == {HYBRID_POOL: [7, 4, 8, 5, 9, 6]}
     with pytest.raises(LayoutError, match="null block"):
         request_pages(([0, 0, 0, 22, 23], [5, 6, 7, 8, 9]), (SLIDING, FULL), 130)
     # Prefill frees for its next token (window from N - 63), decode recomputes token N - 1 (from N - 64):
@@ -270,22 +321,29 @@ def test_a_prompt_whose_window_block_prefill_freed_is_prefilled_on_decode() -> N
     assert SchedulerSide((SLIDING, FULL)).matched_tokens("d", 95, remote, 0) == (0, False)
 
 
-def test_hybrid_blocks_arrive_in_every_group() -> None:
+@pytest.mark.parametrize("held", [0, 96])
+def test_hybrid_blocks_arrive_in_every_group(held: int) -> None:
+    """Both groups' blocks past decode's prefix-cache hit (``held`` tokens) arrive; those under it (a
+    sentinel here) and the null block stay untouched."""
     prefill = Instance("producer", hybrid_caches(64), specs=(SLIDING, FULL), digest_mode="full")
     decode = Instance("consumer", hybrid_caches(48, seed=None), specs=(SLIDING, FULL))
     try:
         # 130 tokens: prefill's sliding-window table lost blocks 0-1 (freed), decode's likewise.
         src, dst = ([0, 0, 21, 22, 23], [5, 6, 7, 8, 9]), ([0, 0, 31, 32, 33], [40, 41, 42, 43, 44])
+        sent = dict(zip([31, 32, 33, 40, 41, 42, 43, 44], [21, 22, 23, 5, 6, 7, 8, 9]))   # decode's <- prefill's
+        cached = [b for b in sent if b in (31, 40, 41, 42) and held]   # positions 0-2 of either group
+        shared_src, shared_dst = prefill.caches[LAYERS[0]], decode.caches[LAYERS[0]]
+        shared_dst[cached] = 7.0
         delay, params = prefill.scheduler.finished("p", {"do_remote_decode": True}, src, 130, completed=True)
         assert delay and params is not None
-        assert decode.scheduler.matched_tokens("d", 130, params, 0) == (130, True)
-        decode.scheduler.after_alloc("d", params, dst, 130)
+        assert decode.scheduler.matched_tokens("d", 130, params, held) == (130 - held, True)
+        decode.scheduler.after_alloc("d", params, dst, 130 - held)
         wait_for(lambda: (prefill.step(), decode.step(), bool(decode.recving))[-1])
         wait_for(lambda: (prefill.step(), bool(prefill.sending))[-1])
         assert not decode.failed
-        shared_src, shared_dst = prefill.caches[LAYERS[0]], decode.caches[LAYERS[0]]
-        np.testing.assert_array_equal(shared_dst[[31, 32, 33, 40, 41, 42, 43, 44]],
-                                      shared_src[[21, 22, 23, 5, 6, 7, 8, 9]])
+        moved = [b for b in sent if b not in cached]
+        np.testing.assert_array_equal(shared_dst[moved], shared_src[[sent[b] for b in moved]])
+        assert (shared_dst[cached] == 7.0).all()
         assert not shared_dst[0].any()   # the null block stayed untouched
     finally:
         decode.worker.close()

@@ -107,7 +107,7 @@ def test_a_sliding_window_model_moves_both_groups_and_decodes_the_same_tokens(
     assert metric(decode, "vllm:prompt_tokens_by_source", "local_compute") - local == sum(kept_here)
     # One pool over the overlaid groups; per moved prompt, the full-attention group's every block under the
     # prompt and the sliding window's blocks from its first needed one.
-    writes = [json.loads(line) for line in record.read_text().splitlines()]
+    writes = [json.loads(line)["pages"] for line in record.read_text().splitlines()]
     assert {pool for w in writes for pool in w} == {HYBRID_POOL}
     assert sum(w[HYBRID_POOL] for w in writes) == sum(2 * -(-n // BLOCK_SIZE) - sliding.first_needed_block(n)
                                                       for n in moved)

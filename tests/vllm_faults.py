@@ -69,14 +69,43 @@ def first_page_flip_local(side: str) -> Transport:
 
 
 def recording_nixl(side: str) -> Transport:
-    """NIXL, plus one JSON line per write in ``$KVFERRY_VLLM_RECORD``: pool -> pages written. The hybrid
-    test reads it to see that every KV cache group's pool moved pages (the engines run in other processes)."""
+    """NIXL, plus one JSON line per write in ``$KVFERRY_VLLM_RECORD``: ``pages`` (pool -> pages written)
+    and ``nbytes``. The tests read it to see what kvferry moved (the engines run in other processes): the
+    hybrid test, that every KV cache group's pool moved pages; the prefix tests, only what decode lacked."""
     from kvferry.transport.nixl import NixlTransport  # here: the default suite imports this module
 
     class RecordingNixl(NixlTransport):
         def write(self, plan: Any, peer: str, notif: bytes, label: str = "") -> Any:
+            line = {"pages": {p.pool: len(p.dst_pages) for p in plan.pools}, "nbytes": int(plan.nbytes)}
             with open(os.environ["KVFERRY_VLLM_RECORD"], "a") as record:
-                record.write(json.dumps({p.pool: len(p.dst_pages) for p in plan.pools}) + "\n")
+                record.write(json.dumps(line) + "\n")
             return super().write(plan, peer, notif, label)
 
     return RecordingNixl()
+
+
+def read_record(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The lines ``recording_nixl`` wrote so far (none: the file is not there yet)."""
+    try:
+        with open(path) as record:
+            return [json.loads(line) for line in record]
+    except FileNotFoundError:
+        return []
+
+
+def overclaiming_nixl(side: str) -> Transport:
+    """NIXL, and a decode that claims one block more than its prefix cache holds (for requests whose part
+    past the hit spans two blocks or more): the negative control of the prefix tests. The claimed block is
+    neither moved nor computed, so decode attends over whatever that fresh block held. Set up from the
+    transport factory because it runs in the engine process, where the scheduler-side half lives too."""
+    from kvferry.integrations.vllm import layout, scheduler
+
+    honest = layout.decode_pages
+
+    def overclaim(block_ids: Any, groups: Any, num_tokens: int, held_tokens: int) -> Any:
+        block = groups[0].block_size
+        lacking = layout.num_blocks_for(num_tokens, block) - held_tokens // block
+        return honest(block_ids, groups, num_tokens, held_tokens + block if lacking >= 2 else held_tokens)
+
+    scheduler.decode_pages = overclaim   # type: ignore[assignment]
+    return make_transport("nixl")

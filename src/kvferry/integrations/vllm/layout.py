@@ -23,14 +23,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from kvferry.errors import LayoutError
 from kvferry.layout import Buffer, KVMemory, Layout, Pool
 from kvferry.layout.spec import MAX_NAME_LEN
 
-__all__ = ["HYBRID_POOL", "NULL_BLOCK", "GroupSpec", "memory_from_kv_caches", "num_blocks_for", "pool_name",
-           "request_pages"]
+__all__ = ["HYBRID_POOL", "NULL_BLOCK", "GroupSpec", "decode_pages", "memory_from_kv_caches", "num_blocks_for",
+           "pool_name", "request_pages"]
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
@@ -86,29 +87,75 @@ def request_pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec
                   num_tokens: int) -> dict[str, list[int]]:
     """A request's page list per pool: the blocks decode reads for its first ``num_tokens`` tokens, in
     token order (all of them under full attention, the window's under a sliding window). Both sides
-    compute the same positions from ``num_tokens``, so the lists pair up page by page.
+    compute the same positions from ``num_tokens``, so the lists pair up page by page. Prefill sends this
+    whole list; decode announces the part past its prefix cache (``decode_pages``).
 
     ``block_ids[g]`` is the request's block table in group ``g`` (vLLM's ``KVCacheBlocks.get_block_ids()``).
+    Several groups share one pool, and its list is position-major: block position ``j`` of every group
+    that needs it, then position ``j + 1``'s. So the blocks under any decode prefix are a leading part of
+    the list, whatever the prefix: prefill sends before it learns decode's (see ``decode_pages``).
     Raises ``LayoutError`` when a group's table is shorter than the tokens need, or holds vLLM's null block
     where KV must be (a sliding-window block already freed).
     """
+    return _pages(block_ids, groups, num_tokens, 0)
+
+
+def decode_pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec], num_tokens: int,
+                 held_tokens: int) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Decode's side of ``request_pages`` when its prefix cache already holds the first ``held_tokens``
+    tokens (vLLM's local hit, whole blocks): the pages decode lacks, to announce, and per pool how many
+    leading pages of prefill's list it holds (the announce's ``prefix``: kvferry skips those pages).
+
+    Raises ``LayoutError`` for a hit that is not whole blocks of every group or not short of the prompt.
+    """
+    held = _held_blocks(groups, num_tokens, held_tokens)
+    pages = _pages(block_ids, groups, num_tokens, held)
+    firsts = [min(held, group.first_needed_block(num_tokens)) for group in groups]
+    counts = [held - first for first in firsts]   # per group: its needed blocks under the hit
+    if len(groups) > 1:
+        return pages, {HYBRID_POOL: sum(counts)}
+    return pages, {pool_name(0): counts[0]}
+
+
+def _held_blocks(groups: Sequence[GroupSpec], num_tokens: int, held_tokens: int) -> int:
+    sizes = sorted({group.block_size for group in groups})
+    if len(sizes) != 1:
+        raise LayoutError(f"KV cache groups with different block sizes {sizes}: not supported")
+    if held_tokens % sizes[0] or not 0 <= held_tokens < num_tokens:
+        raise LayoutError(f"decode's prefix-cache hit of {held_tokens} tokens is not whole blocks of "
+                          f"{sizes[0]} tokens short of the prompt's {num_tokens}")
+    return held_tokens // sizes[0]
+
+
+def _pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec], num_tokens: int,
+           start: int) -> dict[str, list[int]]:
+    """The request's pages from block position ``start`` on (see ``request_pages``)."""
     if len(block_ids) != len(groups):
         raise LayoutError(f"{len(block_ids)} block tables for {len(groups)} KV cache groups")
-    pages: dict[str, list[int]] = {}
+    columns: list[tuple[int, list[int]]] = []   # per group: its first position sent, its blocks from there
     for index, (table, group) in enumerate(zip(block_ids, groups)):
         need = num_blocks_for(num_tokens, group.block_size)
         if len(table) < need:
             raise LayoutError(f"{pool_name(index)}: {num_tokens} tokens need {need} blocks of "
                               f"{group.block_size} tokens, the block table has {len(table)}")
-        first = group.first_needed_block(num_tokens)
+        first = max(start, group.first_needed_block(num_tokens))
         blocks = [int(b) for b in table[first:need]]
         if NULL_BLOCK in blocks:
             raise LayoutError(f"{pool_name(index)}: block {first + blocks.index(NULL_BLOCK)} of {num_tokens} "
                               f"tokens is vLLM's null block (freed), its KV is needed")
-        pages[pool_name(index)] = blocks
-    if len(groups) > 1:   # one pool over the overlaid groups: a block id is owned by one group at a time
-        return {HYBRID_POOL: [block for blocks in pages.values() for block in blocks]}
-    return pages
+        columns.append((first, blocks))
+    if len(groups) == 1:
+        return {pool_name(0): columns[0][1]}
+    return {HYBRID_POOL: _position_major(columns, num_blocks_for(num_tokens, groups[0].block_size))}
+
+
+def _position_major(columns: Sequence[tuple[int, list[int]]], need: int) -> list[int]:
+    """Several groups' blocks in one list, position by position (one block size: ``_hybrid_memory``)."""
+    grid = np.full((need, len(columns)), -1, dtype=np.int64)   # -1: a position the group does not send
+    for group, (first, blocks) in enumerate(columns):
+        grid[first:need, group] = blocks
+    flat = grid.ravel()
+    return flat[flat >= 0].tolist()
 
 
 def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSpec], num_blocks: int, *,

@@ -12,9 +12,11 @@ The hand-off, as vLLM's own disaggregated flow does it:
    When it finishes, ``finished`` keeps its blocks (``delay_free``), stages a send of them, and returns
    the transfer parameters (prefill's address, the transfer id, the prompt length) that vLLM puts on the
    request output.
-2. Decode gets the same prompt with those parameters. ``matched_tokens`` says every prompt token arrives
-   from outside, asynchronously; ``after_alloc`` stages an announce of decode's blocks. vLLM recomputes
-   only the last prompt token itself, to sample from it.
+2. Decode gets the same prompt with those parameters. ``matched_tokens`` says every prompt token past
+   decode's local prefix-cache hit arrives from outside, asynchronously; ``after_alloc`` stages an announce
+   of the blocks vLLM allocated for them, with the hit as the announce's ``prefix``: prefill sent the whole
+   prompt's blocks (it cannot know decode's cache), and kvferry moves only those past the prefix. vLLM
+   recomputes only the last prompt token itself, to sample from it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.errors import LayoutError, UsageError
-from kvferry.integrations.vllm.layout import GroupSpec, request_pages
+from kvferry.integrations.vllm.layout import GroupSpec, decode_pages, request_pages
 
 __all__ = ["RecvSpec", "SchedulerSide", "SendSpec", "StepPlan", "transfer_params"]
 
@@ -45,12 +47,14 @@ class SendSpec:
 
 @dataclass(frozen=True, slots=True)
 class RecvSpec:
-    """Decode: lease ``pages`` of vLLM request ``request_id`` to transfer ``transfer_id`` from ``address``."""
+    """Decode: lease ``pages`` of vLLM request ``request_id`` to transfer ``transfer_id`` from ``address``;
+    ``prefix``: per pool, the leading pages of prefill's list decode's prefix cache already holds."""
 
     request_id: str
     transfer_id: str
     address: str
     pages: Mapping[str, Sequence[int]]
+    prefix: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,35 +91,41 @@ class SchedulerSide:
     # -- decode ----------------------------------------------------------------------------------------
     def matched_tokens(self, request_id: str, num_prompt_tokens: int, params: Mapping[str, Any] | None,
                        num_computed_tokens: int) -> tuple[int, bool]:
-        """vLLM's ``get_num_new_matched_tokens``: every prompt token of a remote-prefilled request comes
-        from prefill, loaded asynchronously. A local prefix-cache hit is not combined with a transfer
-        (prefill sends the whole prompt's blocks, and decode's cached blocks may be shared): the request
-        is then prefilled here, and prefill releases its blocks at its request deadline."""
+        """vLLM's ``get_num_new_matched_tokens``: every prompt token of a remote-prefilled request past
+        ``num_computed_tokens`` (decode's local prefix-cache hit, whole blocks) comes from prefill, loaded
+        asynchronously."""
         if not _wants_remote_prefill(params) or request_id in self._taken:
             return 0, False   # asked once: a preempted request recomputes here, prefill's copy is gone
         if params is None:
             raise UsageError('kvferry connector: the request carries no kvferry transfer parameters')
-        if num_computed_tokens > 0 or int(params.get(NUM_TOKENS_KEY, -1)) != num_prompt_tokens:
+        if int(params.get(NUM_TOKENS_KEY, -1)) != num_prompt_tokens:
             return 0, False
         if not all(group.transferable(num_prompt_tokens) for group in self.groups):
             return 0, False   # prefill freed a sliding-window block decode needs (see GroupSpec.transferable)
-        return num_prompt_tokens, True
+        if num_computed_tokens >= num_prompt_tokens:
+            return 0, False   # vLLM's hit stops short of the last prompt token: not reached
+        return num_prompt_tokens - num_computed_tokens, True
 
     def after_alloc(self, request_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[Sequence[int]],
                     num_external_tokens: int) -> None:
-        """vLLM's ``update_state_after_alloc``: stage the announce of decode's blocks for the worker."""
+        """vLLM's ``update_state_after_alloc``: stage the announce of the blocks decode lacks for the worker.
+        ``block_ids`` are the request's whole block tables; those under decode's local hit (the prompt
+        less ``num_external_tokens``) hold KV already, and may be shared with running requests: they are
+        the announce's prefix, never written."""
         if num_external_tokens <= 0 or not _wants_remote_prefill(params) or request_id in self._taken:
             return
         if params is None:
             raise UsageError('kvferry connector: the request carries no kvferry transfer parameters')
         self._loading.add(request_id)
         self._taken.add(request_id)
+        num_tokens = int(params.get(NUM_TOKENS_KEY, num_external_tokens))
         try:
-            pages = request_pages(block_ids, self.groups, num_external_tokens)
+            pages, prefix = decode_pages(block_ids, self.groups, num_tokens, num_tokens - num_external_tokens)
         except LayoutError as exc:   # vLLM waits for this KV now: the worker reports it failed
             self._failures.append((request_id, str(exc)))
             return
-        self._recvs.append(RecvSpec(request_id, str(params[TRANSFER_ID_KEY]), str(params[ADDRESS_KEY]), pages))
+        self._recvs.append(RecvSpec(request_id, str(params[TRANSFER_ID_KEY]), str(params[ADDRESS_KEY]), pages,
+                                    prefix))
 
     # -- both ------------------------------------------------------------------------------------------
     def finished(self, request_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[Sequence[int]],

@@ -48,6 +48,8 @@ class WorkerConfig:
     consumer asks its prefills for, ``"push"`` (prefill writes into decode's blocks) or ``"pull"`` (decode
     reads prefill's blocks, see docs/fencing.md); a producer accepts either, so the consumer chooses.
     ``batch_chunks``: ``EndpointOptions.batch_chunks`` (1: every request's blocks a transfer of their own).
+    ``peer_timeout``, ``heartbeat_interval``, ``lease_grace``: ``EndpointOptions``' (how soon a dead or
+    stalled peer fails its requests; docs/vllm.md, "Faults").
     """
 
     role: str
@@ -60,6 +62,9 @@ class WorkerConfig:
     handshake_timeout: float = 10.0
     mode: str = "push"
     batch_chunks: int = EndpointOptions().batch_chunks
+    peer_timeout: float = EndpointOptions().peer_timeout
+    heartbeat_interval: float = EndpointOptions().heartbeat_interval
+    lease_grace: float = EndpointOptions().lease_grace
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -79,7 +84,8 @@ class WorkerConfig:
 
     def options(self) -> EndpointOptions:
         return EndpointOptions(request_timeout=self.request_timeout, handshake_timeout=self.handshake_timeout,
-                               batch_chunks=self.batch_chunks)
+                               batch_chunks=self.batch_chunks, peer_timeout=self.peer_timeout,
+                               heartbeat_interval=self.heartbeat_interval, lease_grace=self.lease_grace)
 
     def make_transport(self, side: str) -> Transport:
         if ":" not in self.transport:
@@ -193,7 +199,7 @@ class WorkerSide:
             raise UsageError('a receive staged on an instance without a decode endpoint')
         try:
             self._connect(recv.address)
-            self.decode.announce(recv.transfer_id, recv.pages, peer=recv.address)
+            self.decode.announce(recv.transfer_id, recv.pages, peer=recv.address, prefix=recv.prefix)
         except KVFerryError as exc:
             self._failed_now[recv.request_id] = exc
             return
@@ -230,7 +236,8 @@ class WorkerSide:
     def _clear(self, recv: RecvSpec) -> None:
         """Zero a failed receive's blocks. vLLM may recompute the request into them, and its attention
         reads whole blocks, masking slots past the prompt: a NaN left there by bad bytes survives the mask
-        (NaN x 0 is NaN) and turns the recomputed request's tokens to garbage. Safe now: no write can land."""
+        (NaN x 0 is NaN) and turns the recomputed request's tokens to garbage. Safe now: no write can land.
+        Only the announced blocks: those under decode's prefix hold cached KV other requests may share."""
         if self.decode is None:
             raise UsageError('kvferry connector: this instance has no decode endpoint (see kv_role)')
         memory = self.decode.memory
@@ -246,5 +253,8 @@ class WorkerSide:
 
     def _report_failure(self, request_id: str, error: KVFerryError | None) -> None:
         self.num_failed += 1
+        # The quarantine's figures go with it: a fault soak reads them from the log (its fencing cost).
+        quarantined = (self.decode.num_quarantined_pages, self.decode.peak_quarantined_pages) if self.decode else (0, 0)
         log.warning("kvferry: KV of request %s did not arrive or did not verify (%s); vLLM recomputes or fails "
-                    "it (kv_load_failure_policy)", request_id, error)
+                    "it (kv_load_failure_policy); quarantined pages: %d now, %d at the peak", request_id, error,
+                    *quarantined)
