@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import multiprocessing
 import threading
 import time
@@ -220,3 +221,18 @@ def test_reuse_prefix_byte_check_sees_overwritten_prefix_and_misplaced_suffix(
     # the pools decode keeps pages of (the sliding-window pool moves whole every turn).
     assert result.corrupted_pages > 0 and result.silent_corruptions == result.corrupted_pages
     assert {name.split(".")[0] for name in result.corrupted_by_buffer} <= {"c4", "c128"}
+
+
+def test_stress_command_reports_moved_bytes_per_turn(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvferry.cli.main import main
+
+    argv = ["stress", "--reuse-prefix", "--sessions", "3", "--turns", "3", "--first-tokens", "512",
+            "--turn-tokens", "600", "--max-tokens", "4096", "--budget", "128MiB", "--transport", "local"]
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and data["reuse_prefix"] and [r["turn"] for r in data["per_turn"]] == [0, 1, 2]
+    assert data["bytes"] == sum(r["bytes_moved"] for r in data["per_turn"])
+    assert data["per_turn"][2]["bytes_moved"] < data["per_turn"][2]["bytes_whole"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "moved per turn" in out and "PASS" in out

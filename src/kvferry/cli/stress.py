@@ -220,7 +220,10 @@ def turn_table(r: WorkloadResult) -> Table:
     for column in ("turn", "requests", "with prefix", "pages moved / whole", "bytes moved", "bytes whole",
                    "moved"):
         table.add_column(column, justify="right")
-    for row in r.per_turn:
+    total = {k: sum(row[k] for row in r.per_turn) for k in ("requests", "prefix_hits", "pages_moved",
+                                                              "pages_whole", "bytes_moved", "bytes_whole")}
+    total["moved_fraction"] = total["bytes_moved"] / total["bytes_whole"] if total["bytes_whole"] else 0.0
+    for row in [*r.per_turn, {**total, "turn": "all"}]:
         table.add_row(str(row["turn"]), str(row["requests"]), str(row["prefix_hits"]),
                       f"{row['pages_moved']} / {row['pages_whole']}", human_bytes(row["bytes_moved"]),
                       human_bytes(row["bytes_whole"]), f"{row['moved_fraction']:.1%}")
