@@ -31,7 +31,7 @@ from kvferry.layout.spec import Layout
 from kvferry.workload.config import WorkloadConfig
 from kvferry.workload.reuse import Held, TurnTally, announce_prefix, kept_counts
 from kvferry.workload.side import IDLE_S, PROGRESS_S, Live, Side, check_state, endpoint_options, recv_message
-from kvferry.workload.sim import RequestSpec, check_pages
+from kvferry.workload.sim import RequestSpec, check_pages, pages_needed
 
 
 class DecodeSide(Side):
@@ -102,25 +102,31 @@ class DecodeSide(Side):
         return held.counts
 
     def _allocate_evicting(self, spec: RequestSpec, held: Held) -> dict[str, np.ndarray] | None:
-        """The pages ``spec`` lacks, evicting other idle sessions' kept pages while they do not fit."""
+        """The pages ``spec`` lacks, evicting other idle sessions' kept pages while they do not fit; None
+        (nothing evicted) when even evicting all of them would not make room: live requests must end first."""
+        if (new := self._allocate(spec, held.counts)) is not None or not self._evictable_fits(spec, held):
+            return new
         while (new := self._allocate(spec, held.counts)) is None:
-            if not self._evict(spec.session):
-                return None
+            self._evict(spec.session)
         return new
 
-    def _evict(self, keep: int) -> bool:
-        """Free the kept pages of the idle session (not ``keep``) whose next turn comes last, checked first;
-        False when there is none."""
-        idle = [s for s in self.held if s != keep]
-        if not idle:
-            return False
-        victim = max(idle, key=lambda s: self.turns[s][0].index)
+    def _evictable_fits(self, spec: RequestSpec, held: Held) -> bool:
+        """Whether the pages free plus those other idle sessions keep cover what ``spec`` lacks, per pool."""
+        need = pages_needed(self.layout, spec.num_tokens)
+        for pool, n in need.items():
+            kept = sum(len(h.pages.get(pool, ())) for s, h in self.held.items() if s != spec.session)
+            if n - held.counts.get(pool, 0) > self.allocators[pool].num_free + kept:
+                return False
+        return True
+
+    def _evict(self, keep: int) -> None:
+        """Free the kept pages of the idle session (not ``keep``) whose next turn comes last, checked first."""
+        victim = max((s for s in self.held if s != keep), key=lambda s: self.turns[s][0].index)
         held = self.held.pop(victim)
         spec = self.turns[victim][0]
         self.stats.rechecked += self._check(spec, held.pages, held.writers, reported_done=True)
         self._free(held.pages)
         self.stats.evictions += 1
-        return True
 
     def _poll(self) -> int:
         return poll_live(self.link, self.live, self.config.request_timeout_s, self._finish)
