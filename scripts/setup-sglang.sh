@@ -55,7 +55,7 @@ step "sglang, transformers, tokenizers, torchvision installed (no deps)"
 #    itself (editable, with the dev tools) unless the core venv already provides it.
 KVFERRY=()
 if [ "$LAYERED" = 0 ]; then
-    KVFERRY=("nixl==1.5.1" -e ".[nixl,dev]")
+    KVFERRY=("nixl==1.5.1" -e ".[nixl,dev,metrics]")
 fi
 $PIP install -q -c "$CONSTRAINTS" numpy pyzmq msgspec requests psutil setproctitle pydantic fastapi uvicorn \
     orjson pybase64 "triton==3.8.0" pillow tqdm IPython aiohttp sentencepiece compressed-tensors gguf \

@@ -26,7 +26,7 @@ if [ -n "$TORCH" ]; then
     # Unquoted: it may carry pip options, e.g. "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
     "$VENV/bin/python" -m pip install -q $TORCH
 fi
-"$VENV/bin/python" -m pip install -q -e ".[$EXTRA,dev]"
+"$VENV/bin/python" -m pip install -q -e ".[$EXTRA,dev,metrics]"
 if [ -n "$TORCH" ]; then
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi

@@ -15,4 +15,4 @@ fi
 if [ -n "$TORCH" ] && ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/python -m pip install -q "$TORCH"
 fi
-.venv/bin/python -m pip install -q -e ".[nixl,dev]"
+.venv/bin/python -m pip install -q -e ".[nixl,dev,metrics]"

@@ -47,6 +47,7 @@ from kvferry.errors import (
     ModeMismatch,
     PeerLost,
     ProtocolError,
+    RequestAborted,
     TransferTimeout,
     TransportError,
     UsageError,
@@ -187,7 +188,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
         already ended."""
         with self._lock:
             rec = cast(DecodeRequest, self._record(request_id))
-            if self._fail(rec, KVFerryError(f"aborted by decode: {reason}")):
+            if self._fail(rec, RequestAborted(f"aborted by decode: {reason}")):
                 self._call_soon(lambda: self._abort_parts(rec, reason))
 
     @property
@@ -552,7 +553,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
             if part.is_complete and max(part.chunks_seen) < (part.num_chunks or 0):
                 self._settle(rec, part)
             return
-        error = verify_chunk(self.memory, self.digest_mode, link, msg)
+        error = verify_chunk(self.memory, self.digest_mode, link, msg, self._stats)
         if error is not None:
             self._reject_part(rec, part, error)
             return
@@ -587,6 +588,15 @@ class DecodeEndpoint(EndpointBase, PullReader):
     def _num_waiting(self) -> int:
         # Live requests wait for chunk notifications, which only polling the transport brings in.
         return self._num_live + len(self._reading)
+
+    def _done_pages(self, rec: RequestRecord) -> Mapping[str, Any]:
+        # Called as the request turns DONE, before its lease ends: the leased pages are what moved.
+        return self._leases.pages(cast(DecodeRequest, rec).generation)
+
+    def _gauges(self) -> dict[str, int]:
+        return {"live_requests": self._num_live, "leases": self._leases.num_leases,
+                "leased_pages": self._leases.num_leased_pages, "quarantined_pages": self._quarantine.num_pages,
+                "peers": sum(link.state == "established" for link in list(self._links.values()))}
 
     def _set_state(self, rec: RequestRecord, state: RequestState) -> None:
         was_live = rec.is_live

@@ -55,7 +55,7 @@ def _plan_digests(mode: DigestMode, plan: Plan, generation: int, index: int) -> 
 
 
 def verify_chunk(memory: KVMemory, mode: DigestMode, link: Link, msg: wire.Chunk,
-                 stats: StatsRecorder | None = None) -> KVFerryError | None:
+                 stats: StatsRecorder) -> KVFerryError | None:
     """Decode side: why the chunk's landed bytes do not match its digests (an ``IntegrityError``), or None.
     A chunk without digests passes only when this side's ``mode`` is off. ``stats`` counts the page
     digests that matched, or those that did not (by pool and buffer kind)."""
@@ -69,13 +69,11 @@ def verify_chunk(memory: KVMemory, mode: DigestMode, link: Link, msg: wire.Chunk
         # Across TP the digests cover only the slices this prefill rank writes here (link.slices).
         verify_digests(memory, digests, link.slices)
     except PageMismatchError as exc:
-        if stats is not None:
-            stats.digest_failed(exc.mismatches)
+        stats.digest_failed(exc.mismatches)
         return exc
     except KVFerryError as exc:
         return exc if isinstance(exc, IntegrityError) else IntegrityError(str(exc))
     except Exception as exc:  # untrusted digest bytes must not kill the progress thread
         return IntegrityError(f"malformed digests from prefill {link.address}: {exc!r}")
-    if stats is not None:
-        stats.verified(len(digests))
+    stats.verified(len(digests))
     return None

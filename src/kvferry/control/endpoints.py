@@ -47,7 +47,7 @@ import select
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -408,7 +408,7 @@ class EndpointBase:
         if state in TERMINAL:  # only endings wake waiters: waking them on every step costs the GIL
             rec.ended_at = time.monotonic()
             if state is RequestState.DONE:
-                self._stats.request_done(rec.ended_at - rec.started_at, *self._done_pages(rec))
+                self._stats.request_done(rec.ended_at - rec.started_at, self._done_pages(rec))
             else:
                 self._stats.request_failed(rec.error)
             self._changed = True
@@ -643,9 +643,9 @@ class EndpointBase:
     def _on_frames(self, sock: Any, frames: list[bytes]) -> None:
         raise NotImplementedError
 
-    def _done_pages(self, rec: RequestRecord) -> tuple[int, int]:
-        """A request turning DONE: its pages (summed over pools) and their bytes here, for ``stats``."""
-        return 0, 0
+    def _done_pages(self, rec: RequestRecord) -> Mapping[str, Sized]:
+        """A request turning DONE: the pages it moved here (pool -> page array), for ``stats``."""
+        return {}
 
     def _gauges(self) -> dict[str, int]:
         """``EndpointStats``' current figures. Any thread, without the lock: reads only values a single

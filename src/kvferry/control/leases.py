@@ -36,7 +36,6 @@ class LeaseTable:
         self._leases: dict[int, tuple[str, dict[str, np.ndarray]]] = {}
         # Kept as leases come and go, so that stats() can read it from any thread without iterating.
         self._num_leased_pages = 0
-        self._page_bytes = {p.name: sum(b.page_bytes for b in p.buffers) for p in layout.pools}
 
     @property
     def num_leases(self) -> int:
@@ -50,11 +49,6 @@ class LeaseTable:
         """Pages held by ``lease_id`` (0 when it holds none)."""
         entry = self._leases.get(lease_id)
         return 0 if entry is None else sum(len(p) for p in entry[1].values())
-
-    def nbytes(self, lease_id: int) -> int:
-        """Bytes of the pages ``lease_id`` holds, over every buffer of their pools (0 when it holds none)."""
-        entry = self._leases.get(lease_id)
-        return 0 if entry is None else sum(len(p) * self._page_bytes[pool] for pool, p in entry[1].items())
 
     def pages(self, lease_id: int) -> dict[str, np.ndarray]:
         """The pages ``lease_id`` holds, pool -> page array in announce order (empty when it holds none)."""

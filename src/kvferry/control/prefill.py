@@ -35,7 +35,7 @@ from kvferry.control import wire
 from kvferry.control.admission import check_auth, check_hello
 from kvferry.control.coverage import cover
 from kvferry.control.digests import chunk_digests, source_digests
-from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions, as_secret, auth_mac
+from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions, RequestRecord, as_secret, auth_mac
 from kvferry.control.liveness import this_process
 from kvferry.control.prefill_requests import (
     ChunkSpec,
@@ -60,6 +60,7 @@ from kvferry.errors import (
     PeerLost,
     PlanError,
     ProtocolError,
+    RequestAborted,
     RequestFailed,
     TransferTimeout,
     TransportError,
@@ -197,7 +198,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         only once every write already posted has settled. No-op for a request already ended."""
         with self._lock:
             rec = cast(PrefillRequest, self._record(request_id))
-            self._fail_req(rec, KVFerryError(f"aborted by prefill: {reason}"))
+            self._fail_req(rec, RequestAborted(f"aborted by prefill: {reason}"))
 
     def decode_prefix(self, request_id: str) -> dict[str, int] | None:
         """What decode announced it already holds of ``request_id`` (pool -> leading pages; pools left out
@@ -238,6 +239,13 @@ class PrefillEndpoint(EndpointBase, PullSource):
                     "live_leases": 0, "live_handles": sum(len(r.handles) for r in self._active),
                     "peers": len(self.peers), "bad_messages": self.num_bad_messages,
                     "source_holds": len(self._holds)}
+
+    def _done_pages(self, rec: RequestRecord) -> Mapping[str, Any]:
+        return cast(PrefillRequest, rec).dst   # decode's pages this record wrote: as many as this side's
+
+    def _gauges(self) -> dict[str, int]:
+        return {"live_requests": sum(r.is_live for r in list(self._active)), "source_holds": len(self._holds),
+                "peers": sum(s.state == "established" for s in list(self._sessions.values()))}
 
     # -- records and groups (under the lock) ----------------------------------------------------------
     def _new_request(self, request_id: str, state: RequestState) -> PrefillRequest:
@@ -362,6 +370,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
             for rec in recs:
                 self._fail_req(rec, exc)
             return
+        handle = self._stats.posted(plan, handle)
         for rec, member in zip(recs, share(handle, len(recs)), strict=True):
             rec.handles.append(member)
 
@@ -598,7 +607,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
             self._send(session, wire.Fail(msg.request_id, msg.generation, "unknown request or settled", "error",
                                           True))
             return
-        self._fail_req(rec, KVFerryError(f"aborted by {session.label}: {msg.reason}"))
+        self._fail_req(rec, RequestAborted(f"aborted by {session.label}: {msg.reason}"))
         rec.session = session  # a reconnected decode asking about its old session: answer on this one
         rec.fail_sent = False  # decode waits for a settled Fail for this generation, even a repeated one
         self._active.add(rec)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -247,12 +247,14 @@ def _total(value: Any) -> bool:
 class StatsRecorder:
     """An endpoint's running totals. Every method but ``snapshot`` is called under the endpoint's lock."""
 
-    __slots__ = ("_digest_failed", "_failed", "_kinds", "_request", "_transfer", "done", "page_bytes", "pages",
+    __slots__ = ("_digest_failed", "_failed", "_kinds", "_pool_bytes", "_request", "_transfer", "done", "page_bytes",
+                 "pages",
                  "posted_bytes", "posted_descriptors", "role", "transfers", "transfers_failed", "verified_pages")
 
     def __init__(self, role: str, layout: Layout) -> None:
         self.role = role
         self._kinds = {b.name: b.kind for b in layout.buffers}
+        self._pool_bytes = {p.name: sum(b.page_bytes for b in p.buffers) for p in layout.pools}
         self.done = self.pages = self.page_bytes = self.verified_pages = 0
         self.transfers = self.transfers_failed = self.posted_bytes = self.posted_descriptors = 0
         self._failed: dict[str, int] = {}
@@ -260,10 +262,12 @@ class StatsRecorder:
         self._transfer = _Buckets()
         self._request = _Buckets()
 
-    def request_done(self, seconds: float, pages: int, nbytes: int) -> None:
+    def request_done(self, seconds: float, pages: Mapping[str, Sized]) -> None:
+        """A request DONE after ``seconds``, with ``pages`` (pool -> page array) in this side's memory."""
         self.done += 1
-        self.pages += pages
-        self.page_bytes += nbytes
+        for pool, arr in pages.items():   # per pool: a few at most
+            self.pages += len(arr)
+            self.page_bytes += len(arr) * self._pool_bytes[pool]
         self._request.observe(seconds)
 
     def request_failed(self, error: BaseException | None) -> None:
@@ -299,7 +303,7 @@ class NullRecorder(StatsRecorder):
 
     __slots__ = ()
 
-    def request_done(self, seconds: float, pages: int, nbytes: int) -> None:
+    def request_done(self, seconds: float, pages: Mapping[str, Sized]) -> None:
         return
 
     def request_failed(self, error: BaseException | None) -> None:

@@ -55,6 +55,7 @@ from kvferry.errors import (
     PeerLost,
     PlanError,
     ProtocolError,
+    RequestAborted,
     TransferTimeout,
     TransportError,
 )
@@ -337,7 +338,8 @@ def decode_pages(pages: dict[str, bytes]) -> dict[str, np.ndarray]:
 # Which exception a request failure carries across the wire; anything else travels as "error".
 ERROR_KINDS: dict[str, type[KVFerryError]] = {
     "peer_lost": PeerLost, "timeout": TransferTimeout, "transport": TransportError,
-    "integrity": IntegrityError, "lease": LeaseError, "plan": PlanError, "error": KVFerryError,
+    "integrity": IntegrityError, "lease": LeaseError, "plan": PlanError, "aborted": RequestAborted,
+    "error": KVFerryError,
 }
 
 
