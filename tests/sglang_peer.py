@@ -214,6 +214,90 @@ def requests(caps: dict[str, int], n: int, seed: int, pages_per_req: int) -> lis
     return reqs
 
 
+# Decode-side prefixes (``cfg["prefix"]``): what decode's radix cache already holds of a request. Its pages
+# hold SENTINEL beforehand and must keep it. SGLang's payloads then cover only what decode lacks: the KV
+# pages and the DSA index pages past the prefix, the SWA window past it, request state whole.
+SENTINEL = 0xA5
+SWA_WINDOW_PAGES = 2
+TOKEN_PAGED = ("kv", "dsa")            # index spaces of token pages: a prefix holds their leading pages
+WINDOWED = ("swa", "block_scale_swa")  # the last SWA_WINDOW_PAGES pages, cut at the prefix
+PAST = 2                               # a request past the request claims this many pages beyond it
+
+
+def group_types(args: Any) -> dict[str, str]:
+    """Each index space of ``buffers(args)`` and what SGLang calls it (the KV entries: ``kv``)."""
+    types = {"kv": "kv"}
+    for c, st in enumerate(args.state_types):
+        types[f"state{c}"] = str(getattr(st, "value", st))
+    return types
+
+
+def sent_pages(whole: list[int], kind: str, prefix: int, num_pages: int) -> list[int]:
+    """What SGLang lists for one index space of a request of ``num_pages`` pages past a prefix of ``prefix``
+    pages (prefill.py / decode.py ``_send_kv_chunk``/``_send_kv_metadata`` payloads): ``whole`` holds the
+    request's page per position (token pages, the SWA window), or its state slots."""
+    if kind in TOKEN_PAGED:
+        return whole[prefix:]
+    if kind in WINDOWED:
+        return whole[max(prefix, num_pages - SWA_WINDOW_PAGES):]
+    return whole
+
+
+def request_shape(i: int, past_every: int) -> tuple[int, int]:
+    """Request ``i``'s (pages, prefix pages decode claims): 3 to 5 pages, a prefix of none, one page or all
+    but one page in turn; every ``past_every``-th claims PAST pages beyond the request."""
+    num_pages = 3 + (i // 3) % 3
+    if past_every and i % past_every == past_every - 1:
+        return num_pages, num_pages + PAST
+    return num_pages, (0, 1, num_pages - 1)[i % 3]
+
+
+def prefix_requests(caps: dict[str, int], types: dict[str, str], n: int, seed: int,
+                    past_every: int = 0) -> list[dict[str, Any]]:
+    """``n`` requests with decode prefixes (``request_shape``). Decode's prefix pages come from a shared set
+    of cached pages (its radix cache: many requests share them); every page decode receives is distinct
+    and outside that set; source pages are random; the top page of every index space is some request's
+    destination and some request's source."""
+    rng = np.random.default_rng(seed)
+    groups = [g for g in caps if g != "aux"]
+    shapes = [request_shape(i, past_every) for i in range(n)]
+    held_max = max(p for _, p in shapes)
+    cached = {g: rng.permutation(caps[g] - 1)[:held_max] for g in groups if types[g] in TOKEN_PAGED}
+    reqs = []
+    for i, (num_pages, prefix) in enumerate(shapes):
+        whole = {g: rng.integers(0, caps[g], num_pages if types[g] in TOKEN_PAGED + WINDOWED else 1).tolist()
+                 for g in groups}
+        reqs.append({"room": 1000 + i, "pages": num_pages, "prefix": prefix, "whole": whole,
+                     "held": {g: rng.choice(c, prefix, replace=False).tolist() for g, c in cached.items()},
+                     "src": {g: sent_pages(whole[g], types[g], prefix, num_pages) for g in groups},
+                     "aux_src": i % AUX_SLOTS, "aux_dst": AUX_SLOTS - 1 - i % AUX_SLOTS})
+    for g in groups:
+        free = np.setdiff1d(np.arange(caps[g]), cached.get(g, []))
+        need = sum(len(r["src"][g]) for r in reqs)
+        if need > len(free):
+            raise ValueError(f"index space {g}: {need} destination pages needed, {len(free)} free")
+        dst = rng.permutation(free)[:need]
+        if caps[g] - 1 not in dst and need:
+            dst[rng.integers(need)] = caps[g] - 1
+        at = 0
+        for r in reqs:
+            r.setdefault("dst", {})[g] = dst[at:at + len(r["src"][g])].tolist()
+            at += len(r["src"][g])
+        live = [r for r in reqs if r["src"][g]]
+        if live:   # the top page as a source: the request's last position, sent whatever the prefix
+            r = live[int(rng.integers(len(live)))]
+            r["whole"][g][-1] = r["src"][g][-1] = caps[g] - 1
+    return reqs
+
+
+def hold_prefixes(bufs: list[Buf], reqs: list[dict[str, Any]]) -> None:
+    """Decode's cached prefix pages: SENTINEL in every byte, which no transfer may change."""
+    for b in bufs:
+        held = sorted({p for r in reqs for p in r.get("held", {}).get(b.group, [])})
+        if held:
+            b.view()[held] = SENTINEL
+
+
 def state_list(args: Any, pages: dict[str, list[int]]) -> list[list[int] | None]:
     return [pages.get(f"state{c}") for c in range(len(args.state_types))]
 
@@ -283,6 +367,7 @@ def run_prefill(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, A
     metrics: dict[str, list[Any]] = {}
     start = time.perf_counter()
     chunk = cfg.get("chunk_pages", 1)
+    popped: dict[str, int | None] = {}
     while len(done) < len(reqs) and time.perf_counter() - start < cfg.get("deadline", DEADLINE):
         for r in reqs:
             room, s = r["room"], senders[r["room"]]
@@ -294,11 +379,7 @@ def run_prefill(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, A
                 s.abort()  # e.g. the prefill scheduler aborted the request before its forward pass
                 sent.add(room)
             elif state == KVPoll.WaitingForInput and room not in sent:
-                kv = np.asarray(r["src"]["kv"], dtype=np.int32)
-                s.init(len(kv), r["aux_src"])
-                for k in range(0, len(kv), chunk):  # chunked prefill: one send per chunk
-                    last = k + chunk >= len(kv)
-                    s.send(kv[k:k + chunk], state_list(args, r["src"]) if last else None)
+                popped[str(room)] = _send_request(s, args, r, chunk)
                 sent.add(room)
                 if cfg.get("die_after") and len(sent) >= cfg["die_after"]:
                     # A prefill crash with writes in flight: decode must fail what did not finish.
@@ -310,7 +391,33 @@ def run_prefill(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, A
                 metrics[str(room)] = [metric.transfer_total_bytes, metric.transfer_latency_s]
         time.sleep(0.001)
     return {"role": "prefill", "outcomes": {str(k): v for k, v in done.items()},
-            "seconds": time.perf_counter() - start, "metrics": metrics}
+            "seconds": time.perf_counter() - start, "metrics": metrics, "popped": popped}
+
+
+def _send_request(s: Any, args: Any, r: dict[str, Any], chunk: int) -> int | None:
+    """SGLang's prefill for one bootstrapped request: ``init`` and one ``send`` per chunk, state with the
+    last. With a decode prefix (``r["prefix"]``) as its scheduler does it (prefill.py ``finalize_bootstrap``,
+    ``_send_kv_chunk``): the prefix popped from the sender, ``init`` with the pages after it, the sends
+    starting there (``start_send_idx``), every list cut by the popped prefix; nothing sent when it runs
+    past the request. Returns the popped prefix in tokens (None without one)."""
+    if "prefix" not in r:
+        kv = np.asarray(r["src"]["kv"], dtype=np.int32)
+        s.init(len(kv), r["aux_src"])
+        for k in range(0, len(kv), chunk):  # chunked prefill: one send per chunk
+            last = k + chunk >= len(kv)
+            s.send(kv[k:k + chunk], state_list(args, r["src"]) if last else None)
+        return None
+    page, types = int(args.page_size), group_types(args)
+    popped, tokens = int(s.pop_decode_prefix_len()), r["pages"] * int(args.page_size)
+    s.init(-(-(tokens - popped) // page), r["aux_src"])   # kv_to_page_num(len(input) - prefix)
+    if popped > tokens:
+        return popped                                     # start_send_idx > end_idx: SGLang sends nothing
+    src = {g: sent_pages(whole, types[g], popped // page, r["pages"]) for g, whole in r["whole"].items()}
+    kv = np.asarray(src["kv"], dtype=np.int32)
+    for k in range(0, max(len(kv), 1), chunk):   # a prefix covering every page: one send, state only
+        last = k + chunk >= len(kv)
+        s.send(kv[k:k + chunk], state_list(args, src) if last else None)
+    return popped
 
 
 def _outcome(obj: Any, state: Any) -> str:
@@ -353,7 +460,7 @@ def run_decode(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, An
             if state == KVPoll.WaitingForInput and room not in announced:
                 first_announce[room] = time.perf_counter()
                 rec.send_metadata(np.asarray(r["dst"]["kv"], dtype=np.int32), r["aux_dst"],
-                                  state_list(args, r["dst"]))
+                                  state_list(args, r["dst"]), **_prefix_kwargs(cfg, args, r))
                 announced.add(room)
                 if cfg.get("abort_every") and (room - 1000) % cfg["abort_every"] == 0:
                     rec.abort()  # the client went away after decode published its pages
@@ -364,6 +471,15 @@ def run_decode(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, An
     elapsed = time.perf_counter() - start
     return {"role": "decode", "outcomes": {str(k): v for k, v in done.items()}, "seconds": elapsed,
             "mean_latency_s": float(np.mean(list(latency.values()))) if latency else None}
+
+
+def _prefix_kwargs(cfg: dict[str, Any], args: Any, r: dict[str, Any]) -> dict[str, int]:
+    """``decode_prefix_len`` as SGLang's decode passes it (tokens); every ``unaligned_every``-th request
+    one token more than its whole pages."""
+    if "prefix" not in r:
+        return {}
+    extra = cfg.get("unaligned_every") and (r["room"] - 1000) % cfg["unaligned_every"] == 1
+    return {"decode_prefix_len": r["prefix"] * int(args.page_size) + int(bool(extra))}
 
 
 def _fills(shapes: list[Buf], seed: int) -> list[np.ndarray]:
@@ -422,13 +538,19 @@ def check_bytes(bufs: list[Buf], cfg: dict[str, Any], reqs: list[dict[str, Any]]
                 outcomes: dict[str, str], rank: int = 0) -> dict[str, Any]:
     """Every destination page of every buffer against what it must hold (``Sources``: regenerated from the
     seeds of the prefill ranks that must write this decode rank), every other page against decode's own
-    fill. Pages of failed requests are not judged."""
+    fill. Pages of failed requests are not judged. The prefix pages decode held (``hold_prefixes``) must
+    still hold SENTINEL whatever became of the requests: ``num_held_changed`` counts those that do not."""
     sources = Sources(cfg, bufs, rank)
     before = _fills(bufs, fill_seed(cfg, "decode", rank))
-    report: dict[str, Any] = {"pages_checked": 0, "bytes_checked": 0, "bad_pages": [], "touched_elsewhere": []}
+    report: dict[str, Any] = {"pages_checked": 0, "bytes_checked": 0, "bad_pages": [], "touched_elsewhere": [],
+                              "held_pages": 0, "num_held_changed": 0}
     for bi, b in enumerate(bufs):
         got = b.view()
         expect = before[bi].copy()
+        held = np.array(sorted({p for r in reqs for p in r.get("held", {}).get(b.group, [])}), dtype=np.int64)
+        expect[held] = SENTINEL
+        report["held_pages"] += len(held)
+        report["num_held_changed"] += int(np.any(got[held] != SENTINEL, axis=1).sum()) if len(held) else 0
         judged = np.zeros(len(got), dtype=bool)
         for r in reqs:
             ok = outcomes.get(str(r["room"])) == "ok"
@@ -439,6 +561,7 @@ def check_bytes(bufs: list[Buf], cfg: dict[str, Any], reqs: list[dict[str, Any]]
                     candidates = sources.pages(bi, b, s)
                     expect[d] = next((c for c in candidates if np.array_equal(got[d], c)), candidates[0])
                 judged[d] = judged[d] or not ok
+        judged[held] = True   # counted above, as num_held_changed
         mismatched = np.flatnonzero(np.any(got != expect, axis=1) & ~judged)
         dst_pages = {d for r in reqs for d in (r["dst"].get(b.group, []) if b.group != "aux" else [r["aux_dst"]])}
         for p in mismatched:
@@ -535,7 +658,13 @@ def main() -> None:
         args.kv_data_mem_kinds = ["VRAM"] * len(args.kv_data_ptrs)
     bufs = buffers(args)
     fill(bufs, fill_seed(cfg, role, rank))
-    reqs = requests(capacities(bufs), cfg["n"], cfg["seed"] + 7, cfg.get("pages_per_req", 2))
+    if cfg.get("prefix"):
+        reqs = prefix_requests(capacities(bufs), group_types(args), cfg["n"], cfg["seed"] + 7,
+                               cfg.get("past_every", 0))
+        if role == "decode":
+            hold_prefixes(bufs, reqs)
+    else:
+        reqs = requests(capacities(bufs), cfg["n"], cfg["seed"] + 7, cfg.get("pages_per_req", 2))
     try:
         mgr, _server = make_manager(cfg, role, args)
     except Exception as exc:
@@ -547,6 +676,7 @@ def main() -> None:
         out["capacities"] = capacities(bufs)
     out["slots"] = [b.nbytes // b.item for b in bufs]
     out["rank"] = rank
+    out["page_size"] = int(args.page_size)
     print(json.dumps(out), flush=True)
     if role == "prefill":
         time.sleep(cfg.get("linger", 1.0))  # let decode finish its last polls before the endpoint goes

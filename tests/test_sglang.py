@@ -407,6 +407,67 @@ def test_prefill_crash_fails_the_unfinished_requests_on_decode() -> None:
     assert_exact(decode)
 
 
+# Decode-side prefixes (issue 23): decode's radix cache holds a request's leading pages; SGLang's decode
+# lists only what it lacks and passes decode_prefix_len, its prefill pops it and sends the suffix.
+PREFIX_POOLS = ["mla", "dsa_bf16", "v4"]
+N_PREFIX = 21   # requests of 3-5 pages: their distinct destination pages fit the smallest index space (66)
+
+
+def assert_prefix_case(prefills: list[dict[str, Any]], decodes: list[dict[str, Any]], n: int = N_PREFIX,
+                       failing: frozenset[str] = frozenset()) -> None:
+    """Every request but ``failing`` concluded Success on every rank; each prefill rank's sender popped
+    exactly the prefix decode passed (in tokens); decode's bytes exact (every destination page of every
+    buffer, nothing else written) and every page decode already held still holds its sentinel."""
+    from tests.sglang_peer import request_shape
+
+    for p in prefills:
+        assert {r for r, o in p["outcomes"].items() if o != "ok"} == failing and len(p["outcomes"]) == n, \
+            (p["rank"], Counter(p["outcomes"].values()), p["errors"])
+    for d in decodes:
+        assert {r for r, o in d["outcomes"].items() if o != "ok"} == failing and len(d["outcomes"]) == n, \
+            (d["rank"], Counter(d["outcomes"].values()), d["errors"])
+        assert_exact(d)
+        assert d["check"]["held_pages"] > 0 and d["check"]["num_held_changed"] == 0, d["check"]
+        for p in prefills:
+            popped = {int(room): tokens for room, tokens in p["popped"].items() if tokens is not None}
+            want = {1000 + i: request_shape(i, 0)[1] * d["page_size"] for i in range(n)}
+            assert {r: t for r, t in popped.items() if str(r) not in failing} == \
+                {r: t for r, t in want.items() if str(r) not in failing}, p["rank"]
+
+
+@pytest.mark.parametrize("pool", PREFIX_POOLS)
+def test_kvferry_backend_moves_only_what_decode_lacks(pool: str) -> None:
+    """21 requests in flight, each decode_prefix_len of none, one page or all but one page of its 3-5: decode
+    lists the KV pages past it, DSA index pages past it, the SWA window past it and request state whole
+    (SGLang's own payloads); prefill pops the prefix and sends from there in chunks of two pages. Decode's
+    prefix pages, shared by several requests as a radix cache shares them, hold a sentinel beforehand:
+    each must still hold it, every destination page is exact, no other page changes."""
+    prefills, decodes = run_ranks("kvferry", pool, n=N_PREFIX, prefix=True, chunk_pages=2)
+    assert_prefix_case(prefills, decodes)
+    RESULTS["kvferry", f"{pool} prefix"] = decodes[0]
+
+
+def test_a_prefix_past_the_request_or_not_whole_pages_is_refused_by_name() -> None:
+    """Every fourth request's decode claims two pages more than the request has: prefill's sender refuses
+    it at ``init`` (SGLang's prefill would never send one), naming the pool, the request's pages and the
+    claim, and the request fails on both sides. Another fourth's decode_prefix_len is one token past
+    whole pages: decode's announce refuses it, naming the pool (prefill then fails it by SGLang's
+    bootstrap timeout). Nothing of theirs moves, the held pages keep their sentinel, the rest are exact."""
+    prefills, decodes = run_ranks("kvferry", "dsa_bf16", n=12, prefix=True, past_every=4, unaligned_every=4,
+                                  env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "3"})
+    (prefill,), (decode,) = prefills, decodes
+    past, unaligned = {"1003", "1007", "1011"}, {"1001", "1005", "1009"}
+    assert_prefix_case(prefills, decodes, n=12, failing=frozenset(past | unaligned))
+    for room in past:
+        for outcome in (prefill["outcomes"][room], decode["outcomes"][room]):
+            assert "is past the request: pool 'kv', expected a prefix of at most the request's" in outcome, outcome
+        assert "aborted by prefill" in decode["outcomes"][room]
+    for room in unaligned:
+        assert "kvferry announce failed: pool 'kv': a prefix of" in decode["outcomes"][room], decode["outcomes"]
+        assert "tokens is not whole pages of 64 tokens" in decode["outcomes"][room]
+        assert "timed out" in prefill["outcomes"][room]
+
+
 def test_plugin_resolves_kvferry_and_keeps_nixl() -> None:
     """SGLang's load_plugins() with SGLANG_PLUGINS=kvferry: TransferBackend("kvferry") resolves wherever
     SGLang converts the flag, get_kv_class returns kvferry's classes, "nixl" still returns SGLang's."""

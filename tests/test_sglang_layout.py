@@ -85,8 +85,9 @@ def test_chunks_put_kv_at_offsets_and_the_tail_on_the_last() -> None:
     _, names = kvargs_memory(args)
     pages, offsets = chunk_pages(names, [4, 5], 2, False, 3, [[1], [2]])
     assert set(pages) == {"kv"} and offsets == {"kv": 2}
-    pages, _ = chunk_pages(names, [], 4, True, 3, [[1], None])
-    assert set(pages) == {"aux", "state0.dsa"}
+    pages, offsets = chunk_pages(names, [], 4, True, 3, [[1], None])
+    # The last chunk names the KV pool even with no KV pages: where the request's KV ends (its position)
+    assert set(pages) == {"kv", "aux", "state0.dsa"} and len(pages["kv"]) == 0 and offsets == {"kv": 4}
     with pytest.raises(UsageError, match="negative"):
         request_pages(names, [-1], None, None)
 

@@ -141,6 +141,16 @@ class KVFerryKVManager(CommonKVManager):
         if address not in self.decode_endpoint.peers:
             self.decode_endpoint.connect(address)
 
+    @property
+    def tokens_per_page(self) -> int:
+        return int(self.kvferry_memory.layout.pool(self.pool_names.kv).tokens_per_page or 1)
+
+    def endpoint_prefix(self, room: int) -> dict[str, int]:
+        """Prefill: the pages per pool decode announced it holds for ``room`` (none before the announce)."""
+        if self.prefill_endpoint is None:
+            raise UsageError("kvferry backend: this manager has no prefill endpoint (not a prefill instance)")
+        return self.prefill_endpoint.decode_prefix(_room_id(room)) or {}
+
     def fail(self, room: int, reason: str) -> None:
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
@@ -177,12 +187,32 @@ def _abort(mgr: KVFerryKVManager, room: int, reason: str) -> None:
 
 
 class KVFerryKVSender(CommonKVSender):
-    """Prefill side of one request: each ``send`` (one per chunk) is a kvferry ``send`` of that chunk."""
+    """Prefill side of one request: each ``send`` (one per chunk) is a kvferry ``send`` of that chunk.
+
+    With a decode prefix (decode's radix cache holds the request's first pages), SGLang's prefill asks
+    ``pop_decode_prefix_len`` once decode announced, then calls ``init`` and ``send`` for the suffix pages
+    only: their kvferry positions start at the prefix, since kvferry counts positions in the whole
+    request."""
 
     kv_mgr: KVFerryKVManager
+    # KV pages of the request decode already holds (as popped): the first sent KV page's position.
+    prefix_pages = 0
+
+    def pop_decode_prefix_len(self) -> int:
+        """Decode's prefix in tokens (whole KV pages: kvferry refused any other at the announce), from
+        kvferry's announce; 0 before it arrived, and then kvferry skips the prefix in what is sent."""
+        held = self.kv_mgr.endpoint_prefix(self.bootstrap_room)
+        self.prefix_pages = held.get(self.kv_mgr.pool_names.kv, 0)
+        return self.prefix_pages * self.kv_mgr.tokens_per_page
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         super().init(num_kv_indices, aux_index)
+        if num_kv_indices < 0:
+            # SGLang computes ceil((input tokens - prefix) / page): negative only when decode's prefix runs
+            # past the request, and its prefill would then never send (start_send_idx > end).
+            self._fail(f"decode_prefix_len {self.prefix_pages * self.kv_mgr.tokens_per_page} tokens is past the "
+                       f"request: pool {self.kv_mgr.pool_names.kv!r}, expected a prefix of at most the request's "
+                       f"{self.prefix_pages + num_kv_indices} pages, decode claims {self.prefix_pages}")
 
     def send(self, kv_indices: Any, state_indices: list | None = None, num_kv_tokens: int | None = None,
              **_: Any) -> None:
@@ -195,7 +225,8 @@ class KVFerryKVSender(CommonKVSender):
             self._transfer_start_time = time.perf_counter()
         names: PoolNames = self.kv_mgr.pool_names
         try:
-            pages, offsets = chunk_pages(names, kv_indices, start, last, self.aux_index, state_indices)
+            pages, offsets = chunk_pages(names, kv_indices, self.prefix_pages + start, last, self.aux_index,
+                                         state_indices)
             if pages or last:
                 self.kv_mgr.endpoint.send(_room_id(self.bootstrap_room), pages, offset=offsets, last=last)
         except KVFerryError as exc:
@@ -306,15 +337,14 @@ class KVFerryKVReceiver(CommonKVReceiver):
             return
         if destination != KVTransferDestination.DEVICE:
             raise NotImplementedError("kvferry: host KV destinations are not supported")
-        if decode_prefix_len:
-            # Prefill would skip the prefix, but kvferry's announce carries no prefix length to tell it so.
-            self._fail(f"kvferry does not support decode-side prefix reuse yet (decode_prefix_len="
-                       f"{decode_prefix_len})")
-            return
         try:
+            # SGLang's lists are of what decode lacks: KV pages past the prefix, DSA suffix pages, the SWA
+            # window past it, whole request state. The prefix (tokens) tells kvferry where the KV pages
+            # start in the request; state pools have no token pages and move whole.
             pages = request_pages(self.kv_mgr.pool_names, kv_indices, aux_index, state_indices)
             peer = self.peer_addresses[0] if len(self.peer_addresses) == 1 else self.peer_addresses
-            self.kv_mgr.endpoint.announce(_room_id(self.bootstrap_room), pages, peer=peer)
+            self.kv_mgr.endpoint.announce(_room_id(self.bootstrap_room), pages, peer=peer,
+                                          prefix=int(decode_prefix_len or 0))
         except KVFerryError as exc:
             self._fail(f"kvferry announce failed: {exc}")
             return

@@ -235,11 +235,13 @@ def request_pages(names: PoolNames, kv_indices: Any, aux_index: int | None,
 
 def chunk_pages(names: PoolNames, kv_indices: Any, start: int, last: bool, aux_index: int | None,
                 state_indices: Sequence[Any] | None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """One prefill ``send`` call as (pages, offsets): the chunk's KV pages land at decode's positions
-    ``start..``; aux and state pages travel with the last chunk, as SGLang's own backends send them."""
+    """One prefill ``send`` call as (pages, offsets): the chunk's KV pages are the request's pages
+    ``start..`` (positions in the whole request, decode's prefix included); aux and state pages travel
+    with the last chunk, as SGLang's own backends send them. The last chunk names the KV pool even when it
+    has no KV pages (decode's prefix covered them all): it tells kvferry where the request's KV ends."""
     pages: dict[str, np.ndarray] = {}
     kv = _as_pages(kv_indices)
-    if kv.size:
+    if kv.size or last:
         pages[names.kv] = kv
     if last:
         pages.update(_tail_pages(names, aux_index, state_indices))
