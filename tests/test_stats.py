@@ -6,6 +6,7 @@ measured number; failures are provoked (a corrupted page, an abort, a deadline) 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -262,3 +263,27 @@ def test_multiprocess_mode_sums_the_processes(tmp_path: Path, monkeypatch: pytes
     assert got['kvferry_request_seconds_count{role="decode"}'] == 8
     assert np.isclose(sum(v for k, v in got.items() if k.startswith("kvferry_request_seconds_bucket")
                           and '+Inf' in k), 8)
+
+
+def test_stress_reports_its_stats_and_publishes_them(tmp_path: Path) -> None:
+    """``kvferry stress --json`` carries both sides' stats; with a multiprocess folder set (what
+    ``--metrics-port`` serves) the sides publish the same figures there."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, multiprocess
+
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "kvferry", "stress", "--sessions", "3", "--turns", "2",
+                          "--transport", "local", "--json"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    stats = {role: EndpointStats.from_dict(d) for role, d in result["stats"].items()}
+    assert stats["decode"].requests_done == stats["prefill"].requests_done == result["requests"] == 6
+    assert stats["decode"].page_bytes == stats["prefill"].posted_bytes == result["bytes"]
+    # Full digests (stress's default): every buffer page the workload checked, kvferry checked too.
+    assert stats["decode"].verified_pages == result["pages_verified"]
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
+    for role, snap in stats.items():
+        assert registry.get_sample_value("kvferry_requests_done_total", {"role": role}) == snap.requests_done
+        assert registry.get_sample_value("kvferry_page_bytes_total", {"role": role}) == snap.page_bytes
+    assert registry.get_sample_value("kvferry_verified_pages_total", {"role": "decode"}) == result["pages_verified"]

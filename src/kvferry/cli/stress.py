@@ -25,7 +25,8 @@ from kvferry.transport import nixl_available
 from kvferry.workload.runner import DEFAULT_BUDGET, ProgressFn, WorkloadConfig, WorkloadResult
 from kvferry.workload.sim import WorkloadSpec
 
-__all__ = ["add_parser", "add_workload_arguments", "config_from_args", "render", "run_stress", "verdict"]
+__all__ = ["add_metrics_argument", "add_parser", "add_workload_arguments", "config_from_args", "render", "run_stress",
+           "start_metrics", "verdict"]
 
 # Corrupted buffers listed by name in the verdict; beyond that, by role.
 MAX_NAMED_BUFFERS = 6
@@ -44,7 +45,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--reuse-prefix", action="store_true",
                    help="decode keeps each session's whole pages between turns and kvferry moves only the "
                         "pages it lacks; reports pages and bytes moved per turn against the whole prompt's")
+    add_metrics_argument(p)
     p.set_defaults(handler=run_stress)
+
+
+def add_metrics_argument(p: argparse.ArgumentParser) -> None:
+    """``--metrics-port``, for ``stress`` and ``chaos``: the sides' endpoint stats served to Prometheus."""
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve both sides' kvferry metrics at http://127.0.0.1:PORT/metrics while the run lasts "
+                        "(docs/metrics.md; needs prometheus_client); --json includes the stats either way")
+
+
+def start_metrics(args: argparse.Namespace) -> Any:
+    """The ``--metrics-port`` server (before the sides start), or None."""
+    if args.metrics_port is None:
+        return None
+    from kvferry.workload.metrics import serve_metrics
+
+    server = serve_metrics(args.metrics_port)
+    print(f"kvferry: metrics at http://127.0.0.1:{server.server_port}/metrics", file=sys.stderr)
+    return server
 
 
 def add_workload_arguments(p: argparse.ArgumentParser, *, sessions: int, turns: int, timeout: float) -> None:
@@ -106,7 +126,13 @@ def _transport(choice: str) -> str:
 
 def run_stress(args: argparse.Namespace) -> int:
     """Handler: run, print, and return 0 (clean) or 1 (corruption, failures, or the run broke)."""
-    return execute(config_from_args(args), as_json=args.json, title="kvferry stress")
+    config = config_from_args(args)
+    server = start_metrics(args)
+    try:
+        return execute(config, as_json=args.json, title="kvferry stress")
+    finally:
+        if server is not None:
+            server.shutdown()
 
 
 def execute(config: WorkloadConfig, *, as_json: bool, title: str) -> int:

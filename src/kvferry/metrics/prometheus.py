@@ -107,6 +107,10 @@ class StatsWriter:
                                                          labelnames=[*labelnames, "role", *metric.labels],
                                                          **kwargs)
 
+    def collectors(self) -> list[Any]:
+        """The metric objects, one per ``METRICS`` entry."""
+        return list(self._metrics.values())
+
     def observe(self, delta: EndpointStats, labelvalues: Sequence[Any] = ()) -> None:
         """Apply what happened in ``delta`` (a ``minus`` of two snapshots of one role) and set its gauges."""
         for metric, prom in self._metrics.items():
@@ -136,7 +140,7 @@ class Publisher:
             raise UsageError("Publisher: set PROMETHEUS_MULTIPROC_DIR (before prometheus_client is imported) "
                              "to the folder the serving process reads")
         self._sources = sources
-        self._writer = StatsWriter(prefix, options={"gauge": {"multiprocess_mode": "livesum"}})
+        self._writer = _process_writer(prefix)
         self._last: dict[str, EndpointStats] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -150,7 +154,10 @@ class Publisher:
     def publish(self) -> None:
         with self._lock:
             for role, now in by_role(source.stats() for source in self._sources()).items():
-                self._writer.observe(now.minus(self._last.get(role, EndpointStats(role))))
+                delta = now.minus(self._last.get(role, EndpointStats(role)))
+                # A total went back: a source was replaced by a fresh endpoint (a side that rebuilt it),
+                # whose totals count from zero.
+                self._writer.observe(now if _went_back(delta) else delta)
                 self._last[role] = now
 
     def close(self) -> None:
@@ -163,6 +170,27 @@ class Publisher:
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
             self.publish()
+
+
+def _went_back(delta: EndpointStats) -> bool:
+    scalars = (delta.requests_done, delta.num_failed, delta.transfers, delta.posted_bytes, delta.pages,
+               delta.verified_pages, delta.request_seconds.count, delta.transfer_seconds.count)
+    return min(scalars) < 0
+
+
+# Publishers of one process share one set of metric objects: in multiprocess mode two objects with one name
+# and label values would each write their own value to the process's file.
+_WRITERS: dict[str, StatsWriter] = {}
+_WRITERS_LOCK = threading.Lock()
+
+
+def _process_writer(prefix: str) -> StatsWriter:
+    with _WRITERS_LOCK:
+        if prefix not in _WRITERS:
+            unregistered = {"registry": None}   # the files are what a scrape reads, not this process's registry
+            _WRITERS[prefix] = StatsWriter(prefix, options={"counter": unregistered, "histogram": unregistered,
+                                                            "gauge": {**unregistered, "multiprocess_mode": "livesum"}})
+        return _WRITERS[prefix]
 
 
 def serve(port: int, sources: Sources | None = None, *, addr: str = "127.0.0.1") -> Any:

@@ -117,6 +117,8 @@ class WorkloadResult:
     reuse_prefix: bool = False
     per_turn: tuple[dict[str, Any], ...] = ()
     reuse: dict[str, int] = field(default_factory=dict)
+    # Each side's endpoint stats at its end (role -> EndpointStats.to_dict(), see docs/metrics.md).
+    stats: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

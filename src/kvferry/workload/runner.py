@@ -82,6 +82,7 @@ def _result(config: WorkloadConfig, layout: Layout, reports: Reports, wall_s: fl
         latencies_ms=tuple(float(x) for x in dec.get("latencies_ms", ())), mode=config.mode,
         reuse_prefix=config.reuse_prefix, per_turn=tuple(dec.get("per_turn", ())),
         reuse=_reuse(config, dec, pre),
+        stats={role: report["stats"] for role, report in (("prefill", pre), ("decode", dec)) if "stats" in report},
     )
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from kvferry.errors import KVFerryError
 from kvferry.workload.config import WorkloadConfig
 from kvferry.workload.decode import DecodeSide
+from kvferry.workload.metrics import side_metrics
 from kvferry.workload.prefill import PrefillSide
 
 ProgressFn = Callable[[int, int], None]
@@ -167,8 +168,9 @@ def side_main(side: str, config: WorkloadConfig, router: Connection, parent: Con
         os.dup2(2, 1)
     try:
         cls = DecodeSide if side == "decode" else PrefillSide
-        with cls(config, router, parent) as runner:
+        with cls(config, router, parent) as runner, side_metrics(lambda: runner.link.endpoint):
             report = runner.run()
+            report["stats"] = runner.link.endpoint.stats().to_dict()
         parent.send(("result", report))
     except BaseException as exc:  # report everything, even KeyboardInterrupt, then let the process end
         detail = traceback.format_exc(limit=6) if not isinstance(exc, KVFerryError) else ""
