@@ -95,17 +95,22 @@ def read_record(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def overclaiming_nixl(side: str) -> Transport:
     """NIXL, and a decode that claims one block more than its prefix cache holds (for requests whose part
-    past the hit spans two blocks or more): the negative control of the prefix tests. The claimed block is
-    neither moved nor computed, so decode attends over whatever that fresh block held. Set up from the
-    transport factory because it runs in the engine process, where the scheduler-side half lives too."""
-    from kvferry.integrations.vllm import layout, scheduler
+    past the hit spans two blocks or more): the negative control of the prefix tests. Its announce drops
+    the first block it lacks and counts it as prefix, so that block is neither moved nor computed, and
+    decode attends over whatever it held. Set up from the transport factory, which runs in the worker
+    process (vLLM-CPU runs the worker apart from the scheduler), before any request."""
+    import dataclasses
 
-    honest = layout.decode_pages
+    from kvferry.integrations.vllm.worker import WorkerSide
 
-    def overclaim(block_ids: Any, groups: Any, num_tokens: int, held_tokens: int) -> Any:
-        block = groups[0].block_size
-        lacking = layout.num_blocks_for(num_tokens, block) - held_tokens // block
-        return honest(block_ids, groups, num_tokens, held_tokens + block if lacking >= 2 else held_tokens)
+    honest = WorkerSide._announce
 
-    scheduler.decode_pages = overclaim   # type: ignore[assignment]
+    def overclaim(self: WorkerSide, recv: Any) -> None:
+        ((pool, pages),) = recv.pages.items()
+        if len(pages) >= 2:
+            recv = dataclasses.replace(recv, pages={pool: list(pages)[1:]},
+                                       prefix={pool: recv.prefix.get(pool, 0) + 1})
+        honest(self, recv)
+
+    WorkerSide._announce = overclaim   # type: ignore[method-assign]
     return make_transport("nixl")

