@@ -29,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvferry.errors import UsageError
-from kvferry.integrations.vllm.layout import GroupSpec, memory_from_kv_caches
+from kvferry.integrations.vllm.layout import GroupSpec, RankPlace, memory_from_kv_caches, rank_kv_heads
 from kvferry.integrations.vllm.scheduler import SchedulerSide, StepPlan
 from kvferry.integrations.vllm.worker import WorkerConfig, WorkerSide
 
@@ -76,8 +76,10 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = self._kv_transfer_config
         if transfer.kv_role not in _ROLES:
             raise UsageError(f"kvferry connector: kv_role must be one of {sorted(_ROLES)}, got {transfer.kv_role!r}")
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise UsageError("kvferry connector: tensor parallelism is not supported yet (tensor_parallel_size 1)")
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1 or parallel.data_parallel_size != 1:
+            raise UsageError(f"kvferry connector: pipeline parallel size {parallel.pipeline_parallel_size}, data "
+                             f"parallel size {parallel.data_parallel_size}: only tensor parallelism is supported")
         self._config = WorkerConfig.from_extra(_ROLES[transfer.kv_role], transfer.kv_connector_extra_config)
         self._groups = _groups(kv_cache_config)
         self._scheduler: SchedulerSide | None = None
@@ -89,10 +91,11 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Called once, after vLLM allocated its KV cache: bind it and start this worker's endpoints."""
         cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
+        place = _rank_place(self._vllm_config)
         memory = memory_from_kv_caches(kv_caches, self._groups, self._kv_cache_config.num_blocks,
                                        cache_dtype=cache_dtype,
-                                       kinds=_kinds(self._vllm_config, kv_caches, self._groups))
-        self._worker = WorkerSide(self._config, memory)
+                                       kinds=_kinds(self._vllm_config, kv_caches, self._groups), place=place)
+        self._worker = WorkerSide(self._config.for_rank(place.tp_rank), memory)
         log.info("kvferry: %s registered %d buffers in %d pools (%.1f MiB), prefill address %s",
                  self._config.role, len(memory.layout.buffers), len(memory.layout.pools),
                  memory.layout.nbytes / 2**20, self._worker.address)
@@ -133,9 +136,16 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- scheduler side --------------------------------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        handshake = metadata.get(0)
-        if isinstance(handshake, KVFerryHandshake) and self._scheduler is not None:
-            self._scheduler.address = handshake.address
+        """Every TP rank's prefill address (keyed by rank), once at start-up: the transfer parameters name
+        them all, so each decode rank can reach the prefill ranks holding its heads."""
+        ranks = [metadata.get(rank) for rank in range(len(metadata))]
+        if self._scheduler is None or not all(isinstance(h, KVFerryHandshake) for h in ranks):
+            return
+        addresses = [h.address for h in ranks]   # type: ignore[union-attr]
+        if None in addresses:
+            return   # a consumer: no prefill endpoint
+        self._scheduler.address = addresses[0]
+        self._scheduler.addresses = tuple(addresses) if len(addresses) > 1 else ()
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._scheduler is None:
@@ -178,6 +188,21 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()
+
+
+def _rank_place(vllm_config: VllmConfig) -> RankPlace:
+    """This worker's TP rank and how its blocks split into KV heads (``layout.RankPlace``). MLA's latent
+    cache is the same on every rank; MHA/GQA heads are sharded when they split evenly over the ranks, and
+    replicated by vLLM otherwise (then blocks move rank to rank only, and the handshake refuses other TP
+    sizes by name)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    model = vllm_config.model_config
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    tp_rank = get_tensor_model_parallel_rank() if tp_size > 1 else 0
+    if model.use_mla:
+        return RankPlace(tp_size, tp_rank, None, replicated=True)
+    return RankPlace(tp_size, tp_rank, rank_kv_heads(model.get_total_num_kv_heads(), tp_size))
 
 
 def _groups(kv_cache_config: KVCacheConfig) -> tuple[GroupSpec, ...]:

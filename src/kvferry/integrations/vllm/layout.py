@@ -27,11 +27,11 @@ import numpy as np
 import xxhash
 
 from kvferry.errors import LayoutError
-from kvferry.layout import Buffer, KVMemory, Layout, Pool
+from kvferry.layout import Buffer, HeadGeometry, KVMemory, Layout, Pool
 from kvferry.layout.spec import MAX_NAME_LEN
 
-__all__ = ["HYBRID_POOL", "NULL_BLOCK", "GroupSpec", "decode_pages", "memory_from_kv_caches", "num_blocks_for",
-           "pool_name", "request_pages"]
+__all__ = ["HYBRID_POOL", "NULL_BLOCK", "GroupSpec", "RankPlace", "decode_pages", "memory_from_kv_caches",
+           "num_blocks_for", "pool_name", "rank_kv_heads", "request_pages"]
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
@@ -70,6 +70,50 @@ class GroupSpec:
 
 
 HYBRID_POOL = "blocks"
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlace:
+    """This worker's place in its tensor-parallel group, and how its blocks split into KV heads.
+
+    ``kv_heads``: the KV heads this rank holds when the model's split evenly over the ranks (None when vLLM
+    replicates heads because there are fewer than ranks, or when unknown: such blocks move rank to rank
+    only, between equal TP sizes). ``replicated``: every rank holds the same bytes (MLA's latent cache):
+    a decode rank reads one prefill rank's copy, whatever the two TP sizes."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    kv_heads: int | None = None
+    replicated: bool = False
+
+
+def rank_kv_heads(total_kv_heads: int, tp_size: int) -> int | None:
+    """A rank's KV heads when ``total_kv_heads`` split evenly over ``tp_size`` ranks, else None (vLLM
+    replicates heads over ranks when there are fewer than ranks: no rank holds a distinct share)."""
+    if total_kv_heads < tp_size or total_kv_heads % tp_size:
+        return None
+    return total_kv_heads // tp_size
+
+
+def _heads(view: Any, page_bytes: int, block_size: int, place: RankPlace) -> HeadGeometry | None:
+    """How one block of ``view`` (``[num_blocks, ...]``) cuts into this rank's KV heads, or None.
+
+    Head-major ``[num_blocks, heads, block_size, ...]`` (the CPU kernels: each head's part of a block is
+    contiguous, whatever it holds inside) or token-major ``[num_blocks, block_size, heads, ...]`` (the CUDA
+    flash-attention K and V views). Whole heads are what moves between TP sizes, so the order inside a
+    head's part never matters; a shape that could be either (as many heads as tokens per block) gets none."""
+    if place.replicated:
+        return HeadGeometry.whole_page(page_bytes)
+    heads = place.kv_heads
+    shape = tuple(view.shape)
+    if heads is None or len(shape) < 3 or page_bytes % (heads * block_size) or heads == block_size:
+        return None
+    head_bytes = page_bytes // (heads * block_size)
+    if shape[1] == heads:
+        return HeadGeometry(heads, head_bytes, block_size, "head")
+    if shape[1] == block_size and shape[2] == heads:
+        return HeadGeometry(heads, head_bytes, block_size, "token")
+    return None
 
 
 def pool_name(group: int) -> str:
@@ -159,7 +203,8 @@ def _position_major(columns: Sequence[tuple[int, list[int]]], need: int) -> list
 
 
 def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSpec], num_blocks: int, *,
-                          cache_dtype: str = "auto", kinds: Mapping[str, str] | None = None) -> KVMemory:
+                          cache_dtype: str = "auto", kinds: Mapping[str, str] | None = None,
+                          place: RankPlace = RankPlace()) -> KVMemory:
     """Bind vLLM's per-layer KV tensors as a ``KVMemory``: a buffer per tensor, a pool per group.
 
     A tensor is ``[num_blocks, ...]`` (one buffer named after the layer) or ``[2, num_blocks, ...]`` (K and
@@ -172,9 +217,12 @@ def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSp
     one group at a time. Overlapping buffers cannot be told apart, so each distinct tensor is one buffer
     (named after the layers on it) of one pool, ``HYBRID_POOL``, indexed by block id; a request's pages
     there are its blocks in every group (``request_pages``).
+
+    ``place``: the worker's TP rank; each buffer then says how its blocks cut into this rank's KV heads
+    (``_heads``), which lets kvferry's TP planner move KV between prefill and decode of different TP sizes.
     """
     if len(groups) > 1:
-        return _hybrid_memory(kv_caches, groups, num_blocks, cache_dtype, kinds or {})
+        return _hybrid_memory(kv_caches, groups, num_blocks, cache_dtype, kinds or {}, place)
     pools: list[Pool] = []
     arrays: dict[str, Any] = {}
     for index, group in enumerate(groups):
@@ -184,15 +232,16 @@ def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSp
                 raise LayoutError(f"{pool_name(index)}: layer {layer!r} has no registered KV tensor")
             kind = (kinds or {}).get(layer, "kv")
             for name, view in _block_views(layer, kv_caches[layer], num_blocks):
-                buffers.append(Buffer(name, _nbytes(view) // num_blocks, num_blocks, _dtype(view, cache_dtype),
-                                      kind, _layer_index(layer)))
+                page_bytes = _nbytes(view) // num_blocks
+                buffers.append(Buffer(name, page_bytes, num_blocks, _dtype(view, cache_dtype), kind,
+                                      _layer_index(layer), _heads(view, page_bytes, group.block_size, place)))
                 arrays[name] = view
         pools.append(Pool(pool_name(index), buffers, tokens_per_page=group.block_size))
-    return KVMemory.from_arrays(Layout(pools), arrays)
+    return KVMemory.from_arrays(Layout(pools, place.tp_size, place.tp_rank), arrays)
 
 
 def _hybrid_memory(kv_caches: Mapping[str, Any], groups: Sequence[GroupSpec], num_blocks: int, cache_dtype: str,
-                   kinds: Mapping[str, str]) -> KVMemory:
+                   kinds: Mapping[str, str], place: RankPlace) -> KVMemory:
     """One pool over the distinct tensors of several overlaid groups (see ``memory_from_kv_caches``)."""
     block_sizes = sorted({group.block_size for group in groups})
     if len(block_sizes) != 1:
@@ -210,10 +259,12 @@ def _hybrid_memory(kv_caches: Mapping[str, Any], groups: Sequence[GroupSpec], nu
         name = _joined([view_name for view_name, _, _ in on_it])
         view = on_it[0][2]
         kind = "+".join(dict.fromkeys(kinds.get(layer, "kv") for _, layer, _ in on_it))
-        buffers.append(Buffer(name, _nbytes(view) // num_blocks, num_blocks, _dtype(view, cache_dtype), kind,
-                              _layer_index(on_it[0][1])))
+        page_bytes = _nbytes(view) // num_blocks
+        buffers.append(Buffer(name, page_bytes, num_blocks, _dtype(view, cache_dtype), kind,
+                              _layer_index(on_it[0][1]), _heads(view, page_bytes, block_sizes[0], place)))
         arrays[name] = view
-    return KVMemory.from_arrays(Layout([Pool(HYBRID_POOL, buffers, tokens_per_page=block_sizes[0])]), arrays)
+    pool = Pool(HYBRID_POOL, buffers, tokens_per_page=block_sizes[0])
+    return KVMemory.from_arrays(Layout([pool], place.tp_size, place.tp_rank), arrays)
 
 
 def _joined(names: Sequence[str]) -> str:

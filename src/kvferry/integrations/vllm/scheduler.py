@@ -32,6 +32,7 @@ __all__ = ["RecvSpec", "SchedulerSide", "SendSpec", "StepPlan", "transfer_params
 
 # The keys kvferry adds to a request's kv_transfer_params (the rest are vLLM's own PD conventions).
 ADDRESS_KEY = "kvferry_address"
+ADDRESSES_KEY = "kvferry_addresses"   # prefill's TP ranks' addresses, in rank order (only when TP > 1)
 TRANSFER_ID_KEY = "kvferry_request_id"
 NUM_TOKENS_KEY = "remote_num_tokens"
 SKIPPED_KEY = "kvferry_not_sent"   # why prefill sent nothing (decode then prefills the request itself)
@@ -55,6 +56,12 @@ class RecvSpec:
     address: str
     pages: Mapping[str, Sequence[int]]
     prefix: Mapping[str, int] = field(default_factory=dict)
+    addresses: tuple[str, ...] = ()   # prefill's TP group (rank order) when it runs more than one rank
+
+    @property
+    def prefill_ranks(self) -> tuple[str, ...]:
+        """Every prefill rank's address, in rank order (one: prefill runs TP 1)."""
+        return self.addresses or (self.address,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +74,16 @@ class StepPlan:
     failures: tuple[tuple[str, str], ...] = ()   # decode (request id, why): KV promised to vLLM, cannot come
 
 
-def transfer_params(address: str, transfer_id: str, num_tokens: int) -> dict[str, Any]:
-    """The ``kv_transfer_params`` prefill returns, which the client passes on to decode unchanged."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, ADDRESS_KEY: address,
-            TRANSFER_ID_KEY: transfer_id, NUM_TOKENS_KEY: num_tokens}
+def transfer_params(address: str, transfer_id: str, num_tokens: int,
+                    addresses: Sequence[str] = ()) -> dict[str, Any]:
+    """The ``kv_transfer_params`` prefill returns, which the client passes on to decode unchanged. With
+    prefill at TP > 1, ``addresses`` lists every rank's endpoint (rank 0's is ``address``): each decode rank
+    connects to the ranks holding its heads (``DecodeEndpoint.connect_all``)."""
+    params = {"do_remote_prefill": True, "do_remote_decode": False, ADDRESS_KEY: address,
+              TRANSFER_ID_KEY: transfer_id, NUM_TOKENS_KEY: num_tokens}
+    if len(addresses) > 1:
+        params[ADDRESSES_KEY] = list(addresses)
+    return params
 
 
 @dataclass
@@ -80,6 +93,7 @@ class SchedulerSide:
 
     groups: tuple[GroupSpec, ...]
     address: str | None = None
+    addresses: tuple[str, ...] = ()   # every TP rank's prefill endpoint, in rank order (TP > 1)
     _sends: list[SendSpec] = field(default_factory=list)
     _recvs: list[RecvSpec] = field(default_factory=list)
     _aborts: list[str] = field(default_factory=list)
@@ -124,8 +138,9 @@ class SchedulerSide:
         except LayoutError as exc:   # vLLM waits for this KV now: the worker reports it failed
             self._failures.append((request_id, str(exc)))
             return
+        ranks = params.get(ADDRESSES_KEY) or ()
         self._recvs.append(RecvSpec(request_id, str(params[TRANSFER_ID_KEY]), str(params[ADDRESS_KEY]), pages,
-                                    prefix))
+                                    prefix, tuple(str(a) for a in ranks)))
 
     # -- both ------------------------------------------------------------------------------------------
     def finished(self, request_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[Sequence[int]],
@@ -151,7 +166,7 @@ class SchedulerSide:
             return False, {"do_remote_prefill": False, "do_remote_decode": False, SKIPPED_KEY: str(exc)}
         self._sends.append(SendSpec(request_id, pages))
         self._holding.add(request_id)
-        return True, transfer_params(self.address, request_id, num_computed_tokens)
+        return True, transfer_params(self.address, request_id, num_computed_tokens, self.addresses)
 
     def take_plan(self) -> StepPlan:
         """vLLM's ``build_connector_meta``: what was staged since the last step, handed over once."""

@@ -18,13 +18,14 @@ import importlib
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
 from kvferry.errors import HandshakeError, IncompatiblePeer, KVFerryError, LayoutError, UsageError
 from kvferry.integrations.vllm.scheduler import RecvSpec, SendSpec, StepPlan
 from kvferry.layout import KVMemory
+from kvferry.plan import source_ranks
 from kvferry.transport import Transport, make_transport
 
 __all__ = ["WorkerConfig", "WorkerSide"]
@@ -35,6 +36,7 @@ ROLES = ("producer", "consumer", "both")
 MODES = ("push", "pull")
 # How long a prefill address whose handshake timed out is not retried (a refused layout is never retried).
 RETRY_AFTER = 5.0
+MAX_PREFILL_RANKS = 1024   # transfer parameters are untrusted input: far above any TP size
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,11 @@ class WorkerConfig:
             raise UsageError(f"kvferry connector: unknown kv_connector_extra_config keys {unknown} "
                              f"(known: {sorted(known)})")
         return cls(role, **dict(extra or {}))
+
+    def for_rank(self, tp_rank: int) -> WorkerConfig:
+        """The settings of TP rank ``tp_rank``'s worker: a fixed ``port`` is rank 0's, rank ``r`` listens on
+        ``port + r`` (every rank has a prefill endpoint of its own)."""
+        return self if not self.port or not tp_rank else replace(self, port=self.port + tp_rank)
 
     def options(self) -> EndpointOptions:
         return EndpointOptions(request_timeout=self.request_timeout, handshake_timeout=self.handshake_timeout,
@@ -198,26 +205,45 @@ class WorkerSide:
         if self.decode is None:
             raise UsageError('a receive staged on an instance without a decode endpoint')
         try:
-            self._connect(recv.address)
-            self.decode.announce(recv.transfer_id, recv.pages, peer=recv.address, prefix=recv.prefix)
+            peer = self._connect(recv.prefill_ranks)
+            self.decode.announce(recv.transfer_id, recv.pages, peer=peer, prefix=recv.prefix)
         except KVFerryError as exc:
             self._failed_now[recv.request_id] = exc
             return
         self._recving[recv.request_id] = recv
 
-    def _connect(self, address: str) -> None:
+    def _connect(self, ranks: tuple[str, ...]) -> str | list[str]:
+        """Connect to the prefill ranks this decode rank needs, out of prefill's TP group ``ranks`` (rank
+        order); the announce's ``peer``. One rank on each side: that address, as ever. Otherwise the
+        ranks holding this rank's heads (``connect_all``; the handshake refuses, by name, head counts or
+        TP sizes that cannot pair)."""
         if self.decode is None:
             raise UsageError('kvferry connector: this instance has no decode endpoint (see kv_role)')
-        if address in self.decode.peers:
-            return
-        refused = self._refused.get(address)
+        if len(ranks) > MAX_PREFILL_RANKS:
+            raise UsageError(f"kvferry connector: the transfer parameters name {len(ranks)} prefill ranks, more "
+                             f"than {MAX_PREFILL_RANKS}")
+        single = len(ranks) == 1 and self.decode.memory.layout.tp_size == 1
+        needed = list(ranks) if single else [ranks[r] for r in self._source_ranks(len(ranks))]
+        if all(a in self.decode.peers for a in needed):
+            return needed[0] if single else needed
+        key = ",".join(ranks)
+        refused = self._refused.get(key)
         if refused is not None and (isinstance(refused[1], IncompatiblePeer) or time.monotonic() < refused[0]):
             raise refused[1]
         try:
-            self.decode.connect(address)
+            if single:
+                self.decode.connect(ranks[0])
+            else:
+                needed = self.decode.connect_all(list(ranks))
         except HandshakeError as exc:
-            self._refused[address] = (time.monotonic() + RETRY_AFTER, exc)
+            self._refused[key] = (time.monotonic() + RETRY_AFTER, exc)
             raise
+        return needed[0] if single else needed
+
+    def _source_ranks(self, prefill_tp: int) -> list[int]:
+        assert self.decode is not None
+        layout = self.decode.memory.layout
+        return list(source_ranks(layout.tp_rank, prefill_tp, layout.tp_size))
 
     def _received(self, recv: RecvSpec) -> bool | None:
         """True: arrived and verified. False: failed and no write can land any more (its blocks are

@@ -1,0 +1,153 @@
+"""kvferry's vLLM connector at tensor-parallel sizes > 1, one process per rank over NIXL, without vLLM.
+
+Each rank is its own process with one worker-side half over numpy KV caches shaped as vLLM-CPU's, bound by
+the connector's own layout code (``tests/vllm_tp_ranks.py``); this process plays the two engine cores.
+Every test checks the bytes of every decode rank: each received block holds exactly the rank's KV heads of
+prefill's block, every other block (a held prefix among them) is untouched. The same flow inside real vLLM
+engines is tests/test_vllm.py's TP tests (slow suite).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvferry.integrations.vllm.layout import GroupSpec, num_blocks_for
+from kvferry.integrations.vllm.scheduler import SchedulerSide
+
+from .vllm_tp_ranks import BLOCK_SIZE, LAYERS, NUM_BLOCKS, SENTINEL, Rank, RankSpec, global_kv, head_slice
+
+pytest.importorskip("nixl")
+pytest.importorskip("kvferry.transport.nixl")
+pytestmark = pytest.mark.nixl
+
+GROUPS = (GroupSpec(LAYERS, BLOCK_SIZE),)
+HEADS = 4
+
+
+class Request:
+    def __init__(self, rid: str, num_tokens: int, src: list[int], dst: list[int], held: int) -> None:
+        self.rid, self.num_tokens, self.src, self.dst, self.held = rid, num_tokens, src, dst, held
+
+
+def _requests(n: int, seed: int) -> list[Request]:
+    """``n`` prompts of lengths that are not whole blocks; every third one with a decode prefix-cache hit."""
+    rng = np.random.default_rng(seed)
+    lengths = [int(x) for x in rng.integers(2, 60, n)]
+    lengths = [x + 1 if x % BLOCK_SIZE == 0 else x for x in lengths]
+    blocks = [num_blocks_for(x, BLOCK_SIZE) for x in lengths]
+    src = rng.permutation(np.arange(1, NUM_BLOCKS["producer"]))
+    dst = rng.permutation(np.arange(1, NUM_BLOCKS["consumer"]))
+    assert sum(blocks) < len(dst)
+    reqs, at = [], 0
+    for i, (length, nb) in enumerate(zip(lengths, blocks)):
+        held = (nb - 1) if i % 3 == 0 else 0    # whole blocks, short of the prompt
+        reqs.append(Request(f"req-{i}", length, src[at:at + nb].tolist(), dst[at:at + nb].tolist(), held))
+        at += nb
+    return reqs
+
+
+@pytest.fixture
+def ranks() -> Iterator[list[Rank]]:
+    started: list[Rank] = []
+    yield started
+    for rank in started:
+        rank.close()
+
+
+def _start(ranks: list[Rank], role: str, tp: int, **kw: object) -> list[Rank]:
+    group = [Rank(RankSpec(role, tp, r, HEADS, **kw)) for r in range(tp)]   # type: ignore[arg-type]
+    ranks.extend(group)
+    return group
+
+
+def _hand_off(prefill: list[Rank], decode: list[Rank], reqs: list[Request]) -> tuple[set[str], dict[str, str]]:
+    addresses = [r.address for r in prefill]
+    psched = SchedulerSide(GROUPS, addresses[0], tuple(addresses) if len(addresses) > 1 else ())  # type: ignore[arg-type]
+    params = {}
+    for req in reqs:
+        keep, params[req.rid] = psched.finished(req.rid, {"do_remote_decode": True}, [req.src], req.num_tokens, True)
+        assert keep and params[req.rid]
+    send_plan = psched.take_plan()
+    for rank in prefill:      # vLLM hands every worker the same connector metadata
+        rank.plan(send_plan)
+    dsched = SchedulerSide(GROUPS)
+    for req in reqs:
+        held_tokens = req.held * BLOCK_SIZE
+        count, is_async = dsched.matched_tokens(req.rid, req.num_tokens, params[req.rid], held_tokens)
+        assert is_async and count == req.num_tokens - held_tokens
+        dsched.after_alloc(req.rid, params[req.rid], [req.dst], count)
+    recv_plan = dsched.take_plan()
+    for rank in decode:
+        rank.plan(recv_plan)
+    ids = [r.rid for r in reqs]
+    finished: set[str] = set(ids)
+    failed: dict[str, str] = {}
+    for rank in decode:   # vLLM's aggregator: finished once every rank reported it; failed if any did
+        done, why = rank.collect(ids)
+        finished &= done
+        failed.update({rid: f"decode rank {rank.spec.tp_rank}: {reason}" for rid, reason in why.items()})
+    for rank in prefill:
+        sent, _ = rank.collect(ids)
+        assert sent == set(ids), f"prefill rank {rank.spec.tp_rank} still holds {set(ids) - sent}"
+    return finished, failed
+
+
+def _check_bytes(decode: list[Rank], reqs: list[Request], seed: int = 5, *, skip: set[str] = frozenset()) -> None:
+    """Every decode rank: each request's blocks past its prefix hold the rank's heads of prefill's blocks;
+    every other block still holds the sentinel (a held prefix was never written)."""
+    for rank in decode:
+        heads = head_slice(HEADS, rank.spec.tp_size, rank.spec.tp_rank)
+        caches = rank.caches()
+        for layer, name in enumerate(LAYERS):
+            want = np.full_like(caches[name], SENTINEL)
+            kv = global_kv(seed, HEADS, layer)
+            for req in reqs:
+                if req.rid in skip:
+                    continue
+                want[req.dst[req.held:]] = kv[req.src[req.held:], heads]
+            got = caches[name]
+            bad = np.flatnonzero(~(got == want).all(axis=(1, 2, 3)))
+            assert not len(bad), f"decode rank {rank.spec.tp_rank}, {name}: blocks {bad[:8].tolist()} differ"
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (2, 1), (1, 2)])
+def test_each_decode_rank_receives_exactly_its_heads(ranks: list[Rank], prefill_tp: int, decode_tp: int) -> None:
+    prefill = _start(ranks, "producer", prefill_tp)
+    decode = _start(ranks, "consumer", decode_tp)
+    reqs = _requests(32, seed=prefill_tp * 10 + decode_tp)
+    finished, failed = _hand_off(prefill, decode, reqs)
+    assert not failed, failed
+    assert finished == {r.rid for r in reqs}
+    _check_bytes(decode, reqs)
+
+
+def test_a_head_slice_corrupted_on_one_prefill_rank_fails_the_request_by_name(ranks: list[Rank]) -> None:
+    """Prefill rank 1 of 2 flips a byte of every layer-0 block it writes: each request fails on the decode
+    rank its heads go to, naming the buffer and the page; vLLM, which fails a request any rank failed, never
+    decodes on it. Rank 0's heads arrive intact."""
+    prefill = [Rank(RankSpec("producer", 2, 0, HEADS)),
+               Rank(RankSpec("producer", 2, 1, HEADS, fault=f"flip:{LAYERS[0]}"))]
+    ranks.extend(prefill)
+    decode = _start(ranks, "consumer", 2)
+    reqs = _requests(8, seed=3)
+    _, failed = _hand_off(prefill, decode, reqs)
+    assert set(failed) == {r.rid for r in reqs}
+    for reason in failed.values():
+        assert reason.startswith("decode rank 1: "), reason
+        assert LAYERS[0] in reason and "page" in reason, reason
+    _check_bytes(decode[:1], reqs)     # rank 0 got its heads, verified
+
+
+def test_head_counts_that_cannot_pair_are_refused_at_the_handshake(ranks: list[Rank]) -> None:
+    """A decode built for a model with half the KV heads (2 instead of 4) is refused before a byte moves,
+    naming both head totals."""
+    prefill = _start(ranks, "producer", 1)
+    decode = [Rank(RankSpec("consumer", 2, r, 2)) for r in range(2)]
+    ranks.extend(decode)
+    reqs = _requests(2, seed=4)
+    _, failed = _hand_off(prefill, decode, reqs)
+    assert set(failed) == {r.rid for r in reqs}
+    assert all("total heads" in why and "4" in why and "2" in why for why in failed.values()), failed
