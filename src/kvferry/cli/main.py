@@ -13,14 +13,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvferry.cli import bench, chaos, demo, diff, layouts, stress, vllm_proxy
+from kvferry.cli import bench, chaos, demo, diff, layouts, stress, vllm_chaos, vllm_proxy
 from kvferry.errors import KVFerryError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 # Each adds its subcommands, in the order ``kvferry --help`` lists them.
 COMMANDS = (layouts.add_presets_parser, layouts.add_audit_parser, layouts.add_sizing_parser, demo.add_parser,
-            stress.add_parser, chaos.add_parser, diff.add_parser, bench.add_parser, vllm_proxy.add_parser)
+            stress.add_parser, chaos.add_parser, diff.add_parser, bench.add_parser, vllm_proxy.add_parser,
+            vllm_chaos.add_parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
