@@ -236,3 +236,18 @@ def test_stress_command_reports_moved_bytes_per_turn(capsys: pytest.CaptureFixtu
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "moved per turn" in out and "PASS" in out
+
+
+@needs_nixl
+@pytest.mark.nixl
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_nixl_two_process_reuse_prefix_run_moves_what_decode_lacks(mode: str) -> None:
+    config = reuse(transport="nixl", mode=mode)
+    result = run_workload(config)
+    assert result.error is None and result.ok, result.first_failure
+    assert result.pages_verified == buffer_pages(config.layout(), REUSE)
+    got = {r["turn"]: (r["pages_moved"], r["pages_whole"], r["bytes_moved"], r["bytes_whole"])
+           for r in result.per_turn}
+    assert got == expected_moved(config.layout(), REUSE)
+    assert multiprocessing.active_children() == []
