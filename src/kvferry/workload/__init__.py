@@ -2,9 +2,11 @@
 processes, every page verified.
 
 Above ``control`` and ``diagnostics``; below the benchmark suite and ``cli``. Inside, bottom to top: ``sim``
-(allocators, the schedule, page contents), ``config`` (what a run is given and reports), ``faults`` (the
-transport wrapper that injects faults), ``side`` (what both sides share), ``decode`` and ``prefill`` (each
-side's loop), ``supervisor`` (processes, deadline, clean-up), ``runner`` (``run_workload``). The chaos run
+(allocators, the schedule, page contents), ``reuse`` (decode's prefix cache for ``--reuse-prefix``: which
+pages it keeps between turns, and whose bytes they hold), ``config`` (what a run is given and reports),
+``faults`` (the transport wrapper that injects faults), ``side`` (what both sides share), ``decode`` and
+``prefill`` (each side's loop), ``supervisor`` (processes, deadline, clean-up), ``runner``
+(``run_workload``). The chaos run
 builds on them: ``relay`` (a loopback TCP relay that can cut connections), ``chaos_plan`` (its config, fault
 schedule, request stream and result), ``chaos_sides`` (restartable sides and the page ledger), ``chaos``
 (``run_chaos``: the supervisor that stalls, kills and cuts).
