@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvferry.errors import UsageError
 from kvferry.integrations.vllm.layout import GroupSpec, RankPlace, memory_from_kv_caches, rank_kv_heads
 from kvferry.integrations.vllm.scheduler import SchedulerSide, StepPlan
+from kvferry.integrations.vllm.stats import KVFerryConnectorStats, KVFerryPromMetrics, StatsTaker
 from kvferry.integrations.vllm.worker import WorkerConfig, WorkerSide
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         self._groups = _groups(kv_cache_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._stats = StatsTaker()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self._groups)
 
@@ -128,6 +130,22 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending, results.finished_recving
+
+    # -- stats (integrations.vllm.stats) ---------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVFerryConnectorStats | None:
+        """Worker side, after each step: what this worker's endpoints did since the last call, or None."""
+        if self._worker is None:
+            return None
+        return self._stats.take(e for e in (self._worker.prefill, self._worker.decode) if e is not None)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVFerryConnectorStats:
+        return KVFerryConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVFerryPromMetrics:
+        return KVFerryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:
