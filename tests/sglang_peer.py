@@ -678,6 +678,7 @@ def main() -> None:
     out["rank"] = rank
     out["page_size"] = int(args.page_size)
     print(json.dumps(out), flush=True)
+    out["stats"] = mgr.endpoint.stats().to_dict()   # kvferry's endpoint stats (docs/metrics.md)
     if role == "prefill":
         time.sleep(cfg.get("linger", 1.0))  # let decode finish its last polls before the endpoint goes
     os._exit(0)  # SGLang's threads (bootstrap server, NIXL workers) are not daemons everywhere

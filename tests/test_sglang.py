@@ -122,9 +122,15 @@ def test_kvferry_backend_moves_every_byte(pool: str) -> None:
     assert _ok(prefill) == N and _ok(decode) == N, (Counter(prefill["outcomes"].values()),
                                                     Counter(decode["outcomes"].values()))
     assert_exact(decode)
-    # SGLang's transfer metric: its byte count (pages x item lengths) and kvferry's first-send-to-Success time
+    # SGLang's transfer metric, from kvferry: the bytes of the pages it moved and its first-send-to-DONE time
     for total_bytes, latency in prefill["metrics"].values():
         assert total_bytes > 0 and latency is not None and latency > 0
+    # ... equal to what kvferry's endpoints counted (issue 25): every request, every byte, on both sides.
+    stats = {"prefill": prefill["stats"], "decode": decode["stats"]}
+    assert stats["prefill"]["requests_done"] == stats["decode"]["requests_done"] == N
+    assert sum(total for total, _ in prefill["metrics"].values()) == stats["prefill"]["page_bytes"] == \
+        stats["decode"]["page_bytes"] > 0
+    assert stats["prefill"]["requests_failed"] == stats["decode"]["requests_failed"] == {}
     RESULTS["kvferry", pool] = decode
 
 

@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Any
 
-from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferDestination
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferDestination, KVTransferMetric
 from sglang.srt.disaggregation.common.conn import (
     CommonKVBootstrapServer,
     CommonKVManager,
@@ -197,6 +197,8 @@ class KVFerryKVSender(CommonKVSender):
     kv_mgr: KVFerryKVManager
     # KV pages of the request decode already holds (as popped): the first sent KV page's position.
     prefix_pages = 0
+    # Bytes of the pages handed to kvferry for this request, every pool (get_transfer_metric).
+    moved_bytes = 0
 
     def pop_decode_prefix_len(self) -> int:
         """Decode's prefix in tokens (whole KV pages: kvferry refused any other at the announce), from
@@ -229,10 +231,22 @@ class KVFerryKVSender(CommonKVSender):
                                          state_indices)
             if pages or last:
                 self.kv_mgr.endpoint.send(_room_id(self.bootstrap_room), pages, offset=offsets, last=last)
+                self.moved_bytes += _page_bytes(self.kv_mgr, pages)
         except KVFerryError as exc:
             self._fail(f"kvferry send failed: {exc}")
             return
         self._record_transfer_indices(kv_indices, state_indices if last else None)
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        """What SGLang's metrics collector records per request (``sglang:kv_transfer_*``, on Success), from
+        kvferry: the bytes of the pages kvferry moved for it, every pool (what the endpoint's stats count as
+        ``page_bytes``), and its time from the first send to DONE on the prefill endpoint."""
+        try:
+            started, ended = self.kv_mgr.endpoint.timing(_room_id(self.bootstrap_room))
+        except UsageError:   # never sent (aborted or failed first): nothing moved, no time to report
+            return KVTransferMetric(transfer_total_bytes=self.moved_bytes)
+        return KVTransferMetric(transfer_latency_s=None if ended is None else ended - started,
+                                transfer_total_bytes=self.moved_bytes)
 
     def poll(self) -> KVPoll:
         if self.conclude_state is not None:
@@ -253,6 +267,12 @@ class KVFerryKVSender(CommonKVSender):
         self.kv_mgr.fail(self.bootstrap_room, reason)
         _abort(self.kv_mgr, self.bootstrap_room, reason)
         self.conclude_state = KVPoll.Failed
+
+
+def _page_bytes(mgr: KVFerryKVManager, pages: dict[str, Any]) -> int:
+    """The bytes of ``pages`` (pool -> page list) over every buffer of their pools, on this side."""
+    layout = mgr.kvferry_memory.layout
+    return sum(len(p) * sum(b.page_bytes for b in layout.pool(pool).buffers) for pool, p in pages.items())
 
 
 def _parallel_refusal(info: Any, mgr: KVFerryKVManager) -> str | None:
