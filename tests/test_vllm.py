@@ -476,7 +476,8 @@ def test_80_multi_turn_sessions_through_the_proxy(servers: dict[str, str], model
     print(f"{NUM_SESSIONS} sessions x {NUM_TURNS} turns through the proxy in {elapsed:.1f} s: "
           f"{equal}/{NUM_SESSIONS * NUM_TURNS} answers equal one instance's ({prompt_tokens} prompt tokens: "
           f"{moved['local_cache_hit']:.0f} in decode's cache, {moved['external_kv_transfer']:.0f} from kvferry, "
-          f"{moved['local_compute']:.0f} computed; {pages} blocks moved, {lacking_blocks:.0f} lacked, "
+          f"{moved['local_compute']:.0f} computed; {pages} blocks moved, {lacking_blocks:.0f} lacked, of "
+          f"{sum(-(-len(p) // BLOCK_SIZE) for p in prompts)} under the prompts, "
           f"{sum(w['nbytes'] for w in writes)} bytes)")
     assert equal == NUM_SESSIONS * NUM_TURNS
     assert moved["local_compute"] == 0
