@@ -243,24 +243,27 @@ def sent_pages(whole: list[int], kind: str, prefix: int, num_pages: int) -> list
     return whole
 
 
-def request_shape(i: int, past_every: int) -> tuple[int, int]:
+def request_shape(i: int, past_every: int = 0, full_every: int = 0) -> tuple[int, int]:
     """Request ``i``'s (pages, prefix pages decode claims): 3 to 5 pages, a prefix of none, one page or all
-    but one page in turn; every ``past_every``-th claims PAST pages beyond the request."""
+    but one page in turn; every ``past_every``-th claims PAST pages beyond the request, every
+    ``full_every``-th holds all of it (SGLang's full radix hit: only aux and request state move)."""
     num_pages = 3 + (i // 3) % 3
     if past_every and i % past_every == past_every - 1:
         return num_pages, num_pages + PAST
+    if full_every and i % full_every == full_every - 1:
+        return num_pages, num_pages
     return num_pages, (0, 1, num_pages - 1)[i % 3]
 
 
 def prefix_requests(caps: dict[str, int], types: dict[str, str], n: int, seed: int,
-                    past_every: int = 0) -> list[dict[str, Any]]:
+                    past_every: int = 0, full_every: int = 0) -> list[dict[str, Any]]:
     """``n`` requests with decode prefixes (``request_shape``). Decode's prefix pages come from a shared set
     of cached pages (its radix cache: many requests share them); every page decode receives is distinct
     and outside that set; source pages are random; the top page of every index space is some request's
     destination and some request's source."""
     rng = np.random.default_rng(seed)
     groups = [g for g in caps if g != "aux"]
-    shapes = [request_shape(i, past_every) for i in range(n)]
+    shapes = [request_shape(i, past_every, full_every) for i in range(n)]
     held_max = max(p for _, p in shapes)
     cached = {g: rng.permutation(caps[g] - 1)[:held_max] for g in groups if types[g] in TOKEN_PAGED}
     reqs = []
@@ -660,7 +663,7 @@ def main() -> None:
     fill(bufs, fill_seed(cfg, role, rank))
     if cfg.get("prefix"):
         reqs = prefix_requests(capacities(bufs), group_types(args), cfg["n"], cfg["seed"] + 7,
-                               cfg.get("past_every", 0))
+                               cfg.get("past_every", 0), cfg.get("full_every", 0))
         if role == "decode":
             hold_prefixes(bufs, reqs)
     else:
@@ -675,10 +678,10 @@ def main() -> None:
         out["check"] = check_bytes(bufs, cfg, reqs, out["outcomes"], rank)
         out["capacities"] = capacities(bufs)
     out["slots"] = [b.nbytes // b.item for b in bufs]
+    out["stats"] = mgr.endpoint.stats().to_dict()   # kvferry's endpoint stats (docs/metrics.md)
     out["rank"] = rank
     out["page_size"] = int(args.page_size)
     print(json.dumps(out), flush=True)
-    out["stats"] = mgr.endpoint.stats().to_dict()   # kvferry's endpoint stats (docs/metrics.md)
     if role == "prefill":
         time.sleep(cfg.get("linger", 1.0))  # let decode finish its last polls before the endpoint goes
     os._exit(0)  # SGLang's threads (bootstrap server, NIXL workers) are not daemons everywhere
