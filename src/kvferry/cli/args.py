@@ -10,14 +10,15 @@ import argparse
 import json
 import re
 import sys
+from typing import Any
 
 from rich.console import Console
 
 from kvferry.layout.presets import DEFAULT_PRESET, PRESETS, get_preset
 from kvferry.layout.spec import Layout
 
-__all__ = ["DEFAULT_BUDGET", "add_layout_arguments", "emit_json", "human_bytes", "layout_from_args", "make_console",
-           "parse_knob", "parse_size", "per_token", "positive_int"]
+__all__ = ["DEFAULT_BUDGET", "add_layout_arguments", "add_metrics_argument", "emit_json", "human_bytes",
+           "layout_from_args", "make_console", "parse_knob", "parse_size", "per_token", "positive_int", "start_metrics"]
 
 DEFAULT_BUDGET = "4GiB"
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
@@ -116,4 +117,19 @@ def human_bytes(num_bytes: float) -> str:
 def per_token(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
+def add_metrics_argument(p: argparse.ArgumentParser) -> None:
+    """``--metrics-port``, for ``stress`` and ``chaos``: the sides' endpoint stats served to Prometheus."""
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve both sides' kvferry metrics at http://127.0.0.1:PORT/metrics while the run lasts "
+                        "(docs/metrics.md; needs prometheus_client); --json includes the stats either way")
 
+
+def start_metrics(args: argparse.Namespace) -> Any:
+    """The ``--metrics-port`` server (before the sides start), or None."""
+    if args.metrics_port is None:
+        return None
+    from kvferry.workload.metrics import serve_metrics
+
+    server = serve_metrics(args.metrics_port)
+    print(f"kvferry: metrics at http://127.0.0.1:{server.server_port}/metrics", file=sys.stderr)
+    return server

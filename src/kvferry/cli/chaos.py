@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvferry.cli.args import human_bytes, make_console, parse_size, positive_int
+from kvferry.cli.args import add_metrics_argument, human_bytes, make_console, parse_size, positive_int, start_metrics
 from kvferry.layout.presets import DEFAULT_PRESET, PRESETS
 from kvferry.workload.chaos import ChaosProgress
 from kvferry.workload.chaos_plan import ChaosConfig, ChaosResult, fault_schedule
@@ -55,6 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     f.add_argument("--request-timeout", type=float, default=10.0, metavar="S", help="per-request deadline")
     f.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     f.add_argument("--schedule", action="store_true", help="print the fault schedule and exit")
+    add_metrics_argument(p)   # a killed side's totals stay: the counters include every incarnation
     p.set_defaults(handler=run_chaos_command)
 
 
@@ -80,8 +81,13 @@ def run_chaos_command(args: argparse.Namespace) -> int:
         print("kvferry chaos: needs the nixl package (pip install 'kvferry[nixl]'): faults need two processes",
               file=sys.stderr)
         return 2
-    with _live(enabled=not args.json and sys.stderr.isatty(), duration=config.duration_s) as tick:
-        result = run_chaos(config, progress=tick)
+    server = start_metrics(args)
+    try:
+        with _live(enabled=not args.json and sys.stderr.isatty(), duration=config.duration_s) as tick:
+            result = run_chaos(config, progress=tick)
+    finally:
+        if server is not None:
+            server.shutdown()
     if args.json:
         sys.stdout.write(json.dumps({**result.to_dict(), "verdict": verdict(result)}) + "\n")
     else:

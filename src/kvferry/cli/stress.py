@@ -18,15 +18,22 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvferry.cli.args import human_bytes, make_console, parse_knob, parse_size, positive_int
+from kvferry.cli.args import (
+    add_metrics_argument,
+    human_bytes,
+    make_console,
+    parse_knob,
+    parse_size,
+    positive_int,
+    start_metrics,
+)
 from kvferry.diagnostics.audit import buffer_role
 from kvferry.layout.presets import DEFAULT_PRESET, PRESETS
 from kvferry.transport import nixl_available
 from kvferry.workload.runner import DEFAULT_BUDGET, ProgressFn, WorkloadConfig, WorkloadResult
 from kvferry.workload.sim import WorkloadSpec
 
-__all__ = ["add_metrics_argument", "add_parser", "add_workload_arguments", "config_from_args", "render", "run_stress",
-           "start_metrics", "verdict"]
+__all__ = ["add_parser", "add_workload_arguments", "config_from_args", "render", "run_stress", "verdict"]
 
 # Corrupted buffers listed by name in the verdict; beyond that, by role.
 MAX_NAMED_BUFFERS = 6
@@ -48,23 +55,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_metrics_argument(p)
     p.set_defaults(handler=run_stress)
 
-
-def add_metrics_argument(p: argparse.ArgumentParser) -> None:
-    """``--metrics-port``, for ``stress`` and ``chaos``: the sides' endpoint stats served to Prometheus."""
-    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="serve both sides' kvferry metrics at http://127.0.0.1:PORT/metrics while the run lasts "
-                        "(docs/metrics.md; needs prometheus_client); --json includes the stats either way")
-
-
-def start_metrics(args: argparse.Namespace) -> Any:
-    """The ``--metrics-port`` server (before the sides start), or None."""
-    if args.metrics_port is None:
-        return None
-    from kvferry.workload.metrics import serve_metrics
-
-    server = serve_metrics(args.metrics_port)
-    print(f"kvferry: metrics at http://127.0.0.1:{server.server_port}/metrics", file=sys.stderr)
-    return server
 
 
 def add_workload_arguments(p: argparse.ArgumentParser, *, sessions: int, turns: int, timeout: float) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 from kvferry.errors import KVFerryError, LeaseError, PeerLost
 from kvferry.workload.chaos_plan import ChaosConfig, RequestStream
 from kvferry.workload.decode import DecodeLink, failure_kind, poll_live, release_ended, request_bytes
+from kvferry.workload.metrics import side_metrics
 from kvferry.workload.prefill import PrefillSide
 from kvferry.workload.side import IDLE_S, PROGRESS_S, Live, Side
 from kvferry.workload.sim import RequestSpec, page_keys, wrong_bytes
@@ -305,8 +306,10 @@ def chaos_side_main(side: str, config: ChaosConfig, router: Connection, parent: 
             runner: Side = ChaosDecodeSide(config, router, parent, relay, resume)
         else:
             runner = ChaosPrefillSide(config, router, parent)
-        with runner:
+        # The runner's link may be rebuilt after a cut: publish whichever endpoint is current.
+        with runner, side_metrics(lambda: runner.link.endpoint):
             report = runner.run()
+            report["stats"] = runner.link.endpoint.stats().to_dict()
         parent.send(("result", report))
     except BaseException as exc:  # report everything, then let the process end
         detail = traceback.format_exc(limit=6) if not isinstance(exc, KVFerryError) else ""
