@@ -50,8 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "request failed.")
     add_workload_arguments(p, sessions=80, turns=25, timeout=900.0)
     p.add_argument("--reuse-prefix", action="store_true",
-                   help="decode keeps each session's whole pages between turns and kvferry moves only the "
-                        "pages it lacks; reports pages and bytes moved per turn against the whole prompt's")
+                   help="decode keeps each session's whole pages between turns (sliding-window pools and "
+                        "state slots move whole) and kvferry moves only the pages it lacks; reports pages and "
+                        "bytes moved per turn against the whole prompt's")
     add_metrics_argument(p)
     p.set_defaults(handler=run_stress)
 
