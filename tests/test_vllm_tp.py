@@ -32,7 +32,7 @@ class Request:
         self.rid, self.num_tokens, self.src, self.dst, self.held = rid, num_tokens, src, dst, held
 
 
-def _requests(n: int, seed: int) -> list[Request]:
+def _requests(n: int, seed: int, prefix: str = "req") -> list[Request]:
     """``n`` prompts of lengths that are not whole blocks; every third one with a decode prefix-cache hit."""
     rng = np.random.default_rng(seed)
     lengths = [int(x) for x in rng.integers(2, 60, n)]
@@ -44,7 +44,7 @@ def _requests(n: int, seed: int) -> list[Request]:
     reqs, at = [], 0
     for i, (length, nb) in enumerate(zip(lengths, blocks)):
         held = (nb - 1) if i % 3 == 0 else 0    # whole blocks, short of the prompt
-        reqs.append(Request(f"req-{i}", length, src[at:at + nb].tolist(), dst[at:at + nb].tolist(), held))
+        reqs.append(Request(f"{prefix}-{i}", length, src[at:at + nb].tolist(), dst[at:at + nb].tolist(), held))
         at += nb
     return reqs
 
@@ -63,7 +63,11 @@ def _start(ranks: list[Rank], role: str, tp: int, **kw: object) -> list[Rank]:
     return group
 
 
-def _hand_off(prefill: list[Rank], decode: list[Rank], reqs: list[Request]) -> tuple[set[str], dict[str, str]]:
+def _hand_off(prefill: list[Rank], decode: list[Rank], reqs: list[Request], *,
+              refused: bool = False) -> tuple[set[str], dict[str, str]]:
+    """vLLM's hand-off through both scheduler halves; what vLLM would see: requests finished on every decode
+    rank, and those any rank failed. ``refused``: decode never announces, so prefill holds its blocks until
+    its request timeout (not waited for)."""
     addresses = [r.address for r in prefill]
     psched = SchedulerSide(GROUPS, addresses[0], tuple(addresses) if len(addresses) > 1 else ())  # type: ignore[arg-type]
     params = {}
@@ -89,7 +93,7 @@ def _hand_off(prefill: list[Rank], decode: list[Rank], reqs: list[Request]) -> t
         done, why = rank.collect(ids)
         finished &= done
         failed.update({rid: f"decode rank {rank.spec.tp_rank}: {reason}" for rid, reason in why.items()})
-    for rank in prefill:
+    for rank in [] if refused else prefill:
         sent, _ = rank.collect(ids)
         assert sent == set(ids), f"prefill rank {rank.spec.tp_rank} still holds {set(ids) - sent}"
     return finished, failed
@@ -124,6 +128,21 @@ def test_each_decode_rank_receives_exactly_its_heads(ranks: list[Rank], prefill_
     _check_bytes(decode, reqs)
 
 
+def test_pull_mode_at_equal_tp_and_refused_across(ranks: list[Rank]) -> None:
+    """Pull mode (decode reads prefill's blocks) at TP 2 -> 2, byte for byte; across TP sizes prefill refuses
+    it at the handshake, naming both sizes (pull is built for equal TP sizes only)."""
+    prefill = _start(ranks, "producer", 2)
+    decode = _start(ranks, "consumer", 2, mode="pull")
+    reqs = _requests(16, seed=6)
+    finished, failed = _hand_off(prefill, decode, reqs)
+    assert not failed and finished == {r.rid for r in reqs}, failed
+    _check_bytes(decode, reqs)
+    single = _start(ranks, "consumer", 1, mode="pull")
+    _, failed = _hand_off(prefill, single, _requests(2, seed=7, prefix="across"), refused=True)
+    assert failed and all("pull mode is built for equal TP sizes only (prefill TP 2, decode TP 1)" in why
+                          for why in failed.values()), failed
+
+
 def test_a_head_slice_corrupted_on_one_prefill_rank_fails_the_request_by_name(ranks: list[Rank]) -> None:
     """Prefill rank 1 of 2 flips a byte of every layer-0 block it writes: each request fails on the decode
     rank its heads go to, naming the buffer and the page; vLLM, which fails a request any rank failed, never
@@ -148,6 +167,6 @@ def test_head_counts_that_cannot_pair_are_refused_at_the_handshake(ranks: list[R
     decode = [Rank(RankSpec("consumer", 2, r, 2)) for r in range(2)]
     ranks.extend(decode)
     reqs = _requests(2, seed=4)
-    _, failed = _hand_off(prefill, decode, reqs)
+    _, failed = _hand_off(prefill, decode, reqs, refused=True)
     assert set(failed) == {r.rid for r in reqs}
     assert all("total heads" in why and "4" in why and "2" in why for why in failed.values()), failed

@@ -37,6 +37,7 @@ class RankSpec:
     transport: str = "nixl"
     fault: str | None = None   # a FaultyTransport spec for this rank's prefill writes ("flip:<buffer>")
     seed: int = 5
+    mode: str = "push"         # a consumer's transfer mode
 
 
 def global_kv(seed: int, total_heads: int, layer: int) -> np.ndarray:
@@ -81,7 +82,8 @@ def _worker(spec: RankSpec) -> Any:
     memory = memory_from_kv_caches(caches, (GroupSpec(LAYERS, BLOCK_SIZE),), NUM_BLOCKS[spec.role], place=place)
     if spec.fault:
         _FAULT.append(spec.fault)
-    extra = {"transport": "tests.vllm_tp_ranks:faulty", "digest_mode": "full", "request_timeout": 30.0}
+    extra = {"transport": "tests.vllm_tp_ranks:faulty", "digest_mode": "full", "request_timeout": 30.0,
+             "mode": spec.mode}
     return WorkerSide(WorkerConfig.from_extra(spec.role, extra), memory), caches
 
 
