@@ -183,12 +183,15 @@ def _settled(handle: Any) -> bool:
 
 
 # -- decode (this process) ---------------------------------------------------------------------------------
-def options(args: argparse.Namespace) -> EndpointOptions:
-    return EndpointOptions(batch_chunks=args.batch_chunks, batch_bytes=args.batch_bytes)
+def options(args: argparse.Namespace, stats: str | None = None) -> EndpointOptions:
+    """Both sides' options; ``stats`` (``on``/``off``, default: the prefill role's ``--stats``) is
+    ``EndpointOptions.stats``, the endpoint's running totals (``control.stats``)."""
+    return EndpointOptions(batch_chunks=args.batch_chunks, batch_bytes=args.batch_bytes,
+                           stats=(stats or args.stats) == "on")
 
 
-def spawn(args: argparse.Namespace, mode: str, digest: str = "off") -> subprocess.Popen[str]:
-    cmd = [sys.executable, __file__, "--role", "prefill", "--mode", mode, "--digest", digest,
+def spawn(args: argparse.Namespace, mode: str, digest: str = "off", stats: str = "on") -> subprocess.Popen[str]:
+    cmd = [sys.executable, __file__, "--role", "prefill", "--mode", mode, "--digest", digest, "--stats", stats,
            "--requests", str(args.requests), "--in-flight", str(args.in_flight),
            "--batch-chunks", str(args.batch_chunks), "--batch-bytes", str(args.batch_bytes)]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -287,11 +290,12 @@ def run_raw_read(args: argparse.Namespace) -> dict[str, Any]:
     return _summary("raw read", lat, wall, args.requests, prefill_cpu, cpu)
 
 
-def run_control(args: argparse.Namespace, digest: str, transfer: str = "push") -> dict[str, Any]:
+def run_control(args: argparse.Namespace, digest: str, transfer: str = "push", stats: str = "on") -> dict[str, Any]:
     from kvferry.control import DecodeEndpoint
 
-    proc = spawn(args, "control", digest)
-    with DecodeEndpoint(memory("decode"), "nixl", digest_mode=digest, mode=transfer, options=options(args)) as decode:
+    proc = spawn(args, "control", digest, stats)
+    with DecodeEndpoint(memory("decode"), "nixl", digest_mode=digest, mode=transfer,
+                        options=options(args, stats)) as decode:
         decode.connect(_read(proc)["address"])
         _write(proc, {"start": True})
         lat: list[float] = []
@@ -321,7 +325,8 @@ def run_control(args: argparse.Namespace, digest: str, transfer: str = "push") -
         _write(proc, {"exit": True})
         counters = decode.counters()
     proc.wait(30)
-    out = _summary(f"control {transfer} digest={digest}", lat, wall, args.requests, prefill_cpu, cpu)
+    name = f"control {transfer} digest={digest}" + (f" stats={stats}" if "," in args.stats else "")
+    out = _summary(name, lat, wall, args.requests, prefill_cpu, cpu)
     out["decode_counters"] = counters
     return out
 
@@ -390,6 +395,9 @@ def main() -> None:
                     help="EndpointOptions.batch_chunks of both sides (1: every chunk its own transfer)")
     ap.add_argument("--batch-bytes", type=int, default=EndpointOptions().batch_bytes,
                     help="EndpointOptions.batch_bytes of both sides (bytes one shared transfer may move)")
+    ap.add_argument("--stats", default="on",
+                    help="EndpointOptions.stats of both sides, comma-separated: on,off runs both, interleaved, and "
+                         "reports p50_vs_stats_off (what the endpoints' running totals cost)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", action="store_true", help="cProfile decode's threads in one run per mode")
     args = ap.parse_args()
@@ -408,7 +416,8 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {}
     for _ in range(args.repeats):
         transfers = args.transfer.split(",")
-        controls = [run_control(args, d, t) for t in transfers for d in args.digests.split(",")]
+        controls = [run_control(args, d, t, s) for t in transfers for d in args.digests.split(",")
+                    for s in args.stats.split(",")]
         raws = [run_raw(args), *([run_raw_read(args)] if "pull" in transfers else []),
                 *([run_raw(args, batched=True)] if args.raw_batched else [])]
         for r in [*raws, *controls]:
@@ -423,6 +432,11 @@ def main() -> None:
         r["mean_vs_raw"] = r["mean_us"] / results[0]["mean_us"] - 1.0
         if read_base is not None and (r["name"] == "raw read" or " pull " in r["name"]):
             r["p50_vs_raw_read"] = r["p50_us"] / read_base - 1.0
+        off = next((o for o in results if r["name"].endswith(" stats=on")
+                    and o["name"] == r["name"].replace(" stats=on", " stats=off")), None)
+        if off is not None:   # what the endpoints' stats cost, against the same run without them
+            r["p50_vs_stats_off"] = r["p50_us"] / off["p50_us"] - 1.0
+            r["mean_vs_stats_off"] = r["mean_us"] / off["mean_us"] - 1.0
     if args.json:
         print(json.dumps(results, indent=2))
         return
@@ -438,6 +452,8 @@ def main() -> None:
           f"{'prefill CPU us/req':>20}{'decode CPU us/req':>19}{'p50 vs raw read':>17}")
     for r in results:
         vs_read = f"{r['p50_vs_raw_read'] * 100:>16.0f}%" if "p50_vs_raw_read" in r else ""
+        if "p50_vs_stats_off" in r:
+            vs_read += f"  p50 vs stats off {r['p50_vs_stats_off'] * 100:+.1f}%"
         print(f"{r['name']:<30}{r['requests_per_s']:>10.0f}{r['in_flight']:>10.1f}{r['p50_us']:>10.0f}{r['mean_us']:>10.0f}"
               f"{r['p99_us']:>10.0f}{r['p50_vs_raw'] * 100:>11.0f}%{r['prefill_cpu_us']:>20.0f}"
               f"{r['decode_cpu_us']:>19.0f}{vs_read}")
