@@ -191,6 +191,23 @@ class DecodeEndpoint(EndpointBase, PullReader):
             if self._fail(rec, RequestAborted(f"aborted by decode: {reason}")):
                 self._call_soon(lambda: self._abort_parts(rec, reason))
 
+    def cancel(self, request_id: str, reason: str, *, peer: str | Sequence[str] | None = None) -> None:
+        """Non-blocking: tell prefill that this decode will never announce ``request_id`` (the engine failed
+        it before leasing pages: a refused hand-off, no room, a bad address), so prefill fails it now rather
+        than at its ``request_timeout``, and frees what it held for it. Nothing is leased, so nothing
+        settles. ``peer`` as for ``announce``. Raises ``LeaseError`` for a request this endpoint announced
+        and still runs (``abort`` ends that one), ``PeerLost`` when not connected to the prefill."""
+        with self._lock:
+            self._check_open()
+            links = pick_links(self._links, peer, self.memory.layout)
+            old = self._records.get(request_id)
+            if old is not None and old.is_live:
+                raise LeaseError(f"request {request_id!r} is live here ({old.state.value}): abort it instead")
+            data = wire.encode(wire.Cancel(request_id, reason[:wire.MAX_REASON_LEN]))
+            for link in links:
+                self._queue_out(link, data)
+            self._wake()
+
     @property
     def peers(self) -> list[str]:
         """Addresses of the prefills this decode is connected to."""

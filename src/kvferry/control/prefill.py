@@ -528,6 +528,8 @@ class PrefillEndpoint(EndpointBase, PullSource):
             self._on_result(session, msg)
         elif isinstance(msg, wire.Abort):
             self._on_abort(session, msg)
+        elif isinstance(msg, wire.Cancel):
+            self._on_cancel(session, msg)
         elif isinstance(msg, wire.Bye):
             self._session_dead(session, PeerLost(f"{session.label} left: {msg.reason}"))
         elif not isinstance(msg, wire.Heartbeat):
@@ -612,6 +614,20 @@ class PrefillEndpoint(EndpointBase, PullSource):
         rec.fail_sent = False  # decode waits for a settled Fail for this generation, even a repeated one
         self._active.add(rec)
         self._dirty.add(rec)
+
+    def _on_cancel(self, session: Session, msg: wire.Cancel) -> None:
+        """Decode will never announce the request: fail it now (a record not yet announced by any decode),
+        or remember the failure for a ``send`` still to come. A record another decode announced is not
+        this decode's to end."""
+        rec = self._records.get(msg.request_id)
+        if isinstance(rec, PrefillRequest) and rec.is_live and rec.session not in (None, session):
+            return
+        if not isinstance(rec, PrefillRequest) or not rec.is_live:
+            if rec is not None:
+                return   # ended already: nothing held for it
+            rec = cast(PrefillRequest, self._new_request(msg.request_id, RequestState.BOOTSTRAPPING))
+        self._fail_req(rec, RequestAborted(f"cancelled by {session.label} before it announced the request: "
+                                           f"{msg.reason}"))
 
     def _in_flight(self, session: Session, msg: wire.Abort) -> PrefillRequest | None:
         """A record still writing this generation to this decode (its agent), in any session: an older

@@ -14,6 +14,7 @@ Flow (decode D, prefill P)::
     NIXL    Chunk (request, generation, chunk, last, digests), delivered after the chunk's write landed;
             a Batch of Chunks when one write carried several requests' chunks (prefill under load)
     P -> D  Ready (request, generation, chunk, source pages, digests)   pull mode, instead of a write + Chunk
+    D -> P  Cancel (request): decode will not announce it   P fails it at once
     D -> P  Result (ok or not, after digests verified)       either  Abort / Fail (settled: no write can land)
     either  Heartbeat, Bye
     either  Batch (several of the messages above, once established: see below)
@@ -61,8 +62,8 @@ from kvferry.errors import (
 )
 
 __all__ = ["BATCH_BYTES", "KINDS", "MAX_BATCH", "PROTOCOL_VERSION", "Abort", "Ack", "Announce", "Auth", "Batch", "Bye",
-           "Challenge", "Chunk", "Envelope", "Fail", "Heartbeat", "Hello", "Ready", "Reject", "Result", "Welcome",
-           "batch_frame", "batches", "decode", "decode_pages", "encode", "encode_pages", "error_from_wire",
+           "Cancel", "Challenge", "Chunk", "Envelope", "Fail", "Heartbeat", "Hello", "Ready", "Reject", "Result",
+           "Welcome", "batch_frame", "batches", "decode", "decode_pages", "encode", "encode_pages", "error_from_wire",
            "error_kind", "unbatch"]
 
 # Bump when any message's fields, their meaning, or the flow above changes. Peers with another version are
@@ -73,7 +74,8 @@ __all__ = ["BATCH_BYTES", "KINDS", "MAX_BATCH", "PROTOCOL_VERSION", "Abort", "Ac
 # 4: Batch (several messages in one ZMQ frame).
 # 5: a write's NIXL notification may be a Batch of Chunks (one write for several requests).
 # 6: Announce names the leading pages of the request decode already holds (its prefix cache), per pool;
-#    prefill's chunk positions are positions in the whole request and skip them.
+#    prefill's chunk positions are positions in the whole request and skip them. Cancel (decode will not
+#    announce a request: prefill fails it at once instead of at its deadline).
 PROTOCOL_VERSION = 6
 
 # Caps on untrusted input, far above real use and far below what exhausts memory.
@@ -179,6 +181,15 @@ class Abort(_Msg):
     reason: Reason
 
 
+class Cancel(_Msg):
+    """Decode will never announce ``request_id`` (it failed the request before leasing pages): prefill fails
+    its record now, or remembers the failure for a ``send`` still to come. Nothing was leased, so nothing
+    needs settling."""
+
+    request_id: Id
+    reason: Reason
+
+
 class Fail(_Msg):
     """The sender failed the request; ``settled``: it has no write to decode's pages that can still land."""
 
@@ -243,7 +254,8 @@ class Bye(_Msg):
 
 KINDS: dict[str, type[_Msg]] = {
     "hello": Hello, "challenge": Challenge, "auth": Auth, "welcome": Welcome, "reject": Reject,
-    "announce": Announce, "ack": Ack, "abort": Abort, "fail": Fail, "result": Result, "chunk": Chunk, "ready": Ready,
+    "announce": Announce, "ack": Ack, "abort": Abort, "cancel": Cancel, "fail": Fail, "result": Result, "chunk": Chunk,
+    "ready": Ready,
     "heartbeat": Heartbeat, "bye": Bye, "batch": Batch,
 }
 _KIND_OF = {cls: kind for kind, cls in KINDS.items()}
