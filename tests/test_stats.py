@@ -234,13 +234,17 @@ PUBLISHER = textwrap.dedent("""
     import sys
     import kvferry as kv
     from kvferry.metrics import Publisher
-    from tests.test_stats import layout, run_requests
-    mem = layout()
-    with kv.PrefillEndpoint(kv.KVMemory.allocate(mem), "local", digest_mode="full") as prefill, \\
-            kv.DecodeEndpoint(kv.KVMemory.allocate(mem), "local", digest_mode="full") as decode:
+    layout = kv.Layout([kv.Pool("c4", [kv.Buffer("c4.kv", page_bytes=256, num_pages=64, kind="kv", layer=0),
+                                       kv.Buffer("c4.idx", page_bytes=128, num_pages=64, kind="index_k", layer=0)],
+                                tokens_per_page=16)])
+    with kv.PrefillEndpoint(kv.KVMemory.allocate(layout), "local", digest_mode="full") as prefill, \\
+            kv.DecodeEndpoint(kv.KVMemory.allocate(layout), "local", digest_mode="full") as decode:
         publisher = Publisher(lambda: [decode], interval=0.05).start()
         decode.connect(prefill.address)
-        run_requests(prefill, decode, int(sys.argv[1]))
+        for i in range(int(sys.argv[1])):
+            decode.announce(f"r{i}", {"c4": [10, 11, 12, 13]})
+            prefill.send(f"r{i}", {"c4": [3, 4, 5, 6]})
+            decode.wait(f"r{i}", timeout=10.0)
         publisher.close()
 """)
 
@@ -259,7 +263,7 @@ def test_multiprocess_mode_sums_the_processes(tmp_path: Path, monkeypatch: pytes
     finally:
         server.shutdown()
     assert got['kvferry_requests_done_total{role="decode"}'] == 8
-    assert got['kvferry_verified_pages_total{role="decode"}'] == 8 * 8
+    assert got['kvferry_verified_pages_total{role="decode"}'] == 8 * 4 * 2   # full digests: 4 pages x 2 buffers
     assert got['kvferry_request_seconds_count{role="decode"}'] == 8
     assert np.isclose(sum(v for k, v in got.items() if k.startswith("kvferry_request_seconds_bucket")
                           and '+Inf' in k), 8)
@@ -272,8 +276,9 @@ def test_stress_reports_its_stats_and_publishes_them(tmp_path: Path) -> None:
     from prometheus_client import CollectorRegistry, multiprocess
 
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "kvferry", "stress", "--sessions", "3", "--turns", "2",
-                          "--transport", "local", "--json"], env=env, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-m", "kvferry", "stress", "--sessions", "3", "--turns", "2", "--transport", "local",
+               "--pages", "96", "--json"]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     stats = {role: EndpointStats.from_dict(d) for role, d in result["stats"].items()}
