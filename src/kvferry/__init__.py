@@ -17,6 +17,7 @@ from kvferry.errors import (
     PeerLost,
     PlanError,
     ProtocolError,
+    RequestAborted,
     RequestFailed,
     TransferTimeout,
     TransportError,
@@ -38,7 +39,7 @@ from kvferry.version import __version__
 
 # The endpoints import zmq; resolve them on first use so ``import kvferry`` (planner, CLI) stays light.
 _LAZY = {"PrefillEndpoint": "control", "DecodeEndpoint": "control", "RequestState": "control",
-         "EndpointOptions": "control", "PROTOCOL_VERSION": "control"}
+         "EndpointOptions": "control", "PROTOCOL_VERSION": "control", "EndpointStats": "control"}
 
 
 def __getattr__(name: str) -> object:
@@ -48,9 +49,9 @@ def __getattr__(name: str) -> object:
         return getattr(importlib.import_module(f"kvferry.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'kvferry' has no attribute {name!r}")
 
-__all__ = ["PROTOCOL_VERSION", "Buffer", "DecodeEndpoint", "EndpointClosed", "EndpointOptions", "HandshakeError",
-           "HeadGeometry", "IncompatiblePeer", "IntegrityError", "KVFerryError", "KVMemory", "Layout", "LayoutError",
-           "LeaseError", "ModeMismatch", "PageMismatchError", "PeerLost", "PlanError", "Pool", "PrefillEndpoint",
-           "ProtocolError", "Region", "RequestFailed", "RequestState", "Row", "TransferPlan", "TransferTimeout",
-           "TransportError", "UsageError", "__version__", "model_difference", "plan_transfer", "shape_difference",
-           "tp_compatible"]
+__all__ = ["PROTOCOL_VERSION", "Buffer", "DecodeEndpoint", "EndpointClosed", "EndpointOptions", "EndpointStats",
+           "HandshakeError", "HeadGeometry", "IncompatiblePeer", "IntegrityError", "KVFerryError", "KVMemory",
+           "Layout", "LayoutError", "LeaseError", "ModeMismatch", "PageMismatchError", "PeerLost", "PlanError",
+           "Pool", "PrefillEndpoint", "ProtocolError", "Region", "RequestAborted", "RequestFailed", "RequestState",
+           "Row", "TransferPlan", "TransferTimeout", "TransportError", "UsageError", "__version__",
+           "model_difference", "plan_transfer", "shape_difference", "tp_compatible"]

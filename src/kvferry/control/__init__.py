@@ -4,7 +4,7 @@ Above ``transport`` and ``integrity``, beside ``diagnostics``; below ``workload`
 imported here and nowhere lower.
 
 Exported: ``PrefillEndpoint``, ``DecodeEndpoint``, ``RequestState``, ``EndpointOptions``,
-``PROTOCOL_VERSION``.
+``EndpointStats`` (what the endpoints' ``stats()`` return), ``PROTOCOL_VERSION``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from kvferry.control.decode import DecodeEndpoint
 from kvferry.control.endpoints import EndpointOptions
 from kvferry.control.prefill import PrefillEndpoint
 from kvferry.control.states import RequestState
+from kvferry.control.stats import EndpointStats
 from kvferry.control.wire import PROTOCOL_VERSION
 
-__all__ = ["PROTOCOL_VERSION", "DecodeEndpoint", "EndpointOptions", "PrefillEndpoint", "RequestState"]
+__all__ = ["PROTOCOL_VERSION", "DecodeEndpoint", "EndpointOptions", "EndpointStats", "PrefillEndpoint", "RequestState"]
