@@ -265,9 +265,11 @@ class StatsRecorder:
     def request_done(self, seconds: float, pages: Mapping[str, Sized]) -> None:
         """A request DONE after ``seconds``, with ``pages`` (pool -> page array) in this side's memory."""
         self.done += 1
+        pool_bytes = self._pool_bytes
         for pool, arr in pages.items():   # per pool: a few at most
-            self.pages += len(arr)
-            self.page_bytes += len(arr) * self._pool_bytes[pool]
+            n = len(arr)
+            self.pages += n
+            self.page_bytes += n * pool_bytes[pool]
         self._request.observe(seconds)
 
     def request_failed(self, error: BaseException | None) -> None:
