@@ -187,11 +187,12 @@ def options(args: argparse.Namespace, stats: str | None = None) -> EndpointOptio
     """Both sides' options; ``stats`` (``on``/``off``, default: the prefill role's ``--stats``) is
     ``EndpointOptions.stats``, the endpoint's running totals (``control.stats``)."""
     return EndpointOptions(batch_chunks=args.batch_chunks, batch_bytes=args.batch_bytes,
-                           stats=(stats or args.stats) == "on")
+                           stats=(stats or args.stats) == "on", peer_timeout=args.peer_timeout)
 
 
 def spawn(args: argparse.Namespace, mode: str, digest: str = "off", stats: str = "on") -> subprocess.Popen[str]:
     cmd = [sys.executable, __file__, "--role", "prefill", "--mode", mode, "--digest", digest, "--stats", stats,
+           "--peer-timeout", str(args.peer_timeout),
            "--requests", str(args.requests), "--in-flight", str(args.in_flight),
            "--batch-chunks", str(args.batch_chunks), "--batch-bytes", str(args.batch_bytes)]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -398,6 +399,9 @@ def main() -> None:
     ap.add_argument("--stats", default="on",
                     help="EndpointOptions.stats of both sides, comma-separated: on,off runs both, interleaved, and "
                          "reports p50_vs_stats_off (what the endpoints' running totals cost)")
+    ap.add_argument("--peer-timeout", type=float, default=EndpointOptions().peer_timeout,
+                    help="EndpointOptions.peer_timeout of both sides (raise it on a loaded machine, where a side "
+                         "may not run for seconds)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--profile", action="store_true", help="cProfile decode's threads in one run per mode")
     args = ap.parse_args()
