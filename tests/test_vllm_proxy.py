@@ -66,6 +66,21 @@ async def dies_mid_answer(request: web.Request) -> web.StreamResponse:
     return response
 
 
+def resets_first(handler: Handler) -> Handler:
+    """Drops the first connection without an answer (as a server resuming from SIGSTOP whose overdue
+    keep-alive timer closes a connection with a request unread), then answers as ``handler``."""
+    calls = [0]
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        calls[0] += 1
+        if calls[0] == 1:
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
+        return await handler(request)
+    return handle
+
+
 def run(prefills: list[Handler | None], decodes: list[Handler | None], requests: list[dict[str, Any]],
         **config: Any) -> list[tuple[int, Any]]:
     """Serve the stand-ins (None: nothing listens on that port) and the proxy; send ``requests`` one by one."""
@@ -159,3 +174,10 @@ def test_the_config_is_checked() -> None:
         ProxyConfig([], ["http://127.0.0.1:1"])
     with pytest.raises(UsageError, match="fallback must be one of"):
         ProxyConfig(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], fallback="retry")
+
+
+def test_a_connection_dropped_before_any_answer_is_tried_once_more() -> None:
+    prefilled: list[int] = []
+    decoded: list[int] = []
+    got = run([resets_first(prefill_answering(prefilled))], [resets_first(decode_answering(decoded))], [{}] * 2)
+    assert [status for status, _ in got] == [200, 200] and len(prefilled) == 2 and len(decoded) == 2

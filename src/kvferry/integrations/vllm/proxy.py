@@ -202,11 +202,15 @@ async def _any_decode(web: Any, client: Any, session: Any, decodes: Backends, re
 
 
 async def _post_fresh(client: Any, session: Any, url: str, body: dict[str, Any], timeout: float) -> Any:
-    """POST, once more when the pooled connection turned out closed before any answer came (the server
-    dropped it idle: the request never reached it; a server that died refuses the second connection)."""
+    """POST, once more when the connection was closed or reset before any answer came. The usual cause is
+    a server that dropped the connection idle, or, after a stall (SIGSTOP), whose overdue keep-alive timer
+    closed it with our request unread: the request never reached the server. A server that died refuses
+    the second connection (``ClientConnectorError``, not retried)."""
     try:
         return await session.post(url, json=body, timeout=client.ClientTimeout(total=timeout))
-    except client.ServerDisconnectedError:
+    except client.ClientConnectorError:
+        raise
+    except (client.ServerDisconnectedError, client.ClientOSError):
         return await session.post(url, json=body, timeout=client.ClientTimeout(total=timeout))
 
 
