@@ -154,10 +154,10 @@ def test_aborted_prefill_rank_fails_only_the_decode_rank_that_needed_it() -> Non
             send(pre, req, req.sends if r != 3 else req.sends[:1])
         c.prefills[3].abort(req.rid, "engine evicted it")     # rank 3: only decode rank 1 needs it
         assert outcome(c.decodes[0], req.rid) == "done"
-        assert outcome(c.decodes[1], req.rid) == "KVFerryError"
+        assert outcome(c.decodes[1], req.rid) == "RequestAborted"   # the abort's own type, across the wire
         assert "engine evicted it" in str(c.decodes[1].failure(req.rid))
         # Decode 1 told rank 2 (its other source) to stop; ranks 0 and 1 saw decode 0 verify their bytes.
-        assert [outcome(p, req.rid) for p in c.prefills] == ["done", "done", "KVFerryError", "KVFerryError"]
+        assert [outcome(p, req.rid) for p in c.prefills] == ["done", "done", "RequestAborted", "RequestAborted"]
         check_decode_rank(c, 0, [req])
         idle(*c.prefills, *c.decodes)         # decode 1's lease ended with both ranks' settled Fails
 

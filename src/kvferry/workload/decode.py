@@ -285,7 +285,7 @@ def request_bytes(layout: Layout, pages: dict[str, np.ndarray]) -> int:
 
 def failure_kind(reason: str) -> str:
     """A short class for a failure reason: the exception name it carries, or its first words."""
-    match = re.search(r"\b([A-Z][A-Za-z]+(?:Error|Lost|Timeout|Failed))\b", reason)
+    match = re.search(r"\b([A-Z][A-Za-z]+(?:Error|Lost|Timeout|Failed|Aborted))\b", reason)
     return match.group(1) if match else " ".join(reason.split()[:4])
 
 
