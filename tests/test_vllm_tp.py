@@ -118,15 +118,16 @@ def _check_bytes(decode: list[Rank], before: list[dict[str, np.ndarray]], reqs: 
     """Every decode rank: each request's blocks past its prefix hold the rank's heads of prefill's blocks;
     every other block is as it was (``before``: a held prefix was never written)."""
     for rank, was in zip(decode, before):
-        heads = head_slice(rank.spec.total_heads, rank.spec.tp_size, rank.spec.tp_rank)
+        mla = rank.spec.mla
+        heads = slice(None) if mla else head_slice(rank.spec.total_heads, rank.spec.tp_size, rank.spec.tp_rank)
         caches = rank.caches()
         for layer, name in enumerate(LAYERS):
             want = was[name].copy()
-            kv = global_kv(seed, HEADS, layer)
+            kv = global_kv(seed, HEADS, layer, mla=mla)
             for req in reqs:
-                want[req.dst[req.held:]] = kv[req.src[req.held:], heads]
+                want[req.dst[req.held:]] = kv[req.src[req.held:]][:, heads]
             got = caches[name]
-            bad = np.flatnonzero(~(got == want).all(axis=(1, 2, 3)))
+            bad = np.flatnonzero(~(got == want).reshape(len(got), -1).all(axis=1))
             assert not len(bad), f"decode rank {rank.spec.tp_rank}, {name}: blocks {bad[:8].tolist()} differ"
 
 
@@ -139,6 +140,20 @@ def test_each_decode_rank_receives_exactly_its_heads(groups: Groups, prefill_tp:
     finished, failed = _hand_off(prefill, decode, reqs)
     assert not failed, failed
     assert finished == {r.rid for r in reqs}
+    _check_bytes(decode, before, reqs)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_mla_each_decode_rank_receives_one_prefill_ranks_latent_copy(groups: Groups, prefill_tp: int,
+                                                                     decode_tp: int) -> None:
+    """MLA's latent cache is the same on every rank (vLLM replicates it): a decode rank takes one prefill
+    rank's copy whole, whatever the two TP sizes."""
+    prefill = groups.get("producer", prefill_tp, mla=True)
+    decode = groups.get("consumer", decode_tp, mla=True)
+    before = _snapshot(decode)
+    reqs = _requests(16, seed=8 + prefill_tp, prefix=f"mla{prefill_tp}{decode_tp}")
+    finished, failed = _hand_off(prefill, decode, reqs)
+    assert not failed and finished == {r.rid for r in reqs}, failed
     _check_bytes(decode, before, reqs)
 
 

