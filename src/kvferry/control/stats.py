@@ -40,7 +40,7 @@ from kvferry.layout.spec import Layout
 from kvferry.plan.contract import Plan
 from kvferry.transport import TransferHandle
 
-__all__ = ["CAUSES", "SECONDS_BUCKETS", "EndpointStats", "Histogram", "NullRecorder", "StatsRecorder",
+__all__ = ["CAUSES", "GAUGES", "SECONDS_BUCKETS", "EndpointStats", "Histogram", "NullRecorder", "StatsRecorder",
            "failure_cause", "merge"]
 
 # Upper bounds (seconds) of the time histograms: 100 us (a small in-host write) to a minute (the default
