@@ -134,8 +134,7 @@ def prefill(model: Path, expected: list[list[int]], record: Path) -> Iterator[An
 
 def test_decode_tokens_equal_one_instance(prefill: Any, decode: Any, prompts: list[Any],
                                           expected: list[list[int]]) -> None:
-    external = metric(decode, "vllm:prompt_tokens_by_source", "external_kv_transfer")
-    local = metric(decode, "vllm:prompt_tokens_by_source", "local_compute")
+    before = prompt_sources(decode)
     outputs = generate_pd(prefill, decode, prompts, MAX_TOKENS)
     got = tokens(outputs)
     equal = sum(g == e for g, e in zip(got, expected))
@@ -143,8 +142,9 @@ def test_decode_tokens_equal_one_instance(prefill: Any, decode: Any, prompts: li
     assert all(out.outputs[0].finish_reason == "length" for out in outputs)
     # Decode took every prompt token from prefill (vLLM recomputes only the last one, to sample from it).
     num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-    assert metric(decode, "vllm:prompt_tokens_by_source", "external_kv_transfer") - external == num_prompt_tokens
-    assert metric(decode, "vllm:prompt_tokens_by_source", "local_compute") - local == 0
+    after = prompt_sources(decode)
+    assert after["external_kv_transfer"] - before["external_kv_transfer"] == num_prompt_tokens
+    assert after["local_compute"] - before["local_compute"] == 0
 
 
 def test_pull_mode_tokens_equal_one_instance(model: Path, prefill: Any, prompts: list[Any],
@@ -217,6 +217,10 @@ def test_multi_turn_sessions_move_only_the_blocks_decode_lacks(prefill: Any, dec
     kvferry moves exactly the blocks under the rest of the prompt, and decode computes no prompt token."""
     want = reference["short_sessions"]
     got, turns = run_turns(prefill, decode, short_sessions, want, record)
+    equal = sum(g == w for answers, wants in zip(got, want) for g, w in zip(answers, wants))
+    assert equal == SHORT_SESSIONS * SHORT_TURNS, (f"{equal}/{SHORT_SESSIONS * SHORT_TURNS} answers equal one "
+                                                   f"instance; per turn: {turns}")
+    assert all(turn["pages"] and turn["external_kv_transfer"] for turn in turns), turns
     block_bytes = turns[0]["nbytes"] / turns[0]["pages"]   # turn 1: nothing cached, every block moves
     for number, turn in enumerate(turns, 1):
         lacking_blocks = turn["blocks"] - turn["local_cache_hit"] / BLOCK_SIZE
@@ -228,8 +232,6 @@ def test_multi_turn_sessions_move_only_the_blocks_decode_lacks(prefill: Any, dec
               f"{turn['nbytes']} bytes moved = {turn['vs_prompt']:.3f}x the prompt's KV, "
               f"{turn['vs_lacking_blocks']:.3f}x its blocks decode lacked, "
               f"{turn['vs_lacking_tokens']:.3f}x the KV of the tokens it lacked")
-    equal = sum(g == w for answers, wants in zip(got, want) for g, w in zip(answers, wants))
-    assert equal == SHORT_SESSIONS * SHORT_TURNS, f"{equal}/{SHORT_SESSIONS * SHORT_TURNS} answers equal one instance"
     for turn in turns:
         # Decode computed no prompt token: it held some, kvferry brought the rest.
         assert turn["local_compute"] == 0 and turn["local_cache_hit"] + turn["external_kv_transfer"] == turn[
@@ -495,3 +497,20 @@ def test_the_connector_bench_against_nixlconnector_runs(tmp_path: Path) -> None:
     results = json.loads(out.read_text())
     assert {name: {conc: row["equal"] for conc, row in rows.items()} for name, rows in results.items()} == {
         "kvferry": {"1": 4, "4": 4}, "nixl": {"1": 4, "4": 4}}
+
+
+@pytest.mark.slow
+def test_the_sessions_bench_runs(tmp_path: Path) -> None:
+    """bench/vllm_connectors.py --sessions, small: both connectors with prefix caching on; the bench exits
+    non-zero when an answer differs from one plain instance's. Turn 2 finds the first turn's blocks in
+    decode's cache, and both connectors move the same bytes."""
+    bench = Path(__file__).resolve().parents[1] / "bench" / "vllm_connectors.py"
+    out = tmp_path / "out.json"
+    subprocess.run([sys.executable, str(bench), "--sessions", "4", "--turns", "2", "--connectors", "kvferry,nixl",
+                    "--json", str(out)], check=True, timeout=900)
+    results = json.loads(out.read_text())
+    assert [[turn["equal"] for turn in results[name]] for name in ("kvferry", "nixl")] == [[4, 4], [4, 4]]
+    assert [turn["bytes"] for turn in results["kvferry"]] == [turn["bytes"] for turn in results["nixl"]]
+    second = results["kvferry"][1]
+    assert second["local_cache_hit"] > 0 and second["local_compute"] == 0
+    assert second["bytes"] < second["blocks"] * results["kvferry"][0]["bytes"] / results["kvferry"][0]["blocks"]

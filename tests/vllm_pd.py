@@ -133,8 +133,14 @@ SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 def prompt_sources(llm: LLM) -> dict[str, float]:
-    """Where the instance's prompt tokens came from so far: computed, its prefix cache, kvferry."""
-    return {source: metric(llm, "vllm:prompt_tokens_by_source", source) for source in SOURCES}
+    """Where the instance's prompt tokens came from so far (``vllm:prompt_tokens_by_source``): computed, its
+    prefix cache, kvferry. Read off the instance's own Prometheus logger, not the process's registry
+    (``metric``): vLLM unregisters the earlier instances' collectors there when another instance starts, so
+    the registry shows the newest instance's counters only."""
+    (logger,) = [logger for logger in llm.llm_engine.logger_manager.stat_loggers
+                 if hasattr(logger, "counter_prompt_tokens_by_source")]
+    return {source: float(sum(child._value.get() for child in logger.counter_prompt_tokens_by_source[source].values()))
+            for source in SOURCES}
 
 
 def server_metric(url: str, name: str, source: str) -> float:
