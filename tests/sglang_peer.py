@@ -462,8 +462,11 @@ def run_decode(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, An
             state = rec.poll()
             if state == KVPoll.WaitingForInput and room not in announced:
                 first_announce[room] = time.perf_counter()
-                rec.send_metadata(np.asarray(r["dst"]["kv"], dtype=np.int32), r["aux_dst"],
-                                  state_list(args, r["dst"]), **_prefix_kwargs(cfg, args, r))
+                kv = r["dst"]["kv"]
+                if cfg.get("claim_none"):   # a decode that lets its held prefix be written (the check's control)
+                    kv = r["held"]["kv"] + kv
+                rec.send_metadata(np.asarray(kv, dtype=np.int32), r["aux_dst"], state_list(args, r["dst"]),
+                                  **_prefix_kwargs(cfg, args, r))
                 announced.add(room)
                 if cfg.get("abort_every") and (room - 1000) % cfg["abort_every"] == 0:
                     rec.abort()  # the client went away after decode published its pages
@@ -479,7 +482,7 @@ def run_decode(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, An
 def _prefix_kwargs(cfg: dict[str, Any], args: Any, r: dict[str, Any]) -> dict[str, int]:
     """``decode_prefix_len`` as SGLang's decode passes it (tokens); every ``unaligned_every``-th request
     one token more than its whole pages."""
-    if "prefix" not in r:
+    if "prefix" not in r or cfg.get("claim_none"):
         return {}
     extra = cfg.get("unaligned_every") and (r["room"] - 1000) % cfg["unaligned_every"] == 1
     return {"decode_prefix_len": r["prefix"] * int(args.page_size) + int(bool(extra))}
@@ -678,7 +681,8 @@ def main() -> None:
         out["check"] = check_bytes(bufs, cfg, reqs, out["outcomes"], rank)
         out["capacities"] = capacities(bufs)
     out["slots"] = [b.nbytes // b.item for b in bufs]
-    out["stats"] = mgr.endpoint.stats().to_dict()   # kvferry's endpoint stats (docs/metrics.md)
+    if cfg["backend"] == "kvferry":   # SGLang's own managers have no kvferry endpoint
+        out["stats"] = mgr.endpoint.stats().to_dict()   # kvferry's endpoint stats (docs/metrics.md)
     out["rank"] = rank
     out["page_size"] = int(args.page_size)
     print(json.dumps(out), flush=True)
