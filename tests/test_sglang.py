@@ -453,6 +453,16 @@ def test_kvferry_backend_moves_only_what_decode_lacks(pool: str) -> None:
     RESULTS["kvferry", f"{pool} prefix"] = decodes[0]
 
 
+def test_the_held_page_check_sees_a_prefix_written_over() -> None:
+    """The control for the sentinel check: a decode that lists its held prefix pages as destinations and
+    passes no decode_prefix_len (MLA: no state lists to cut) has them written, and the check counts
+    them. Requests sharing a held page collide at kvferry's lease; those fail, the rest succeed."""
+    _, (decode,) = run_ranks("kvferry", "mla", n=N_PREFIX, prefix=True, claim_none=True,
+                             env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "3"})
+    assert _ok(decode) > 0 and decode["check"]["num_bad_pages"] == 0, decode["check"]
+    assert decode["check"]["num_held_changed"] > 0, decode["check"]
+
+
 def test_a_prefix_past_the_request_or_not_whole_pages_is_refused_by_name() -> None:
     """Every fourth request's decode claims two pages more than the request has: prefill's sender refuses
     it at ``init`` (SGLang's prefill would never send one), naming the pool, the request's pages and the
