@@ -24,6 +24,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
 
 from kvferry.integrations.vllm.chaos import (
     Answer,
+    Fault,
     LoadSpec,
     Server,
     SoakConfig,
@@ -183,9 +184,9 @@ def test_with_recompute_and_the_fallback_prefill_faults_cost_no_answer(
     from kvferry.integrations.vllm.chaos import run_soak
 
     work = tmp_path_factory.mktemp("vllm-recompute")
-    config = SoakConfig(work, policy="recompute", fallback="decode", duration=90.0, mean_gap=25.0,
-                        sessions=SESSIONS, targets=("prefill",), **CONFIG)  # type: ignore[arg-type]
-    report = run_soak(config)
+    config = SoakConfig(work, policy="recompute", fallback="decode", duration=40.0, sessions=SESSIONS,
+                        **CONFIG)  # type: ignore[arg-type]
+    report = run_soak(config, faults=[Fault(10.0, "stall", "prefill", 5.0), Fault(25.0, "kill", "prefill")])
     print(report)
     assert {f["action"] for f in report["faults"]} == {"kill", "stall"}, report["faults"]
     assert report["error"] == 0 and report["other"] == 0 and report["equal"] > 0, report

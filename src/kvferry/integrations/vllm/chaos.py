@@ -361,11 +361,14 @@ def fault_schedule(seed: int, duration: float, mean_gap: float, targets: Sequenc
 
 
 async def run_faults(faults: Sequence[Fault], servers: Mapping[str, Server], t0: float, log: list[dict[str, Any]],
-                     boot_timeout: float = 300.0) -> None:
+                     boot_timeout: float = 300.0, stop_at: float = float("inf")) -> None:
     """Carry out ``faults`` against ``servers`` (by target name) in order, each no earlier than its time and
-    after the previous one recovered (a restarted server healthy again); ``log`` gets what happened."""
+    after the previous one recovered (a restarted server healthy again), none starting after ``stop_at``
+    (a ``time.monotonic()``); ``log`` gets what happened."""
     delay = 0.0
     for fault in faults:
+        if t0 + fault.at + delay >= stop_at:
+            return
         wait = t0 + fault.at + delay - time.monotonic()
         if wait > 0:
             await asyncio.sleep(wait)
@@ -460,6 +463,13 @@ def idle_state(url: str) -> dict[str, float]:
     return {"kv_cache_usage": usage, "num_blocks": blocks, "free_blocks": round(blocks * (1 - usage), 3),
             "running": metrics.get("vllm:num_requests_running", float("nan")),
             "waiting": metrics.get("vllm:num_requests_waiting", float("nan"))}
+
+
+def kvferry_gauges(url: str) -> dict[str, float]:
+    """kvferry's own gauges on a server's ``/metrics`` (``vllm:kvferry_*``: leases, quarantined pages, ...;
+    empty with another connector), summed over their labels."""
+    return {name: value for name, value in server_metrics(url).items()
+            if name.startswith("vllm:kvferry_") and "{" not in name and not name.endswith(("_total", "_created"))}
 
 
 def wait_idle(url: str, timeout: float) -> tuple[dict[str, float], float]:
@@ -587,10 +597,12 @@ def start_servers(config: SoakConfig, model: Path) -> dict[str, Server]:
     return servers
 
 
-def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-    """The whole soak: servers up, the load with its faults for ``duration`` seconds, the servers idle
-    again, every answer checked against one plain instance. Returns the report (``summarize`` plus the
-    faults, the servers' KV blocks before and after, decode's quarantine peak)."""
+def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda line: None,
+             faults: Sequence[Fault] | None = None) -> dict[str, Any]:
+    """The whole soak: servers up, the load with its faults (``faults``, or the seeded schedule) for
+    ``duration`` seconds and until the last fault recovered, the servers idle again, every answer checked
+    against one plain instance. Returns the report (``summarize`` plus the faults, the servers' KV blocks
+    before and after, decode's quarantine peak)."""
     config.work_dir.mkdir(parents=True, exist_ok=True)
     model = config.model or write_model(config.work_dir / "model")
     servers = start_servers(config, model)
@@ -602,14 +614,18 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda line: 
                         config.seed, client_timeout=config.bound + 60)
         warm = asyncio.run(_one(spec, [1, 2, 3]))
         require(warm.tokens is not None, f"the first request through the proxy failed: {warm.error}")
-        before = {name: idle_state(servers[name].url or "") for name in ("prefill", "decode")}
-        faults = fault_schedule(config.seed, config.duration, config.mean_gap, config.targets, config.stall,
-                                config.actions)
+        before = {name: wait_idle(servers[name].url or "", 30)[0] for name in ("prefill", "decode")}
+        if faults is None:
+            faults = fault_schedule(config.seed, config.duration, config.mean_gap, config.targets, config.stall,
+                                    config.actions)
+        started = time.monotonic()
         answers, done = _soak(config, spec, servers, faults)
+        load_s = round(time.monotonic() - started, 1)
         progress(f"load done: {len(answers)} answers, {len(done)} faults")
         after = {name: wait_idle(servers[name].url or "", config.request_timeout + 30)
                  for name in ("prefill", "decode")}
         peak = quarantine_peak(sorted((config.work_dir / "logs").glob("decode.*.log")))
+        gauges = {name: kvferry_gauges(servers[name].url or "") for name in ("prefill", "decode")}
     finally:
         for server in servers.values():
             server.terminate()
@@ -628,12 +644,12 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda line: 
                                   "verdict": answer.verdict, "prompt_tokens": len(answer.prompt),
                                   "error": answer.error}) + "\n")
     report = summarize(answers, config.bound)
-    report.update(connector=config.connector, policy=config.policy, duration_s=config.duration,
+    report.update(connector=config.connector, policy=config.policy, duration_s=config.duration, load_s=load_s,
                   sessions=config.sessions, seed=config.seed, faults=done,
                   restarts={name: servers[name].starts - 1 for name in ("prefill", "decode")},
                   kv_before={k: v for k, v in before.items()},
                   kv_after={k: {**v[0], "idle_after_s": v[1]} for k, v in after.items()},
-                  decode_peak_quarantined_pages=peak)
+                  decode_peak_quarantined_pages=peak, kvferry_after=gauges)
     return report
 
 
@@ -646,27 +662,18 @@ async def _one(spec: LoadSpec, prompt: list[int]) -> Answer:
 
 def _soak(config: SoakConfig, spec: LoadSpec, servers: Mapping[str, Server],
           faults: Sequence[Fault]) -> tuple[list[Answer], list[dict[str, Any]]]:
+    """The load for ``duration`` seconds and until every fault recovered (a restart still booting at the
+    end runs under load too); the faults' log."""
     answers: list[Answer] = []
     done: list[dict[str, Any]] = []
 
     async def both() -> None:
         t0 = time.monotonic()
         end = t0 + config.duration
-        chaos = asyncio.create_task(run_faults(faults, servers, t0, done))
-        await run_load(spec, lambda: time.monotonic() >= end or (chaos.done() and chaos.exception() is not None),
-                       answers)
-        if not chaos.done():   # a fault still recovering when the load ends: let it finish (a restart)
-            chaos.cancel()
-            for server in servers.values():
-                if server.stopped:
-                    server.signal(signal.SIGCONT)
-        with_error = chaos.exception() if chaos.done() and not chaos.cancelled() else None
-        if with_error is not None:
-            raise with_error
-        for server in (servers["prefill"], servers["decode"]):   # a cancelled restart: wait for it here
-            if not server.alive():
-                server.start()
-            await asyncio.to_thread(server.wait_healthy)
+        chaos = asyncio.create_task(run_faults(faults, servers, t0, done, stop_at=end))
+        await run_load(spec, lambda: time.monotonic() >= end and chaos.done(), answers)
+        if chaos.exception() is not None:
+            raise chaos.exception()  # type: ignore[misc]
 
     asyncio.run(both())
     return answers, done

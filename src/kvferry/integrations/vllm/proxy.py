@@ -191,7 +191,7 @@ async def _any_decode(web: Any, client: Any, session: Any, decodes: Backends, re
             errors.append(f"decode {url}: {exc}")
             continue
         except (client.ClientError, asyncio.TimeoutError) as exc:
-            decodes.failed(url)
+            # Not marked down: only a refused connection says the server is gone (the next one refuses too).
             return _error(web, 502, f"decode {url}: {type(exc).__name__} {exc}")
         decodes.answered(url)
         async with answer:
