@@ -195,15 +195,17 @@ def test_with_recompute_and_the_fallback_prefill_faults_cost_no_answer(
 
 @pytest.mark.slow
 def test_the_soak_every_fault_of_either_server(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """`kvferry vllm-chaos` in short: kills + restarts and stalls of both servers; 0 other tokens, no request
+    """`kvferry vllm-chaos` in short: a kill + restart and a stall of each server; 0 other tokens, no request
     over the bound, both servers idle with every KV block free (their own /metrics) at the end."""
     from kvferry.cli.vllm_chaos import passed
     from kvferry.integrations.vllm.chaos import run_soak
 
     work = tmp_path_factory.mktemp("vllm-soak")
-    report = run_soak(SoakConfig(work, duration=150.0, mean_gap=25.0, sessions=32))
+    faults = [Fault(15.0, "stall", "prefill", 5.0), Fault(30.0, "kill", "prefill"), Fault(45.0, "kill", "decode"),
+              Fault(60.0, "stall", "decode", 5.0)]
+    report = run_soak(SoakConfig(work, duration=70.0, sessions=32), faults=faults)
     print(report)
-    assert {(f["action"], f["target"]) for f in report["faults"]} >= {("kill", "prefill"), ("kill", "decode")}
+    assert [(f["action"], f["target"]) for f in report["faults"]] == [(f.action, f.target) for f in faults]
     assert passed(report), report
     assert all(report["kv_after"][n]["free_blocks"] == report["kv_before"][n]["free_blocks"]
                for n in ("prefill", "decode"))

