@@ -64,13 +64,13 @@ def run_requests(prefill: kv.PrefillEndpoint, decode: kv.DecodeEndpoint, num: in
 
 
 def settle(decode: kv.DecodeEndpoint, request_id: str) -> None:
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + 30.0   # generous: a loaded 2-core machine stalls threads for seconds
     while decode.holds_lease(request_id):
         assert time.monotonic() < deadline, f"{request_id}: lease still held"
         time.sleep(0.002)
 
 
-def until(check, timeout: float = 10.0) -> None:
+def until(check, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, "condition not met in time"
