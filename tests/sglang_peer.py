@@ -479,6 +479,146 @@ def run_decode(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, An
             "mean_latency_s": float(np.mean(list(latency.values()))) if latency else None}
 
 
+# Failure propagation (``cfg["faults"]``, issue 26): room ``1000 + i`` fails at step FAULT_STEPS[i % 8], on
+# decode (d_*) or prefill (p_*); each side notes the wall time it failed a room and the time its poll first
+# said Failed (one host, so the two processes' clocks agree).
+FAULT_STEPS = ("ok", "d_before", "d_refused", "d_after", "d_mid", "p_before", "p_waiting", "p_mid")
+FREED_WAIT = 5.0   # how long a side waits after its last room for its endpoint to hold nothing
+
+
+def fault_of(room: int) -> str:
+    return FAULT_STEPS[(room - 1000) % len(FAULT_STEPS)]
+
+
+def _send_first(s: Any, r: dict[str, Any]) -> None:
+    """``init`` and the first of the request's one-page chunks: the transfer has started, and stays open."""
+    kv = np.asarray(r["src"]["kv"], dtype=np.int32)
+    s.init(len(kv), r["aux_src"])
+    s.send(kv[:1], None)
+
+
+def _wait_freed(counts: Any) -> dict[str, int]:
+    """``counts()`` once all its figures are 0, or as they are after FREED_WAIT."""
+    deadline = time.monotonic() + FREED_WAIT
+    while any((now := counts()).values()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return now
+
+
+def run_prefill_faults(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    """SGLang's prefill loop with the failures of FAULT_STEPS: p_before aborts a room before decode
+    announced it (once decode is connected: a peer to tell), p_waiting after decode announced it, p_mid
+    50 ms after its first chunk; d_mid rooms send one chunk and wait for decode's abort."""
+    from sglang.srt.disaggregation import utils as dutils
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    cls = dutils.get_kv_class(dutils.TransferBackend(cfg["backend"]), dutils.KVClassType.SENDER)
+    senders = {r["room"]: cls(mgr, f"127.0.0.1:{cfg['port']}", r["room"]) for r in reqs}
+    done: dict[int, str] = {}
+    failed_at: dict[int, float] = {}
+    seen: dict[int, float] = {}
+    sent_at: dict[int, float] = {}
+    start = time.perf_counter()
+    while not mgr.prefill_endpoint.peers and time.perf_counter() - start < 30:
+        time.sleep(0.01)
+    for r in reqs:
+        if fault_of(r["room"]) == "p_before":
+            failed_at[r["room"]] = time.time()
+            senders[r["room"]].abort()
+    while len(done) < len(reqs) and time.perf_counter() - start < cfg.get("deadline", DEADLINE):
+        for r in reqs:
+            room, s, step = r["room"], senders[r["room"]], fault_of(r["room"])
+            if room in done:
+                continue
+            state = s.poll()
+            if state in (KVPoll.Success, KVPoll.Failed):
+                seen[room] = time.time()
+                done[room] = _outcome(s, state)
+                s.clear()   # what SGLang's prefill does with a concluded sender
+            elif state == KVPoll.WaitingForInput and room not in sent_at:
+                sent_at[room] = time.time()
+                if step == "p_waiting":
+                    failed_at[room] = sent_at[room]
+                    s.abort()
+                elif step in ("p_mid", "d_mid"):
+                    _send_first(s, r)
+                else:
+                    _send_request(s, args, r, 1)
+            elif step == "p_mid" and room not in failed_at and time.time() - sent_at.get(room, 1e18) > 0.05:
+                failed_at[room] = time.time()
+                s.abort()
+        time.sleep(0.001)
+    endpoint = mgr.prefill_endpoint
+    freed = _wait_freed(lambda: {k: v for k, v in endpoint.counters().items() if k in
+                                 ("live_requests", "live_handles", "source_holds")})
+    tables = {name: len(getattr(mgr, name)) for name in
+              ("request_status", "failure_records", "transfer_infos", "req_to_decode_prefix_len")}
+    return {"role": "prefill", "outcomes": {str(k): v for k, v in done.items()}, "failed_at": failed_at,
+            "seen_failed": seen, "freed": freed, "tables": tables,
+            "heartbeat_interval": mgr.kvferry_options.heartbeat_interval}
+
+
+def run_decode_faults(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    """SGLang's decode loop with the failures of FAULT_STEPS: d_before aborts a room after ``init``, before
+    ``send_metadata``; d_refused passes a page list kvferry refuses (a repeated page); d_after aborts right
+    after ``send_metadata``; d_mid once the room is Transferring. p_before rooms are held unannounced (a
+    decode waiting for memory) until they fail."""
+    from sglang.srt.disaggregation import utils as dutils
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    addr = f"127.0.0.1:{cfg['port']}"
+    start = time.perf_counter()
+    while not mgr.try_ensure_parallel_info(addr):
+        if time.perf_counter() - start > 60:
+            raise SystemExit("prefill never registered")
+        time.sleep(0.1)
+    cls = dutils.get_kv_class(dutils.TransferBackend(cfg["backend"]), dutils.KVClassType.RECEIVER)
+    receivers = {r["room"]: cls(mgr, addr, r["room"]) for r in reqs}
+    for rec in receivers.values():
+        rec.init(0)
+    done: dict[int, str] = {}
+    failed_at: dict[int, float] = {}
+    seen: dict[int, float] = {}
+    announced: set[int] = set()
+    while len(done) < len(reqs) and time.perf_counter() - start < cfg.get("deadline", DEADLINE):
+        for r in reqs:
+            room, rec, step = r["room"], receivers[r["room"]], fault_of(r["room"])
+            if room in done:
+                continue
+            state = rec.poll()
+            if state in (KVPoll.Success, KVPoll.Failed):
+                seen[room] = time.time()
+                done[room] = _outcome(rec, state)
+                rec.clear()   # what SGLang's decode does with a concluded receiver
+            elif state == KVPoll.WaitingForInput and room not in announced and step != "p_before":
+                announced.add(room)
+                kv = r["dst"]["kv"]
+                if step == "d_before":
+                    failed_at[room] = time.time()
+                    rec.abort()
+                    continue
+                if step == "d_refused":
+                    kv, failed_at[room] = [kv[0]] * len(kv), time.time()
+                rec.send_metadata(np.asarray(kv, dtype=np.int32), r["aux_dst"], state_list(args, r["dst"]))
+                if step == "d_after":
+                    failed_at[room] = time.time()
+                    rec.abort()
+            elif state == KVPoll.Transferring and step == "d_mid" and room not in failed_at:
+                failed_at[room] = time.time()
+                rec.abort()
+        time.sleep(0.001)
+    endpoint = mgr.decode_endpoint
+    freed = _wait_freed(lambda: {"leased_pages": endpoint.num_leased_pages, "live_leases": endpoint.num_live_leases,
+                                 "quarantined_pages": endpoint.num_quarantined_pages})
+    tables = {name: len(getattr(mgr, name)) for name in
+              ("request_status", "failure_records", "required_prefill_response_num_table",
+               "prefill_response_tracker")}
+    tables["addr_to_rooms_tracker"] = sum(len(v) for v in mgr.addr_to_rooms_tracker.values())
+    return {"role": "decode", "outcomes": {str(k): v for k, v in done.items()}, "failed_at": failed_at,
+            "seen_failed": seen, "freed": freed, "tables": tables,
+            "heartbeat_interval": mgr.kvferry_options.heartbeat_interval}
+
+
 def _prefix_kwargs(cfg: dict[str, Any], args: Any, r: dict[str, Any]) -> dict[str, int]:
     """``decode_prefix_len`` as SGLang's decode passes it (tokens); every ``unaligned_every``-th request
     one token more than its whole pages."""
@@ -676,7 +816,10 @@ def main() -> None:
     except Exception as exc:
         print(json.dumps({"role": role, "refused": f"{type(exc).__name__}: {exc}"}), flush=True)
         return
-    out = run_prefill(cfg, mgr, args, reqs) if role == "prefill" else run_decode(cfg, mgr, args, reqs)
+    if cfg.get("faults"):
+        out = (run_prefill_faults if role == "prefill" else run_decode_faults)(cfg, mgr, args, reqs)
+    else:
+        out = run_prefill(cfg, mgr, args, reqs) if role == "prefill" else run_decode(cfg, mgr, args, reqs)
     if role == "decode":
         out["check"] = check_bytes(bufs, cfg, reqs, out["outcomes"], rank)
         out["capacities"] = capacities(bufs)

@@ -52,3 +52,46 @@ def test_a_cancel_fails_the_request_on_prefill_at_once() -> None:
             decode.cancel("live", "x")
         prefill.send("live", {"main": [4]})
         decode.wait("live", timeout=5)
+
+
+def _until_failed(endpoint: DecodeEndpoint | PrefillEndpoint, request_id: str, limit: float) -> float:
+    """Seconds until ``endpoint`` reports ``request_id`` FAILED (an unknown id counts as not yet); fails the
+    test past ``limit``."""
+    started = time.monotonic()
+    while True:
+        try:
+            if endpoint.poll(request_id) is RequestState.FAILED:
+                return time.monotonic() - started
+        except UsageError:
+            pass
+        assert time.monotonic() - started < limit, f"{request_id!r} not FAILED within {limit} s"
+        time.sleep(0.002)
+
+
+def test_a_prefill_abort_before_any_announce_reaches_decode_within_a_heartbeat() -> None:
+    """The reverse (issue 26): prefill fails a request no decode announced yet, one it sent and one it never
+    heard of. Every decode peer has it FAILED within one heartbeat (0.1 s here; 0.1 s margin for a loaded
+    2-core box), with prefill's reason, holding nothing; an announce that comes later is refused at once
+    and its lease ends; a request decode announced is not touched by it."""
+    src, dst = _memories()
+    with PrefillEndpoint(src, "local", options=OPTS) as prefill, DecodeEndpoint(dst, "local", options=OPTS) as decode:
+        decode.connect(prefill.address)
+        prefill.send("sent", {"main": [1]})
+        for request_id in ("sent", "unheard"):
+            prefill.abort(request_id, "scheduler dropped it")
+            assert _until_failed(decode, request_id, OPTS.heartbeat_interval + 0.1) < OPTS.heartbeat_interval + 0.1
+            assert "aborted by prefill: scheduler dropped it" in str(decode.failure(request_id))
+        assert decode.num_leased_pages == 0 and prefill.counters()["live_requests"] == 0
+        decode.announce("unheard", {"main": [5]})     # an engine that announces anyway: refused at once
+        with pytest.raises(RequestFailed, match="aborted by prefill"):
+            decode.wait("unheard", timeout=OPTS.heartbeat_interval + 0.1)
+        deadline = time.monotonic() + 2
+        while decode.num_leased_pages:
+            assert time.monotonic() < deadline, "the refused announce's lease did not end"
+            time.sleep(0.005)
+        decode.announce("live", {"main": [3]})
+        prefill.send("live", {"main": [4]})
+        decode.wait("live", timeout=5)
+        prefill.abort("live", "too late")            # ended: a no-op, decode keeps DONE
+        time.sleep(2 * OPTS.heartbeat_interval)
+        assert decode.poll("live") is RequestState.DONE

@@ -413,6 +413,46 @@ def test_prefill_crash_fails_the_unfinished_requests_on_decode() -> None:
     assert_exact(decode)
 
 
+# Failure propagation (issue 26). The bound: one kvferry heartbeat (the backend's default 0.5 s) plus 0.25 s
+# for the two scheduler loops (each polls every room, then sleeps 1 ms) on a loaded 2-core machine.
+FAULT_MARGIN_S = 0.25
+
+
+def test_a_room_failed_on_one_side_fails_on_the_other_within_a_heartbeat() -> None:
+    """16 rooms, two failing at each step of sglang_peer.FAULT_STEPS, on decode (after ``init``, before
+    ``send_metadata``; a refused ``send_metadata``; right after it; mid-transfer) and on prefill (before
+    decode announced, decode holding the room; after the announce, before ``send``; mid-transfer): each
+    reaches Failed on the other side within one heartbeat (plus FAULT_MARGIN_S), with the reason, while
+    SGLang's bootstrap timeout (60 s) cannot be what ends it; the ``ok`` rooms arrive exact. Afterwards
+    neither side holds anything: decode no leased or quarantined page, prefill no live request, handle or
+    source hold, and both managers' room tables are empty once SGLang's ``clear`` ran."""
+    from tests.sglang_peer import FAULT_STEPS, fault_of
+
+    n = 2 * len(FAULT_STEPS)
+    prefill, decode = run_pair("kvferry", "mla", n=n, faults=True, pages_per_req=3, deadline=30,
+                               env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60"})
+    bound = decode["heartbeat_interval"] + FAULT_MARGIN_S
+    for report in (prefill, decode):
+        assert len(report["outcomes"]) == n, (report["role"], report["outcomes"], report["errors"])
+        for room, outcome in report["outcomes"].items():
+            assert (outcome == "ok") == (fault_of(int(room)) == "ok"), (report["role"], room, outcome)
+    delays: dict[str, list[float]] = {}
+    for failer, other in ((decode, prefill), (prefill, decode)):
+        for room, at in failer["failed_at"].items():
+            delay = other["seen_failed"][room] - at
+            delays.setdefault(fault_of(int(room)), []).append(delay)
+            assert delay < bound, (fault_of(int(room)), room, delay, other["outcomes"][room])
+            assert "timed out" not in other["outcomes"][room], other["outcomes"][room]
+    assert set(delays) == set(FAULT_STEPS) - {"ok"}, delays
+    assert decode["freed"] == {"leased_pages": 0, "live_leases": 0, "quarantined_pages": 0}, decode["freed"]
+    assert prefill["freed"] == {"live_requests": 0, "live_handles": 0, "source_holds": 0}, prefill["freed"]
+    for report in (prefill, decode):
+        assert not any(report["tables"].values()), (report["role"], report["tables"])
+    assert_exact(decode)
+    print("failure -> Failed on the other side, max s per step:",
+          {k: round(max(v), 4) for k, v in sorted(delays.items())})
+
+
 # Decode-side prefixes (issue 23): decode's radix cache holds a request's leading pages; SGLang's decode
 # lists only what it lacks and passes decode_prefix_len, its prefill pops it and sends the suffix.
 PREFIX_POOLS = ["mla", "dsa_bf16", "v4"]

@@ -463,6 +463,8 @@ class DecodeEndpoint(EndpointBase, PullReader):
             self._on_ready(link, msg)
         elif isinstance(msg, wire.Fail):
             self._on_fail(link, msg)
+        elif isinstance(msg, wire.Cancel):
+            self._on_cancel(link, msg)
         elif isinstance(msg, wire.Bye):
             self._link_dead(link, PeerLost(f"prefill {link.address} left: {msg.reason}"))
         else:
@@ -487,6 +489,17 @@ class DecodeEndpoint(EndpointBase, PullReader):
             # read first): take them now, or they would count as writes landing with no lease.
             self._pump()
             self._settle(rec, part)
+
+    def _on_cancel(self, link: Link, msg: wire.Cancel) -> None:
+        """Prefill failed a request before any decode announced it: keep it FAILED here so ``poll`` says so
+        now (nothing is leased for it). A request this decode already knows is left alone: one announced and
+        live hears from prefill itself (its announce is refused), one ended ended on its own."""
+        if msg.request_id in self._records:
+            return
+        rec = RequestRecord(msg.request_id, RequestState.BOOTSTRAPPING, time.monotonic())
+        self._remember(rec)
+        self._num_live += 1   # _set_state counts it out as it fails, as for an announced request
+        self._fail(rec, RequestAborted(f"prefill {link.address}: {msg.reason}"))
 
     def _lookup(self, link: Link, request_id: str, generation: int) -> DecodeRequest | None:
         """The record a message from ``link`` is about, or None (an ended request: a late Ack or a

@@ -195,10 +195,29 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         """Non-blocking: fail the request and stop writing it. Decode hears of it (and frees its pages)
-        only once every write already posted has settled. No-op for a request already ended."""
+        only once every write already posted has settled. No-op for a request already ended. A request no
+        decode announced yet (this side may never have heard of it) is kept FAILED, so a later announce is
+        refused at once, and every decode peer is told now (``wire.Cancel``): its engine stops waiting for
+        it within a message, not at its announce or timeout."""
         with self._lock:
-            rec = cast(PrefillRequest, self._record(request_id))
+            rec = self._records.get(request_id)
+            if rec is None:
+                if self._closing:
+                    return   # closing fails every request anyway, and no decode is told any more
+                rec = self._new_request(request_id, RequestState.BOOTSTRAPPING)
+            rec = cast(PrefillRequest, rec)
+            failed_now = rec.is_live
             self._fail_req(rec, RequestAborted(f"aborted by prefill: {reason}"))
+            if failed_now and rec.session is None:
+                self._call_soon(lambda: self._cancel_everywhere(request_id, reason))
+
+    def _cancel_everywhere(self, request_id: str, reason: str) -> None:
+        """Tell every decode peer that this prefill failed ``request_id`` before any announced it (progress
+        thread): which decode will ask for it is not known yet."""
+        data = wire.encode(wire.Cancel(request_id, f"aborted by prefill: {reason}"[:wire.MAX_REASON_LEN]))
+        for session in self._sessions.values():
+            if session.state == "established":
+                self._queue_out(session.identity, data)
 
     def decode_prefix(self, request_id: str) -> dict[str, int] | None:
         """What decode announced it already holds of ``request_id`` (pool -> leading pages; pools left out

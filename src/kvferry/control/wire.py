@@ -15,6 +15,7 @@ Flow (decode D, prefill P)::
             a Batch of Chunks when one write carried several requests' chunks (prefill under load)
     P -> D  Ready (request, generation, chunk, source pages, digests)   pull mode, instead of a write + Chunk
     D -> P  Cancel (request): decode will not announce it   P fails it at once
+    P -> D  Cancel (request): P failed it before any decode announced it   D keeps it FAILED (refuses nothing)
     D -> P  Result (ok or not, after digests verified)       either  Abort / Fail (settled: no write can land)
     either  Heartbeat, Bye
     either  Batch (several of the messages above, once established: see below)
@@ -75,7 +76,8 @@ __all__ = ["BATCH_BYTES", "KINDS", "MAX_BATCH", "PROTOCOL_VERSION", "Abort", "Ac
 # 5: a write's NIXL notification may be a Batch of Chunks (one write for several requests).
 # 6: Announce names the leading pages of the request decode already holds (its prefix cache), per pool;
 #    prefill's chunk positions are positions in the whole request and skip them. Cancel (decode will not
-#    announce a request: prefill fails it at once instead of at its deadline).
+#    announce a request: prefill fails it at once instead of at its deadline; prefill failed one no decode
+#    announced: every decode peer records it FAILED at once instead of learning at its announce).
 PROTOCOL_VERSION = 6
 
 # Caps on untrusted input, far above real use and far below what exhausts memory.
@@ -182,9 +184,11 @@ class Abort(_Msg):
 
 
 class Cancel(_Msg):
-    """Decode will never announce ``request_id`` (it failed the request before leasing pages): prefill fails
-    its record now, or remembers the failure for a ``send`` still to come. Nothing was leased, so nothing
-    needs settling."""
+    """D -> P: decode will never announce ``request_id`` (it failed the request before leasing pages):
+    prefill fails its record now, or remembers the failure for a ``send`` still to come. P -> D (to every
+    decode peer): prefill failed ``request_id`` before any decode announced it; a decode that has not
+    announced it records it FAILED, so its engine stops waiting now (an announce that crossed this message
+    is refused by prefill as before). Nothing was leased, so nothing needs settling."""
 
     request_id: Id
     reason: Reason

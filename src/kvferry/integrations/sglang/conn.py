@@ -253,13 +253,18 @@ class KVFerryKVSender(CommonKVSender):
             return self.conclude_state
         status, reason = _endpoint_poll(self.kv_mgr, self.bootstrap_room)
         if status is None:   # decode has not announced the request yet: SGLang's bootstrap timeout applies
-            return self._poll_with_status(self.kv_mgr.check_status)
+            polled = self._poll_with_status(self.kv_mgr.check_status)
+            if polled == KVPoll.Failed:   # SGLang failed it (its timeout): decode must not wait on
+                _abort(self.kv_mgr, self.bootstrap_room, self.kv_mgr.failure_records.get(
+                    self.bootstrap_room, "failed on prefill"))
+            return polled
         if reason is not None:
             self.kv_mgr.record_failure(self.bootstrap_room, reason)
         self.kv_mgr.update_status(self.bootstrap_room, status)
         return self._poll_with_status(self.kv_mgr.check_status)
 
     def abort(self) -> None:
+        # Before decode announced, kvferry keeps the room FAILED and tells every decode peer at once.
         _abort(self.kv_mgr, self.bootstrap_room, "aborted by SGLang (AbortReq)")
         super().abort()
 
@@ -355,6 +360,10 @@ class KVFerryKVReceiver(CommonKVReceiver):
                       destination: KVTransferDestination = KVTransferDestination.DEVICE, **_: Any) -> None:
         if self.conclude_state == KVPoll.Failed:
             return
+        status, reason = _endpoint_poll(self.kv_mgr, self.bootstrap_room)
+        if status == KVPoll.Failed:   # prefill failed the room first (kvferry's Cancel): lease nothing
+            self._fail(reason or "failed on prefill before the announce")
+            return
         if destination != KVTransferDestination.DEVICE:
             raise NotImplementedError("kvferry: host KV destinations are not supported")
         try:
@@ -386,13 +395,38 @@ class KVFerryKVReceiver(CommonKVReceiver):
         return status
 
     def abort(self) -> None:
-        _abort(self.kv_mgr, self.bootstrap_room, "aborted by SGLang (AbortReq)")
+        self._tell_prefill("aborted by SGLang (AbortReq)")
         super().abort()
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
-        # kvferry's abort tells every prefill rank writing the request itself; SGLang's own notification
-        # would go to a ZMQ PULL socket kvferry does not run.
+        # SGLang's own notification would go to a ZMQ PULL socket kvferry does not run.
+        self._send_abort_notification(force_arm=force_arm)
+
+    def _send_abort_notification(self, *, force_arm: bool = False) -> None:
+        """SGLang's paths that end a room on decode (its waiting timeout, a cleared unfinished room) call
+        this: kvferry tells prefill instead."""
+        self._tell_prefill(self.kv_mgr.failure_records.get(self.bootstrap_room, "failed on decode"))
+
+    def _tell_prefill(self, reason: str) -> None:
+        """Tell every prefill rank of the room, once, that decode ended it, so each fails it now and frees
+        what it holds (issue 26). Announced: kvferry's abort (the lease ends once no write can land). Not
+        announced but connected: kvferry's cancel (nothing leased; prefill would otherwise hold the room in
+        Bootstrapping until SGLang's bootstrap timeout). Before a handshake there is no one to tell."""
+        if self.abort_notified:
+            return
         self.abort_notified = True
+        endpoint, room = self.kv_mgr.decode_endpoint, _room_id(self.bootstrap_room)
+        if endpoint is None:
+            return
+        try:
+            endpoint.poll(room)
+        except _UNKNOWN:
+            peers = getattr(self, "peer_addresses", None)
+            if peers:
+                with contextlib.suppress(KVFerryError):   # prefill gone or closing: it fails the room itself
+                    endpoint.cancel(room, reason, peer=peers[0] if len(peers) == 1 else peers)
+            return
+        endpoint.abort(room, reason)   # a no-op for a room that ended
 
     def is_abort_release_safe(self) -> bool:
         """True once no write of this request can still land in its pages (kvferry's lease ended)."""
@@ -403,6 +437,7 @@ class KVFerryKVReceiver(CommonKVReceiver):
     def _fail(self, reason: str) -> None:
         self.kv_mgr.fail(self.bootstrap_room, reason)
         self.conclude_state = KVPoll.Failed
+        self._tell_prefill(reason)
 
 
 class KVFerryKVBootstrapServer(CommonKVBootstrapServer):
