@@ -507,7 +507,8 @@ def _wait_freed(counts: Any) -> dict[str, int]:
 
 def run_prefill_faults(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, Any]]) -> dict[str, Any]:
     """SGLang's prefill loop with the failures of FAULT_STEPS: p_before aborts a room before decode
-    announced it (once decode is connected: a peer to tell), p_waiting after decode announced it, p_mid
+    announced it (once decode announced another: connected, a peer to tell, and polling), p_waiting after
+    decode announced it, p_mid
     50 ms after its first chunk; d_mid rooms send one chunk and wait for decode's abort."""
     from sglang.srt.disaggregation import utils as dutils
     from sglang.srt.disaggregation.base.conn import KVPoll
@@ -518,14 +519,15 @@ def run_prefill_faults(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict
     failed_at: dict[int, float] = {}
     seen: dict[int, float] = {}
     sent_at: dict[int, float] = {}
+    early_done = False
     start = time.perf_counter()
-    while not mgr.prefill_endpoint.peers and time.perf_counter() - start < 30:
-        time.sleep(0.01)
-    for r in reqs:
-        if fault_of(r["room"]) == "p_before":
-            failed_at[r["room"]] = time.time()
-            senders[r["room"]].abort()
     while len(done) < len(reqs) and time.perf_counter() - start < cfg.get("deadline", DEADLINE):
+        if sent_at and not early_done:   # decode announced a room, so it is in its poll loop: fail p_before
+            early_done = True
+            for r in reqs:
+                if fault_of(r["room"]) == "p_before":
+                    failed_at[r["room"]] = time.time()
+                    senders[r["room"]].abort()
         for r in reqs:
             room, s, step = r["room"], senders[r["room"]], fault_of(r["room"])
             if room in done:
@@ -554,6 +556,7 @@ def run_prefill_faults(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict
     tables = {name: len(getattr(mgr, name)) for name in
               ("request_status", "failure_records", "transfer_infos", "req_to_decode_prefix_len")}
     return {"role": "prefill", "outcomes": {str(k): v for k, v in done.items()}, "failed_at": failed_at,
+            "seconds": time.perf_counter() - start,
             "seen_failed": seen, "freed": freed, "tables": tables,
             "heartbeat_interval": mgr.kvferry_options.heartbeat_interval}
 
@@ -615,6 +618,7 @@ def run_decode_faults(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[
                "prefill_response_tracker")}
     tables["addr_to_rooms_tracker"] = sum(len(v) for v in mgr.addr_to_rooms_tracker.values())
     return {"role": "decode", "outcomes": {str(k): v for k, v in done.items()}, "failed_at": failed_at,
+            "seconds": time.perf_counter() - start,
             "seen_failed": seen, "freed": freed, "tables": tables,
             "heartbeat_interval": mgr.kvferry_options.heartbeat_interval}
 

@@ -450,7 +450,13 @@ def test_a_room_failed_on_one_side_fails_on_the_other_within_a_heartbeat() -> No
         assert not any(report["tables"].values()), (report["role"], report["tables"])
     assert_exact(decode)
     print("failure -> Failed on the other side, max s per step:",
-          {k: round(max(v), 4) for k, v in sorted(delays.items())})
+          {k: round(max(v), 4) for k, v in sorted(delays.items())},
+          f"(prefill {prefill['seconds']:.1f} s, decode {decode['seconds']:.1f} s)")
+    for failer, other in ((decode, prefill), (prefill, decode)):   # what SGLang's user sees on the other side
+        for step in FAULT_STEPS[1:]:
+            room = str(1000 + FAULT_STEPS.index(step))
+            if room in failer["failed_at"]:
+                print(f"  {step} -> {other['role']}: {other['outcomes'][room]}")
 
 
 # Decode-side prefixes (issue 23): decode's radix cache holds a request's leading pages; SGLang's decode
@@ -507,8 +513,9 @@ def test_a_prefix_past_the_request_or_not_whole_pages_is_refused_by_name() -> No
     """Every fourth request's decode claims two pages more than the request has: prefill's sender refuses
     it at ``init`` (SGLang's prefill would never send one), naming the pool, the request's pages and the
     claim, and the request fails on both sides. Another fourth's decode_prefix_len is one token past
-    whole pages: decode's announce refuses it, naming the pool (prefill then fails it by SGLang's
-    bootstrap timeout). Nothing of theirs moves, the held pages keep their sentinel, the rest are exact."""
+    whole pages: decode's announce refuses it, naming the pool, and tells prefill (kvferry's cancel), which
+    fails it with that reason at once. Nothing of theirs moves, the held pages keep their sentinel, the rest
+    are exact."""
     prefills, decodes = run_ranks("kvferry", "dsa_bf16", n=12, prefix=True, past_every=4, unaligned_every=4,
                                   env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "3"})
     (prefill,), (decode,) = prefills, decodes
@@ -521,7 +528,8 @@ def test_a_prefix_past_the_request_or_not_whole_pages_is_refused_by_name() -> No
     for room in unaligned:
         assert "kvferry announce failed: pool 'kv': a prefix of" in decode["outcomes"][room], decode["outcomes"]
         assert "tokens is not whole pages of 64 tokens" in decode["outcomes"][room]
-        assert "timed out" in prefill["outcomes"][room]
+        assert "before it announced the request: kvferry announce failed: pool 'kv'" in prefill["outcomes"][room], \
+            prefill["outcomes"][room]
 
 
 def test_a_full_radix_hit_fails_by_name_for_now() -> None:
