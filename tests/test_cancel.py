@@ -13,6 +13,10 @@ from kvferry.errors import RequestFailed
 from .control_peer import fill, make_layout
 
 OPTS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, lease_grace=0.4, request_timeout=20.0)
+# For the timed test: a short heartbeat, but a peer_timeout a loaded 2-core machine does not trip; the bound
+# is one heartbeat plus MARGIN_S for thread scheduling there (the message itself takes milliseconds).
+TIMED = EndpointOptions(heartbeat_interval=0.25, peer_timeout=5.0, lease_grace=0.4, request_timeout=20.0)
+MARGIN_S = 0.15
 
 
 def _memories() -> tuple[KVMemory, KVMemory]:
@@ -70,21 +74,22 @@ def _until_failed(endpoint: DecodeEndpoint | PrefillEndpoint, request_id: str, l
 
 def test_a_prefill_abort_before_any_announce_reaches_decode_within_a_heartbeat() -> None:
     """The reverse (issue 26): prefill fails a request no decode announced yet, one it sent and one it never
-    heard of. Every decode peer has it FAILED within one heartbeat (0.1 s here; 0.1 s margin for a loaded
-    2-core box), with prefill's reason, holding nothing; an announce that comes later is refused at once
+    heard of. Every decode peer has it FAILED within one heartbeat (0.25 s here, plus MARGIN_S), with
+    prefill's reason, holding nothing; an announce that comes later is refused at once
     and its lease ends; a request decode announced is not touched by it."""
     src, dst = _memories()
-    with PrefillEndpoint(src, "local", options=OPTS) as prefill, DecodeEndpoint(dst, "local", options=OPTS) as decode:
+    with PrefillEndpoint(src, "local", options=TIMED) as prefill, DecodeEndpoint(dst, "local", options=TIMED) as decode:
         decode.connect(prefill.address)
         prefill.send("sent", {"main": [1]})
         for request_id in ("sent", "unheard"):
             prefill.abort(request_id, "scheduler dropped it")
-            assert _until_failed(decode, request_id, OPTS.heartbeat_interval + 0.1) < OPTS.heartbeat_interval + 0.1
+            bound = TIMED.heartbeat_interval + MARGIN_S
+            assert _until_failed(decode, request_id, bound) < bound
             assert "aborted by prefill: scheduler dropped it" in str(decode.failure(request_id))
         assert decode.num_leased_pages == 0 and prefill.counters()["live_requests"] == 0
         decode.announce("unheard", {"main": [5]})     # an engine that announces anyway: refused at once
         with pytest.raises(RequestFailed, match="aborted by prefill"):
-            decode.wait("unheard", timeout=OPTS.heartbeat_interval + 0.1)
+            decode.wait("unheard", timeout=TIMED.heartbeat_interval + MARGIN_S)
         deadline = time.monotonic() + 2
         while decode.num_leased_pages:
             assert time.monotonic() < deadline, "the refused announce's lease did not end"
@@ -93,5 +98,5 @@ def test_a_prefill_abort_before_any_announce_reaches_decode_within_a_heartbeat()
         prefill.send("live", {"main": [4]})
         decode.wait("live", timeout=5)
         prefill.abort("live", "too late")            # ended: a no-op, decode keeps DONE
-        time.sleep(2 * OPTS.heartbeat_interval)
+        time.sleep(2 * TIMED.heartbeat_interval)
         assert decode.poll("live") is RequestState.DONE
