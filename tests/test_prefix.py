@@ -21,7 +21,8 @@ from kvferry.plan.prefix import check_prefix, prefix_pages
 
 from .control_peer import LAYERS, fill, make_layout, snapshot
 
-OPTS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, lease_grace=0.4, request_timeout=20.0)
+# Generous peer timeouts: nothing here tests peer death, and a loaded machine must not fail these.
+OPTS = EndpointOptions(heartbeat_interval=0.2, peer_timeout=5.0, lease_grace=0.4, request_timeout=20.0)
 
 
 def _memories() -> tuple[KVMemory, KVMemory]:
@@ -181,3 +182,18 @@ def test_any_prefix_and_chunking_lands_each_page_once(n: int, held: int, cut: in
         prefill.send("h", {"main": src["main"][first:]}, offset=first)
         decode.wait("h", timeout=10)
     _expect(before, src_mem, dst_mem, src, dst, {"main": held})
+
+
+def test_a_pool_decode_holds_whole_leaves_the_chunk(pair: tuple[PrefillEndpoint, DecodeEndpoint]) -> None:
+    """A full prefix hit in one pool (SGLang's radix cache holding every KV page, only other pools moving):
+    decode leases nothing there, prefill still names the pool, and the rest moves."""
+    prefill, decode = pair
+    before = snapshot(decode.memory)
+    rng = np.random.default_rng(12)
+    src, dst = _request(rng, 3)
+    decode.announce("full", {"c4": dst["c4"]}, prefix={"main": 3})
+    prefill.send("full", src, last=False)
+    prefill.send("full", {"main": np.zeros(0, dtype=np.int64)}, offset={"main": 3})   # SGLang's closing chunk
+    decode.wait("full", timeout=10)
+    prefill.wait("full", timeout=10)
+    _expect(before, prefill.memory, decode.memory, src, {"c4": dst["c4"]}, {"main": 3})

@@ -133,8 +133,11 @@ def past_prefix(rec: PrefillRequest, spec: ChunkSpec) -> ChunkSpec | None:
                 raise prefix_past_request(rec.request_id, pool, held, rec.request_pages.get(pool, 0))
     cut = {pool: split_prefix(pool, src, spec.offsets[pool], rec.prefix.get(pool, 0))
            for pool, src in spec.src.items()}
-    if all(len(src) == len(cut[pool][0]) for pool, src in spec.src.items()) and \
-            all(cut[pool][1] == spec.offsets[pool] for pool in spec.src):
+    # A pool with nothing left to write where decode leased nothing (it holds all of it: a full prefix hit)
+    # leaves the chunk; its end position was recorded above.
+    cut = {pool: part for pool, part in cut.items() if len(part[0]) or pool in rec.dst}
+    if cut.keys() == spec.src.keys() and all(len(src) == len(cut[pool][0]) for pool, src in spec.src.items()) \
+            and all(cut[pool][1] == spec.offsets[pool] for pool in spec.src):
         return spec
     if not spec.last and not any(len(pages) for pages, _ in cut.values()):
         return None
