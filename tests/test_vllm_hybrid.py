@@ -20,7 +20,18 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
 
 from kvferry.integrations.vllm.layout import HYBRID_POOL, GroupSpec
 
-from .vllm_pd import BLOCK_SIZE, close_llm, greedy, make_llm, metric, tokens
+from .vllm_pd import (
+    BLOCK_SIZE,
+    close_llm,
+    greedy,
+    make_llm,
+    make_sessions,
+    metric,
+    prompt_sources,
+    session_answers,
+    session_prompt,
+    tokens,
+)
 
 # Three more vLLM instances: marked slow, out of `make test` (make test-vllm-slow).
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -61,12 +72,24 @@ def prompts() -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def expected(model: Path, prompts: list[Any]) -> list[list[int]]:
+def sessions() -> list[list[list[int]]]:
+    return make_sessions(8, 3, seed=7)
+
+
+@pytest.fixture(scope="module")
+def plain(model: Path, prompts: list[Any], sessions: list[list[list[int]]]) -> dict[str, Any]:
+    """One plain instance's tokens (no disaggregation, no prefix cache): the prompts' and the sessions'."""
     llm = make_llm(model)
     try:
-        return tokens(llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False))
+        return {"prompts": tokens(llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)),
+                "sessions": session_answers(llm, sessions, MAX_TOKENS)}
     finally:
         close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def expected(plain: dict[str, Any]) -> list[list[int]]:
+    return plain["prompts"]
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +134,35 @@ def test_a_sliding_window_model_moves_both_groups_and_decodes_the_same_tokens(
     assert {pool for w in writes for pool in w} == {HYBRID_POOL}
     assert sum(w[HYBRID_POOL] for w in writes) == sum(2 * -(-n // BLOCK_SIZE) - sliding.first_needed_block(n)
                                                       for n in moved)
+
+
+def test_multi_turn_sessions_keep_decodes_prefix_cache_in_both_groups(
+        pair: tuple[Any, Any, Path], sessions: list[list[list[int]]], plain: dict[str, Any]) -> None:
+    """Prefix caching on in both instances, 8 sessions x 3 turns: from turn 2 decode's cache holds the earlier
+    turns' blocks of both groups, and kvferry moves the rest (prefill's list is position-major, so the
+    held blocks are a leading part of it); a prompt whose window block prefill freed is prefilled on decode
+    past its hit. Every answer equals the plain instance's."""
+    prefill, decode, _ = pair
+    want = plain["sessions"]
+    sliding = GroupSpec(("model.layers.0.self_attn.attn",), BLOCK_SIZE, WINDOW)
+    got: list[list[list[int]]] = [[] for _ in sessions]
+    for turn in range(len(sessions[0])):
+        prompts = [session_prompt(s, w[:turn]) for s, w in zip(sessions, want)]
+        before = prompt_sources(decode)
+        firsts = prefill.generate(prompts, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+        params = [out.kv_transfer_params for out in firsts]
+        outputs = decode.generate(prompts, [greedy(MAX_TOKENS, p) for p in params], use_tqdm=False)
+        moved = {source: value - before[source] for source, value in prompt_sources(decode).items()}
+        for answers, answer in zip(got, tokens(outputs)):
+            answers.append(answer)
+        kept_here = [len(p) for p in prompts if not sliding.transferable(len(p))]
+        assert [bool(p.get("kvferry_address")) for p in params] == [sliding.transferable(len(p)) for p in prompts]
+        print(f"turn {turn + 1}: {sum(map(len, prompts))} prompt tokens, {moved['local_cache_hit']:.0f} in decode's "
+              f"cache, {moved['external_kv_transfer']:.0f} from kvferry, {moved['local_compute']:.0f} computed "
+              f"({len(kept_here)} prompts prefill did not send)")
+        assert moved["local_compute"] <= sum(kept_here) and moved["external_kv_transfer"] > 0
+        assert sum(moved.values()) == sum(map(len, prompts))
+        if turn:
+            assert moved["local_cache_hit"] > 0
+    equal = sum(g == w for answers, wants in zip(got, want) for g, w in zip(answers, wants))
+    assert equal == len(sessions) * len(sessions[0]), f"{equal} answers equal the plain instance's"
