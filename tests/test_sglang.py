@@ -532,20 +532,14 @@ def test_a_prefix_past_the_request_or_not_whole_pages_is_refused_by_name() -> No
             prefill["outcomes"][room]
 
 
-def test_a_full_radix_hit_fails_by_name_for_now() -> None:
+def test_a_full_radix_hit_moves_the_rest() -> None:
     """Every third request's decode holds all of it (SGLang's decode can match the whole prompt; its nixl
     backend says so: such a transfer is not a dummy, aux and state still move): decode lists no KV page,
     prefill's one ``send`` carries none and names pool ``kv`` so kvferry can check the prefix against the
-    request's end. kvferry's core refuses a chunk naming a pool decode leased no pages in, so these fail
-    on both sides with that reason, nothing of theirs written, the held pages kept, the rest exact.
-    Asserted as observed (docs/sglang.md, Not done): this test fails the day the core takes such a chunk,
-    and should then assert Success with the aux page in place."""
+    request's end. The pool leaves the chunk (decode leased nothing there); the aux page moves, every
+    request concludes Success on both sides, the held pages keep their sentinel, every byte is exact."""
     prefills, decodes = run_ranks("kvferry", "mla", n=6, prefix=True, full_every=3)
-    full = frozenset({"1002", "1005"})
-    assert_prefix_case(prefills, decodes, n=6, failing=full, full_every=3)
-    for room in full:
-        for report in (*prefills, *decodes):
-            assert "decode leased no pages in pool 'kv'" in report["outcomes"][room], report["outcomes"][room]
+    assert_prefix_case(prefills, decodes, n=6, full_every=3)
 
 
 def test_plugin_resolves_kvferry_and_keeps_nixl() -> None:
