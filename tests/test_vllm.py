@@ -496,7 +496,7 @@ def test_the_connector_bench_against_nixlconnector_runs(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(bench), "--requests", "4", "--json", str(out)], check=True, timeout=600)
     results = json.loads(out.read_text())
     assert {name: {conc: row["equal"] for conc, row in rows.items()} for name, rows in results.items()} == {
-        "kvferry": {"1": 4, "4": 4}, "nixl": {"1": 4, "4": 4}}
+        "kvferry": {"1": 4, "4": 4}, "kvferry-pull": {"1": 4, "4": 4}, "nixl": {"1": 4, "4": 4}}
 
 
 @pytest.mark.slow
