@@ -176,6 +176,7 @@ def test_the_fault_soak_command_schedules_every_fault() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)   # three server starts and a plain instance; 15 min was not enough at load ~30
 def test_with_recompute_and_the_fallback_prefill_faults_cost_no_answer(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """kv_load_failure_policy="recompute" on decode and the proxy's --fallback decode: while prefill is
@@ -194,6 +195,7 @@ def test_with_recompute_and_the_fallback_prefill_faults_cost_no_answer(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)   # three server starts and a plain instance; 15 min was not enough at load ~30
 def test_the_soak_every_fault_of_either_server(tmp_path_factory: pytest.TempPathFactory) -> None:
     """`kvferry vllm-chaos` in short: a kill + restart and a stall of each server; 0 other tokens, no request
     over the bound, both servers idle with every KV block free (their own /metrics) at the end."""
