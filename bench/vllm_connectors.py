@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from kvferry.integrations.vllm.chaos import write_model  # the tests' and the soak's tiny model
+
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
        "TORCHDYNAMO_DISABLE": "1", "KMP_BLOCKTIME": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 MAX_TOKENS = 16
@@ -65,18 +67,6 @@ def connector_config(name: str, role: str, record: bool = False) -> dict[str, An
         return {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm",
                 "kv_role": role, "kv_connector_extra_config": extra}
     return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-
-
-def write_model(path: Path) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-                         initializer_range=0.2, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    return path
 
 
 def make_prompts(num: int, seed: int) -> list[Any]:

@@ -31,22 +31,11 @@ for _key, _value in ENV.items():
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
+# One tiny model for the tests, the bench and the soak (re-exported: the tests import it from here).
+from kvferry.integrations.vllm.chaos import write_model  # noqa: E402, F401
+
 BLOCK_SIZE = 32
 CONNECTOR = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm"}
-
-
-def write_model(path: Path) -> Path:
-    """A 2-layer Llama with random weights (initializer_range 0.2: greedy tokens depend on the context, so
-    KV that did not arrive intact shows in the tokens). About 2 MB, under a second."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-                         initializer_range=0.2, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    return path
 
 
 def make_prompts(num_prompts: int, seed: int = 0) -> list[TokensPrompt]:
