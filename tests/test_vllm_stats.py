@@ -42,6 +42,7 @@ def move(prefill: Any, decode: Any, first: int, num: int, pages: int = 3) -> Non
         decode.announce(f"r{i}", {"0": list(range(10, 10 + pages))})
         prefill.send(f"r{i}", {"0": list(range(pages))})
         decode.wait(f"r{i}", timeout=10.0)
+        prefill.wait(f"r{i}", timeout=10.0)   # prefill counts a request once decode's verdict reached it
 
 
 def test_a_workers_stats_are_what_happened_since_its_last_call(pair: Any) -> None:
