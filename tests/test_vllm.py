@@ -242,6 +242,7 @@ def test_multi_turn_sessions_move_only_the_blocks_decode_lacks(prefill: Any, dec
         assert turn["local_cache_hit"] > 0 and turn["vs_lacking_blocks"] <= 1.15 and turn["vs_prompt"] < 0.8, turn
 
 
+@pytest.mark.slow   # starts a decode instance of its own: the default run's time budget (make test-vllm-slow)
 def test_a_decode_claiming_a_prefix_it_does_not_hold_decodes_other_tokens(model: Path, prefill: Any, record: Path,
                                                                           short_sessions: list[list[list[int]]],
                                                                           reference: dict[str, Any]) -> None:
