@@ -131,7 +131,7 @@ def past_prefix(rec: PrefillRequest, spec: ChunkSpec) -> ChunkSpec | None:
         for pool, held in rec.prefix.items():
             if held > rec.request_pages.get(pool, 0):
                 raise prefix_past_request(rec.request_id, pool, held, rec.request_pages.get(pool, 0))
-    cut = {pool: split_prefix(pool, src, spec.offsets[pool], rec.prefix.get(pool, 0))
+    cut = {pool: split_prefix(src, spec.offsets[pool], rec.prefix.get(pool, 0))
            for pool, src in spec.src.items()}
     # A pool with nothing left to write where decode leased nothing (it holds all of it: a full prefix hit)
     # leaves the chunk; its end position was recorded above.

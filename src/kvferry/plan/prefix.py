@@ -80,7 +80,7 @@ def _count(what: str, unit: str, value: Any, error: type[KVFerryError]) -> int:
     return int(value)
 
 
-def split_prefix(pool: str, src: np.ndarray, offset: int, prefix: int) -> tuple[np.ndarray, int]:
+def split_prefix(src: np.ndarray, offset: int, prefix: int) -> tuple[np.ndarray, int]:
     """The part of a chunk (source pages at request positions ``offset ..``) past decode's ``prefix``
     pages, and its position in decode's announced pages (which start after the prefix). A chunk wholly
     inside the prefix gives no pages."""
