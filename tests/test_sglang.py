@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("sglang.srt.disaggregation.common.conn")
 pytest.importorskip("nixl")
-pytestmark = [pytest.mark.sglang, pytest.mark.nixl, pytest.mark.slow]
+pytestmark = [pytest.mark.sglang, pytest.mark.nixl]
 
 POOLS = ["mla", "dsa_fp8", "dsa_bf16", "v4"]
 # (pool, prefill attention TP, decode attention TP): every rank a process of its own.
@@ -563,14 +563,14 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def test_zz_report(capsys: pytest.CaptureFixture[str]) -> None:
-    """Prints the comparison table (time per request as decode sees it: send_metadata to Success)."""
+def report_lines() -> list[str]:
+    """The comparison table (time per request as decode sees it: send_metadata to Success), printed at the
+    end of the run by ``pytest_terminal_summary`` in tests/conftest.py; empty when no transfer ran."""
     if not RESULTS:
-        pytest.skip("no transfer ran")
-    with capsys.disabled():
-        print("\nbackend  pool               requests ok  bytes checked  bad pages  mean s/request")
-        for (backend, pool), d in sorted(RESULTS.items()):
-            print(f"{backend:8} {pool:18} {_ok(d):>11}  {d['check']['bytes_checked']:>13}  "
-                  f"{d['check']['num_bad_pages']:>9}  {_seconds(d['mean_latency_s'])}")
-            for note in d.get("notes", ()):
-                print(f"         ^ {note}")
+        return []
+    lines = ["backend  pool               requests ok  bytes checked  bad pages  mean s/request"]
+    for (backend, pool), d in sorted(RESULTS.items()):
+        lines.append(f"{backend:8} {pool:18} {_ok(d):>11}  {d['check']['bytes_checked']:>13}  "
+                     f"{d['check']['num_bad_pages']:>9}  {_seconds(d['mean_latency_s'])}")
+        lines.extend(f"         ^ {note}" for note in d.get("notes", ()))
+    return lines
