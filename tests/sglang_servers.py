@@ -91,6 +91,15 @@ def write_tiny_model(path: Path, arch: str = "llama", seed: int = 0) -> Path:
                              "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                              "original_max_position_embeddings": 4096}, **common)
         cls = transformers.DeepseekV2ForCausalLM
+    elif arch == "gemma4":
+        # SGLang serves Gemma4 with its hybrid sliding-window pool (two KV pools: full and SWA layers)
+        text = {k: v for k, v in common.items() if k not in ("bos_token_id", "pad_token_id")}
+        config = transformers.Gemma4TextConfig(
+            num_key_value_heads=2, head_dim=16, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=vocab, bos_token_id=0, pad_token_id=2, **text)
+        config.architectures = ["Gemma4ForCausalLM"]
+        cls = transformers.Gemma4ForCausalLM
     else:
         raise ValueError(f"unknown arch {arch!r}")
     torch.manual_seed(seed)
@@ -193,6 +202,21 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)   # the scheduler children too, whatever the parent did
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds (user + system) of the live process tree so far (0 once it has ended)."""
+        import psutil
+
+        if not self.alive():
+            return 0.0
+        total = 0.0
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(self.proc.pid)   # type: ignore[union-attr]
+            for p in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    t = p.cpu_times()
+                    total += t.user + t.system + t.children_user + t.children_system
+        return total
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL, grace=5.0)
