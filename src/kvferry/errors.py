@@ -22,7 +22,9 @@ it in one place per backend with ``raise ... from exc``, so callers catch kvferr
     ├── RequestAborted         a request was aborted, by this side's caller or by the peer
     ├── IntegrityError         bytes arrived but are not the bytes that were sent
     │   └── PageMismatchError  ... naming every page whose digest differs
-    └── FaultSpecError         a fault-injection spec that cannot be parsed
+    ├── FaultSpecError         a fault-injection spec that cannot be parsed
+    └── InternalError          a kvferry bug caught in the act (an illegal state transition): the
+                               requests it touches fail closed, and it is logged at ERROR
 
 Every module of kvferry raises these and no others on its public paths (no ``ValueError``, no
 ``assert``). The bottom of the package: it imports nothing of kvferry's.
@@ -36,9 +38,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["EndpointClosed", "FaultSpecError", "HandshakeError", "IncompatiblePeer", "IntegrityError", "KVFerryError",
-           "LayoutError", "LeaseError", "ModeMismatch", "OutOfPages", "PageMismatchError", "PeerLost", "PlanError",
-           "ProtocolError", "RequestAborted", "RequestFailed", "TransferTimeout", "TransportError", "UsageError"]
+__all__ = ["EndpointClosed", "FaultSpecError", "HandshakeError", "IncompatiblePeer", "IntegrityError",
+           "InternalError", "KVFerryError", "LayoutError", "LeaseError", "ModeMismatch", "OutOfPages",
+           "PageMismatchError", "PeerLost", "PlanError", "ProtocolError", "RequestAborted", "RequestFailed",
+           "TransferTimeout", "TransportError", "UsageError"]
 
 
 class KVFerryError(Exception):
@@ -134,3 +137,8 @@ class OutOfPages(KVFerryError):
 
 class FaultSpecError(KVFerryError, ValueError):
     """A fault specification string that cannot be parsed (a ValueError, so argparse reports it)."""
+
+
+class InternalError(KVFerryError, RuntimeError):
+    """A kvferry bug caught in the act, e.g. an illegal state transition: never a peer's bad message. The
+    endpoints fail the requests it touches closed and log it at ERROR, naming the request and both states."""
