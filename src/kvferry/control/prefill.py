@@ -67,6 +67,7 @@ from kvferry.errors import (
     UsageError,
 )
 from kvferry.integrity import DigestMode
+from kvferry.integrity.binding import Binding, as_binding, check_binding
 from kvferry.integrity.sampling import PageSampler
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
@@ -120,7 +121,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     # -- public API: any thread ------------------------------------------------------------------------
     def send(self, request_id: str, pages: Mapping[str, Any], *, offset: int | Mapping[str, int] = 0,
-             last: bool = True, buffers: Iterable[str] | None = None) -> None:
+             last: bool = True, buffers: Iterable[str] | None = None, binding: Any = None) -> None:
         """Non-blocking: hand over a request's ready KV (pool -> source pages) to be written.
 
         ``pages[pool][i]`` is the request's page ``offset + i``: it goes to decode's announced page
@@ -136,7 +137,13 @@ class PrefillEndpoint(EndpointBase, PullSource):
         With digests on, the chunk's source pages are hashed here, on the caller's thread and outside
         the endpoint's lock (sampled: tens of microseconds; full: one read pass over the chunk's bytes),
         so the progress thread only posts writes, and hashing chunk N+1 overlaps the write of chunk N.
+
+        ``binding``: the tokens the KV was computed from (``integrity.binding``: a ``Binding``, or per-block
+        entries), stated once, on any send (a later send may repeat it; a different one is a
+        ``UsageError``). An announce whose binding differs fails the request on both sides before any
+        byte moves (``BindingMismatch``: poll and wait say why).
         """
+        bound = as_binding(binding)
         spec = make_spec(self.memory, pages, offset, last, buffers)
         if self._may_use_source_digests():
             spec.digests = source_digests(self.memory, self.digest_mode, spec.src, spec.buffers,
@@ -154,7 +161,24 @@ class PrefillEndpoint(EndpointBase, PullSource):
                 raise RequestFailed(request_id, str(rec.error)) from rec.error
             if rec.last_queued:
                 raise UsageError(f"request {request_id!r}: the last chunk was already sent")
+            if self._refused_binding(rec, bound):
+                return
             self._queue(rec, spec)
+
+    def _refused_binding(self, rec: PrefillRequest, bound: Binding | None) -> bool:
+        """Record prefill's binding of ``rec``, and fail the request when a decode already announced it bound
+        to other tokens (nothing of it was written yet: this runs before any chunk is queued for it)."""
+        leader = rec.leader
+        if bound is not None and leader.binding is None:
+            leader.binding = bound
+        elif bound is not None and bound != leader.binding:
+            raise UsageError(f"request {rec.request_id!r}: a binding differing from the one it was sent with first")
+        for member in leader.group:
+            error = check_binding(rec.request_id, member.decode_binding, leader.binding)
+            if error is not None:
+                self._fail_req(leader, error)
+                return True
+        return False
 
     def _preplan(self, request_id: str, spec: ChunkSpec) -> None:
         """Plan the chunk here, on the caller's thread, when decode has announced the request already (as
@@ -561,12 +585,21 @@ class PrefillEndpoint(EndpointBase, PullSource):
         except KVFerryError as exc:
             self._refuse(session, msg, exc)
             return
+        theirs = wire.announced_binding(msg)
         rec = self._records.get(msg.request_id)
+        if isinstance(rec, PrefillRequest):
+            error = check_binding(msg.request_id, theirs, rec.leader.binding)
+            if error is not None:   # refused before any byte moves, on both sides
+                if rec.is_live and rec.session is None:
+                    self._fail_req(rec, error)
+                self._refuse(session, msg, error)
+                return
         if isinstance(rec, PrefillRequest) and rec.is_live and rec.session is not None:
             if not can_join(rec, session):
                 self._refuse(session, msg, PlanError(f"request {msg.request_id!r} is already announced and live"))
                 return
             self._join(rec, session, msg.generation, dst, prefix)
+            rec.group[-1].decode_binding = theirs
             self._post_and_ack(rec.group[-1], msg)
             return
         if isinstance(rec, PrefillRequest) and rec.state is RequestState.FAILED and rec.session is None:
@@ -575,6 +608,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         if not isinstance(rec, PrefillRequest) or not rec.is_live:
             rec = self._new_request(msg.request_id, RequestState.WAITING_FOR_INPUT)
         self._bind(rec, session, msg.generation, dst, prefix)
+        rec.decode_binding = theirs
         self._post_and_ack(rec, msg)
 
     def _post_and_ack(self, rec: PrefillRequest, msg: wire.Announce) -> None:
