@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from kvferry import Binding, BindingMismatch, KVMemory, RequestFailed, UsageError, token_binding
+from kvferry import Binding, BindingMismatch, KVMemory, RequestFailed, UnknownRequest, UsageError, token_binding
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState, wire
 from kvferry.integrity.binding import check_binding, mismatch
 
@@ -65,8 +65,8 @@ def _pair() -> tuple[KVMemory, KVMemory]:
 def _idle(decode: DecodeEndpoint, prefill: PrefillEndpoint) -> None:
     """Nothing leaked: no live request, lease or handle on either side, nothing held (the leak check)."""
     deadline = time.monotonic() + 5
-    while decode.num_live_leases and time.monotonic() < deadline:
-        time.sleep(0.005)
+    while (decode.num_live_leases or prefill.counters()["live_requests"]) and time.monotonic() < deadline:
+        time.sleep(0.005)   # prefill's requests end at decode's verdict, a message after decode's
     d, p = decode.counters(), prefill.counters()
     assert (d["live_requests"], d["live_leases"], d["live_handles"]) == (0, 0, 0), d
     assert (p["live_requests"], p["live_handles"], p["source_holds"]) == (0, 0, 0), p
@@ -138,4 +138,51 @@ def test_unbound_sides_still_work_and_prefix_and_chunks_compare_whole_requests()
             prefill.send("late", {"main": [1]}, last=False, binding=whole)
             prefill.send("late", {"main": [2]}, offset=1, binding=token_binding(PROMPT_B, BLOCK))
         prefill.abort("late")
+        _idle(decode, prefill)
+
+
+# -- "never issued" against "not yet" (EndpointOptions.refuse_unissued) --------------------------------
+STRICT = EndpointOptions(heartbeat_interval=0.2, peer_timeout=5.0, lease_grace=0.4, request_timeout=20.0,
+                         refuse_unissued=True)
+
+
+def test_an_announce_for_an_id_prefill_never_issued_fails_at_once() -> None:
+    """With ``refuse_unissued`` prefill tells "never issued" from "not yet": an announce for an id it never
+    issued nor sent, or one it already served (a replay), fails on both sides within a message, named
+    (``UnknownRequest``), not at request_timeout (20 s here); an issued id still waits for its send, and
+    one sent before its announce is served as ever. Without the option the unknown id waits."""
+    src, dst = _pair()
+    with (PrefillEndpoint(src, "local", options=STRICT) as prefill,
+          DecodeEndpoint(dst, "local", options=OPTS) as decode):
+        decode.connect(prefill.address)
+        started = time.monotonic()
+        decode.announce("forged", {"main": [1, 2]})
+        with pytest.raises(RequestFailed) as info:
+            decode.wait("forged", timeout=5)
+        assert time.monotonic() - started < 1.0
+        assert isinstance(info.value.__cause__, UnknownRequest), info.value.__cause__
+        assert "request 'forged'" in str(info.value.__cause__) and "never issued it" in str(info.value.__cause__)
+        prefill.issue("issued")
+        decode.announce("issued", {"main": [3, 4]})
+        time.sleep(0.1)
+        assert decode.poll("issued") is not RequestState.FAILED        # not yet: it waits for the send
+        prefill.send("issued", {"main": [5, 6]})
+        prefill.send("sent-first", {"main": [7]})
+        decode.announce("sent-first", {"main": [8]})
+        decode.wait("issued", timeout=5)
+        decode.wait("sent-first", timeout=5)
+        for buf in dst.layout.pool("main").buffers:
+            assert np.array_equal(dst.array(buf.name)[[3, 4, 8]], src.array(buf.name)[[5, 6, 7]])
+        prefill.wait("issued", timeout=5)
+        decode.announce("issued", {"main": [9, 10]})                  # a replay of a served request
+        with pytest.raises(RequestFailed, match="served it already"):
+            decode.wait("issued", timeout=5)
+        _idle(decode, prefill)
+    src, dst = _pair()
+    with PrefillEndpoint(src, "local", options=OPTS) as prefill, DecodeEndpoint(dst, "local", options=OPTS) as decode:
+        decode.connect(prefill.address)
+        decode.announce("forged", {"main": [1, 2]})
+        time.sleep(0.2)
+        assert decode.poll("forged") is not RequestState.FAILED       # off: it waits for a send
+        decode.abort("forged")
         _idle(decode, prefill)

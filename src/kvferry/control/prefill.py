@@ -25,6 +25,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
@@ -64,6 +65,7 @@ from kvferry.errors import (
     RequestFailed,
     TransferTimeout,
     TransportError,
+    UnknownRequest,
     UsageError,
 )
 from kvferry.integrity import DigestMode
@@ -79,6 +81,8 @@ from kvferry.transport import TransferHandle, Transport
 __all__ = ["PrefillEndpoint"]
 
 log = logging.getLogger("kvferry.control")
+
+MAX_ISSUED = 1 << 16   # ids issue() remembers (see PrefillEndpoint._issued)
 
 
 class PrefillEndpoint(EndpointBase, PullSource):
@@ -117,6 +121,9 @@ class PrefillEndpoint(EndpointBase, PullSource):
         self._process = this_process()   # reported in Welcome: decode ends quarantines once it is gone
         self._unpeer: set[str] = set()    # decode agents to forget once no write to them is in flight
         self._hash_in_send = True         # see _may_use_source_digests
+        # Ids issued before their send (``issue``), newest last, for ``options.refuse_unissued``; bounded: an
+        # id older than MAX_ISSUED issues without its announce has long timed out on decode.
+        self._issued: OrderedDict[str, None] = OrderedDict()
         self._thread.start()
 
     # -- public API: any thread ------------------------------------------------------------------------
@@ -155,6 +162,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
             rec = cast("PrefillRequest | None", self._records.get(request_id))
             if rec is None:
                 rec = cast(PrefillRequest, self._new_request(request_id, RequestState.BOOTSTRAPPING))
+            self._issued.pop(request_id, None)   # its record answers for it from now on
             if rec.state is RequestState.DONE:
                 raise UsageError(f"request {request_id!r} is already done")
             if rec.state is RequestState.FAILED:
@@ -164,6 +172,31 @@ class PrefillEndpoint(EndpointBase, PullSource):
             if self._refused_binding(rec, bound):
                 return
             self._queue(rec, spec)
+
+    def issue(self, request_id: str) -> None:
+        """Non-blocking: say that ``request_id`` is handed out to decode and its ``send`` will follow. With
+        ``options.refuse_unissued`` an announce for an id neither issued nor sent is refused at once
+        (``UnknownRequest``); an issued one waits for its send as usual. Idempotent; no deadline starts."""
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= wire.MAX_ID_LEN:
+            raise UsageError(f"a request id is a str of 1 to {wire.MAX_ID_LEN} characters, got {request_id!r}")
+        with self._lock:
+            self._issued[request_id] = None
+            self._issued.move_to_end(request_id)
+            while len(self._issued) > MAX_ISSUED:
+                self._issued.popitem(last=False)
+
+    def _unissued(self, request_id: str, rec: PrefillRequest | None) -> UnknownRequest | None:
+        """Why an announce for ``request_id`` is refused at once under ``options.refuse_unissued``, or None."""
+        if not self.options.refuse_unissued:
+            return None
+        if rec is None and request_id not in self._issued:
+            return UnknownRequest(f"request {request_id!r}: prefill {self.address} never issued it (no issue() nor "
+                                  "send for it, or one so long ago that it is forgotten; refuse_unissued is on): "
+                                  "refused at once, not at request_timeout")
+        if rec is not None and rec.state is RequestState.DONE:
+            return UnknownRequest(f"request {request_id!r}: prefill {self.address} served it already (done): an "
+                                  "announce for it again (a replay) is refused")
+        return None
 
     def _refused_binding(self, rec: PrefillRequest, bound: Binding | None) -> bool:
         """Record prefill's binding of ``rec``, and fail the request when a decode already announced it bound
@@ -587,6 +620,10 @@ class PrefillEndpoint(EndpointBase, PullSource):
             return
         theirs = wire.announced_binding(msg)
         rec = self._records.get(msg.request_id)
+        unknown = self._unissued(msg.request_id, cast("PrefillRequest | None", rec))
+        if unknown is not None:
+            self._refuse(session, msg, unknown)
+            return
         if isinstance(rec, PrefillRequest):
             error = check_binding(msg.request_id, theirs, rec.leader.binding)
             if error is not None:   # refused before any byte moves, on both sides
