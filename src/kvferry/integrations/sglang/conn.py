@@ -135,11 +135,12 @@ class KVFerryKVManager(CommonKVManager):
         super().register_to_bootstrap()
 
     def connect_prefill(self, address: str) -> None:
-        """Decode: handshake with a prefill rank once (layouts compared buffer by buffer)."""
+        """Decode: handshake with a prefill rank once (layouts compared buffer by buffer). A prefill that is
+        down is not asked again for a while (``DecodeEndpoint.connect_needed``'s back-off): each request
+        then fails at once rather than after a handshake timeout; a refusal is final."""
         if self.decode_endpoint is None:
             raise UsageError('kvferry backend: this manager has no decode endpoint (not a decode instance)')
-        if address not in self.decode_endpoint.peers:
-            self.decode_endpoint.connect(address)
+        self.decode_endpoint.connect_needed([address], exact=True)
 
     @property
     def tokens_per_page(self) -> int:
