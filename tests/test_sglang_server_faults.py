@@ -54,21 +54,27 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ss.PD, s
             s.kill()
 
 
-def _load(pd: ss.PD, plain: ss.Server, n: int, seed: int, stop_at: float) -> list[dict[str, Any]]:
-    """``n`` clients sending requests back to back until ``stop_at``: each outcome, checked against the
-    plain server's tokens, with its duration."""
+def _references(plain: ss.Server, seed: int) -> dict[tuple[int, ...], list[int]]:
     rng = random.Random(seed)
     prompts = [prompt(rng, rng.choice([5, 17, 40, 100, 300])) for _ in range(40)]
-    want = {tuple(p): ss.generate(plain.url, p, NEW_TOKENS)["output_ids"] for p in prompts}
+    return {tuple(p): ss.generate(plain.url, p, NEW_TOKENS)["output_ids"] for p in prompts}
+
+
+def _load(pd: ss.PD, want: dict[tuple[int, ...], list[int]], n: int, stop: threading.Event
+          ) -> list[dict[str, Any]]:
+    """``n`` clients sending requests back to back until ``stop`` is set: each outcome, checked against the
+    plain server's tokens, with its duration."""
+    prompts = [list(p) for p in want]
     outcomes: list[dict[str, Any]] = []
     lock = threading.Lock()
 
     def client(c: int) -> None:
         i = c
-        while time.monotonic() < stop_at:
+        while not stop.is_set():
             p = prompts[i % len(prompts)]
             i += n
             t0 = time.monotonic()
+            got: Any = None
             try:
                 got = ss.generate(pd.url, p, NEW_TOKENS, timeout=BOUND_S)["output_ids"]
                 kind = "equal" if got == want[tuple(p)] else "WRONG"
@@ -78,7 +84,7 @@ def _load(pd: ss.PD, plain: ss.Server, n: int, seed: int, stop_at: float) -> lis
                 kind = "error"
                 got = repr(e)[:200]
             with lock:
-                outcomes.append({"kind": kind, "s": time.monotonic() - t0, "got": got})
+                outcomes.append({"kind": kind, "s": time.monotonic() - t0, "got": got, "at": t0})
             if kind != "equal":
                 time.sleep(0.5)   # a server is down: do not spin on refused connections
 
@@ -105,30 +111,59 @@ def _check(name: str, outcomes: list[dict[str, Any]]) -> None:
 
 
 def _kill_during_load(pd: ss.PD, plain: ss.Server, victim: ss.Server, seed: int) -> list[dict[str, Any]]:
-    stop_at = time.monotonic() + 20.0
+    """16 clients; ``victim`` SIGKILLed 5 s into the load, restarted on its ports; the load goes on for 20 s
+    after the restarted server is ready."""
+    want = _references(plain, seed)
+    stop = threading.Event()
     with cf.ThreadPoolExecutor(1) as pool:
-        load = pool.submit(_load, pd, plain, 16, seed, stop_at)
-        time.sleep(6.0)
+        load = pool.submit(_load, pd, want, 16, stop)
+        time.sleep(5.0)
         victim.kill()
+        killed_at = time.monotonic()
         FIGURES[f"{victim.name} restart s"] = round(_restart(victim), 1)
-        return load.result()
+        ready_at = time.monotonic()
+        time.sleep(20.0)
+        stop.set()
+        outcomes = load.result()
+    FIGURES[f"{victim.name} killed: equal after restart"] = sum(
+        1 for o in outcomes if o["kind"] == "equal" and o["at"] > ready_at)
+    FIGURES[f"{victim.name} killed: failed, started before the kill"] = sum(
+        1 for o in outcomes if o["kind"] != "equal" and o["at"] < killed_at)
+    return outcomes
 
 
+def _after(pd: ss.PD, plain: ss.Server, seed: int) -> list[dict[str, Any]]:
+    """8 clients for 5 s on the servers as they are now."""
+    want = _references(plain, seed)
+    stop = threading.Event()
+    threading.Timer(5.0, stop.set).start()
+    return _load(pd, want, 8, stop)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "measured 2026-12-02: 0 wrong answers, but after the restart every request fails: decode keeps the dead "
+    "prefill's kvferry address (SGLang caches bootstrap info per bootstrap address in prefill_info_table / "
+    "connection_pool and clears it only in _handle_node_failure, from its decode heartbeat thread, which "
+    "kvferry's backend does not start); and the 16 requests in flight at the kill hung to the 180 s bound"))
 def test_prefill_killed_under_load_and_restarted(servers: tuple[ss.PD, ss.Server, Path]) -> None:
     pd, plain, _ = servers
     outcomes = _kill_during_load(pd, plain, pd.prefill, seed=1)
     FIGURES["after prefill restart: usage"] = wait_idle(pd, timeout=BOUND_S)
     _check("prefill killed", outcomes)
-    after = _load(pd, plain, 8, seed=2, stop_at=time.monotonic() + 5.0)
+    after = _after(pd, plain, seed=2)
     assert after and all(o["kind"] == "equal" for o in after), [o for o in after if o["kind"] != "equal"][:3]
     wait_idle(pd)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "measured 2026-12-02: 0 wrong answers and every request after the restart equal, but the 16 requests in "
+    "flight at the kill hung to the 180 s bound (not diagnosed; SGLang's bootstrap timeout on prefill, 300 s "
+    "by default, is the likely bound)"))
 def test_decode_killed_under_load_and_restarted(servers: tuple[ss.PD, ss.Server, Path]) -> None:
     pd, plain, _ = servers
     outcomes = _kill_during_load(pd, plain, pd.decode, seed=3)
     FIGURES["after decode restart: usage"] = wait_idle(pd, timeout=BOUND_S)
     _check("decode killed", outcomes)
-    after = _load(pd, plain, 8, seed=4, stop_at=time.monotonic() + 5.0)
+    after = _after(pd, plain, seed=4)
     assert after and all(o["kind"] == "equal" for o in after), [o for o in after if o["kind"] != "equal"][:3]
     wait_idle(pd)
