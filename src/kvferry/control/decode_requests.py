@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.control import wire
+from kvferry.control.core.states import RequestState
 from kvferry.control.endpoints import RequestRecord
 from kvferry.control.links import Link
-from kvferry.control.states import RequestState
 
 __all__ = ["DecodeRequest", "Part"]
 
@@ -33,8 +33,8 @@ class Part:
         self.told = False   # that prefill knows the request ended: it failed it, or we sent Abort/Result
         self.release_at: float | None = None   # set once the writer is certainly gone: settled then
         self.reads: list[Any] = []   # pull mode: this side's reads in flight (pull_reader.Read)
-        # Pull mode: a read of this part is being posted with the endpoint's lock let go (PullReader._read):
-        # in flight, with no handle yet; the lease may not end under it.
+        # Pull mode: a read of this part is decided and not yet posted, or being posted with the endpoint's
+        # lock let go (PullReader._carry_out_read): in flight, with no handle yet; the lease may not end under it.
         self.posting = False
 
     @property

@@ -83,7 +83,17 @@ __all__ = ["ENV_DEFAULTS", "NixlHandle", "NixlTransport"]
 log = logging.getLogger(__name__)
 
 # Applied with os.environ.setdefault before nixl is first imported; a user's own setting always wins.
-ENV_DEFAULTS: dict[str, str] = {"NIXL_LOG_LEVEL": "WARN"}
+#
+# UCX_MODULES="^efa": the nixl wheel bundles UCX with its own libibverbs and libnl-route (renamed copies),
+# but its EFA module (libuct_ib_efa) links the system's libefa, which pulls the system's libibverbs and
+# libnl-route into the same dlopen group. Symbol lookup in that group finds the bundled libnl-route
+# first, so the system copy's constructors register its traffic-control ops in the bundled copy's list
+# and its destructors unregister them there at exit: SIGSEGV in rtnl_tc_unregister() from _dl_fini, in
+# every process that created an agent on a host with Debian's libibverbs1/ibverbs-providers (every
+# InfiniBand/RoCE host). UCX reads this variable when libucs loads, i.e. at the first agent, not at
+# import. Skipping only the EFA module keeps ib/mlx5/tcp/shm; AWS EFA users who want UCX's EFA transport
+# set UCX_MODULES themselves (and meet the crash at exit until the wheel stops mixing the copies).
+ENV_DEFAULTS: dict[str, str] = {"NIXL_LOG_LEVEL": "WARN", "UCX_MODULES": "^efa"}
 
 # Bump when _Metadata's fields or their meaning change.
 METADATA_VERSION = 1

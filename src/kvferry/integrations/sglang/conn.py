@@ -139,11 +139,12 @@ class KVFerryKVManager(CommonKVManager):
         super().register_to_bootstrap()
 
     def connect_prefill(self, address: str) -> None:
-        """Decode: handshake with a prefill rank once (layouts compared buffer by buffer)."""
-        if not self.decode_endpoint is not None:
+        """Decode: handshake with a prefill rank once (layouts compared buffer by buffer). A prefill that is
+        down is not asked again for a while (``DecodeEndpoint.connect_needed``'s back-off): each request
+        then fails at once rather than after a handshake timeout; a refusal is final."""
+        if self.decode_endpoint is None:
             raise UsageError('kvferry backend: this manager has no decode endpoint (not a decode instance)')
-        if address not in self.decode_endpoint.peers:
-            self.decode_endpoint.connect(address)
+        self.decode_endpoint.connect_needed([address], exact=True)
 
     @property
     def tokens_per_page(self) -> int:
@@ -173,7 +174,7 @@ class KVFerryKVManager(CommonKVManager):
     @property
     def endpoint(self) -> PrefillEndpoint | DecodeEndpoint:
         endpoint = self.prefill_endpoint or self.decode_endpoint
-        if not endpoint is not None:
+        if endpoint is None:
             raise UsageError('kvferry backend: this manager has no endpoint for its disaggregation mode')
         return endpoint
 
@@ -454,7 +455,7 @@ class KVFerryKVReceiver(CommonKVReceiver):
 
     def is_abort_release_safe(self) -> bool:
         """True once no write of this request can still land in its pages (kvferry's lease ended)."""
-        if not self.kv_mgr.decode_endpoint is not None:
+        if self.kv_mgr.decode_endpoint is None:
             raise UsageError('kvferry backend: this manager has no decode endpoint (not a decode instance)')
         return not self.kv_mgr.decode_endpoint.holds_lease(_room_id(self.bootstrap_room))
 
