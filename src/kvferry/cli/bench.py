@@ -63,7 +63,7 @@ def run_bench(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     missing = _plots_missing()
     if missing is not None:   # said before the work starts: the figures still go to bench.json
-        Console(stderr=True).print(f"kvferry bench: {missing}", style="yellow", soft_wrap=True)
+        Console(stderr=True).print(f"kvferry bench: {missing}", style="yellow", soft_wrap=True, markup=False)
     try:
         with _progress() as say:
             results = run_suite(config, say)
