@@ -32,7 +32,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 # One tiny model for the tests, the bench and the soak (re-exported: the tests import it from here).
-from kvferry.integrations.vllm.chaos import write_model  # noqa: E402, F401
+from kvferry.workload.vllm_chaos import write_model  # noqa: E402, F401
 
 BLOCK_SIZE = 32
 CONNECTOR = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm"}
