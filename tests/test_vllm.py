@@ -298,10 +298,11 @@ def test_with_recompute_swapped_params_decode_each_prompt_itself(model: Path) ->
         want = tokens(prefill.generate(pair, greedy(MAX_TOKENS), use_tqdm=False))
         firsts = prefill.generate(pair, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
         params = [out.kv_transfer_params for out in firsts]
-        local = metric(decode, "vllm:prompt_tokens_by_source", "local_compute")
+        # decode's own counters (prompt_sources): the process registry holds the newest instance's, prefill's
+        local = prompt_sources(decode)["local_compute"]
         outputs = decode.generate(pair, [greedy(MAX_TOKENS, params[1]), greedy(MAX_TOKENS, params[0])],
                                   use_tqdm=False)
-        recomputed = metric(decode, "vllm:prompt_tokens_by_source", "local_compute") - local
+        recomputed = prompt_sources(decode)["local_compute"] - local
     finally:
         close_llm(prefill)
         close_llm(decode)
