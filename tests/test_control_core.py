@@ -25,7 +25,7 @@ from kvferry.control.core.states import (
     SessionState,
     check_transition,
 )
-from kvferry.control.core.timers import Liveness, PeerClock
+from kvferry.control.core.timers import GraceClock, Liveness, PeerClock
 from kvferry.control.links import Link
 from kvferry.errors import EndpointClosed, HandshakeError, IncompatiblePeer, InternalError, RequestFailed
 
@@ -205,6 +205,21 @@ def test_next_deadline_is_exactly_when_the_verdict_can_change() -> None:
         if before >= now:
             assert clock.judge(before) is clock.judge(now)
         assert clock.judge(due) is not clock.judge(now) or clock.judge(now) is not Liveness.OK
+
+
+@pytest.mark.parametrize("stall", [0.0, PT, 3600.0, 86400.0 * 7])
+def test_no_timer_alone_ends_a_quarantine(stall: float) -> None:
+    """A writer that may still write (a stalled prefill on another host) keeps its pages quarantined for any
+    length of simulated time; lease_grace runs only from its certain death, exactly."""
+    lease_grace = 5.0
+    grace = GraceClock(lease_grace)
+    assert grace.needs_check and grace.next_deadline() is None
+    assert not grace.due(stall)                    # however long it has been: no timer runs
+    grace.writer_gone(stall)                       # e.g. /proc says the process is gone
+    grace.writer_gone(stall + 1.0)                 # a later answer does not move the release
+    assert not grace.needs_check and grace.next_deadline() == stall + lease_grace
+    assert not grace.due(np.nextafter(stall + lease_grace, -np.inf))
+    assert grace.due(stall + lease_grace)
 
 
 def test_the_protocol_page_shows_the_tables_the_code_enforces() -> None:

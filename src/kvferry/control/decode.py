@@ -246,7 +246,8 @@ class DecodeEndpoint(EndpointBase, PullReader):
                 raise LeaseError(f"request {request_id!r} is already live ({old.state.value})")
             gen = next(self._generations)
             leased = self._leases.acquire(gen, request_id, pages)
-            rec = DecodeRequest(request_id, time.monotonic() + self.options.request_timeout, gen, links)
+            rec = DecodeRequest(request_id, time.monotonic() + self.options.request_timeout, gen, links,
+                                self.options.lease_grace)
             self._remember(rec)
             self._by_gen[gen] = rec
             self._num_live += 1
@@ -776,12 +777,12 @@ class DecodeEndpoint(EndpointBase, PullReader):
                 link = part.link
                 if part.settled or link.established:
                     continue
-                if part.release_at is None:
+                if part.grace.needs_check:
                     if link not in gone:
                         gone[link] = writer_gone(self.transport, link)
                     if gone[link]:
-                        part.release_at = now + self.options.lease_grace
-                elif now >= part.release_at:
+                        part.grace.writer_gone(now)
+                elif part.grace.due(now):
                     self._settle(rec, part)
         for link, is_gone in gone.items():
             if not is_gone and not self._closing:

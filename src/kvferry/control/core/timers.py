@@ -12,7 +12,8 @@ frame of ours last left. From those two times alone:
   written under that session (prefill), and pull-mode reads stop at the tighter ``fence_s`` (decode).
 
 ``next_deadline`` is the earliest time the verdict can change with no frame in between, so a shell (or a
-simulator) ticks exactly then instead of polling.
+simulator) ticks exactly then instead of polling. ``GraceClock`` is decode's quarantine rule for one part
+of a failed request: ``lease_grace`` runs only from the writer's certain death, never from a timeout.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import math
 from enum import Enum
 
-__all__ = ["Liveness", "PeerClock"]
+__all__ = ["GraceClock", "Liveness", "PeerClock"]
 
 
 class Liveness(Enum):
@@ -88,3 +89,33 @@ class PeerClock:
 def _after(t: float) -> float:
     """The first float greater than ``t``: a silence of exactly ``peer_timeout`` is not yet too long."""
     return math.nextafter(t, math.inf)
+
+
+class GraceClock:
+    """When one quarantined part of a request may leave quarantine (decode, push mode). No timer alone
+    ends a quarantine: a stalled writer resumes whenever it likes and a one-sided write needs no help from
+    decode. Only once the writer is *certainly* gone (``writer_gone``: its process gone on this host, or the
+    transport says it cannot write) does ``lease_grace`` start; the part is ``due`` that long after.
+    ``needs_check``: the shell should ask again whether the writer is gone (it may read ``/proc``)."""
+
+    __slots__ = ("lease_grace", "release_at")
+
+    def __init__(self, lease_grace: float) -> None:
+        self.lease_grace = lease_grace
+        self.release_at: float | None = None
+
+    @property
+    def needs_check(self) -> bool:
+        return self.release_at is None
+
+    def writer_gone(self, now: float) -> None:
+        """The writer certainly cannot write any more (learned at ``now``); the first answer counts."""
+        if self.release_at is None:
+            self.release_at = now + self.lease_grace
+
+    def due(self, now: float) -> bool:
+        return self.release_at is not None and now >= self.release_at
+
+    def next_deadline(self) -> float | None:
+        """When ``due`` turns True; None while the writer may still write (no timer runs)."""
+        return self.release_at
