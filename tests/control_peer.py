@@ -4,8 +4,9 @@ As a module: ``make_layout``, ``fill``, ``workload``, ``run_prefill``, ``announc
 As a program (``python tests/control_peer.py prefill|decode '<options json>'``): builds one endpoint,
 prints ``{"event": "ready", "address": ...}``, then answers JSON commands read from stdin, one line each,
 with one JSON line on stdout. Commands: ``connect``, ``serve``, ``send`` (one request's pages, given),
-``send_rest``, ``announce``, ``wait_all``, ``verify``, ``counters``, ``exit``. ``"mode": "pull"`` makes
-the endpoint pull (decode reads prefill's pages). With ``"stop_before_write":
+``send_rest``, ``announce``, ``wait_all``, ``verify``, ``counters``, ``exit``; ``serve`` and ``announce`` take
+``tokens`` (request id -> token ids) to bind requests (``token_binding``), ``verify`` takes ``only``.
+``"mode": "pull"`` makes the endpoint pull (decode reads prefill's pages). With ``"stop_before_write":
 true`` a prefill stops itself (SIGSTOP) right before its first transport write, after every check the
 endpoint makes: the test sends SIGCONT when it likes (the late write of the fencing tests).
 """
@@ -22,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from kvferry import Buffer, KVMemory, Layout, Pool
+from kvferry import Buffer, KVMemory, Layout, Pool, token_binding
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint
+from kvferry.errors import RequestFailed
 
 # Prefill and decode have the same shape but different capacities, and buffers of one pool differ in
 # page size and capacity: the heterogeneity the planner and the lease table must respect.
@@ -98,23 +100,35 @@ def _sends(mode: int, src: dict[str, np.ndarray]) -> list[dict[str, Any]]:
     return [{"pages": src, "offset": 0, "last": layer == 1, "buffers": LAYERS[layer]} for layer in (0, 1)]
 
 
-def send(prefill: PrefillEndpoint, req: Req, sends: list[dict[str, Any]]) -> None:
+def send(prefill: PrefillEndpoint, req: Req, sends: list[dict[str, Any]], binding: Any = None) -> None:
     for s in sends:
-        prefill.send(req.rid, s["pages"], offset=s["offset"], last=s["last"], buffers=s["buffers"])
+        prefill.send(req.rid, s["pages"], offset=s["offset"], last=s["last"], buffers=s["buffers"], binding=binding)
 
 
-def run_prefill(prefill: PrefillEndpoint, reqs: list[Req], *, hold_last: bool = False) -> None:
-    """Send every request's chunks round-robin (all first chunks, then all second...), as engines do."""
+def run_prefill(prefill: PrefillEndpoint, reqs: list[Req], *, hold_last: bool = False,
+                tokens: dict[str, list[int]] | None = None) -> None:
+    """Send every request's chunks round-robin (all first chunks, then all second...), as engines do;
+    ``tokens``: request id -> the token ids its first send binds it to (``token_binding``)."""
     rounds = max(len(r.sends) for r in reqs)
     for k in range(rounds):
         for req in reqs:
             if k < len(req.sends) and not (hold_last and k == len(req.sends) - 1):
-                send(prefill, req, [req.sends[k]])
+                try:
+                    send(prefill, req, [req.sends[k]], binding=_bound(tokens, req.rid, "prefill") if k == 0 else None)
+                except RequestFailed:
+                    if not tokens:
+                        raise   # bound requests: a refused one fails at its first send; the rest are moot
 
 
-def announce(decode: DecodeEndpoint, reqs: list[Req]) -> None:
+def announce(decode: DecodeEndpoint, reqs: list[Req], tokens: dict[str, list[int]] | None = None) -> None:
     for req in reqs:
-        decode.announce(req.rid, req.dst)
+        decode.announce(req.rid, req.dst, binding=_bound(tokens, req.rid, "decode"))
+
+
+def _bound(tokens: dict[str, list[int]] | None, rid: str, side: str) -> Any:
+    if not tokens or rid not in tokens:
+        return None
+    return token_binding(tokens[rid], 64, label=f"{side}-{rid}")
 
 
 def verify(dst: KVMemory, src_seed: int, reqs: list[Req], before: dict[str, np.ndarray]) -> None:
@@ -203,9 +217,9 @@ def _command(ep: Any, op: str, cmd: dict[str, Any], reqs: list[Req], before: dic
     if op in ("serve", "announce"):
         reqs[:] = workload(cmd["n"], cmd["seed"], prefix=cmd.get("prefix", "r"))
         if op == "serve":
-            run_prefill(ep, reqs, hold_last=cmd.get("hold_last", False))
+            run_prefill(ep, reqs, hold_last=cmd.get("hold_last", False), tokens=cmd.get("tokens"))
         else:
-            announce(ep, reqs)
+            announce(ep, reqs, cmd.get("tokens"))
         return {"ok": True}
     if op == "send":
         ep.send(cmd["rid"], {pool: np.array(pages) for pool, pages in cmd["pages"].items()})
@@ -216,8 +230,9 @@ def _command(ep: Any, op: str, cmd: dict[str, Any], reqs: list[Req], before: dic
         return {"ok": True}
     if op == "wait_all":
         return {"results": wait_all(ep, [r.rid for r in reqs], cmd.get("timeout", 30.0))}
-    if op == "verify":
-        verify(ep.memory, cfg.get("seed", 0), reqs, before)
+    if op == "verify":   # "only": the requests that must have landed (the others' pages must be untouched)
+        only = cmd.get("only")
+        verify(ep.memory, cfg.get("seed", 0), [r for r in reqs if only is None or r.rid in only], before)
         return {"ok": True}
     if op == "counters":
         return {"counters": ep.counters()}

@@ -241,3 +241,32 @@ def test_transport_mismatch_is_refused_by_name(peers: list[Peer]) -> None:
     decode, _ = _decode("mooncake")
     with decode, pytest.raises(IncompatiblePeer, match="transport differs: prefill uses 'nixl', decode 'mooncake'"):
         decode.connect(prefill.address, timeout=10)
+
+
+def test_a_swap_between_two_processes_over_nixl(peers: list[Peer]) -> None:
+    """Issue 31 over NIXL: a prefill process binds requests r0 and r1 to two prompts of equal length; this
+    decode announces them swapped (and r2 as bound). r0 and r1 fail on both sides with a BindingMismatch
+    naming both requests and the first block that differs, before any byte of them moved (their pages keep
+    decode's bytes); r2 lands byte-exact; nothing stays leased, held or in flight on either side."""
+    prefill = Peer("prefill", digest_mode="full")
+    peers.append(prefill)
+    decode, before = _decode()
+    a = list(range(1, 191))                      # 190 tokens: 3 blocks of 64, the last partial
+    b = [*a[:64], 999, *a[65:]]                 # equal length, differs from block 1 on
+    with decode:
+        decode.connect(prefill.address)
+        reqs = workload(3, seed=31)
+        announce(decode, reqs, {"r0": b, "r1": a, "r2": a})
+        prefill("serve", n=3, seed=31, tokens={"r0": a, "r1": b, "r2": a})
+        results = wait_all(decode, [r.rid for r in reqs], 30)
+        theirs = prefill("wait_all")["results"]
+        assert results["r2"] == theirs["r2"] == "done", (results, theirs)
+        for rid in ("r0", "r1"):
+            for side in (results[rid], theirs[rid]):
+                assert side.startswith("BindingMismatch"), side
+                assert f"decode's request 'decode-{rid}'" in side and f"prefill's request 'prefill-{rid}'" in side
+                assert "block 1 differs" in side, side
+        verify(decode.memory, SEED, [reqs[2]], before)   # r0 and r1's pages untouched
+        _until(lambda: _idle(decode), 5)
+        counters = prefill("counters")["counters"]
+        assert (counters["live_requests"], counters["live_handles"], counters["source_holds"]) == (0, 0, 0)

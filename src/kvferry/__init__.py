@@ -5,6 +5,7 @@ move bytes; the control plane leases pages and fails closed; digests prove what 
 """
 
 from kvferry.errors import (
+    BindingMismatch,
     EndpointClosed,
     HandshakeError,
     IncompatiblePeer,
@@ -21,8 +22,10 @@ from kvferry.errors import (
     RequestFailed,
     TransferTimeout,
     TransportError,
+    UnknownRequest,
     UsageError,
 )
+from kvferry.integrity.binding import Binding, token_binding
 from kvferry.layout import (
     Buffer,
     HeadGeometry,
@@ -49,9 +52,45 @@ def __getattr__(name: str) -> object:
         return getattr(importlib.import_module(f"kvferry.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'kvferry' has no attribute {name!r}")
 
-__all__ = ["PROTOCOL_VERSION", "Buffer", "DecodeEndpoint", "EndpointClosed", "EndpointOptions", "EndpointStats",
-           "HandshakeError", "HeadGeometry", "IncompatiblePeer", "IntegrityError", "KVFerryError", "KVMemory",
-           "Layout", "LayoutError", "LeaseError", "ModeMismatch", "PageMismatchError", "PeerLost", "PlanError",
-           "Pool", "PrefillEndpoint", "ProtocolError", "Region", "RequestAborted", "RequestFailed", "RequestState",
-           "Row", "TransferPlan", "TransferTimeout", "TransportError", "UsageError", "__version__",
-           "model_difference", "plan_transfer", "shape_difference", "tp_compatible"]
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Binding",
+    "BindingMismatch",
+    "Buffer",
+    "DecodeEndpoint",
+    "EndpointClosed",
+    "EndpointOptions",
+    "EndpointStats",
+    "HandshakeError",
+    "HeadGeometry",
+    "IncompatiblePeer",
+    "IntegrityError",
+    "KVFerryError",
+    "KVMemory",
+    "Layout",
+    "LayoutError",
+    "LeaseError",
+    "ModeMismatch",
+    "PageMismatchError",
+    "PeerLost",
+    "PlanError",
+    "Pool",
+    "PrefillEndpoint",
+    "ProtocolError",
+    "Region",
+    "RequestAborted",
+    "RequestFailed",
+    "RequestState",
+    "Row",
+    "TransferPlan",
+    "TransferTimeout",
+    "TransportError",
+    "UnknownRequest",
+    "UsageError",
+    "__version__",
+    "model_difference",
+    "plan_transfer",
+    "shape_difference",
+    "token_binding",
+    "tp_compatible",
+]

@@ -5,7 +5,8 @@ it in one place per backend with ``raise ... from exc``, so callers catch kvferr
 
     KVFerryError
     ├── UsageError             a call that cannot be right: a bad option, an unknown request, a
-    │                          request in the wrong state for the call
+    │   │                      request in the wrong state for the call
+    │   └── UnknownRequest     ... an announce for a request id prefill never issued
     ├── EndpointClosed         the endpoint is closed, or its progress loop stopped (cause chained)
     ├── LayoutError            a layout or memory binding that cannot be right
     ├── PlanError              page lists that do not fit the layouts they address
@@ -21,7 +22,8 @@ it in one place per backend with ``raise ... from exc``, so callers catch kvferr
     ├── RequestFailed          a request ended failed or aborted (carries the reason)
     ├── RequestAborted         a request was aborted, by this side's caller or by the peer
     ├── IntegrityError         bytes arrived but are not the bytes that were sent
-    │   └── PageMismatchError  ... naming every page whose digest differs
+    │   ├── PageMismatchError  ... naming every page whose digest differs
+    │   └── BindingMismatch    ... or would be another prompt's: the two sides' token bindings differ
     └── FaultSpecError         a fault-injection spec that cannot be parsed
 
 Every module of kvferry raises these and no others on its public paths (no ``ValueError``, no
@@ -36,9 +38,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["EndpointClosed", "FaultSpecError", "HandshakeError", "IncompatiblePeer", "IntegrityError", "KVFerryError",
-           "LayoutError", "LeaseError", "ModeMismatch", "OutOfPages", "PageMismatchError", "PeerLost", "PlanError",
-           "ProtocolError", "RequestAborted", "RequestFailed", "TransferTimeout", "TransportError", "UsageError"]
+__all__ = ["BindingMismatch", "EndpointClosed", "FaultSpecError", "HandshakeError", "IncompatiblePeer",
+           "IntegrityError", "KVFerryError", "LayoutError", "LeaseError", "ModeMismatch", "OutOfPages",
+           "PageMismatchError", "PeerLost", "PlanError", "ProtocolError", "RequestAborted", "RequestFailed",
+           "TransferTimeout", "TransportError", "UnknownRequest", "UsageError"]
 
 
 class KVFerryError(Exception):
@@ -48,6 +51,11 @@ class KVFerryError(Exception):
 class UsageError(KVFerryError, ValueError):
     """A call that cannot be right: an invalid option or argument (digest mode, deadlines, an empty
     secret), a request id the endpoint does not know, or a request in the wrong state for the call."""
+
+
+class UnknownRequest(UsageError):
+    """Decode announced a request id this prefill never issued (and, by the engine's order, never will):
+    refused at once rather than at ``request_timeout`` (``EndpointOptions.refuse_unissued``)."""
 
 
 class EndpointClosed(KVFerryError, RuntimeError):
@@ -122,6 +130,12 @@ class PageMismatchError(IntegrityError):
         more = f" and {len(counts) - 8} more" if len(counts) > 8 else ""
         super().__init__(f"{len(self.mismatches)} of {num_checked} pages checked ({mode} digests) "
                          f"differ from what was sent; first: {self.mismatches[0]}; buffers hit: {hit}{more}")
+
+
+class BindingMismatch(IntegrityError):
+    """The tokens decode announced a request for are not the tokens prefill computed its KV from: the
+    hand-off would serve another prompt's context. Refused before any byte moves; the message names both
+    sides' request ids and the first block that differs."""
 
 
 class ProtocolError(KVFerryError):

@@ -53,6 +53,7 @@ from kvferry.errors import (
     UsageError,
 )
 from kvferry.integrity import DigestMode
+from kvferry.integrity.binding import as_binding
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.prefix import prefix_pages
 from kvferry.plan.tp import source_ranks
@@ -146,7 +147,8 @@ class DecodeEndpoint(EndpointBase, PullReader):
         return chosen
 
     def announce(self, request_id: str, pages: Mapping[str, Any], *,
-                 peer: str | Sequence[str] | None = None, prefix: int | Mapping[str, int] | None = None) -> None:
+                 peer: str | Sequence[str] | None = None, prefix: int | Mapping[str, int] | None = None,
+                 binding: Any = None) -> None:
         """Non-blocking: lease ``pages`` (pool -> destination pages) to ``request_id`` and tell prefill.
 
         Raises ``LeaseError`` before anything moves when a page is out of range, repeated, or held by a
@@ -161,8 +163,14 @@ class DecodeEndpoint(EndpointBase, PullReader):
         move whole) or leading pages per pool. ``pages`` are then the destination pages of the rest only:
         page ``i`` of ``pages[pool]`` receives the request's page ``prefix[pool] + i``. The prefix pages
         are not leased, and nothing writes them.
+
+        ``binding``: the tokens this request is (``integrity.binding``: a ``Binding``, or per-block entries).
+        Prefill compares it with the binding its ``send`` stated and refuses a difference before any byte
+        moves (``BindingMismatch`` on both sides, naming both requests and the first block that differs).
+        Without one on either side, the transfer is not bound: another request's KV would be accepted.
         """
         held = prefix_pages(self.memory.layout, pages, prefix)
+        bound = wire.binding_fields(as_binding(binding))
         with self._lock:
             self._check_open()
             links = pick_links(self._links, peer, self.memory.layout)
@@ -177,7 +185,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
             self._num_live += 1
             # Queued here, sent by the progress thread at the end of its next iteration (with the others
             # of that iteration: see endpoints' _flush).
-            data = wire.encode(wire.Announce(request_id, gen, wire.encode_pages(leased), held))
+            data = wire.encode(wire.Announce(request_id, gen, wire.encode_pages(leased), held, *bound))
             for link in links:
                 self._queue_out(link, data)
             self._wake()

@@ -110,6 +110,11 @@ class EndpointOptions:
       waits for the rest of it to land.
     * ``stats``: keep the running totals ``stats()`` reports (``control.stats``); off only to measure what
       they cost (``bench/control.py --stats``).
+    * ``refuse_unissued`` (prefill): an announce for a request id this prefill never issued
+      (``PrefillEndpoint.issue``) nor sent is refused at once with ``UnknownRequest`` naming it, and so is one
+      for a request already done here (a replay), instead of waiting ``request_timeout`` for a ``send`` that
+      will not come. Only for engines whose order makes it true: prefill issues every id before decode can
+      be asked about it (vLLM's: the id reaches decode in prefill's response). Off by default.
     """
 
     heartbeat_interval: float = 0.5
@@ -123,6 +128,7 @@ class EndpointOptions:
     batch_chunks: int = 64
     batch_bytes: int = 8 << 20
     stats: bool = True
+    refuse_unissued: bool = False
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "peer_timeout", "request_timeout", "lease_grace",

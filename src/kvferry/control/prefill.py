@@ -25,6 +25,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
@@ -64,9 +65,11 @@ from kvferry.errors import (
     RequestFailed,
     TransferTimeout,
     TransportError,
+    UnknownRequest,
     UsageError,
 )
 from kvferry.integrity import DigestMode
+from kvferry.integrity.binding import Binding, as_binding, check_binding
 from kvferry.integrity.sampling import PageSampler
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
@@ -78,6 +81,8 @@ from kvferry.transport import TransferHandle, Transport
 __all__ = ["PrefillEndpoint"]
 
 log = logging.getLogger("kvferry.control")
+
+MAX_ISSUED = 1 << 16   # ids issue() remembers (see PrefillEndpoint._issued)
 
 
 class PrefillEndpoint(EndpointBase, PullSource):
@@ -116,11 +121,14 @@ class PrefillEndpoint(EndpointBase, PullSource):
         self._process = this_process()   # reported in Welcome: decode ends quarantines once it is gone
         self._unpeer: set[str] = set()    # decode agents to forget once no write to them is in flight
         self._hash_in_send = True         # see _may_use_source_digests
+        # Ids issued before their send (``issue``), newest last, for ``options.refuse_unissued``; bounded: an
+        # id older than MAX_ISSUED issues without its announce has long timed out on decode.
+        self._issued: OrderedDict[str, None] = OrderedDict()
         self._thread.start()
 
     # -- public API: any thread ------------------------------------------------------------------------
     def send(self, request_id: str, pages: Mapping[str, Any], *, offset: int | Mapping[str, int] = 0,
-             last: bool = True, buffers: Iterable[str] | None = None) -> None:
+             last: bool = True, buffers: Iterable[str] | None = None, binding: Any = None) -> None:
         """Non-blocking: hand over a request's ready KV (pool -> source pages) to be written.
 
         ``pages[pool][i]`` is the request's page ``offset + i``: it goes to decode's announced page
@@ -136,7 +144,13 @@ class PrefillEndpoint(EndpointBase, PullSource):
         With digests on, the chunk's source pages are hashed here, on the caller's thread and outside
         the endpoint's lock (sampled: tens of microseconds; full: one read pass over the chunk's bytes),
         so the progress thread only posts writes, and hashing chunk N+1 overlaps the write of chunk N.
+
+        ``binding``: the tokens the KV was computed from (``integrity.binding``: a ``Binding``, or per-block
+        entries), stated once, on any send (a later send may repeat it; a different one is a
+        ``UsageError``). An announce whose binding differs fails the request on both sides before any
+        byte moves (``BindingMismatch``: poll and wait say why).
         """
+        bound = as_binding(binding)
         spec = make_spec(self.memory, pages, offset, last, buffers)
         if self._may_use_source_digests():
             spec.digests = source_digests(self.memory, self.digest_mode, spec.src, spec.buffers,
@@ -148,13 +162,56 @@ class PrefillEndpoint(EndpointBase, PullSource):
             rec = cast("PrefillRequest | None", self._records.get(request_id))
             if rec is None:
                 rec = cast(PrefillRequest, self._new_request(request_id, RequestState.BOOTSTRAPPING))
+            self._issued.pop(request_id, None)   # its record answers for it from now on
             if rec.state is RequestState.DONE:
                 raise UsageError(f"request {request_id!r} is already done")
             if rec.state is RequestState.FAILED:
                 raise RequestFailed(request_id, str(rec.error)) from rec.error
             if rec.last_queued:
                 raise UsageError(f"request {request_id!r}: the last chunk was already sent")
+            if self._refused_binding(rec, bound):
+                return
             self._queue(rec, spec)
+
+    def issue(self, request_id: str) -> None:
+        """Non-blocking: say that ``request_id`` is handed out to decode and its ``send`` will follow. With
+        ``options.refuse_unissued`` an announce for an id neither issued nor sent is refused at once
+        (``UnknownRequest``); an issued one waits for its send as usual. Idempotent; no deadline starts."""
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= wire.MAX_ID_LEN:
+            raise UsageError(f"a request id is a str of 1 to {wire.MAX_ID_LEN} characters, got {request_id!r}")
+        with self._lock:
+            self._issued[request_id] = None
+            self._issued.move_to_end(request_id)
+            while len(self._issued) > MAX_ISSUED:
+                self._issued.popitem(last=False)
+
+    def _unissued(self, request_id: str, rec: PrefillRequest | None) -> UnknownRequest | None:
+        """Why an announce for ``request_id`` is refused at once under ``options.refuse_unissued``, or None."""
+        if not self.options.refuse_unissued:
+            return None
+        if rec is None and request_id not in self._issued:
+            return UnknownRequest(f"request {request_id!r}: prefill {self.address} never issued it (no issue() nor "
+                                  "send for it, or one so long ago that it is forgotten; refuse_unissued is on): "
+                                  "refused at once, not at request_timeout")
+        if rec is not None and rec.state is RequestState.DONE:
+            return UnknownRequest(f"request {request_id!r}: prefill {self.address} served it already (done): an "
+                                  "announce for it again (a replay) is refused")
+        return None
+
+    def _refused_binding(self, rec: PrefillRequest, bound: Binding | None) -> bool:
+        """Record prefill's binding of ``rec``, and fail the request when a decode already announced it bound
+        to other tokens (nothing of it was written yet: this runs before any chunk is queued for it)."""
+        leader = rec.leader
+        if bound is not None and leader.binding is None:
+            leader.binding = bound
+        elif bound is not None and bound != leader.binding:
+            raise UsageError(f"request {rec.request_id!r}: a binding differing from the one it was sent with first")
+        for member in leader.group:
+            error = check_binding(rec.request_id, member.decode_binding, leader.binding)
+            if error is not None:
+                self._fail_req(leader, error)
+                return True
+        return False
 
     def _preplan(self, request_id: str, spec: ChunkSpec) -> None:
         """Plan the chunk here, on the caller's thread, when decode has announced the request already (as
@@ -561,12 +618,25 @@ class PrefillEndpoint(EndpointBase, PullSource):
         except KVFerryError as exc:
             self._refuse(session, msg, exc)
             return
+        theirs = wire.announced_binding(msg)
         rec = self._records.get(msg.request_id)
+        unknown = self._unissued(msg.request_id, cast("PrefillRequest | None", rec))
+        if unknown is not None:
+            self._refuse(session, msg, unknown)
+            return
+        if isinstance(rec, PrefillRequest):
+            error = check_binding(msg.request_id, theirs, rec.leader.binding)
+            if error is not None:   # refused before any byte moves, on both sides
+                if rec.is_live and rec.session is None:
+                    self._fail_req(rec, error)
+                self._refuse(session, msg, error)
+                return
         if isinstance(rec, PrefillRequest) and rec.is_live and rec.session is not None:
             if not can_join(rec, session):
                 self._refuse(session, msg, PlanError(f"request {msg.request_id!r} is already announced and live"))
                 return
             self._join(rec, session, msg.generation, dst, prefix)
+            rec.group[-1].decode_binding = theirs
             self._post_and_ack(rec.group[-1], msg)
             return
         if isinstance(rec, PrefillRequest) and rec.state is RequestState.FAILED and rec.session is None:
@@ -575,6 +645,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         if not isinstance(rec, PrefillRequest) or not rec.is_live:
             rec = self._new_request(msg.request_id, RequestState.WAITING_FOR_INPUT)
         self._bind(rec, session, msg.generation, dst, prefix)
+        rec.decode_binding = theirs
         self._post_and_ack(rec, msg)
 
     def _post_and_ack(self, rec: PrefillRequest, msg: wire.Announce) -> None:

@@ -19,6 +19,7 @@ from kvferry.control.endpoints import RequestRecord
 from kvferry.control.sessions import Session
 from kvferry.control.states import RequestState
 from kvferry.errors import PlanError
+from kvferry.integrity.binding import Binding
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Layout
 from kvferry.plan.pages import validate_pages
@@ -64,9 +65,9 @@ class PrefillRequest(RequestRecord):
     ranks need this rank's heads of one request: the first record (the one ``send``/``wait`` see) leads a
     ``group`` of one record per decode rank, each with its own session, lease and writes."""
 
-    __slots__ = ("coverage", "decode_ok", "dst", "expected", "fail_sent", "generation", "group", "handles",
-                 "history", "last_posted", "last_queued", "next_chunk", "pending", "posting", "prefix", "release_at",
-                 "request_pages", "session", "source_held")
+    __slots__ = ("binding", "coverage", "decode_binding", "decode_ok", "dst", "expected", "fail_sent", "generation",
+                 "group", "handles", "history", "last_posted", "last_queued", "next_chunk", "pending", "posting",
+                 "prefix", "release_at", "request_pages", "session", "source_held")
 
     def __init__(self, request_id: str, state: RequestState, deadline: float) -> None:
         super().__init__(request_id, state, deadline)
@@ -92,6 +93,10 @@ class PrefillRequest(RequestRecord):
         # session died.
         self.source_held = False
         self.release_at: float | None = None
+        # Token bindings (integrity.binding): prefill's own, from ``send`` (kept on the group's leader), and
+        # the one this record's decode announced. None: that side stated none.
+        self.binding: Binding | None = None
+        self.decode_binding: Binding | None = None
 
     @property
     def leader(self) -> PrefillRequest:

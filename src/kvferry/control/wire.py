@@ -10,7 +10,10 @@ Flow (decode D, prefill P)::
 
     D -> P  Hello (manifest, transport metadata, nonce)      P -> D  Challenge (nonce), if P has a secret
     D -> P  Auth (HMAC over both nonces and the Hello)       P -> D  Welcome (manifest, metadata, proof) | Reject
-    D -> P  Announce (request, generation, pages, prefix)    P -> D  Ack (only if no chunk is posted at once) | Fail
+    D -> P  Announce (request, generation, pages, prefix, binding)
+                                                             P -> D  Ack (only if no chunk is posted at once) | Fail
+                                                                     (Fail at once: the bindings differ, or
+                                                                     prefill never issued the id)
     NIXL    Chunk (request, generation, chunk, last, digests), delivered after the chunk's write landed;
             a Batch of Chunks when one write carried several requests' chunks (prefill under load)
     P -> D  Ready (request, generation, chunk, source pages, digests)   pull mode, instead of a write + Chunk
@@ -51,6 +54,7 @@ import numpy as np
 
 from kvferry.codec import check_version, decode_struct
 from kvferry.errors import (
+    BindingMismatch,
     IntegrityError,
     KVFerryError,
     LeaseError,
@@ -60,11 +64,14 @@ from kvferry.errors import (
     RequestAborted,
     TransferTimeout,
     TransportError,
+    UnknownRequest,
 )
+from kvferry.integrity.binding import MAX_BINDING_BLOCKS, MAX_ENTRY_BYTES, Binding
 
 __all__ = ["BATCH_BYTES", "KINDS", "MAX_BATCH", "PROTOCOL_VERSION", "Abort", "Ack", "Announce", "Auth", "Batch", "Bye",
            "Cancel", "Challenge", "Chunk", "Envelope", "Fail", "Heartbeat", "Hello", "Ready", "Reject", "Result",
-           "Welcome", "batch_frame", "batches", "decode", "decode_pages", "encode", "encode_pages", "error_from_wire",
+           "Welcome", "announced_binding", "batch_frame", "batches", "binding_fields", "decode", "decode_pages",
+           "encode", "encode_pages", "error_from_wire",
            "error_kind", "unbatch"]
 
 # Bump when any message's fields, their meaning, or the flow above changes. Peers with another version are
@@ -78,7 +85,11 @@ __all__ = ["BATCH_BYTES", "KINDS", "MAX_BATCH", "PROTOCOL_VERSION", "Abort", "Ac
 #    prefill's chunk positions are positions in the whole request and skip them. Cancel (decode will not
 #    announce a request: prefill fails it at once instead of at its deadline; prefill failed one no decode
 #    announced: every decode peer records it FAILED at once instead of learning at its announce).
-PROTOCOL_VERSION = 6
+# 7: Announce carries decode's token binding (integrity.binding: per-block entries and decode's name for the
+#    request), which prefill compares with its own before any byte moves: a hand-off of another prompt's KV
+#    is refused on both sides (Fail kind "binding"). Fail kind "unknown": an announce for an id prefill never
+#    issued (EndpointOptions.refuse_unissued). A v6 peer would ignore the binding, so the version changes.
+PROTOCOL_VERSION = 7
 
 # Caps on untrusted input, far above real use and far below what exhausts memory.
 MAX_ID_LEN = 256
@@ -100,6 +111,8 @@ Mode = Annotated[str, msgspec.Meta(max_length=16)]
 Timeout = Annotated[float, msgspec.Meta(gt=0, le=1e9)]   # any EndpointOptions.peer_timeout
 PageBytes = Annotated[bytes, msgspec.Meta(max_length=MAX_PAGES_BYTES)]
 Pages = Annotated[dict[Annotated[str, msgspec.Meta(max_length=256)], PageBytes], msgspec.Meta(max_length=MAX_POOLS)]
+BindingBlocks = Annotated[list[Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_ENTRY_BYTES)]],
+                         msgspec.Meta(max_length=MAX_BINDING_BLOCKS)]
 PrefixPages = Annotated[dict[Annotated[str, msgspec.Meta(max_length=256)],
                              Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]], msgspec.Meta(max_length=MAX_POOLS)]
 
@@ -170,6 +183,10 @@ class Announce(_Msg):
     # pool -> leading pages of the request decode already holds (prefix cache): the leased pages are those
     # after them, and prefill skips chunk positions before them. Absent pools: none held.
     prefix: PrefixPages = msgspec.field(default_factory=dict)
+    # Decode's token binding (integrity.binding): per-block entries, empty when decode states none, and
+    # decode's own name for the request. Prefill refuses the announce when its own binding differs.
+    binding: BindingBlocks = msgspec.field(default_factory=list)
+    binding_label: Annotated[str, msgspec.Meta(max_length=MAX_ID_LEN)] = ""
 
 
 class Ack(_Msg):
@@ -352,11 +369,27 @@ def decode_pages(pages: dict[str, bytes]) -> dict[str, np.ndarray]:
 
 
 # Which exception a request failure carries across the wire; anything else travels as "error".
+# Subclasses come before their bases: ``error_kind`` takes the first match.
 ERROR_KINDS: dict[str, type[KVFerryError]] = {
+    "binding": BindingMismatch, "unknown": UnknownRequest,
     "peer_lost": PeerLost, "timeout": TransferTimeout, "transport": TransportError,
     "integrity": IntegrityError, "lease": LeaseError, "plan": PlanError, "aborted": RequestAborted,
     "error": KVFerryError,
 }
+
+
+def announced_binding(msg: Announce) -> Binding | None:
+    """Decode's binding as the announce carried it; None when decode stated none."""
+    if not msg.binding:
+        return None
+    return Binding(tuple(msg.binding), msg.binding_label)
+
+
+def binding_fields(binding: Binding | None) -> tuple[list[bytes], str]:
+    """``Announce``'s ``binding`` and ``binding_label`` for ``binding`` (None: unbound)."""
+    if binding is None:
+        return [], ""
+    return list(binding.blocks), binding.label
 
 
 def error_kind(exc: BaseException) -> str:
