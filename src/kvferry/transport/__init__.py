@@ -25,9 +25,19 @@ def nixl_available() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in ("nixl", "nixl_cu13", "nixl_cu12"))
 
 
+# System libraries the Mooncake wheel links and does not bundle (Debian: libibverbs1, librdmacm1, libnuma1,
+# libcurl4): without one of them ``import mooncake.engine`` fails.
+MOONCAKE_SYSTEM_LIBS = ("ibverbs", "rdmacm", "numa", "curl")
+
+
 def mooncake_available() -> bool:
-    """Whether Mooncake's Transfer Engine is installed, without importing it."""
-    return importlib.util.find_spec("mooncake") is not None
+    """Whether Mooncake's Transfer Engine is installed and its system libraries are present, without importing
+    it (scripts/setup.sh installs both where it can)."""
+    if importlib.util.find_spec("mooncake") is None:
+        return False
+    import ctypes.util
+
+    return all(ctypes.util.find_library(name) for name in MOONCAKE_SYSTEM_LIBS)
 
 
 TRANSPORTS = ("local", "nixl", "mooncake")
