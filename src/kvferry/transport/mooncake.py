@@ -70,7 +70,7 @@ import msgspec
 import zmq
 
 from kvferry.codec import decode_versioned, encode
-from kvferry.errors import PeerLost, TransportError, UsageError
+from kvferry.errors import PeerLost, TransferTimeout, TransportError, UsageError
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
 from kvferry.transport.base import RowBuffer, TransferHandle, Transport, check_plan_in_regions
@@ -168,6 +168,18 @@ class MooncakeHandle(TransferHandle):
         if not self._wait.done():
             return False
         return self._settle()
+
+    def wait(self, timeout: float) -> None:
+        """Block on the batch's work itself (no polling interval added to a transfer of a few ms)."""
+        if self._wait is not None and not self._done and self._error is None and not self._released:
+            try:
+                self._wait.result(timeout)
+            except concurrent.futures.TimeoutError:
+                raise TransferTimeout(f"{self._what} to peer {self.peer!r} not done after {timeout:.3f} s") from None
+            except Exception:
+                pass   # the work raised: _settle turns it into the handle's error
+        if not self.poll():   # released meanwhile, or no work: the base class's loop says why
+            super().wait(timeout)
 
     def _settle(self) -> bool:
         assert self._wait is not None
