@@ -314,6 +314,14 @@ def test_remote_region_not_registered(pair) -> None:
         assert_memory(peer.call("dump"), expected_memory(real.layout, src, []))
     finally:
         transport.add_peer(peer.metadata)
+    if transport.name == "mooncake":
+        # Mooncake's TCP transport drops its session to a peer whose engine rejected a batch and reconnects on
+        # the next one, which can fail while it does (1 run in 4 here): that request fails closed, the next
+        # one lands (docs/mooncake.md).
+        try:
+            _round_trip(transport, src, peer, "after-forged-first")
+        except TransportError as exc:
+            assert "Mooncake failed" in str(exc) and not isinstance(exc, PeerLost), exc
     _round_trip(transport, src, peer, "after-forged")
 
 

@@ -32,6 +32,12 @@ How the contract maps onto the engine (``mooncake.engine.TransferEngine``, 0.3.1
   stopped peer. The engine's own limit (``MC_TRANSFER_TIMEOUT``, 30 s unless set; at least 5 s, plus a
   second per GiB) bounds every wait; kvferry's deadlines (``TransferHandle.wait``, the control plane's)
   come first.
+* **A failed batch** is reported only once its other rows cannot land any more: the engine's wait returns
+  at the first failed row while the rest may still be in flight, so for a peer that is still alive the
+  worker waits the engine's own bound on a batch (``MC_TRANSFER_TIMEOUT``, 5 s here) before the handle
+  fails; for a peer that is gone (its engine refuses connections) it fails at once. Without this, a
+  request whose handle failed could still have bytes landing in pages the control plane had settled
+  (seen: rows of a failed write arriving after the test had refilled decode's memory).
 * **Errors** are translated in one place, ``_translate``: an engine return code (``error.h``) or a failed
   batch becomes ``TransportError``, or ``PeerLost`` when the peer's engine no longer accepts connections.
 
@@ -62,6 +68,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -478,8 +485,20 @@ def _run_batches(engine: Any, session: str, read: bool, local: list[int], remote
             return -1, f"the engine refused rows {start}..{end - 1} of {n}"
         code = int(engine.get_batch_transfer_status([batch]))
         if code != 0:
-            return code, f"rows {start}..{end - 1} of {n} failed"
+            # The wait returns at the first failed row; the batch's other rows may still be landing. Report
+            # the failure only once they cannot: a live peer gets the engine's own bound on a batch (a dead
+            # one's memory is gone with it), so no byte of this request lands after its handle failed.
+            drain = _drain_seconds() if _reachable(session) else 0.0
+            time.sleep(drain)
+            return code, f"rows {start}..{end - 1} of {n} failed; reported after {drain:g} s for the rest to settle"
     return 0, ""
+
+
+def _drain_seconds() -> float:
+    try:
+        return max(5.0, float(os.environ.get("MC_TRANSFER_TIMEOUT", "30")))   # the engine's minimum is 5 s
+    except ValueError:
+        return 30.0
 
 
 def _same_binding(a: KVMemory, b: KVMemory) -> bool:
