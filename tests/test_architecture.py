@@ -2,7 +2,8 @@
 
 The layer order is written once, in ``[tool.importlinter]``; this test runs import-linter (``lint-imports``)
 on the package as installed, then on a copy with one upward import and one circle planted, which must
-break both contracts (so a green run means something).
+break both contracts, and a clock imported into the protocol core, which must break the third (so a green
+run means something).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def lint(src: Path) -> subprocess.CompletedProcess[str]:
 def test_every_import_runs_downward_and_nothing_is_circular() -> None:
     done = lint(ROOT / "src")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 kept, 0 broken" in done.stdout
+    assert "3 kept, 0 broken" in done.stdout
 
 
 def test_an_upward_import_and_a_circle_break_the_contracts(tmp_path: Path) -> None:
@@ -41,7 +42,11 @@ def test_an_upward_import_and_a_circle_break_the_contracts(tmp_path: Path) -> No
     # A circle inside the control plane: the lease table importing the endpoint that imports it.
     leases = tmp_path / "kvferry" / "control" / "leases.py"
     leases.write_text(leases.read_text() + "\nfrom kvferry.control import decode  # planted\n")
+    # A clock inside the protocol core.
+    states = tmp_path / "kvferry" / "control" / "core" / "states.py"
+    states.write_text(states.read_text() + "\nimport time  # planted\n")
     done = lint(tmp_path)
     assert done.returncode != 0
-    assert "0 kept, 2 broken" in done.stdout, done.stdout
+    assert "0 kept, 3 broken" in done.stdout, done.stdout
+    assert "kvferry.control.core.states -> time" in done.stdout
     assert "kvferry.layout.spec -> kvferry.control.wire" in done.stdout

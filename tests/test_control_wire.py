@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from kvferry import IncompatiblePeer, KVMemory, LeaseError, PeerLost
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState, wire
+from kvferry.control.core.states import TERMINAL, TRANSITIONS, advance, can_advance
 from kvferry.control.leases import LeaseTable
-from kvferry.control.states import TERMINAL, TRANSITIONS, advance, can_advance
-from kvferry.errors import ProtocolError, RequestFailed
+from kvferry.errors import InternalError, RequestFailed
 
 from .control_peer import fill, make_layout, run_prefill, workload
 
@@ -31,7 +31,7 @@ def test_states_only_move_forward() -> None:
         assert not TRANSITIONS[state]
     assert not can_advance(RequestState.BOOTSTRAPPING, RequestState.DONE)
     assert not can_advance(RequestState.WAITING_FOR_INPUT, RequestState.DONE)
-    with pytest.raises(ProtocolError, match="illegal state transition failed -> done"):
+    with pytest.raises(InternalError, match="illegal state transition failed -> done"):
         advance(RequestState.FAILED, RequestState.DONE, "r")
 
 

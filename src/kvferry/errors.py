@@ -24,7 +24,9 @@ it in one place per backend with ``raise ... from exc``, so callers catch kvferr
     ├── IntegrityError         bytes arrived but are not the bytes that were sent
     │   ├── PageMismatchError  ... naming every page whose digest differs
     │   └── BindingMismatch    ... or would be another prompt's: the two sides' token bindings differ
-    └── FaultSpecError         a fault-injection spec that cannot be parsed
+    ├── FaultSpecError         a fault-injection spec that cannot be parsed
+    └── InternalError          a kvferry bug caught in the act (an illegal state transition): the
+                               requests it touches fail closed, and it is logged at ERROR
 
 Every module of kvferry raises these and no others on its public paths (no ``ValueError``, no
 ``assert``). The bottom of the package: it imports nothing of kvferry's.
@@ -39,9 +41,9 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["BindingMismatch", "EndpointClosed", "FaultSpecError", "HandshakeError", "IncompatiblePeer",
-           "IntegrityError", "KVFerryError", "LayoutError", "LeaseError", "ModeMismatch", "OutOfPages",
-           "PageMismatchError", "PeerLost", "PlanError", "ProtocolError", "RequestAborted", "RequestFailed",
-           "TransferTimeout", "TransportError", "UnknownRequest", "UsageError"]
+           "IntegrityError", "InternalError", "KVFerryError", "LayoutError", "LeaseError", "ModeMismatch",
+           "OutOfPages", "PageMismatchError", "PeerLost", "PlanError", "ProtocolError", "RequestAborted",
+           "RequestFailed", "TransferTimeout", "TransportError", "UnknownRequest", "UsageError"]
 
 
 class KVFerryError(Exception):
@@ -148,3 +150,8 @@ class OutOfPages(KVFerryError):
 
 class FaultSpecError(KVFerryError, ValueError):
     """A fault specification string that cannot be parsed (a ValueError, so argparse reports it)."""
+
+
+class InternalError(KVFerryError, RuntimeError):
+    """A kvferry bug caught in the act, e.g. an illegal state transition: never a peer's bad message. The
+    endpoints fail the requests it touches closed and log it at ERROR, naming the request and both states."""

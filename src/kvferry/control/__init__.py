@@ -9,10 +9,10 @@ Exported: ``PrefillEndpoint``, ``DecodeEndpoint``, ``RequestState``, ``EndpointO
 
 from __future__ import annotations
 
+from kvferry.control.core.states import RequestState
 from kvferry.control.decode import DecodeEndpoint
 from kvferry.control.endpoints import EndpointOptions
 from kvferry.control.prefill import PrefillEndpoint
-from kvferry.control.states import RequestState
 from kvferry.control.stats import EndpointStats
 from kvferry.control.wire import PROTOCOL_VERSION
 

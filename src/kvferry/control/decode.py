@@ -28,16 +28,25 @@ import zmq.utils.monitor
 
 from kvferry.control import wire
 from kvferry.control.admission import check_welcome
+from kvferry.control.core.states import LinkState, RequestState
+from kvferry.control.core.timers import PeerClock
 from kvferry.control.decode_requests import DecodeRequest, Part
 from kvferry.control.digests import verify_chunk
-from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions, RequestRecord, as_secret, auth_mac
+from kvferry.control.endpoints import (
+    FLUSH_MS,
+    EndpointBase,
+    EndpointOptions,
+    RequestRecord,
+    Transfer,
+    as_secret,
+    auth_mac,
+)
 from kvferry.control.leases import LeaseTable
 from kvferry.control.links import Link, pick_links
 from kvferry.control.liveness import ProcessIdentity, this_process
 from kvferry.control.pull import DEFAULT_MODE, check_mode, check_pull_options, is_mode_refusal
 from kvferry.control.pull_reader import PullReader
 from kvferry.control.quarantine import Quarantine, writer_gone
-from kvferry.control.states import RequestState
 from kvferry.errors import (
     HandshakeError,
     IncompatiblePeer,
@@ -59,7 +68,12 @@ from kvferry.plan.prefix import prefix_pages
 from kvferry.plan.tp import source_ranks
 from kvferry.transport import Transport
 
-__all__ = ["DecodeEndpoint"]
+__all__ = ["RETRY_AFTER", "RETRY_MAX", "DecodeEndpoint"]
+
+# connect_needed: a handshake that failed (not a refusal) is retried after RETRY_AFTER seconds, doubling with
+# each failure in a row up to RETRY_MAX.
+RETRY_AFTER = 1.0
+RETRY_MAX = 30.0
 
 log = logging.getLogger("kvferry.control")
 
@@ -86,7 +100,11 @@ class DecodeEndpoint(EndpointBase, PullReader):
         super().__init__(memory, transport, digest_mode=digest_mode, options=options)
         self.mode = mode
         self._reading: set[DecodeRequest] = set()   # pull mode: requests with reads in flight
-        self._secret = as_secret(secret)
+        try:
+            self._secret = as_secret(secret)
+        except BaseException:
+            self._release_resources()   # the thread never started: nothing else would close them
+            raise
         self._leases = LeaseTable(memory.layout)
         self._links: dict[str, Link] = {}
         self._by_sock: dict[Any, Link] = {}
@@ -99,6 +117,8 @@ class DecodeEndpoint(EndpointBase, PullReader):
         self._next_deadline_check = 0.0
         self._num_live = 0   # live records, kept by announce and _set_state: the busy test is O(1)
         self.num_stray_notifications = 0
+        # connect_needed's memory of failed handshakes: addresses -> (retry at, the error, the back-off).
+        self._refused: dict[tuple[str, ...], tuple[float, KVFerryError, float]] = {}
         self._thread.start()
 
     # -- public API: any thread ------------------------------------------------------------------------
@@ -146,6 +166,53 @@ class DecodeEndpoint(EndpointBase, PullReader):
         self._await_links(links, deadline)
         return chosen
 
+    def connect_needed(self, addresses: Sequence[str], timeout: float | None = None, *,
+                       retry_after: float = RETRY_AFTER, exact: bool = False) -> str | list[str]:
+        """Blocking: be connected to what this decode rank needs of one prefill TP group, and return what
+        ``announce`` and ``cancel`` take as ``peer``. For an engine adapter that learns prefill's addresses
+        per request: call it before each announce; once connected it returns at once.
+
+        ``addresses[r]`` is prefill rank ``r``'s address (one address: a prefill of TP 1). Returns that
+        address when this side runs TP 1 too, else the addresses of the ranks holding this rank's heads
+        (``connect_all``), in rank order. A refusal (``IncompatiblePeer``: layouts, versions, secret or mode
+        differ) is remembered and raised again at once, never retried: the peer will not change its mind. A
+        handshake that failed otherwise (``HandshakeError``: no answer, the prefill is down) is raised again
+        at once for ``retry_after`` seconds, doubling with each failure in a row up to ``RETRY_MAX``, so a
+        prefill that is down costs each request nothing, not a handshake timeout.
+
+        ``exact=True``: the engine chose the prefill ranks itself (SGLang's bootstrap names the ranks each
+        decode rank reads from): ``addresses`` are connected one by one (``connect``), none chosen, and
+        returned as given (one address: that address)."""
+        local = self.memory.layout
+        if not addresses:
+            raise UsageError("connect_needed: no prefill address given")
+        single = len(addresses) == 1 and (exact or local.tp_size == 1)
+        if exact or single:
+            need = list(addresses)
+        else:
+            need = [addresses[r] for r in source_ranks(local.tp_rank, len(addresses), local.tp_size)]
+        key = tuple(addresses)
+        with self._lock:
+            self._check_open()
+            if all(a in self._links and self._links[a].established for a in need):
+                return need[0] if single else need
+            refused = self._refused.get(key)
+            if refused is not None and (isinstance(refused[1], IncompatiblePeer) or time.monotonic() < refused[0]):
+                raise refused[1]
+        try:
+            if exact or single:
+                connected = [self.connect(a, timeout) for a in need]
+            else:
+                connected = self.connect_all(addresses, timeout)
+        except HandshakeError as exc:
+            with self._lock:
+                wait = min(RETRY_MAX, retry_after if refused is None else 2 * refused[2])
+                self._refused[key] = (time.monotonic() + wait, exc, wait)
+            raise
+        with self._lock:
+            self._refused.pop(key, None)
+        return connected[0] if single else connected
+
     def announce(self, request_id: str, pages: Mapping[str, Any], *,
                  peer: str | Sequence[str] | None = None, prefix: int | Mapping[str, int] | None = None,
                  binding: Any = None) -> None:
@@ -179,7 +246,8 @@ class DecodeEndpoint(EndpointBase, PullReader):
                 raise LeaseError(f"request {request_id!r} is already live ({old.state.value})")
             gen = next(self._generations)
             leased = self._leases.acquire(gen, request_id, pages)
-            rec = DecodeRequest(request_id, time.monotonic() + self.options.request_timeout, gen, links)
+            rec = DecodeRequest(request_id, time.monotonic() + self.options.request_timeout, gen, links,
+                                self.options.lease_grace)
             self._remember(rec)
             self._by_gen[gen] = rec
             self._num_live += 1
@@ -220,7 +288,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
     def peers(self) -> list[str]:
         """Addresses of the prefills this decode is connected to."""
         with self._lock:
-            return [a for a, link in self._links.items() if link.state == "established"]
+            return [a for a, link in self._links.items() if link.established]
 
     @property
     def num_live_leases(self) -> int:
@@ -261,7 +329,8 @@ class DecodeEndpoint(EndpointBase, PullReader):
         with self._lock:
             return {"live_requests": sum(r.is_live for r in self._by_gen.values()),
                     "live_leases": self._leases.num_leases, "leased_pages": self._leases.num_leased_pages,
-                    "live_handles": self._num_reads(), "peers": len(self.peers), "bad_messages": self.num_bad_messages,
+                    "live_handles": self._num_reads(), "peers": sum(x.established for x in self._links.values()),
+                    "bad_messages": self.num_bad_messages,
                     "stray_notifications": self.num_stray_notifications,
                     "quarantined_leases": self._quarantine.num_leases,
                     "quarantined_pages": self._quarantine.num_pages,
@@ -271,21 +340,25 @@ class DecodeEndpoint(EndpointBase, PullReader):
     def _start_link(self, address: str, timeout: float, expect: tuple[int, int] | None, mode: str) -> Link:
         """The established link to ``address``, or a fresh one whose handshake the progress thread starts."""
         old = self._links.get(address)
-        if old is not None and old.state == "established" and old.mode != mode:
+        if old is not None and old.established and old.mode != mode:
             raise ModeMismatch(f"prefill {address} is connected in transfer mode {old.mode!r}, asked for {mode!r}")
-        if old is not None and old.state == "established":
+        if old is not None and old.established:
             if expect is not None and (old.rank, old.tp_size) != expect:
                 raise IncompatiblePeer(f"prefill {address} is rank {old.rank} of TP {old.tp_size}, "
                                        f"expected rank {expect[0]} of TP {expect[1]}")
             return old
-        if old is not None and old.state == "connecting":  # e.g. a recovery handshake: this one replaces it
+        if old is not None and old.connecting:  # e.g. a recovery handshake: this one replaces it
             self._call_soon(lambda: self._link_failed(old, HandshakeError(f"prefill {address}: handshake "
                                                                           "superseded by a newer connect")))
-        link = Link(address, time.monotonic() + timeout)
+        now = time.monotonic()
+        link = Link(address, now + timeout, self._peer_clock(now))
         link.expect, link.mode = expect, mode
         self._links[address] = link
         self._call_soon(lambda: self._open_link(link))
         return link
+
+    def _peer_clock(self, now: float) -> PeerClock:
+        return PeerClock(now, self.options.heartbeat_interval, self.options.peer_timeout)
 
     @contextlib.contextmanager
     def _bounded_lock(self, deadline: float, what: str) -> Iterator[None]:
@@ -301,10 +374,10 @@ class DecodeEndpoint(EndpointBase, PullReader):
     def _await_links(self, links: list[Link], deadline: float) -> None:
         """Wait until every handshake ended, or until ``deadline`` whatever the progress thread does (a
         short grace first lets its own deadline, with its own reason, win); raise the first failure."""
-        if not self._wait_for(lambda: all(x.state != "connecting" for x in links), deadline + 0.05):
+        if not self._wait_for(lambda: all(not x.connecting for x in links), deadline + 0.05):
             self._give_up(links)
         for link in links:
-            if link.state != "established":
+            if not link.established:
                 raise link.error or PeerLost(f"prefill {link.address} went away during the handshake")
 
     def _give_up(self, links: list[Link]) -> None:
@@ -315,8 +388,9 @@ class DecodeEndpoint(EndpointBase, PullReader):
             raise error
         try:
             for link in links:
-                if link.state == "connecting":
-                    link.state, link.error = "failed", error
+                if link.connecting:
+                    link.move(LinkState.FAILED)
+                    link.error = error
                     self._call_soon(lambda x=link: self._close_link(x))
         finally:
             self._lock.release()
@@ -373,7 +447,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
         link.digest_mode = DigestMode.from_peer(msg.digest_mode)
         link.process = ProcessIdentity(msg.host, msg.pid, msg.started) if msg.pid else None
         self._by_agent[link.agent] = link
-        link.state = "established"
+        link.move(LinkState.ESTABLISHED)
         self._changed = True
         self._resettle(link)
 
@@ -383,7 +457,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
         Fail arrives."""
         for rec in self._by_gen.values():
             for old, part in list(rec.parts.items()):
-                if part.settled or old is link or old.state == "established" or old.agent != link.agent:
+                if part.settled or old is link or old.established or old.agent != link.agent:
                     continue
                 del rec.parts[old]
                 part.link, part.told = link, True
@@ -392,9 +466,9 @@ class DecodeEndpoint(EndpointBase, PullReader):
                                             "decode declared this prefill dead: settle this generation"))
 
     def _link_failed(self, link: Link, error: KVFerryError) -> None:
-        if link.state == "connecting":
+        if link.connecting:
             link.error = error
-            link.state = "failed"
+            link.move(LinkState.FAILED)
             with contextlib.suppress(zmq.ZMQError):  # best effort: the connection may be what failed
                 for frame in wire.batches(self._take_out(link)):  # what was queued goes first
                     self._send_raw(link, frame, quiet=False)
@@ -406,7 +480,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
         text = (f"prefill {link.address}: connection dropped ({why}): the prefill closed or crashed, or sent a "
                 f"message above max_message_bytes={self.options.max_message_bytes} (libzmq drops such a "
                 "connection without a word)")
-        if link.state == "connecting":
+        if link.connecting:
             self._link_failed(link, HandshakeError(f"{text}, during the handshake"))
         else:
             self._link_dead(link, PeerLost(text))
@@ -418,8 +492,8 @@ class DecodeEndpoint(EndpointBase, PullReader):
 
     def _fail_peers(self, error: KVFerryError) -> None:
         for link in self._links.values():
-            if link.state in ("connecting", "established"):
-                link.state = "failed" if link.state == "connecting" else "dead"
+            if link.state in (LinkState.CONNECTING, LinkState.ESTABLISHED):
+                link.move(LinkState.FAILED if link.connecting else LinkState.DEAD)
                 link.error = error
 
     # -- messages (progress thread) --------------------------------------------------------------------
@@ -435,10 +509,10 @@ class DecodeEndpoint(EndpointBase, PullReader):
         try:
             msg = wire.decode(frames[0])
         except ProtocolError as exc:
-            if link.state == "connecting":  # e.g. another protocol version: refuse the peer, say why
+            if link.connecting:  # e.g. another protocol version: refuse the peer, say why
                 self._link_failed(link, IncompatiblePeer(f"prefill {link.address}: {exc}"))
             raise
-        link.last_seen = self._recv_time
+        link.clock.heard(self._recv_time)
         if isinstance(msg, wire.Batch):
             self._on_batch(wire.unbatch(msg), lambda m: self._on_link_msg(link, m))
         else:
@@ -447,9 +521,9 @@ class DecodeEndpoint(EndpointBase, PullReader):
     def _on_link_msg(self, link: Link, msg: Any) -> None:
         """One message from ``link``, alone or out of a Batch (in order, each as if it had come alone: a
         link that failed or died earlier in the batch hears no more)."""
-        if link.state == "connecting":
+        if link.connecting:
             self._on_handshake(link, msg)
-        elif link.state == "established":
+        elif link.established:
             self._on_message(link, msg)
 
     def _on_monitor(self, link: Link, frames: list[bytes]) -> None:
@@ -457,7 +531,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
             event = zmq.utils.monitor.parse_monitor_message(frames)["event"]
         except Exception as exc:  # a malformed event frame: pyzmq's own format, so a bug; name it
             raise ProtocolError(f"unreadable socket event for prefill {link.address}: {exc!r}") from exc
-        if event == zmq.EVENT_DISCONNECTED and link.state in ("connecting", "established"):
+        if event == zmq.EVENT_DISCONNECTED and link.state in (LinkState.CONNECTING, LinkState.ESTABLISHED):
             self._dropped(link, "libzmq reported the disconnect")
 
     def _on_message(self, link: Link, msg: Any) -> None:
@@ -523,11 +597,17 @@ class DecodeEndpoint(EndpointBase, PullReader):
         if self._fail(rec, error):
             self._abort_parts(rec, reason)
 
+    def _fail_closed(self, rec: RequestRecord, error: KVFerryError) -> None:
+        if isinstance(rec, DecodeRequest):
+            self._fail_req(rec, error, "decode internal error")
+        else:   # a cancelled id's record: nothing leased, nobody to tell
+            self._fail(rec, error)
+
     def _abort_parts(self, rec: DecodeRequest, reason: str) -> None:
         msg = wire.Abort(rec.request_id, rec.generation, reason[:wire.MAX_REASON_LEN])
         for part in rec.parts.values():
             # A rank whose part completed is told too: it waits for our verdict, and would time out.
-            if not part.told and part.link.state == "established":
+            if not part.told and part.link.established:
                 part.told = True
                 self._send(part.link, msg)
 
@@ -546,6 +626,9 @@ class DecodeEndpoint(EndpointBase, PullReader):
     def _post_queued(self) -> None:
         if self._batches:   # pull mode: reads queued by the Readys just read (pull_reader)
             self._post_reads()
+
+    def _carry_out(self, transfer: Transfer) -> None:
+        self._carry_out_read(transfer)   # decode's only transfers: pull mode's reads
 
     def _pump(self) -> bool:
         news = self._pump_reads() if self._reading else False
@@ -634,7 +717,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
     def _gauges(self) -> dict[str, int]:
         return {"live_requests": self._num_live, "leases": self._leases.num_leases,
                 "leased_pages": self._leases.num_leased_pages, "quarantined_pages": self._quarantine.num_pages,
-                "peers": sum(link.state == "established" for link in list(self._links.values()))}
+                "peers": sum(link.established for link in list(self._links.values()))}
 
     def _set_state(self, rec: RequestRecord, state: RequestState) -> None:
         was_live = rec.is_live
@@ -658,16 +741,16 @@ class DecodeEndpoint(EndpointBase, PullReader):
             self._tick_requests(now)
 
     def _tick_link(self, link: Link, now: float) -> None:
-        if link.state == "connecting" and now > link.deadline:
+        if link.connecting and now > link.deadline:
             self._link_failed(link, HandshakeError(
                 f"no handshake answer from prefill {link.address} within the deadline (if something answers "
                 f"at that address, its answer may exceed max_message_bytes={self.options.max_message_bytes})"))
-        elif link.state != "established":
+        elif not link.established:
             return
-        elif now - link.last_seen > self.options.peer_timeout:
-            self._link_dead(link, PeerLost(f"prefill {link.address} silent for {now - link.last_seen:.2f} s "
+        elif link.clock.peer_silent(now):
+            self._link_dead(link, PeerLost(f"prefill {link.address} silent for {link.clock.silent_for(now):.2f} s "
                                            f"(peer_timeout {self.options.peer_timeout} s)"))
-        elif now - link.last_sent >= self.options.heartbeat_interval:
+        elif link.clock.heartbeat_due(now):
             self._send(link, wire.Heartbeat())
 
     def _check_silence(self, now: float) -> None:
@@ -692,14 +775,14 @@ class DecodeEndpoint(EndpointBase, PullReader):
         for rec in list(self._by_gen.values()):
             for part in list(rec.parts.values()):
                 link = part.link
-                if part.settled or link.state == "established":
+                if part.settled or link.established:
                     continue
-                if part.release_at is None:
+                if part.grace.needs_check:
                     if link not in gone:
                         gone[link] = writer_gone(self.transport, link)
                     if gone[link]:
-                        part.release_at = now + self.options.lease_grace
-                elif now >= part.release_at:
+                        part.grace.writer_gone(now)
+                elif part.grace.due(now):
                     self._settle(rec, part)
         for link, is_gone in gone.items():
             if not is_gone and not self._closing:
@@ -710,10 +793,10 @@ class DecodeEndpoint(EndpointBase, PullReader):
         stalled prefill that resumed then settles what decode quarantined (``_resettle``), and serves
         again. Only an acknowledgement or a certain death frees pages a live writer may still reach."""
         current = self._links.get(dead.address)
-        if now < dead.retry_at or (current is not None and current.state in ("connecting", "established")):
+        if now < dead.retry_at or (current is not None and (current.connecting or current.established)):
             return
         dead.retry_at = now + self.options.peer_timeout
-        link = Link(dead.address, now + self.options.handshake_timeout)
+        link = Link(dead.address, now + self.options.handshake_timeout, self._peer_clock(now))
         link.expect = (dead.rank, dead.tp_size)
         self._links[dead.address] = link
         self._open_link(link)
@@ -721,9 +804,9 @@ class DecodeEndpoint(EndpointBase, PullReader):
     def _link_dead(self, link: Link, error: KVFerryError) -> None:
         """Fail the requests the link writes (and abort them on the other ranks writing them). Their
         pages stay quarantined until that prefill settles them (after a reconnect) or is certainly gone."""
-        if link.state != "established":
+        if not link.established:
             return
-        link.state = "dead"
+        link.move(LinkState.DEAD)
         link.error = error
         for rec in list(self._by_gen.values()):
             part = rec.parts.get(link)
@@ -758,7 +841,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
                 raise
             self._dropped(link, f"send failed: {exc}")
             return
-        link.last_sent = now
+        link.clock.sent(now)
 
     def _close_link(self, link: Link) -> None:
         self._take_out(link)   # closed with linger 0: what it had not sent is dropped, as before
@@ -780,12 +863,12 @@ class DecodeEndpoint(EndpointBase, PullReader):
     def _shutdown_step(self) -> bool:
         for rec in list(self._by_gen.values()):  # a pull request's lease may end as it fails
             self._fail_req(rec, KVFerryError("decode endpoint closing"), "decode closing")
-        waiting = any(p.link.state == "established" and not p.settled
+        waiting = any(p.link.established and not p.settled
                       for r in self._by_gen.values() for p in r.parts.values())
         if waiting and time.monotonic() < self._close_deadline:
             return False
         for link in self._links.values():
-            if link.state == "established":
+            if link.established:
                 self._send(link, wire.Bye("decode closing"))
         return True
 

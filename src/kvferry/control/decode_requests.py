@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.control import wire
+from kvferry.control.core.states import RequestState
+from kvferry.control.core.timers import GraceClock
 from kvferry.control.endpoints import RequestRecord
 from kvferry.control.links import Link
-from kvferry.control.states import RequestState
 
 __all__ = ["DecodeRequest", "Part"]
 
@@ -23,18 +24,18 @@ __all__ = ["DecodeRequest", "Part"]
 class Part:
     """One prefill rank's share of a request on this decode rank. ``settled``: no write of it can land."""
 
-    __slots__ = ("chunks_seen", "link", "num_chunks", "posting", "reads", "release_at", "settled", "told")
+    __slots__ = ("chunks_seen", "grace", "link", "num_chunks", "posting", "reads", "settled", "told")
 
-    def __init__(self, link: Link) -> None:
+    def __init__(self, link: Link, lease_grace: float) -> None:
         self.link = link
         self.chunks_seen: set[int] = set()
         self.num_chunks: int | None = None
         self.settled = False
         self.told = False   # that prefill knows the request ended: it failed it, or we sent Abort/Result
-        self.release_at: float | None = None   # set once the writer is certainly gone: settled then
+        self.grace = GraceClock(lease_grace)   # quarantined: settled lease_grace after the writer is certainly gone
         self.reads: list[Any] = []   # pull mode: this side's reads in flight (pull_reader.Read)
-        # Pull mode: a read of this part is being posted with the endpoint's lock let go (PullReader._read):
-        # in flight, with no handle yet; the lease may not end under it.
+        # Pull mode: a read of this part is decided and not yet posted, or being posted with the endpoint's
+        # lock let go (PullReader._carry_out_read): in flight, with no handle yet; the lease may not end under it.
         self.posting = False
 
     @property
@@ -58,10 +59,11 @@ class DecodeRequest(RequestRecord):
 
     __slots__ = ("generation", "parts")
 
-    def __init__(self, request_id: str, deadline: float, generation: int, links: list[Link]) -> None:
+    def __init__(self, request_id: str, deadline: float, generation: int, links: list[Link],
+                 lease_grace: float) -> None:
         super().__init__(request_id, RequestState.BOOTSTRAPPING, deadline)
         self.generation = generation
-        self.parts = {link: Part(link) for link in links}
+        self.parts = {link: Part(link, lease_grace) for link in links}
 
     def settle(self, part: Part) -> bool:
         """``part`` can write no more; True once every part is settled (the lease may end)."""

@@ -4,9 +4,14 @@ Part of the control plane, above ``states`` and the transports, below ``prefill`
 endpoint runs exactly one progress thread. It alone touches the ZMQ sockets and the transport (neither is
 thread-safe; NIXL also needs the receiving side to call ``get_notifications`` regularly, which this thread
 does). Public methods may be called from any thread: they take the endpoint's lock, change request records,
-queue what must be sent, and wake the thread. The thread holds that lock while it works, except inside a
-copy (prefill's writes, decode's pull-mode reads: on one host the transport copies inside the call, with the
-GIL released); a record being posted then counts as a transfer in flight (``posting``).
+queue what must be sent, and wake the thread. The thread holds that lock while it decides, and never lets it
+go inside a decision: handling an event (a caller's call, a peer's frame, the batches of an iteration) only
+*queues* the transfers it decides on (prefill's writes, decode's pull-mode reads), each record counting as
+a transfer in flight from then on (``posting``). Between two events the thread carries them out
+(``_between_events``) with the lock let go (on one host the transport copies inside the call, with the GIL
+released, so callers proceed alongside it), then takes the lock again and feeds each outcome back: a handle
+recorded, or the post's failure failing its records. Each queued transfer is checked again right before it
+is posted (the request still live and current), since the lock was free meanwhile.
 
 Blocking calls (``wait``, ``connect``, ``close``) are bounded by their own deadline whatever the thread does:
 they wait on a separate, briefly held signal (not on the endpoint's lock, which a stalled thread may hold)
@@ -54,10 +59,10 @@ from typing import Any, TypeVar
 import zmq
 
 from kvferry.control import wire
-from kvferry.control.states import TERMINAL, RequestState, advance
+from kvferry.control.core.states import TERMINAL, RequestState, advance
 from kvferry.control.stats import EndpointStats, NullRecorder, StatsRecorder
 from kvferry.control.write_batch import WriteBatches
-from kvferry.errors import EndpointClosed, KVFerryError, RequestFailed, TransferTimeout, UsageError
+from kvferry.errors import EndpointClosed, InternalError, KVFerryError, RequestFailed, TransferTimeout, UsageError
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
 from kvferry.transport import Transport, make_transport
@@ -146,6 +151,17 @@ class EndpointOptions:
             raise UsageError("peer_timeout must exceed heartbeat_interval, or live peers look dead")
 
 
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """A transfer a decision queued, carried out between events: to which peer (prefill's session, decode's
+    link), the chunks it carries (``write_batch.Queued``), and what counts it in flight (``posting``: the
+    records, or the parts)."""
+
+    peer: Any
+    group: list[Any]
+    holders: tuple[Any, ...]
+
+
 def auth_mac(secret: bytes, role: bytes, nonce_a: bytes, nonce_b: bytes, hello: bytes) -> bytes:
     """HMAC-SHA256 binding a role, both nonces and the exact Hello bytes (so the manifest cannot be swapped)."""
     msg = b"kvferry-auth/" + role + b"\0" + nonce_a + nonce_b + hashlib.sha256(hello).digest()
@@ -194,10 +210,13 @@ class EndpointBase:
         self._owns_transport = isinstance(transport, str)
         self.transport: Transport = make_transport(transport) if isinstance(transport, str) else transport
         self.transport_metadata = self.transport.register(memory)
+        # Re-entrant only so that a test may hold it across public calls (to queue work while the progress
+        # thread waits); no public method calls another under it.
         self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
         self._records: OrderedDict[str, RequestRecord] = OrderedDict()   # newest incarnation per id
-        self._ended: deque[str] | None = None   # ids that ended, in order, once a caller asked (``ended``)
+        # Ids that ended, in order, for ``ended``; bounded as the records are (MAX_FINISHED, in _set_state),
+        # so a caller that never asks leaks nothing.
+        self._ended: deque[str] = deque()
         self._calls: list[Callable[[], None]] = []                      # run on the progress thread
         self._outbox: dict[Any, list[bytes]] = {}   # peer -> encoded messages, sent at the iteration's end
         self._wake_pending = False   # a byte is in the wake pipe that the thread has not drained yet
@@ -205,7 +224,7 @@ class EndpointBase:
         self._closing = False
         self._close_deadline = 0.0
         self._crashed: BaseException | None = None
-        # Waiters sleep on this, not on ``_cond``: re-acquiring the endpoint's lock after a wake-up would
+        # Waiters sleep on this, not on a condition of the endpoint's lock: re-acquiring it after a wake-up would
         # block for as long as a stalled progress thread holds it. ``_version`` counts the thread's news.
         self._signal = threading.Condition(threading.Lock())
         self._version = 0
@@ -213,6 +232,7 @@ class EndpointBase:
         self._recv_time = time.monotonic()
         self._published_at = self._recv_time   # when waiters last heard of this thread's news (_publish)
         self.num_bad_messages = 0
+        self.num_internal_errors = 0   # kvferry bugs caught in the act (InternalError): 0 unless one is
         self._stats = (StatsRecorder if self.options.stats else NullRecorder)(self._role, memory.layout)
         self._ctx = zmq.Context()
         self._poller = zmq.Poller()
@@ -226,16 +246,18 @@ class EndpointBase:
         # reads (control.write_batch). Whether to queue depends on the last iteration, so the loop, which
         # knows where an iteration ends, moves it on.
         self._batches = WriteBatches()
+        # Transfers decided by the event being handled, carried out once it is (``_between_events``).
+        self._transfers: deque[Transfer] = deque()
         self._idle_spins = 0   # busy iterations in a row that found nothing to do (sets the sleep)
         self._thread = threading.Thread(target=self._run, name=f"kvferry-{self._role}", daemon=True)
 
     # -- public: any thread ----------------------------------------------------------------------------
     # poll, timing, failure and wait's answer for a request that has ended read the record without the
     # endpoint's lock. The progress thread holds that lock for a whole iteration (all but its copies: see
-    # PrefillEndpoint._write, PullReader._read), so a caller asking about many requests would block behind
-    # it once per question. Each field is one attribute the thread assigns in a single store (the error
-    # before the state, the state before the end time), so an unlocked read sees a value the record had,
-    # never a torn one; a state read a moment stale is what a locked read returns a moment later too.
+    # PrefillEndpoint._carry_out, PullReader._carry_out_read), so a caller asking about many requests
+    # would block behind it once per question. Each field is one attribute the thread assigns in a single
+    # store (the error before the state, the state before the end time), so an unlocked read sees a value
+    # the record had, never a torn one; a state read a moment stale is what a locked read returns a moment later too.
     def poll(self, request_id: str) -> RequestState:
         """Non-blocking, lock-free: the request's state. ``UsageError`` for an id this endpoint does not know."""
         return self._record(request_id).state
@@ -287,16 +309,13 @@ class EndpointBase:
         ended; waits up to ``timeout`` seconds while there is none (returns ``[]`` then).
 
         For an engine's step loop: one call per step, rather than one ``poll`` per live request, and one
-        wake-up however many ended. The first call starts the record (requests that ended before it are
-        not listed): make it once at start-up. Each id is returned once, to whichever caller takes it;
+        wake-up however many ended. The record starts with the endpoint (the first call lists every request
+        that ended before it). Each id is returned once, to whichever caller takes it;
         at most ``MAX_FINISHED`` (65,536) wait to be taken, the oldest dropped first, as the records
         themselves are forgotten. Lock-free, as ``poll``; raises ``EndpointClosed`` when the progress
         thread has died.
         """
         queue = self._ended
-        if queue is None:
-            # Bounded as the records are (MAX_FINISHED): a caller that stops asking leaks nothing.
-            queue = self._ended = deque(maxlen=MAX_FINISHED)
         if not queue and timeout > 0:
             self._wait_for(lambda: bool(queue), time.monotonic() + timeout, locked=False)
         out: list[str] = []
@@ -339,6 +358,11 @@ class EndpointBase:
             log.warning("%s: progress thread still running after close(timeout=%s); resources left open",
                         self._role, timeout)
             return
+        self._release_resources()
+
+    def _release_resources(self) -> None:
+        """Close what the constructor opened: the transport (if created here), the ZMQ context, the wake
+        pipe. After the thread stopped, or from a constructor that failed before starting it."""
         if self._owns_transport:
             self.transport.close()
         self._ctx.term()
@@ -410,7 +434,11 @@ class EndpointBase:
             self._records.popitem(last=False)
 
     def _set_state(self, rec: RequestRecord, state: RequestState) -> None:
-        rec.state = advance(rec.state, state, rec.request_id)
+        try:
+            rec.state = advance(rec.state, state, rec.request_id)
+        except InternalError as exc:
+            self._internal_error(rec, exc)
+            raise
         if state in TERMINAL:  # only endings wake waiters: waking them on every step costs the GIL
             rec.ended_at = time.monotonic()
             if state is RequestState.DONE:
@@ -418,9 +446,25 @@ class EndpointBase:
             else:
                 self._stats.request_failed(rec.error)
             self._changed = True
-            ended = self._ended
-            if ended is not None and self._records.get(rec.request_id) is rec:   # the record poll/wait see
+            if self._records.get(rec.request_id) is rec:   # the record poll/wait see
+                ended = self._ended
                 ended.append(rec.request_id)
+                if len(ended) > MAX_FINISHED:
+                    ended.popleft()
+
+    def _internal_error(self, rec: RequestRecord, error: InternalError) -> None:
+        """A kvferry bug caught in the act (``error``: an illegal transition of ``rec``): fail ``rec`` closed
+        (with ``error`` as its reason) and say so at ERROR; the caller re-raises, so the decision that asked
+        for the transition goes no further."""
+        self.num_internal_errors += 1
+        log.error("%s: internal error on request %r (state %s): %s", self._role, rec.request_id,
+                  rec.state.value, error)
+        if rec.is_live:
+            self._fail_closed(rec, error)
+
+    def _fail_closed(self, rec: RequestRecord, error: KVFerryError) -> None:
+        """Fail ``rec`` the way this side fails a request on its own (telling the peer what it must know)."""
+        self._fail(rec, error)
 
     def _fail(self, rec: RequestRecord, error: KVFerryError) -> bool:
         """Fail a live request (first reason wins); False when it had already ended."""
@@ -469,14 +513,27 @@ class EndpointBase:
             for frame in wire.batches(self._take_out(peer)):
                 self._send_frame(peer, frame)
 
-    def _let_go(self, holders: Sequence[Any], post: Callable[[], T]) -> T:
-        """Run ``post`` (a transport call that may copy for hundreds of microseconds with the GIL released)
-        with the endpoint's lock let go, so that callers proceed alongside it. ``posting`` is True meanwhile
-        on each of ``holders`` (the records or parts the transfer carries): what would end a lease or a
-        hold must count it as a transfer in flight. Progress thread only, holding the lock once (the
-        iteration's)."""
+    def _queue_transfer(self, peer: Any, group: list[Any], holders: Sequence[Any]) -> None:
+        """A decision's transfer, to be carried out once the event is handled (``_between_events``).
+        ``posting`` is True from now on each of ``holders`` (the records or parts it carries): what would
+        end a lease or a hold counts it as a transfer in flight."""
         for holder in holders:
             holder.posting = True
+        self._transfers.append(Transfer(peer, group, tuple(holders)))
+
+    def _between_events(self) -> None:
+        """Carry out the transfers the last event decided, in order (progress thread, holding the lock
+        once: the iteration's). ``_carry_out`` checks each again, posts it with the lock let go
+        (``_unlocked``) and feeds the outcome back."""
+        transfers = self._transfers
+        while transfers:
+            self._carry_out(transfers.popleft())
+
+    def _unlocked(self, holders: Sequence[Any], post: Callable[[], T]) -> T:
+        """Run ``post`` (a transport call that may copy for hundreds of microseconds with the GIL released)
+        with the endpoint's lock let go, so that callers proceed alongside it; ``posting`` stays True on
+        ``holders`` until the lock is back. Only from ``_carry_out``, between events: no decision is in
+        progress, so nothing a caller changes meanwhile is half-decided."""
         self._lock.release()
         try:
             return post()
@@ -501,9 +558,17 @@ class EndpointBase:
                 if isinstance(msg, KVFerryError):
                     raise msg
                 handle(msg)
+            except InternalError as exc:   # our bug, not the peer's: loud, and the loop goes on
+                self._log_internal(exc)
             except KVFerryError as exc:
                 self.num_bad_messages += 1
                 log.debug("%s: dropped a message: %s", self._role, exc)
+
+    def _log_internal(self, error: InternalError) -> None:
+        """An ``InternalError`` reached the message loop: the records it touched already failed closed
+        (``_internal_error``); it is never counted as the peer's bad message."""
+        log.error("%s: internal error while handling a message (the requests it touched failed): %s",
+                  self._role, error)
 
     def _new_socket(self, kind: int) -> zmq.Socket:
         sock = self._ctx.socket(kind)
@@ -539,6 +604,10 @@ class EndpointBase:
         error.__cause__ = exc
         with self._lock:
             self._crashed = exc
+            for transfer in self._transfers:   # never posted: nothing of them is in flight
+                for holder in transfer.holders:
+                    holder.posting = False
+            self._transfers.clear()
             for rec in self._records.values():
                 self._fail(rec, error)
             self._fail_peers(error)
@@ -550,7 +619,7 @@ class EndpointBase:
             self._spinning = busy
             timeout_ms = 0 if busy else self._idle_timeout_ms()
         events = dict(self._poller.poll(timeout_ms))
-        with self._cond:
+        with self._lock:
             # Frames read in this iteration are stamped with the time the poll returned, and peers are
             # checked before any is read: frames that queued up while this process stalled must not make
             # a peer that has declared us dead look alive.
@@ -561,12 +630,17 @@ class EndpointBase:
                 self._drain_wake()
             calls, self._calls = self._calls, []
             for fn in calls:
-                fn()
+                try:
+                    fn()
+                finally:
+                    self._between_events()
             self._post_queued()
+            self._between_events()
             self._flush()   # what the calls queued (decode's Announces) leaves before the reads below run
             for sock in events:
                 self._drain_socket(sock)
             self._post_queued()
+            self._between_events()
             # What the messages just read produced leaves before this iteration's transfers too: the peer
             # can start on it while they run.
             self._flush()
@@ -574,6 +648,7 @@ class EndpointBase:
                 self._idle_spins = 0
             self._batches.next_iteration()
             self._tick(time.monotonic())
+            self._between_events()
             self._flush()
             self._published_at = time.monotonic()
             changed, self._changed = self._changed, False
@@ -632,9 +707,12 @@ class EndpointBase:
                 return
             try:
                 self._on_frames(sock, frames)
+            except InternalError as exc:
+                self._log_internal(exc)
             except KVFerryError as exc:
                 self.num_bad_messages += 1
                 log.debug("%s: dropped a message: %s", self._role, exc)
+            self._between_events()   # what the frame decided, even if a later message of it was bad
 
     def _idle_timeout_ms(self) -> int:
         # Wake often enough for heartbeats and deadlines; never sleep past half a heartbeat.
@@ -659,8 +737,12 @@ class EndpointBase:
         return {}
 
     def _post_queued(self) -> None:
-        """Post the transfers queued by what just ran (the calls, or the messages read): the chunks ready
+        """Post the transfers batched by what just ran (the calls, or the messages read): the chunks ready
         for one peer go together (``control.write_batch``)."""
+
+    def _carry_out(self, transfer: Transfer) -> None:
+        """Post one transfer a decision queued (``_queue_transfer``), between events; feed back its outcome."""
+        raise NotImplementedError
 
     def _pump(self) -> bool:
         """Drive the transport; True when it brought news (a notification, a settled write)."""

@@ -9,10 +9,11 @@ rank needs (``tp.source_ranks``). Mutated only under the endpoint's lock.
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvferry.control.core.states import LINK_TRANSITIONS, LinkState, check_transition
+from kvferry.control.core.timers import PeerClock
 from kvferry.control.liveness import ProcessIdentity
 from kvferry.errors import KVFerryError, PeerLost, UsageError
 from kvferry.integrity import DigestMode
@@ -24,13 +25,14 @@ __all__ = ["Link", "pick_links"]
 
 
 class Link:
-    """One prefill this decode talks to. ``state``: connecting -> established -> dead (or failed)."""
+    """One prefill this decode talks to. ``state``: connecting -> established -> dead (or failed)
+    (``LinkState``; ``move`` checks each step against its table)."""
 
-    def __init__(self, address: str, deadline: float) -> None:
+    def __init__(self, address: str, deadline: float, clock: PeerClock) -> None:
         self.address = address
         self.sock: Any = None
         self.monitor: Any = None   # the socket's monitor: tells when libzmq dropped the connection
-        self.state = "connecting"
+        self.state = LinkState.CONNECTING
         self.error: KVFerryError | None = None
         self.deadline = deadline
         self.session = secrets.token_hex(16)
@@ -40,7 +42,7 @@ class Link:
         self.agent = ""
         self.process: ProcessIdentity | None = None   # prefill's process, from its Welcome
         self.digest_mode = DigestMode.OFF
-        self.last_seen = self.last_sent = time.monotonic()
+        self.clock = clock   # when we last heard from this prefill, and it from us (core.timers)
         # The prefill's place in its TP group (from its manifest); ``expect``: what connect_all asked for.
         self.rank, self.tp_size = 0, 1
         self.expect: tuple[int, int] | None = None
@@ -55,12 +57,24 @@ class Link:
         self.fence_s = 0.0
         self.expired = False
 
+    def move(self, new: LinkState) -> None:
+        """Move to ``new``; ``InternalError`` when the table does not allow it (a kvferry bug)."""
+        self.state = check_transition(LINK_TRANSITIONS, self.state, new, f"link to prefill {self.address}")
+
+    @property
+    def established(self) -> bool:
+        return self.state is LinkState.ESTABLISHED
+
+    @property
+    def connecting(self) -> bool:
+        return self.state is LinkState.CONNECTING
+
 
 def pick_links(links: dict[str, Link], peer: str | Sequence[str] | None, local: Layout) -> list[Link]:
     """The prefill ranks a request goes to: ``peer``'s, or all live ones when they are one TP group's
     needed ranks (one prefill at equal TP). Exactly ``source_ranks`` of that group, or an error:
     ``PeerLost`` when not connected to them, ``ValueError`` when the choice is ambiguous or wrong."""
-    live = [link for link in links.values() if link.state == "established"]
+    live = [link for link in links.values() if link.established]
     if peer is None:
         if not live:
             raise PeerLost("decode is not connected to any prefill")
@@ -77,7 +91,7 @@ def pick_links(links: dict[str, Link], peer: str | Sequence[str] | None, local: 
 
 def _live_link(links: dict[str, Link], address: str) -> Link:
     link = links.get(address)
-    if link is None or link.state != "established":
+    if link is None or not link.established:
         raise PeerLost(f"not connected to prefill {address!r}")
     return link
 

@@ -34,9 +34,19 @@ import zmq
 
 from kvferry.control import wire
 from kvferry.control.admission import check_auth, check_hello
+from kvferry.control.core.states import RequestState, SessionState
+from kvferry.control.core.timers import PeerClock
 from kvferry.control.coverage import cover
 from kvferry.control.digests import chunk_digests, source_digests
-from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions, RequestRecord, as_secret, auth_mac
+from kvferry.control.endpoints import (
+    FLUSH_MS,
+    EndpointBase,
+    EndpointOptions,
+    RequestRecord,
+    Transfer,
+    as_secret,
+    auth_mac,
+)
 from kvferry.control.liveness import this_process
 from kvferry.control.prefill_requests import (
     ChunkSpec,
@@ -52,7 +62,6 @@ from kvferry.control.prefill_requests import (
 from kvferry.control.pull import DEFAULT_MODE, MODE_REFUSAL, accepted_modes, mode_refusal
 from kvferry.control.pull_source import PullSource
 from kvferry.control.sessions import Session, drop_half_open
-from kvferry.control.states import RequestState
 from kvferry.control.write_batch import Queued, group_cap, joinable, joined, share, write_groups
 from kvferry.errors import (
     EndpointClosed,
@@ -101,12 +110,20 @@ class PrefillEndpoint(EndpointBase, PullSource):
                  port: int = 0, secret: str | bytes | None = None, digest_mode: Any = "sampled",
                  options: EndpointOptions | None = None, mode: str | Iterable[str] = DEFAULT_MODE) -> None:
         super().__init__(memory, transport, digest_mode=digest_mode, options=options)
-        self.modes = accepted_modes(mode)
         self._holds: set[PrefillRequest] = set()   # pull mode: records whose source pages decode may read
         self._cold: set[Session] = set()   # pull sessions offered a chunk, with no verdict yet (see _num_waiting)
-        self._secret = as_secret(secret)
-        self._sock = self._new_socket(zmq.ROUTER)
-        self._sock.bind(f"tcp://{host}:{port}")
+        try:
+            self.modes = accepted_modes(mode)
+            self._secret = as_secret(secret)
+            self._sock = self._new_socket(zmq.ROUTER)
+            try:
+                self._sock.bind(f"tcp://{host}:{port}")
+            except zmq.ZMQError as exc:
+                self._sock.close(0)
+                raise EndpointClosed(f"prefill: cannot listen on tcp://{host}:{port}: {exc}") from exc
+        except BaseException:
+            self._release_resources()   # the thread never started: nothing else would close them
+            raise
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller.register(self._sock, zmq.POLLIN)
         self._sessions: dict[bytes, Session] = {}
@@ -247,7 +264,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     def _note_sessions(self) -> None:
         """After an established session came or went (progress thread, under the lock)."""
-        sessions = [s for s in self._sessions.values() if s.state == "established"]
+        sessions = [s for s in self._sessions.values() if s.established]
         self._hash_in_send = not sessions or any(s.planner is None for s in sessions)
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
@@ -273,7 +290,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         thread): which decode will ask for it is not known yet."""
         data = wire.encode(wire.Cancel(request_id, f"aborted by prefill: {reason}"[:wire.MAX_REASON_LEN]))
         for session in self._sessions.values():
-            if session.state == "established":
+            if session.established:
                 self._queue_out(session.identity, data)
 
     def decode_prefix(self, request_id: str) -> dict[str, int] | None:
@@ -296,6 +313,20 @@ class PrefillEndpoint(EndpointBase, PullSource):
                 return False
             return any(m.source_held or m.handles or m.posting for m in rec.group)
 
+    def may_free(self, request_id: str) -> bool:
+        """Non-blocking: whether the engine may reuse ``request_id``'s source pages now: the request ended
+        (DONE or FAILED) and nothing of it can still be read, by this side's writes (push) or by decode's
+        reads (pull, until its verdict or the hold ends: docs/fencing.md). Per request: a failed request's
+        own writes in flight keep its pages, nobody else's. True for an id this endpoint does not know
+        (nothing was ever handed over)."""
+        with self._lock:
+            rec = self._records.get(request_id)
+            if not isinstance(rec, PrefillRequest):
+                return True
+            if rec.is_live:
+                return False
+            return not any(m.source_held or m.handles or m.posting for m in rec.group)
+
     @property
     def num_live_handles(self) -> int:
         """Transfer handles not yet released (a leak check: 0 when idle)."""
@@ -306,14 +337,15 @@ class PrefillEndpoint(EndpointBase, PullSource):
     def peers(self) -> list[str]:
         """Session ids of the decode peers currently connected."""
         with self._lock:
-            return [s.hello.session for s in self._sessions.values() if s.state == "established"]
+            return [s.hello.session for s in self._sessions.values() if s.established]
 
     def counters(self) -> dict[str, int]:
         """Leak-check figures: all zero on an idle endpoint (except the bad-message count)."""
         with self._lock:
             return {"live_requests": sum(r.is_live for r in self._active),
                     "live_leases": 0, "live_handles": sum(len(r.handles) for r in self._active),
-                    "peers": len(self.peers), "bad_messages": self.num_bad_messages,
+                    "peers": sum(s.established for s in self._sessions.values()),
+                    "bad_messages": self.num_bad_messages,
                     "source_holds": len(self._holds)}
 
     def _done_pages(self, rec: RequestRecord) -> Mapping[str, Any]:
@@ -321,7 +353,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     def _gauges(self) -> dict[str, int]:
         return {"live_requests": sum(r.is_live for r in list(self._active)), "source_holds": len(self._holds),
-                "peers": sum(s.state == "established" for s in list(self._sessions.values()))}
+                "peers": sum(s.established for s in list(self._sessions.values()))}
 
     # -- records and groups (under the lock) ----------------------------------------------------------
     def _new_request(self, request_id: str, state: RequestState) -> PrefillRequest:
@@ -359,7 +391,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     # -- posting writes (progress thread) --------------------------------------------------------------
     def _post_ready(self, rec: PrefillRequest) -> None:
-        if rec.session is None or rec.session.state != "established":
+        if rec.session is None or not rec.session.established:
             return
         while rec.pending and rec.is_live:
             spec = rec.pending.popleft()
@@ -400,21 +432,18 @@ class PrefillEndpoint(EndpointBase, PullSource):
                 self._post_group(session, [queued])
         self._dirty.add(rec)
         rec.last_posted = spec.last
-        if rec.is_live and rec.state is not RequestState.TRANSFERRING:  # abort() may have come during the write
+        if rec.is_live and rec.state is not RequestState.TRANSFERRING:
             self._set_state(rec, RequestState.TRANSFERRING)
 
     def _post_batches(self) -> None:
         """Post the chunks queued in this iteration (``control.write_batch``): per decode, those ready go
-        as few writes as the caps allow. Each record is checked again right before its write (``posting``
-        kept it from settling meanwhile); one that failed or lost its session is not written."""
+        as few writes as the caps allow (each checked again as it is carried out, ``_carry_out``)."""
         # The window: requests some decode announced that have not ended here (a record before its
         # announce, one the caller sent ahead of decode, has no session).
         cap = group_cap(self.options.batch_chunks, sum(1 for rec in self._active if rec.session is not None))
         for session, queued in self._batches.take():
             for group in write_groups(queued, cap, self.options.batch_bytes):
-                ready = [q for q in group if self._still_current(q.rec, session)]
-                if ready:
-                    self._post_group(session, ready)
+                self._post_group(session, group)
 
     def _still_current(self, rec: PrefillRequest, session: Session) -> bool:
         rec.posting = False
@@ -427,21 +456,31 @@ class PrefillEndpoint(EndpointBase, PullSource):
         return True
 
     def _post_group(self, session: Session, group: list[Queued]) -> None:
-        """Post one write of ``group``'s chunks (one, or several sharing it) with the endpoint's lock let
-        go: on one host (cma) the copy runs inside this call, hundreds of microseconds with the GIL
-        released, and callers' ``send`` (hashing, queueing the next chunk) and ``wait`` then proceed
-        alongside it rather than queue behind the whole iteration. A write that fails to post fails every
-        record in it.
+        """Decide one write of ``group``'s chunks (one, or several sharing it): queued, and carried out
+        once the event being handled is (``_carry_out``); its records count as writes in flight from now."""
+        self._queue_transfer(session, group, [q.rec for q in group])
+
+    def _carry_out(self, transfer: Transfer) -> None:
+        """Post one queued write, between events, with the endpoint's lock let go (``_unlocked``): on one
+        host (cma) the copy runs inside this call, hundreds of microseconds with the GIL released, and
+        callers' ``send`` (hashing, queueing the next chunk) and ``wait`` then proceed alongside it rather
+        than queue behind the whole iteration. Each record is checked again first (the lock was free since
+        the decision: one that failed or lost its session is not written); a write that fails to post
+        fails every record in it.
 
         Only this thread touches the transport and posts or settles writes, so what a caller may do in
         the meantime cannot race the write: ``send`` queues, ``abort`` fails the record (its settled
         Fail is sent by this thread, after the handle below is recorded, once it settled), and
         ``holds_source`` counts ``posting`` as a write in flight."""
+        session: Session = transfer.peer
+        group = [q for q in transfer.group if self._still_current(q.rec, session)]
+        if not group:
+            return
         recs = [q.rec for q in group]
         plan, label = joined(group)
         notif = group[0].data if len(group) == 1 else wire.batch_frame([q.data for q in group])
         try:
-            handle = self._let_go(recs, lambda: self.transport.write(plan, session.agent, notif, label=label))
+            handle = self._unlocked(recs, lambda: self.transport.write(plan, session.agent, notif, label=label))
         except KVFerryError as exc:
             for rec in recs:
                 self._fail_req(rec, exc)
@@ -458,8 +497,9 @@ class PrefillEndpoint(EndpointBase, PullSource):
         writing for a decode that has long given up on it."""
         # Judged by what decode heard from us (its peer_timeout runs from our last message), not by what
         # we heard from it: frames it sent before giving up on us may still be queued here.
-        unheard = time.monotonic() - session.last_sent
-        if session.state != "established" or session.suspect or unheard > self.options.peer_timeout:
+        now = time.monotonic()
+        unheard = session.clock.unheard_for(now)
+        if not session.established or session.suspect or session.clock.we_were_silent(now):
             raise PeerLost(f"{session.label} heard nothing from this prefill for {unheard:.2f} s (peer_timeout "
                            f"{self.options.peer_timeout} s) and has declared it dead: not writing request "
                            f"{rec.request_id!r}")
@@ -484,6 +524,9 @@ class PrefillEndpoint(EndpointBase, PullSource):
             if member is not rec and member.is_live:
                 self._fail_one(member, error)
 
+    def _fail_closed(self, rec: RequestRecord, error: KVFerryError) -> None:
+        self._fail_req(cast(PrefillRequest, rec), error)
+
     def _fail_one(self, rec: PrefillRequest, error: KVFerryError) -> None:
         failed_now = self._fail(rec, error)
         rec.pending.clear()
@@ -498,7 +541,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     def _send_fail(self, rec: PrefillRequest, *, settled: bool) -> None:
         session = rec.session
-        if session is None or session.state != "established":
+        if session is None or not session.established:
             return
         err = rec.error or KVFerryError("failed")
         # This endpoint closing is, to decode, its peer leaving: its waiters get PeerLost, as after a Bye.
@@ -532,12 +575,12 @@ class PrefillEndpoint(EndpointBase, PullSource):
             rec.history = None
         session = rec.session
         if (rec.state is RequestState.FAILED and not rec.fail_sent and session is not None
-                and session.state == "established"):
+                and session.established):
             self._send_fail(rec, settled=True)
             rec.fail_sent = True
         if (not rec.is_live and not rec.handles and not rec.source_held
                 and (rec.fail_sent or rec.state is RequestState.DONE or session is None
-                     or session.state != "established")):
+                     or not session.established)):
             self._active.discard(rec)
 
     def _post_queued(self) -> None:
@@ -570,11 +613,11 @@ class PrefillEndpoint(EndpointBase, PullSource):
         try:
             msg = wire.decode(data)
         except ProtocolError as exc:
-            if session is None or session.state != "established":
+            if session is None or not session.established:
                 self._reject(identity, str(exc))  # e.g. another protocol version: say why, in a Reject
             raise
         if session is not None:
-            session.last_seen = self._recv_time
+            session.clock.heard(self._recv_time)
         if isinstance(msg, wire.Batch):
             self._on_batch(wire.unbatch(msg), lambda m: self._on_msg(identity, m, b""))
         else:
@@ -592,9 +635,9 @@ class PrefillEndpoint(EndpointBase, PullSource):
             # A session we declared dead (or never had) must handshake again, not be heard silently.
             self._send_now(identity, wire.encode(wire.Bye("unknown session: handshake again")))
             raise ProtocolError(f"{type(msg).__name__} before Hello")
-        elif session.state == "challenged":
+        elif session.state is SessionState.CHALLENGED:
             self._on_auth(session, msg)
-        elif session.state == "established":
+        elif session.established:
             self._on_message(session, msg)
 
     def _on_message(self, session: Session, msg: Any) -> None:
@@ -738,11 +781,13 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     # -- handshake (progress thread) -------------------------------------------------------------------
     def _on_hello(self, identity: bytes, session: Session | None, msg: wire.Hello, data: bytes) -> None:
-        if session is not None and session.state == "established":
+        if session is not None and session.established:
             raise ProtocolError(f"Hello on the established {session.label}")
         self._sessions.pop(identity, None)
         drop_half_open(self._sessions)
-        session = Session(identity, msg, bytes(data), time.monotonic() + self.options.handshake_timeout)
+        now = time.monotonic()
+        session = Session(identity, msg, bytes(data), now + self.options.handshake_timeout,
+                          PeerClock(now, self.options.heartbeat_interval, self.options.peer_timeout))
         self._sessions[identity] = session
         if self._secret is not None:
             self._send(session, wire.Challenge(session.nonce))
@@ -763,10 +808,10 @@ class PrefillEndpoint(EndpointBase, PullSource):
             self._reject(session.identity, problem)
             return
         for other in list(self._sessions.values()):
-            if other is not session and other.agent == session.agent and other.state == "established":
+            if other is not session and other.agent == session.agent and other.established:
                 self._session_dead(other, PeerLost(f"{other.label} replaced by a new session of the same agent"))
         session.digest_mode = DigestMode.from_peer(session.hello.digest_mode)
-        session.state = "established"
+        session.move(SessionState.ESTABLISHED)
         self._note_sessions()
         proof = b"" if self._secret is None else auth_mac(self._secret, b"prefill", session.hello.nonce,
                                                          session.nonce, session.hello_bytes)
@@ -807,18 +852,18 @@ class PrefillEndpoint(EndpointBase, PullSource):
                                                         f"{self.options.request_timeout} s"))
 
     def _tick_session(self, session: Session, now: float) -> None:
-        if session.state == "challenged" and now > session.deadline:
+        if session.state is SessionState.CHALLENGED and now > session.deadline:
             self._sessions.pop(session.identity, None)
-        elif session.state != "established":
+        elif not session.established:
             return
         elif session.suspect:
             self._session_dead(session, PeerLost(f"{session.label} heard nothing from this prefill for more than "
                                                  f"peer_timeout {self.options.peer_timeout} s (this process "
                                                  "stalled): it has declared us dead"))
-        elif now - session.last_seen > self.options.peer_timeout:
-            self._session_dead(session, PeerLost(f"{session.label} silent for {now - session.last_seen:.2f} s "
+        elif session.clock.peer_silent(now):
+            self._session_dead(session, PeerLost(f"{session.label} silent for {session.clock.silent_for(now):.2f} s "
                                                  f"(peer_timeout {self.options.peer_timeout} s)"))
-        elif now - session.last_sent >= self.options.heartbeat_interval:
+        elif session.clock.heartbeat_due(now):
             self._send(session, wire.Heartbeat())
 
     def _check_silence(self, now: float) -> None:
@@ -826,7 +871,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         # has been declared dead by its decode, whatever frames queued meanwhile say. It posts nothing
         # more; what those frames report (a verdict, an abort) is still read, then _tick ends the session.
         for session in self._sessions.values():
-            if session.state == "established" and now - session.last_sent > self.options.peer_timeout:
+            if session.established and session.clock.we_were_silent(now):
                 session.suspect = True
 
     def _socket_failed(self, sock: Any, exc: zmq.ZMQError) -> None:
@@ -836,16 +881,16 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     def _fail_peers(self, error: KVFerryError) -> None:
         for session in self._sessions.values():
-            session.state = "dead"
+            session.move(SessionState.DEAD)
         self._note_sessions()
 
     def _session_dead(self, session: Session, error: KVFerryError) -> None:
         """Fail the session's requests, release their handles, forget the peer; others go on."""
-        if session.state != "established":
+        if not session.established:
             return
         # Best effort: a decode that still hears us learns it was dropped, and quarantines its leases.
         self._send(session, wire.Bye(str(error)[:wire.MAX_REASON_LEN]))
-        session.state = "dead"
+        session.move(SessionState.DEAD)
         self._cold.discard(session)
         self._hold_after_death(session, time.monotonic())
         for rec in list(self._active):
@@ -894,7 +939,7 @@ class PrefillEndpoint(EndpointBase, PullSource):
         self._send_raw(identity, frame)
         session = self._sessions.get(identity)
         if session is not None:  # what decode heard from us, for _check_current and heartbeats
-            session.last_sent = time.monotonic()
+            session.clock.sent(time.monotonic())
 
     def _send_now(self, identity: bytes, data: bytes) -> None:
         """Send what is queued for ``identity`` now, then ``data`` (if any) alone: a Reject, which any protocol
@@ -911,13 +956,13 @@ class PrefillEndpoint(EndpointBase, PullSource):
     def _shutdown_step(self) -> bool:
         for rec in list(self._active):
             self._fail_req(rec, self._close_error)
-        for rec in [r for r in self._holds if r.session is None or r.session.state != "established"]:
+        for rec in [r for r in self._holds if r.session is None or not r.session.established]:
             self._release_source(rec)  # no decode left to answer: waiting would only delay the close
         self._pump()
         if self._active and time.monotonic() < self._close_deadline:
             return False
         for session in list(self._sessions.values()):
-            if session.state == "established":
+            if session.established:
                 self._send(session, wire.Bye("prefill closing"))
         self._release_all()  # closed: the engine owns its memory again (docs/fencing.md)
         return True

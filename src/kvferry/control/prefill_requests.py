@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from kvferry.control.core.states import RequestState
 from kvferry.control.endpoints import RequestRecord
 from kvferry.control.sessions import Session
-from kvferry.control.states import RequestState
 from kvferry.errors import PlanError
 from kvferry.integrity.binding import Binding
 from kvferry.layout.memory import KVMemory
@@ -81,8 +81,9 @@ class PrefillRequest(RequestRecord):
         self.coverage: dict[str, np.ndarray] = {}     # pool -> bool [buffers of pool, destination pages]
         self.pending: deque[ChunkSpec] = deque()
         self.handles: list[TransferHandle] = []
-        # True while the progress thread is inside a write of this record with the endpoint's lock let go
-        # (see PrefillEndpoint._write): a write in flight with no handle yet, as good as one for holds.
+        # True from the decision to write a chunk of this record until the write is posted (between events,
+        # with the endpoint's lock let go: PrefillEndpoint._carry_out): a write in flight with no handle yet,
+        # as good as one for holds.
         self.posting = False
         self.next_chunk = 0
         self.last_queued = self.last_posted = self.decode_ok = self.fail_sent = False

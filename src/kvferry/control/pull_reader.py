@@ -20,11 +20,12 @@ import time
 from typing import Any
 
 from kvferry.control import wire
+from kvferry.control.core.states import RequestState
 from kvferry.control.decode_requests import DecodeRequest, Part
 from kvferry.control.digests import verify_chunk
+from kvferry.control.endpoints import Transfer
 from kvferry.control.links import Link
 from kvferry.control.pull import fence_s, welcome_mismatch
-from kvferry.control.states import RequestState
 from kvferry.control.stats import StatsRecorder
 from kvferry.control.write_batch import Queued, WriteBatches, group_cap, joinable, joined, share, write_groups
 from kvferry.errors import (
@@ -68,7 +69,9 @@ class PullReader:
     _batches: WriteBatches
     _published_at: float
     _publish: Any
-    _let_go: Any
+    _queue_transfer: Any
+    _transfers: Any
+    _unlocked: Any
     memory: KVMemory
     transport: Any
     options: Any
@@ -96,26 +99,26 @@ class PullReader:
     def _note_send(self, link: Link, now: float) -> None:
         """Before a message to ``link`` leaves: a pause in our own messages beyond the fence trips it for
         good (prefill may have declared us dead meanwhile; later messages cannot undo that)."""
-        if link.mode == "pull" and link.state == "established" and now - link.last_sent > link.fence_s:
+        if link.mode == "pull" and link.established and link.clock.we_were_silent(now, link.fence_s):
             link.expired = True
 
     def _fenced(self, link: Link, now: float) -> str | None:
         """Why reads on ``link`` may not be posted or accepted now, or None while it is current."""
-        if link.state != "established":
-            return f"prefill {link.address} is {link.state}"
-        if link.expired or now - link.last_sent > link.fence_s:
+        if not link.established:
+            return f"prefill {link.address} is {link.state.value}"
+        if link.expired or link.clock.we_were_silent(now, link.fence_s):
             link.expired = True
             return (f"decode sent prefill {link.address} nothing for more than {link.fence_s:.2f} s (this "
                     "process stalled): prefill may have declared it dead and released its source pages")
-        if now - link.last_seen > self.options.peer_timeout:
-            return f"prefill {link.address} silent for {now - link.last_seen:.2f} s"
+        if link.clock.peer_silent(now):
+            return f"prefill {link.address} silent for {link.clock.silent_for(now):.2f} s"
         return None
 
     def _check_pull_links(self, links: list[Link], now: float) -> None:
         """Before an iteration reads anything: a pull link whose fence tripped (our own stall) dies now,
         so that frames queued meanwhile cannot start reads on it."""
         for link in links:
-            if link.mode == "pull" and link.state == "established":
+            if link.mode == "pull" and link.established:
                 why = self._fenced(link, now)
                 if why is not None and link.expired:
                     self._link_dead(link, PeerLost(why))
@@ -132,6 +135,8 @@ class PullReader:
             return
         if any(q.part is part and q.chunk.chunk == msg.chunk for q in self._batches.queued(link)):
             return
+        if any(q.part is part and q.chunk.chunk == msg.chunk for t in self._transfers for q in t.group):
+            return   # a repeat within one frame: its read is decided, not yet posted
         chunk = wire.Chunk(msg.request_id, msg.generation, msg.chunk, msg.last, msg.num_chunks, msg.digests)
         label = f"{rec.request_id}#{msg.chunk}"
         try:
@@ -147,7 +152,6 @@ class PullReader:
             self._batches.add(link, queued)
             return
         self._post_read_group(link, [queued])
-        self._publish_now_and_then()
 
     def _check_fence(self, rec: DecodeRequest, link: Link) -> None:
         why = self._fenced(link, time.monotonic())
@@ -173,10 +177,7 @@ class PullReader:
         cap = group_cap(self.options.batch_chunks, self._num_live)
         for link, queued in self._batches.take():
             for group in write_groups(queued, cap, self.options.batch_bytes):
-                ready = [q for q in group if self._still_reading(q, link)]
-                if ready:
-                    self._post_read_group(link, ready)
-                    self._publish_now_and_then()
+                self._post_read_group(link, group)
 
     def _still_reading(self, q: Queued, link: Link) -> bool:
         rec, part = q.rec, q.part
@@ -193,16 +194,27 @@ class PullReader:
         return True
 
     def _post_read_group(self, link: Link, group: list[Queued]) -> None:
-        """Post one read of ``group``'s chunks (one, or several sharing it) with the endpoint's lock let go:
-        on one host (cma) the copy runs inside this call, with the GIL released, and callers (``announce``
-        above all) proceed alongside it rather than queue behind the whole iteration. Only this thread
-        posts and settles reads; an ``abort`` meanwhile fails the request, but its lease cannot end under
-        the read (``posting`` counts as a read in flight, ``_pull_failed``): it ends once the read is
-        terminal, as for any read in flight. A read that fails to post fails every request in it."""
+        """Decide one read of ``group``'s chunks (one, or several sharing it): queued, and carried out once
+        the event being handled is (``_carry_out_read``); its parts count as reads in flight from now."""
+        self._queue_transfer(link, group, [q.part for q in group])
+
+    def _carry_out_read(self, transfer: Transfer) -> None:
+        """Post one queued read (decode's ``_carry_out``), between events, with the endpoint's lock let go
+        (``_unlocked``): on one host (cma) the copy runs inside this call, with the GIL released, and
+        callers (``announce`` above all) proceed alongside it rather than queue behind the whole
+        iteration. Each part is checked again first (the request still live, the fence still holding).
+        Only this thread posts and settles reads; an ``abort`` meanwhile fails the request, but its lease
+        cannot end under the read (``posting`` counts as a read in flight, ``_pull_failed``): it ends once
+        the read is terminal, as for any read in flight. A read that fails to post fails every request in
+        it."""
+        link: Link = transfer.peer
+        group = [q for q in transfer.group if self._still_reading(q, link)]
+        if not group:
+            return
         parts = [q.part for q in group]
         plan, label = joined(group)
         try:
-            handle = self._let_go(parts, lambda: self.transport.read(plan, link.agent, label=label))
+            handle = self._unlocked(parts, lambda: self.transport.read(plan, link.agent, label=label))
         except KVFerryError as exc:
             for q in group:
                 self._read_failed(q.rec, q.part, exc)
@@ -211,6 +223,7 @@ class PullReader:
         for q, member in zip(group, share(handle, len(group)), strict=True):
             q.part.reads.append(Read(member, q.chunk))
             self._reading.add(q.rec)
+        self._publish_now_and_then()
 
     def _read_plan(self, rec: DecodeRequest, link: Link, msg: wire.Ready) -> Plan:
         """The read of one chunk: prefill's pages (untrusted: checked against its layout) into the

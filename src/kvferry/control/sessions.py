@@ -8,11 +8,12 @@ and goes challenged -> established -> dead. What a session must show to be estab
 from __future__ import annotations
 
 import secrets
-import time
 
 import numpy as np
 
 from kvferry.control import wire
+from kvferry.control.core.states import SESSION_TRANSITIONS, SessionState, check_transition
+from kvferry.control.core.timers import PeerClock
 from kvferry.control.liveness import ProcessIdentity
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
@@ -25,14 +26,16 @@ MAX_HALF_OPEN = 256   # handshakes in progress; more are dropped (oldest first) 
 
 
 class Session:
-    """One decode peer, keyed by its ZMQ identity. ``state``: challenged -> established -> dead."""
+    """One decode peer, keyed by its ZMQ identity. ``state``: challenged -> established -> dead
+    (``SessionState``; ``move`` checks each step against its table)."""
 
-    def __init__(self, identity: bytes, hello: wire.Hello, hello_bytes: bytes, deadline: float) -> None:
+    def __init__(self, identity: bytes, hello: wire.Hello, hello_bytes: bytes, deadline: float,
+                 clock: PeerClock) -> None:
         self.identity = identity
         self.hello = hello
         self.hello_bytes = hello_bytes
         self.nonce = secrets.token_bytes(32)
-        self.state = "challenged"
+        self.state = SessionState.CHALLENGED
         self.deadline = deadline
         self.remote: KVMemory | None = None
         self.agent = ""
@@ -40,7 +43,7 @@ class Session:
         # Set at the handshake when decode runs another TP size: plans (and digests) are per head slice.
         self.planner: TPPlanner | None = None
         self._writes: dict[str, np.ndarray] = {}
-        self.last_seen = self.last_sent = time.monotonic()
+        self.clock = clock   # when we last heard from this decode, and it from us (core.timers)
         # Set when this process sent it nothing for longer than peer_timeout (a stall): decode has declared
         # us dead, so nothing more is posted, and the session ends once the frames already queued are read.
         self.suspect = False
@@ -53,6 +56,14 @@ class Session:
         # read of a connection needs this side's answer to wire up (NIXL over UCX), and a progress thread
         # blocked in its idle poll would hold it up to a quarter heartbeat.
         self.read_once = False
+
+    def move(self, new: SessionState) -> None:
+        """Move to ``new``; ``InternalError`` when the table does not allow it (a kvferry bug)."""
+        self.state = check_transition(SESSION_TRANSITIONS, self.state, new, self.label)
+
+    @property
+    def established(self) -> bool:
+        return self.state is SessionState.ESTABLISHED
 
     @property
     def label(self) -> str:
@@ -75,6 +86,6 @@ class Session:
 
 def drop_half_open(sessions: dict[bytes, Session]) -> None:
     """Make room for one more handshake: forget the oldest half-open sessions beyond ``MAX_HALF_OPEN - 1``."""
-    half = [k for k, s in sessions.items() if s.state == "challenged"]
+    half = [k for k, s in sessions.items() if s.state is SessionState.CHALLENGED]
     for key in half[:max(0, len(half) - MAX_HALF_OPEN + 1)]:
         del sessions[key]

@@ -31,6 +31,7 @@ from sglang.srt.runtime_context import get_parallel
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
 from kvferry.errors import KVFerryError, LayoutError, UsageError
 from kvferry.integrations.sglang.layout import PoolNames, chunk_pages, kvargs_memory, rank_kv_heads, request_pages
+from kvferry.integrity.binding import Binding, token_binding
 
 __all__ = ["KVFerryKVBootstrapServer", "KVFerryKVManager", "KVFerryKVReceiver", "KVFerryKVSender"]
 
@@ -43,6 +44,9 @@ _POLL = {RequestState.BOOTSTRAPPING: KVPoll.Bootstrapping, RequestState.WAITING_
 
 # What an endpoint raises for a request id it has not heard of (the peer has not announced it yet).
 _UNKNOWN = (KeyError, UsageError)
+# Tokens per binding block (integrity.binding): a whole number of KV pages of at least this many tokens.
+# SGLang's pages are often one token; one digest per token would cost a hash call and 16 bytes each.
+BIND_TOKENS = 64
 
 
 def _room_id(room: int) -> str:
@@ -135,11 +139,12 @@ class KVFerryKVManager(CommonKVManager):
         super().register_to_bootstrap()
 
     def connect_prefill(self, address: str) -> None:
-        """Decode: handshake with a prefill rank once (layouts compared buffer by buffer)."""
-        if not self.decode_endpoint is not None:
+        """Decode: handshake with a prefill rank once (layouts compared buffer by buffer). A prefill that is
+        down is not asked again for a while (``DecodeEndpoint.connect_needed``'s back-off): each request
+        then fails at once rather than after a handshake timeout; a refusal is final."""
+        if self.decode_endpoint is None:
             raise UsageError('kvferry backend: this manager has no decode endpoint (not a decode instance)')
-        if address not in self.decode_endpoint.peers:
-            self.decode_endpoint.connect(address)
+        self.decode_endpoint.connect_needed([address], exact=True)
 
     @property
     def tokens_per_page(self) -> int:
@@ -150,6 +155,12 @@ class KVFerryKVManager(CommonKVManager):
         if self.prefill_endpoint is None:
             raise UsageError("kvferry backend: this manager has no prefill endpoint (not a prefill instance)")
         return self.prefill_endpoint.decode_prefix(_room_id(room)) or {}
+
+    def bind(self, token_ids: Any, label: str) -> Binding:
+        """The binding of a request's input ids (``integrity.binding``), in blocks of whole KV pages: equal
+        on both sides, since the handshake compared the page sizes."""
+        page = self.tokens_per_page
+        return token_binding(token_ids, page * max(1, -(-BIND_TOKENS // page)), label=label)
 
     def fail(self, room: int, reason: str) -> None:
         self.record_failure(room, reason)
@@ -163,7 +174,7 @@ class KVFerryKVManager(CommonKVManager):
     @property
     def endpoint(self) -> PrefillEndpoint | DecodeEndpoint:
         endpoint = self.prefill_endpoint or self.decode_endpoint
-        if not endpoint is not None:
+        if endpoint is None:
             raise UsageError('kvferry backend: this manager has no endpoint for its disaggregation mode')
         return endpoint
 
@@ -199,6 +210,13 @@ class KVFerryKVSender(CommonKVSender):
     prefix_pages = 0
     # Bytes of the pages handed to kvferry for this request, every pool (get_transfer_metric).
     moved_bytes = 0
+    # The request's input ids (bind_tokens; the plugin calls it when SGLang creates the sender): every send
+    # states them, and kvferry refuses a decode announcing other tokens. None: unbound.
+    binding: Binding | None = None
+
+    def bind_tokens(self, token_ids: Any, label: str = "") -> None:
+        """Bind this request's transfer to its input ids (``req.origin_input_ids``); ``label``: SGLang's rid."""
+        self.binding = self.kv_mgr.bind(token_ids, label or f"room {self.bootstrap_room}")
 
     def pop_decode_prefix_len(self) -> int:
         """Decode's prefix in tokens (whole KV pages: kvferry refused any other at the announce), from
@@ -230,7 +248,8 @@ class KVFerryKVSender(CommonKVSender):
             pages, offsets = chunk_pages(names, kv_indices, self.prefix_pages + start, last, self.aux_index,
                                          state_indices)
             if pages or last:
-                self.kv_mgr.endpoint.send(_room_id(self.bootstrap_room), pages, offset=offsets, last=last)
+                self.kv_mgr.endpoint.send(_room_id(self.bootstrap_room), pages, offset=offsets, last=last,
+                                          binding=self.binding)
                 self.moved_bytes += _page_bytes(self.kv_mgr, pages)
         except KVFerryError as exc:
             self._fail(f"kvferry send failed: {exc}")
@@ -305,6 +324,12 @@ class KVFerryKVReceiver(CommonKVReceiver):
     ``send_metadata`` announces (leases) the destination pages to kvferry."""
 
     kv_mgr: KVFerryKVManager
+    binding: Binding | None = None   # the request's input ids (bind_tokens), stated in the announce
+
+    def bind_tokens(self, token_ids: Any, label: str = "") -> None:
+        """Bind this request's transfer to its input ids (``req.origin_input_ids``); ``label``: SGLang's rid.
+        Prefill refuses the announce when the room's KV was computed from other tokens."""
+        self.binding = self.kv_mgr.bind(token_ids, label or f"room {self.bootstrap_room}")
 
     def init(self, prefill_dp_rank: int) -> None:
         if self.conclude_state == KVPoll.Failed:
@@ -373,7 +398,7 @@ class KVFerryKVReceiver(CommonKVReceiver):
             pages = request_pages(self.kv_mgr.pool_names, kv_indices, aux_index, state_indices)
             peer = self.peer_addresses[0] if len(self.peer_addresses) == 1 else self.peer_addresses
             self.kv_mgr.endpoint.announce(_room_id(self.bootstrap_room), pages, peer=peer,
-                                          prefix=int(decode_prefix_len or 0))
+                                          prefix=int(decode_prefix_len or 0), binding=self.binding)
         except KVFerryError as exc:
             self._fail(f"kvferry announce failed: {exc}")
             return
@@ -430,7 +455,7 @@ class KVFerryKVReceiver(CommonKVReceiver):
 
     def is_abort_release_safe(self) -> bool:
         """True once no write of this request can still land in its pages (kvferry's lease ended)."""
-        if not self.kv_mgr.decode_endpoint is not None:
+        if self.kv_mgr.decode_endpoint is None:
             raise UsageError('kvferry backend: this manager has no decode endpoint (not a decode instance)')
         return not self.kv_mgr.decode_endpoint.holds_lease(_room_id(self.bootstrap_room))
 

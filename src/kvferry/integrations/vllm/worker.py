@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import importlib
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
-from kvferry.errors import HandshakeError, IncompatiblePeer, KVFerryError, LayoutError, UsageError
+from kvferry.errors import KVFerryError, LayoutError, UsageError
 from kvferry.integrations.vllm.scheduler import RecvSpec, SendSpec, StepPlan
 from kvferry.layout import KVMemory
-from kvferry.plan import source_ranks
 from kvferry.transport import Transport, make_transport
 
 __all__ = ["WorkerConfig", "WorkerSide"]
@@ -34,7 +32,8 @@ log = logging.getLogger("kvferry.vllm")
 
 ROLES = ("producer", "consumer", "both")
 MODES = ("push", "pull")
-# How long a prefill address whose handshake timed out is not retried (a refused layout is never retried).
+# The first back-off from a prefill whose handshake failed (DecodeEndpoint.connect_needed doubles it per
+# failure in a row; a refused layout is never retried).
 RETRY_AFTER = 5.0
 MAX_PREFILL_RANKS = 1024   # transfer parameters are untrusted input: far above any TP size
 
@@ -52,7 +51,8 @@ class WorkerConfig:
     reads prefill's blocks, see docs/fencing.md); a producer accepts either, so the consumer chooses.
     ``batch_chunks``: ``EndpointOptions.batch_chunks`` (1: every request's blocks a transfer of their own).
     ``peer_timeout``, ``heartbeat_interval``, ``lease_grace``: ``EndpointOptions``' (how soon a dead or
-    stalled peer fails its requests; docs/vllm.md, "Faults").
+    stalled peer fails its requests; docs/vllm.md, "Faults"). ``unbound_for_tests``: tests only (a
+    request whose transfer params carry ``scheduler.UNBOUND_KEY`` is announced without its token binding).
     """
 
     role: str
@@ -68,6 +68,7 @@ class WorkerConfig:
     peer_timeout: float = EndpointOptions().peer_timeout
     heartbeat_interval: float = EndpointOptions().heartbeat_interval
     lease_grace: float = EndpointOptions().lease_grace
+    unbound_for_tests: bool = False   # tests only: honour scheduler.UNBOUND_KEY (an unbound announce)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -93,7 +94,8 @@ class WorkerConfig:
     def options(self) -> EndpointOptions:
         return EndpointOptions(request_timeout=self.request_timeout, handshake_timeout=self.handshake_timeout,
                                batch_chunks=self.batch_chunks, peer_timeout=self.peer_timeout,
-                               heartbeat_interval=self.heartbeat_interval, lease_grace=self.lease_grace)
+                               heartbeat_interval=self.heartbeat_interval, lease_grace=self.lease_grace,
+                               refuse_unissued=True)   # the scheduler issues every id first (after_alloc)
 
     def make_transport(self, side: str) -> Transport:
         if ":" not in self.transport:
@@ -125,7 +127,6 @@ class WorkerSide:
         self._sending: set[str] = set()
         self._recving: dict[str, RecvSpec] = {}         # by vLLM request id
         self._failed_now: dict[str, KVFerryError] = {}  # never announced: nothing leased, report at once
-        self._refused: dict[str, tuple[float, KVFerryError]] = {}   # address -> (retry at, why)
         self.num_failed = 0
 
     @property
@@ -137,6 +138,9 @@ class WorkerSide:
     def start(self, plan: StepPlan) -> None:
         """Start this step's work: hand over prefill's KV, announce decode's blocks, stop aborted transfers.
         Non-blocking, except the first handshake with a prefill address (bounded by ``handshake_timeout``)."""
+        if self.prefill is not None:
+            for request_id in plan.issues:   # before this step's output can hand out their transfer params
+                self.prefill.issue(request_id)
         for send in plan.sends:
             self._send(send)
         for recv in plan.recvs:
@@ -177,7 +181,7 @@ class WorkerSide:
         if self.prefill is None:
             raise UsageError('a send staged on an instance without a prefill endpoint')
         try:
-            self.prefill.send(send.request_id, send.pages)
+            self.prefill.send(send.request_id, send.pages, binding=send.binding)
         except KVFerryError as exc:
             # Nothing posted: vLLM may free the blocks at once (the request is reported finished below).
             log.warning("kvferry: prefill request %s not sent: %s", send.request_id, exc)
@@ -185,19 +189,15 @@ class WorkerSide:
         self._sending.add(send.request_id)
 
     def _sent(self, request_id: str) -> bool:
-        """Whether vLLM may free the request's blocks: nothing can still read them. DONE means decode
-        verified every write (push) or read (pull). FAILED may leave a posted write unsettled, and the
-        endpoint counts unsettled writes only in total, so a failed request's blocks wait until none is in
-        flight. In pull mode decode may still read them while ``holds_source`` says so (until decode's
-        verdict, or decode is gone: docs/fencing.md)."""
+        """Whether vLLM may free the request's blocks: the request ended and nothing can still read them
+        (``PrefillEndpoint.may_free``: per request, its own writes in flight in push mode, decode's reads
+        until its verdict in pull mode: docs/fencing.md)."""
         if self.prefill is None:
             raise UsageError('kvferry connector: this instance has no prefill endpoint (see kv_role)')
-        state = self.prefill.poll(request_id)
-        if state is RequestState.DONE:
-            return not self.prefill.holds_source(request_id)
-        if (state is not RequestState.FAILED or self.prefill.num_live_handles
-                or self.prefill.holds_source(request_id)):
+        if not self.prefill.may_free(request_id):
             return False
+        if self.prefill.poll(request_id) is RequestState.DONE:
+            return True
         log.warning("kvferry: prefill request %s failed: %s", request_id, self.prefill.failure(request_id))
         return True
 
@@ -207,7 +207,7 @@ class WorkerSide:
             raise UsageError('a receive staged on an instance without a decode endpoint')
         try:
             peer = self._connect(recv.prefill_ranks)
-            self.decode.announce(recv.transfer_id, recv.pages, peer=peer, prefix=recv.prefix)
+            self.decode.announce(recv.transfer_id, recv.pages, peer=peer, prefix=recv.prefix, binding=recv.binding)
         except KVFerryError as exc:
             self._failed_now[recv.request_id] = exc
             return
@@ -223,28 +223,8 @@ class WorkerSide:
         if len(ranks) > MAX_PREFILL_RANKS:
             raise UsageError(f"kvferry connector: the transfer parameters name {len(ranks)} prefill ranks, more "
                              f"than {MAX_PREFILL_RANKS}")
-        single = len(ranks) == 1 and self.decode.memory.layout.tp_size == 1
-        needed = list(ranks) if single else [ranks[r] for r in self._source_ranks(len(ranks))]
-        if all(a in self.decode.peers for a in needed):
-            return needed[0] if single else needed
-        key = ",".join(ranks)
-        refused = self._refused.get(key)
-        if refused is not None and (isinstance(refused[1], IncompatiblePeer) or time.monotonic() < refused[0]):
-            raise refused[1]
-        try:
-            if single:
-                self.decode.connect(ranks[0])
-            else:
-                needed = self.decode.connect_all(list(ranks))
-        except HandshakeError as exc:
-            self._refused[key] = (time.monotonic() + RETRY_AFTER, exc)
-            raise
-        return needed[0] if single else needed
-
-    def _source_ranks(self, prefill_tp: int) -> list[int]:
-        assert self.decode is not None
-        layout = self.decode.memory.layout
-        return list(source_ranks(layout.tp_rank, prefill_tp, layout.tp_size))
+        # The library's policy: which ranks, and a back-off from a prefill that is down (a refusal is final).
+        return self.decode.connect_needed(list(ranks), retry_after=RETRY_AFTER)
 
     def _received(self, recv: RecvSpec) -> bool | None:
         """True: arrived and verified. False: failed and no write can land any more (its blocks are
