@@ -164,6 +164,21 @@ def test_kvferry_backend_over_mooncake_moves_every_byte(pool: str) -> None:
     RESULTS["kvferry-mc", pool] = decode
 
 
+@pytest.mark.parametrize("pool", POOLS)
+def test_sglang_mooncake_backend_same_cases(pool: str) -> None:
+    """SGLang's own Mooncake backend on the same pools and requests, its engine forced onto TCP
+    (``MC_FORCE_TCP=1``, ``MOONCAKE_PROTOCOL=tcp``): beside the kvferry-over-Mooncake runs above."""
+    from kvferry.transport import mooncake_available
+
+    if not mooncake_available():
+        pytest.skip("Mooncake's Transfer Engine cannot import (pip install 'kvferry[mooncake]', docs/mooncake.md)")
+    prefill, decode = run_pair("mooncake", pool, env={"MC_FORCE_TCP": "1", "MOONCAKE_PROTOCOL": "tcp"})
+    assert "refused" not in decode, decode
+    assert _ok(prefill) == N and _ok(decode) == N, (Counter(decode["outcomes"].values()), decode["errors"])
+    assert_exact(decode)
+    RESULTS["mooncake", pool] = decode
+
+
 def _kvferry_ranks_all_exact(pool: str, prefill_tp: int, decode_tp: int) -> None:
     """kvferry's backend, a process per rank: every rank concludes every request and decode is exact."""
     prefills, decodes = run_ranks("kvferry", pool, prefill_tp=prefill_tp, decode_tp=decode_tp)
