@@ -123,3 +123,43 @@ def test_a_gil_starved_decode_process_is_ridden_out(transport_liveness: bool) ->
     finally:
         decode.close()
         prefill.close()
+
+
+@pytest.mark.nixl
+def test_a_stopped_prefill_process_is_lost_within_its_bound() -> None:
+    """The other half: a prefill process under SIGSTOP answers not even libzmq's heartbeats, so with
+    ``transport_liveness`` decode's connection drops and the link is lost, well before the request's own
+    deadline (bound: heartbeat_interval + peer_timeout for libzmq to drop it, plus scheduling slack)."""
+    import signal
+    import time
+
+    pytest.importorskip("nixl")
+    pytest.importorskip("kvferry.transport.nixl")
+    from kvferry import KVMemory
+    from kvferry.control import DecodeEndpoint, EndpointOptions
+    from kvferry.errors import PeerLost, RequestFailed
+
+    from .control_peer import announce, fill, make_layout, workload
+    from .test_control_nixl import TIMEOUTS, Peer
+
+    timeouts = {**TIMEOUTS, "transport_liveness": True}
+    dst = KVMemory.allocate(make_layout("decode"))
+    fill(dst, 999)
+    decode = DecodeEndpoint(dst, "nixl", options=EndpointOptions(**timeouts))
+    prefill = Peer("prefill", options=timeouts)
+    try:
+        decode.connect(prefill.address)
+        reqs = workload(2, seed=21)
+        announce(decode, reqs)
+        prefill.proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RequestFailed) as failed:
+            decode.wait(reqs[0].rid, timeout=15.0)
+        took = time.monotonic() - t0
+        assert isinstance(failed.value.__cause__, PeerLost), failed.value
+        assert "connection dropped" in str(failed.value.__cause__), failed.value
+        assert took < 15.0 < timeouts["request_timeout"]
+    finally:
+        prefill.proc.send_signal(signal.SIGCONT)
+        prefill.close()
+        decode.close()
