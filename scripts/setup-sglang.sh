@@ -62,6 +62,15 @@ $PIP install -q -c "$CONSTRAINTS" numpy pyzmq msgspec requests psutil setproctit
     "apache-tvm-ffi==0.1.11" "openai==2.8.0" partial-json-parser einops prometheus_client dill \
     huggingface_hub safetensors regex pyyaml "${KVFERRY[@]}"
 step "import deps installed"
+# 2b. What a running server imports beyond the transfer layer (launch_server, the tokenizer manager,
+#     grammar backends, the HTTP front end), and SGLang's router for PD serving
+#     (`python -m sglang_router.launch_router --pd-disaggregation --mini-lb`). tests/test_sglang_server.py
+#     starts real servers with these.
+$PIP install -q -c "$CONSTRAINTS" anthropic "blobfile==3.0.0" easydict interegular \
+    python-multipart "prometheus-client>=0.20.0" uvloop watchfiles xxhash zstandard tiktoken nvidia-ml-py \
+    py-spy ninja scipy "llguidance>=1.7.6,<2" "xgrammar==0.2.7" "openai-harmony==0.0.4" jsonschema soundfile \
+    "sglang-router==0.3.2"
+step "server deps and sglang-router installed"
 # 3. PyPI's torchvision is a CUDA build whose fake-op registrations fail against a CPU torch
 #    ("operator torchvision::nms does not exist"); SGLang's configs import it. An empty module in its
 #    place is enough for everything the transfer layer touches.
@@ -72,5 +81,9 @@ print(pathlib.Path(spec.origin).parent / "_meta_registrations.py")
 PY
 )
 echo "# Emptied by scripts/setup-sglang.sh: the CUDA wheel's fake ops do not exist on a CPU torch." >"$META"
+# 4. The project's `sgl_kernel` stand-in (tests/sgl_kernel_standin, docs/sglang.md): SGLang's CPU path imports
+#    sgl_kernel at start-up and PyPI has no CPU build of it. A .pth line, so it follows the checkout.
+echo "$(pwd -P)/tests/sgl_kernel_standin" >"$(site_of "$VENV")/_kvferry_sgl_kernel_standin.pth"
+"$VENV/bin/python" -c "import sgl_kernel, sglang_router; assert sgl_kernel.STANDIN"
 "$VENV/bin/python" -c "import torch, sglang.srt.disaggregation.nixl.conn, sglang.srt.disaggregation.decode, sglang.srt.mem_cache.deepseek_v4_memory_pool, sglang.srt.plugins, kvferry; print('sglang ok, torch', torch.__version__)"
 step "done"

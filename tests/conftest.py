@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -48,3 +49,14 @@ def salad_layout() -> Layout:
         ], tokens_per_page=256),
         Pool("c128", [Buffer("c128.kv.L0", 2 * 584, 16, "fp8_e4m3", "kv", 0)], tokens_per_page=256),
     ])
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Tables the engine suites collected while they ran (tests/test_sglang.py's backend comparison, the SGLang
+    server tests' timings), printed once at the end whatever order the tests ran in."""
+    for module in ("tests.test_sglang", "tests.test_sglang_server"):
+        lines = getattr(sys.modules.get(module), "report_lines", lambda: [])()
+        if lines:
+            terminalreporter.section(f"{module.rsplit('.', 1)[1]}: report")
+            for line in lines:
+                terminalreporter.write_line(line)

@@ -186,3 +186,22 @@ def test_an_announce_for_an_id_prefill_never_issued_fails_at_once() -> None:
         assert decode.poll("forged") is not RequestState.FAILED       # off: it waits for a send
         decode.abort("forged")
         _idle(decode, prefill)
+
+
+def test_the_sglang_plugin_binds_the_sender_and_receiver_sglang_creates() -> None:
+    """SGLang hands its transfer classes a room, never the request: the plugin's hooks around the two places
+    it creates them bind kvferry's sender and receiver to ``req.origin_input_ids`` (other backends' objects,
+    which have no ``bind_tokens``, are left alone). Stand-ins here; test_sglang checks the hooks install."""
+    from types import SimpleNamespace
+
+    from kvferry.integrations.sglang.plugin import create_receiver_around, create_sender_around
+
+    bound: list[tuple[list[int], str]] = []
+    transfer = SimpleNamespace(bind_tokens=lambda ids, label: bound.append((ids, label)))
+    req = SimpleNamespace(origin_input_ids=[5, 6, 7], rid="rid-1", disagg_kv_sender=transfer)
+    assert create_sender_around(lambda queue, r, heads: True, "queue", req, 2) is True
+    decode_req = SimpleNamespace(kv_receiver=transfer)
+    assert create_receiver_around(lambda queue, r, is_rebootstrap=False: decode_req, "queue", req) is decode_req
+    assert bound == [([5, 6, 7], "rid-1"), ([5, 6, 7], "rid-1")]
+    other = SimpleNamespace(origin_input_ids=[1], rid="x", disagg_kv_sender=object())
+    assert create_sender_around(lambda queue, r, heads: False, "queue", other, 2) is False

@@ -1,7 +1,6 @@
 """Decode-side prefixes through SGLang's classes, the heavier variants (``tests/test_sglang.py`` has the
 default ones): the DSA pool with fp8 index keys, prefixes across attention TP sizes, and SGLang's own NIXL
-backend on the same cases for comparison. Not run by ``make test-sglang``; run with
-``.venv-sglang/bin/python -m pytest -q tests/test_sglang_prefix.py``.
+backend on the same cases for comparison. Marked slow: ``make test-sglang-slow`` runs it.
 """
 
 from __future__ import annotations

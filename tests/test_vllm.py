@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvferry.errors import UsageError
@@ -29,6 +30,8 @@ from kvferry.errors import UsageError
 pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
 
 from vllm.inputs import TokensPrompt
+
+from kvferry.integrations.vllm.scheduler import UNBOUND_KEY
 
 from .vllm_faults import read_record
 from .vllm_pd import (
@@ -49,9 +52,11 @@ from .vllm_pd import (
     server_metric,
     session_answers,
     session_prompt,
+    tokenizer_words,
     tokens,
     wait_healthy,
     write_model,
+    write_tokenizer,
 )
 
 # `make test` runs this file's tests but those marked slow (`make test-vllm-slow` runs those).
@@ -71,7 +76,7 @@ PORTS = {name: free_port() for name in ("prefill", "decode", "proxy")}
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_model(tmp_path_factory.mktemp("tiny-llama"))
+    return write_tokenizer(write_model(tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +286,32 @@ def test_with_recompute_vllm_prefills_a_rejected_request_itself(model: Path, pro
 
 
 @pytest.mark.slow
+def test_with_recompute_swapped_params_decode_each_prompt_itself(model: Path) -> None:
+    """Issue 31 under kv_load_failure_policy="recompute": two prompts of 70 tokens (the same last token)
+    handed each other's transfer params. Decode refuses the other prompt's KV and computes each prompt
+    itself: each answer is its own prompt's (prefill's, computed whole), never the other's."""
+    rng = np.random.default_rng(32)
+    pair = [TokensPrompt(prompt_token_ids=[*rng.integers(3, 1000, 69).tolist(), 5]) for _ in range(2)]
+    decode = make_llm(model, "kv_consumer", on_load_failure="recompute")
+    prefill = make_llm(model, "kv_producer")
+    try:
+        want = tokens(prefill.generate(pair, greedy(MAX_TOKENS), use_tqdm=False))
+        firsts = prefill.generate(pair, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+        params = [out.kv_transfer_params for out in firsts]
+        # decode's own counters (prompt_sources): the process registry holds the newest instance's, prefill's
+        local = prompt_sources(decode)["local_compute"]
+        outputs = decode.generate(pair, [greedy(MAX_TOKENS, params[1]), greedy(MAX_TOKENS, params[0])],
+                                  use_tqdm=False)
+        recomputed = prompt_sources(decode)["local_compute"] - local
+    finally:
+        close_llm(prefill)
+        close_llm(decode)
+    assert want[0] != want[1]
+    assert tokens(outputs) == want, "a swapped hand-off decoded other tokens than its own prompt's"
+    assert recomputed >= 2 * 69, f"decode computed {recomputed} prompt tokens itself: the other prompt's KV was used"
+
+
+@pytest.mark.slow
 def test_without_digests_the_same_corruption_changes_tokens(model: Path, decode: Any, prompts: list[Any],
                                                             expected: list[list[int]]) -> None:
     """The control for the test above: the corruption is one the tokens show, so catching it matters."""
@@ -331,8 +362,14 @@ def server_record(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("server-record") / "writes.jsonl"
 
 
+@pytest.fixture(scope="module")
+def serve_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the two servers and the proxy write their logs (``<name>.log``)."""
+    return tmp_path_factory.mktemp("serve")
+
+
 @pytest.fixture(scope="module", autouse=True)
-def booting(model: Path, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+def booting(model: Path, request: pytest.FixtureRequest, serve_logs: Path,
             server_record: Path) -> Iterator[dict[str, subprocess.Popen[bytes]] | None]:
     """Two ``vllm serve`` processes (prefill, decode) and ``kvferry vllm-proxy`` in front, started with the
     module (when a selected test needs them) so that they boot while the offline tests run: on 2 cores
@@ -340,10 +377,13 @@ def booting(model: Path, request: pytest.FixtureRequest, tmp_path_factory: pytes
     if not any("servers" in item.fixturenames for item in request.session.items):
         yield None
         return
-    logs = tmp_path_factory.mktemp("serve")
+    logs = serve_logs
     recording = {"transport": "tests.vllm_faults:recording_nixl"}   # what kvferry moved, for the sessions test
-    commands = {"prefill": serve_command(model, PORTS["prefill"], "kv_producer", recording),
-                "decode": serve_command(model, PORTS["decode"], "kv_consumer"),
+    # Both load the model's tokenizer (text prompts); decode honours the test-only unbound flag (the swap
+    # test's negative control).
+    commands = {"prefill": serve_command(model, PORTS["prefill"], "kv_producer", recording, tokenizer=True),
+                "decode": serve_command(model, PORTS["decode"], "kv_consumer", {"unbound_for_tests": True},
+                                        tokenizer=True),
                 "proxy": [sys.executable, "-m", "kvferry", "vllm-proxy", "--port", str(PORTS["proxy"]),
                           "--prefill", f"http://127.0.0.1:{PORTS['prefill']}",
                           "--decode", f"http://127.0.0.1:{PORTS['decode']}"]}
@@ -515,3 +555,77 @@ def test_the_sessions_bench_runs(tmp_path: Path) -> None:
     second = results["kvferry"][1]
     assert second["local_cache_hit"] > 0 and second["local_compute"] == 0
     assert second["bytes"] < second["blocks"] * results["kvferry"][0]["bytes"] / results["kvferry"][0]["blocks"]
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """POST a completion; (HTTP status, JSON answer or {"text": body})."""
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(url + "/v1/completions", data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, {"text": exc.read().decode(errors="replace")}
+
+
+def test_swapped_transfer_params_never_serve_the_other_prompt(servers: dict[str, str], model: Path,
+                                                              serve_logs: Path) -> None:
+    """Issue 31 with two ``vllm serve`` processes and text prompts. A router hands prompt A's transfer
+    params to prompt B's decode request and B's to A's (equal lengths, 70 tokens, the same last word, so
+    the other prompt's KV would give exactly the other prompt's answer): decode refuses both (policy
+    ``fail``: an error), never the other prompt's tokens. The negative control, in the same test: the same
+    swap of two other prompts with the test-only unbound flag serves each the other's answer. Params naming
+    a request prefill never issued fail at once, not at request_timeout (60 s)."""
+    rng = np.random.default_rng(31)
+    words = tokenizer_words()
+    prompts = {name: " ".join(rng.choice(words, 69).tolist()) + " zezeze" for name in "ABCD"}
+    base = {"model": str(model), "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+
+    def reference(text: str) -> list[int]:   # prefill computes it whole: no hand-off
+        status, answer = _post(servers["prefill"], {**base, "prompt": text, "max_tokens": MAX_TOKENS})
+        assert status == 200, answer
+        return answer["choices"][0]["token_ids"]
+
+    def prefilled(text: str) -> dict[str, Any]:
+        status, answer = _post(servers["prefill"], {**base, "prompt": text, "max_tokens": 1,
+                                                    "kv_transfer_params": {"do_remote_decode": True}})
+        assert status == 200 and answer.get("kv_transfer_params"), answer
+        assert answer["kv_transfer_params"]["remote_num_tokens"] == 70
+        return answer["kv_transfer_params"]
+
+    def decoded(text: str, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        body = {**base, "prompt": text, "max_tokens": MAX_TOKENS, "kv_transfer_params": params}
+        return _post(servers["decode"], body)
+
+    want = {name: reference(text) for name, text in prompts.items()}
+    assert want["A"] != want["B"] and want["C"] != want["D"]
+    params = {name: prefilled(text) for name, text in prompts.items()}
+    swapped = {"A": decoded(prompts["A"], params["B"]), "B": decoded(prompts["B"], params["A"])}
+    control = {"C": decoded(prompts["C"], {**params["D"], UNBOUND_KEY: True}),
+               "D": decoded(prompts["D"], {**params["C"], UNBOUND_KEY: True})}
+    print(f"swapped: {[(status, str(answer)[:160]) for status, answer in swapped.values()]}")
+    for name, (status, answer) in swapped.items():
+        other = "B" if name == "A" else "A"
+        got = answer.get("choices", [{}])[0].get("token_ids") if status == 200 else None
+        assert got != want[other], f"{name} was answered from {other}'s context"
+        assert status != 200 or answer["choices"][0]["finish_reason"] == "error", (status, answer)
+    # The control: without the binding the same swap is served, and each answer is the other prompt's.
+    assert control["C"][0] == control["D"][0] == 200, control
+    assert control["C"][1]["choices"][0]["token_ids"] == want["D"]
+    assert control["D"][1]["choices"][0]["token_ids"] == want["C"]
+    forged = {**params["A"], "kvferry_request_id": "never-issued-by-prefill"}
+    started = time.monotonic()
+    status, answer = decoded(prompts["A"], forged)
+    took = time.monotonic() - started
+    print(f"never issued: HTTP {status} in {took:.2f} s: {str(answer)[:160]}")
+    assert status != 200 or answer["choices"][0]["finish_reason"] == "error", (status, answer)
+    assert took < 10.0, f"params prefill never issued took {took:.1f} s to fail (request_timeout is 60 s)"
+    # Each failure is the refusal kvferry made, named, not some other error on the way.
+    log = (serve_logs / "decode.log").read_text(errors="replace")
+    for name, other in (("A", "B"), ("B", "A")):
+        assert (f"transfer '{params[other]['kvferry_request_id']}': decode's request 'cmpl-" in log
+                and "is bound to other tokens than prefill's request" in log), name
+    assert "request 'never-issued-by-prefill': prefill" in log and "never issued it" in log

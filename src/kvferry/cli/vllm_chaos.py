@@ -1,7 +1,7 @@
 """``kvferry vllm-chaos``: online load through two ``vllm serve`` processes while a seeded schedule kills,
 stalls and restarts either of them.
 
-A command module, below ``main``, above ``kvferry.integrations.vllm.chaos`` (imported in the handler: it starts
+A command module, below ``main``, above ``kvferry.workload.vllm_chaos`` (imported in the handler: it starts
 vLLM servers and needs aiohttp and transformers, which come with vLLM). Prints the report (or ``--json``).
 Exit status: 0 when no answer had other tokens than one plain instance, none took longer than the stated
 bound and both servers ended idle with no KV block in use; 1 otherwise; 2 on usage errors. See docs/vllm.md.
@@ -61,7 +61,7 @@ def passed(report: dict[str, Any]) -> bool:
 
 def run_vllm_chaos(args: argparse.Namespace) -> int:
     """Handler: run the soak, print the report, 0 when it passed."""
-    from kvferry.integrations.vllm.chaos import SoakConfig, fault_schedule, run_soak
+    from kvferry.workload.vllm_chaos import SoakConfig, fault_schedule, run_soak
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="kvferry-vllm-chaos-"))
     config = SoakConfig(work, connector=args.connector, policy=args.policy, duration=args.duration,

@@ -20,6 +20,8 @@ A side that states no binding is not checked (the hand-off works as before, unpr
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,8 +74,7 @@ def token_binding(token_ids: Any, block_tokens: int, label: str = "") -> Binding
     may be partial): entry ``j`` is xxh3-128 of entry ``j-1`` and block ``j``'s token ids (int64)."""
     if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
         raise UsageError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
-    tokens = np.ascontiguousarray(np.asarray(token_ids, dtype="<i8").reshape(-1))
-    raw = tokens.tobytes()
+    raw = _token_bytes(token_ids)
     step = block_tokens * 8
     blocks: list[bytes] = []
     prev = _SEED
@@ -81,6 +82,18 @@ def token_binding(token_ids: Any, block_tokens: int, label: str = "") -> Binding
         prev = xxhash.xxh3_128_digest(prev + raw[start:start + step])
         blocks.append(prev)
     return Binding(tuple(blocks), label)
+
+
+def _token_bytes(token_ids: Any) -> bytes:
+    """Token ids as little-endian int64 bytes. Engines keep them as Python lists (vLLM's
+    ``prompt_token_ids``, SGLang's ``origin_input_ids``): ``array`` reads those about half again as fast as
+    numpy does, and reading the ints is most of a binding's cost."""
+    try:
+        if isinstance(token_ids, list) and sys.byteorder == "little":
+            return array("q", token_ids).tobytes()
+        return np.ascontiguousarray(np.asarray(token_ids, dtype="<i8").reshape(-1)).tobytes()
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise UsageError(f"token ids must be integers that fit int64: {exc}") from exc
 
 
 def mismatch(decode: Binding | None, prefill: Binding | None) -> tuple[int, str] | None:

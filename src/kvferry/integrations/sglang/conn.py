@@ -31,6 +31,7 @@ from sglang.srt.runtime_context import get_parallel
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
 from kvferry.errors import KVFerryError, LayoutError, UsageError
 from kvferry.integrations.sglang.layout import PoolNames, chunk_pages, kvargs_memory, rank_kv_heads, request_pages
+from kvferry.integrity.binding import Binding, token_binding
 
 __all__ = ["KVFerryKVBootstrapServer", "KVFerryKVManager", "KVFerryKVReceiver", "KVFerryKVSender"]
 
@@ -43,6 +44,9 @@ _POLL = {RequestState.BOOTSTRAPPING: KVPoll.Bootstrapping, RequestState.WAITING_
 
 # What an endpoint raises for a request id it has not heard of (the peer has not announced it yet).
 _UNKNOWN = (KeyError, UsageError)
+# Tokens per binding block (integrity.binding): a whole number of KV pages of at least this many tokens.
+# SGLang's pages are often one token; one digest per token would cost a hash call and 16 bytes each.
+BIND_TOKENS = 64
 
 
 def _room_id(room: int) -> str:
@@ -152,6 +156,12 @@ class KVFerryKVManager(CommonKVManager):
             raise UsageError("kvferry backend: this manager has no prefill endpoint (not a prefill instance)")
         return self.prefill_endpoint.decode_prefix(_room_id(room)) or {}
 
+    def bind(self, token_ids: Any, label: str) -> Binding:
+        """The binding of a request's input ids (``integrity.binding``), in blocks of whole KV pages: equal
+        on both sides, since the handshake compared the page sizes."""
+        page = self.tokens_per_page
+        return token_binding(token_ids, page * max(1, -(-BIND_TOKENS // page)), label=label)
+
     def fail(self, room: int, reason: str) -> None:
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
@@ -200,6 +210,13 @@ class KVFerryKVSender(CommonKVSender):
     prefix_pages = 0
     # Bytes of the pages handed to kvferry for this request, every pool (get_transfer_metric).
     moved_bytes = 0
+    # The request's input ids (bind_tokens; the plugin calls it when SGLang creates the sender): every send
+    # states them, and kvferry refuses a decode announcing other tokens. None: unbound.
+    binding: Binding | None = None
+
+    def bind_tokens(self, token_ids: Any, label: str = "") -> None:
+        """Bind this request's transfer to its input ids (``req.origin_input_ids``); ``label``: SGLang's rid."""
+        self.binding = self.kv_mgr.bind(token_ids, label or f"room {self.bootstrap_room}")
 
     def pop_decode_prefix_len(self) -> int:
         """Decode's prefix in tokens (whole KV pages: kvferry refused any other at the announce), from
@@ -231,7 +248,8 @@ class KVFerryKVSender(CommonKVSender):
             pages, offsets = chunk_pages(names, kv_indices, self.prefix_pages + start, last, self.aux_index,
                                          state_indices)
             if pages or last:
-                self.kv_mgr.endpoint.send(_room_id(self.bootstrap_room), pages, offset=offsets, last=last)
+                self.kv_mgr.endpoint.send(_room_id(self.bootstrap_room), pages, offset=offsets, last=last,
+                                          binding=self.binding)
                 self.moved_bytes += _page_bytes(self.kv_mgr, pages)
         except KVFerryError as exc:
             self._fail(f"kvferry send failed: {exc}")
@@ -306,6 +324,12 @@ class KVFerryKVReceiver(CommonKVReceiver):
     ``send_metadata`` announces (leases) the destination pages to kvferry."""
 
     kv_mgr: KVFerryKVManager
+    binding: Binding | None = None   # the request's input ids (bind_tokens), stated in the announce
+
+    def bind_tokens(self, token_ids: Any, label: str = "") -> None:
+        """Bind this request's transfer to its input ids (``req.origin_input_ids``); ``label``: SGLang's rid.
+        Prefill refuses the announce when the room's KV was computed from other tokens."""
+        self.binding = self.kv_mgr.bind(token_ids, label or f"room {self.bootstrap_room}")
 
     def init(self, prefill_dp_rank: int) -> None:
         if self.conclude_state == KVPoll.Failed:
@@ -374,7 +398,7 @@ class KVFerryKVReceiver(CommonKVReceiver):
             pages = request_pages(self.kv_mgr.pool_names, kv_indices, aux_index, state_indices)
             peer = self.peer_addresses[0] if len(self.peer_addresses) == 1 else self.peer_addresses
             self.kv_mgr.endpoint.announce(_room_id(self.bootstrap_room), pages, peer=peer,
-                                          prefix=int(decode_prefix_len or 0))
+                                          prefix=int(decode_prefix_len or 0), binding=self.binding)
         except KVFerryError as exc:
             self._fail(f"kvferry announce failed: {exc}")
             return

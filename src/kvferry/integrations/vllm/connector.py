@@ -87,7 +87,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         self._stats = StatsTaker()
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._groups)
+            self._scheduler = SchedulerSide(self._groups, unbound_for_tests=self._config.unbound_for_tests)
 
     # -- worker side -----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -178,7 +178,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None:
             raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
         self._scheduler.after_alloc(request.request_id, request.kv_transfer_params, blocks.get_block_ids(),
-                                    num_external_tokens)
+                                    num_external_tokens, request.prompt_token_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._scheduler is None:
@@ -202,7 +202,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
             raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
         completed = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         return self._scheduler.finished(request.request_id, request.kv_transfer_params, block_ids,
-                                        request.num_computed_tokens, completed)
+                                        request.num_computed_tokens, completed, request.prompt_token_ids)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()

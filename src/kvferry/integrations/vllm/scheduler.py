@@ -27,6 +27,7 @@ from typing import Any
 
 from kvferry.errors import LayoutError, UsageError
 from kvferry.integrations.vllm.layout import GroupSpec, decode_pages, request_pages
+from kvferry.integrity.binding import Binding, token_binding
 
 __all__ = ["RecvSpec", "SchedulerSide", "SendSpec", "StepPlan", "transfer_params"]
 
@@ -36,6 +37,9 @@ ADDRESSES_KEY = "kvferry_addresses"   # prefill's TP ranks' addresses, in rank o
 TRANSFER_ID_KEY = "kvferry_request_id"
 NUM_TOKENS_KEY = "remote_num_tokens"
 SKIPPED_KEY = "kvferry_not_sent"   # why prefill sent nothing (decode then prefills the request itself)
+# Tests only: a request whose params carry this key is announced unbound, on a decode whose extra config sets
+# ``unbound_for_tests`` (the negative control of tests/test_vllm.py: the swap it refuses, served).
+UNBOUND_KEY = "kvferry_unbound_for_tests"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,7 @@ class SendSpec:
 
     request_id: str
     pages: Mapping[str, Sequence[int]]
+    binding: Binding | None = None   # the prompt's tokens (integrity.binding): decode must announce the same
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,7 @@ class RecvSpec:
     pages: Mapping[str, Sequence[int]]
     prefix: Mapping[str, int] = field(default_factory=dict)
     addresses: tuple[str, ...] = ()   # prefill's TP group (rank order) when it runs more than one rank
+    binding: Binding | None = None    # the prompt's tokens, compared by prefill with its own before any write
 
     @property
     def prefill_ranks(self) -> tuple[str, ...]:
@@ -72,6 +78,7 @@ class StepPlan:
     recvs: tuple[RecvSpec, ...] = ()
     aborts: tuple[str, ...] = ()   # decode request ids whose transfer must stop (vLLM aborted them)
     failures: tuple[tuple[str, str], ...] = ()   # decode (request id, why): KV promised to vLLM, cannot come
+    issues: tuple[str, ...] = ()   # prefill request ids whose transfer params this step's output may hand out
 
 
 def transfer_params(address: str, transfer_id: str, num_tokens: int,
@@ -94,6 +101,8 @@ class SchedulerSide:
     groups: tuple[GroupSpec, ...]
     address: str | None = None
     addresses: tuple[str, ...] = ()   # every TP rank's prefill endpoint, in rank order (TP > 1)
+    unbound_for_tests: bool = False   # honour UNBOUND_KEY (WorkerConfig.unbound_for_tests)
+    _issues: list[str] = field(default_factory=list)
     _sends: list[SendSpec] = field(default_factory=list)
     _recvs: list[RecvSpec] = field(default_factory=list)
     _aborts: list[str] = field(default_factory=list)
@@ -121,11 +130,17 @@ class SchedulerSide:
         return num_prompt_tokens - num_computed_tokens, True
 
     def after_alloc(self, request_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[Sequence[int]],
-                    num_external_tokens: int) -> None:
+                    num_external_tokens: int, prompt_token_ids: Sequence[int] | None = None) -> None:
         """vLLM's ``update_state_after_alloc``: stage the announce of the blocks decode lacks for the worker.
         ``block_ids`` are the request's whole block tables; those under decode's local hit (the prompt
         less ``num_external_tokens``) hold KV already, and may be shared with running requests: they are
-        the announce's prefix, never written."""
+        the announce's prefix, never written. The announce is bound to ``prompt_token_ids``.
+
+        Prefill: a request that will hand its KV to a decode is issued now, in the step that computes it,
+        so the worker's endpoint knows the id before vLLM can return its transfer params; an announce for
+        any other id is refused at once (``EndpointOptions.refuse_unissued``)."""
+        if params and params.get("do_remote_decode") and self.address is not None:
+            self._issues.append(request_id)
         if num_external_tokens <= 0 or not _wants_remote_prefill(params) or request_id in self._taken:
             return
         if params is None:
@@ -139,17 +154,28 @@ class SchedulerSide:
             self._failures.append((request_id, str(exc)))
             return
         ranks = params.get(ADDRESSES_KEY) or ()
+        unbound = self.unbound_for_tests and bool(params.get(UNBOUND_KEY))
         self._recvs.append(RecvSpec(request_id, str(params[TRANSFER_ID_KEY]), str(params[ADDRESS_KEY]), pages,
-                                    prefix, tuple(str(a) for a in ranks)))
+                                    prefix, tuple(str(a) for a in ranks),
+                                    None if unbound else self._binding(request_id, prompt_token_ids)))
+
+    def _binding(self, request_id: str, prompt_token_ids: Sequence[int] | None) -> Binding | None:
+        """The prompt's binding, in vLLM's blocks (equal on both sides: the handshake compares them), named
+        by this side's request id; None without the tokens (an unbound hand-off)."""
+        if prompt_token_ids is None:
+            return None
+        return token_binding(prompt_token_ids, self.groups[0].block_size, label=request_id)
 
     # -- both ------------------------------------------------------------------------------------------
     def finished(self, request_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[Sequence[int]],
-                 num_computed_tokens: int, completed: bool) -> tuple[bool, dict[str, Any] | None]:
+                 num_computed_tokens: int, completed: bool,
+                 prompt_token_ids: Sequence[int] | None = None) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``request_finished``: whether vLLM must keep the blocks, and the params to return.
 
         Decode, aborted while its KV was still arriving: stop the transfer and keep the blocks until the
         worker reports that no write can land in them any more. Prefill, ``completed`` (stopped or at its
-        length, not aborted): keep the blocks until decode has them, and hand out the transfer params.
+        length, not aborted): keep the blocks until decode has them, and hand out the transfer params; the
+        send is bound to ``prompt_token_ids``.
         """
         self._taken.discard(request_id)
         if request_id in self._loading:
@@ -164,14 +190,15 @@ class SchedulerSide:
             pages = request_pages(block_ids, self.groups, num_computed_tokens)
         except LayoutError as exc:   # nothing to send: decode, finding no address, prefills the request
             return False, {"do_remote_prefill": False, "do_remote_decode": False, SKIPPED_KEY: str(exc)}
-        self._sends.append(SendSpec(request_id, pages))
+        self._sends.append(SendSpec(request_id, pages, self._binding(request_id, prompt_token_ids)))
         self._holding.add(request_id)
         return True, transfer_params(self.address, request_id, num_computed_tokens, self.addresses)
 
     def take_plan(self) -> StepPlan:
         """vLLM's ``build_connector_meta``: what was staged since the last step, handed over once."""
-        plan = StepPlan(tuple(self._sends), tuple(self._recvs), tuple(self._aborts), tuple(self._failures))
-        self._sends, self._recvs, self._aborts, self._failures = [], [], [], []
+        plan = StepPlan(tuple(self._sends), tuple(self._recvs), tuple(self._aborts), tuple(self._failures),
+                        tuple(self._issues))
+        self._sends, self._recvs, self._aborts, self._failures, self._issues = [], [], [], [], []
         return plan
 
     def on_worker_output(self, finished_sending: Sequence[str], finished_recving: Sequence[str]) -> None:
@@ -182,7 +209,7 @@ class SchedulerSide:
 
     def has_pending_work(self) -> bool:
         """Whether vLLM must keep stepping: staged work, or blocks held for a transfer still in flight."""
-        return bool(self._sends or self._recvs or self._aborts or self._failures or self._holding)
+        return bool(self._sends or self._recvs or self._aborts or self._failures or self._issues or self._holding)
 
 
 def _wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:

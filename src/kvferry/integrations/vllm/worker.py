@@ -42,7 +42,8 @@ MAX_PREFILL_RANKS = 1024   # transfer parameters are untrusted input: far above 
 class WorkerConfig:
     """The connector's settings, from vLLM's ``kv_connector_extra_config`` (see docs/vllm.md).
 
-    ``transport``: ``"nixl"`` (between processes), ``"local"`` (one process) or ``"module:factory"``, a
+    ``transport``: ``"nixl"`` (between processes), ``"mooncake"`` (Mooncake's Transfer Engine, loopback: no
+    vLLM server test has run over it yet), ``"local"`` (one process) or ``"module:factory"``, a
     callable taking the side (``"prefill"``/``"decode"``) and returning a ``Transport`` (tests inject
     faults this way). ``host``/``port``: where prefill listens. ``digest_mode``: ``off``, ``sampled``,
     ``full``. ``secret``: shared by both sides, or None. Times in seconds. ``mode``: the transfer mode a
@@ -50,7 +51,8 @@ class WorkerConfig:
     reads prefill's blocks, see docs/fencing.md); a producer accepts either, so the consumer chooses.
     ``batch_chunks``: ``EndpointOptions.batch_chunks`` (1: every request's blocks a transfer of their own).
     ``peer_timeout``, ``heartbeat_interval``, ``lease_grace``: ``EndpointOptions``' (how soon a dead or
-    stalled peer fails its requests; docs/vllm.md, "Faults").
+    stalled peer fails its requests; docs/vllm.md, "Faults"). ``unbound_for_tests``: tests only (a
+    request whose transfer params carry ``scheduler.UNBOUND_KEY`` is announced without its token binding).
     """
 
     role: str
@@ -66,6 +68,7 @@ class WorkerConfig:
     peer_timeout: float = EndpointOptions().peer_timeout
     heartbeat_interval: float = EndpointOptions().heartbeat_interval
     lease_grace: float = EndpointOptions().lease_grace
+    unbound_for_tests: bool = False   # tests only: honour scheduler.UNBOUND_KEY (an unbound announce)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -91,7 +94,8 @@ class WorkerConfig:
     def options(self) -> EndpointOptions:
         return EndpointOptions(request_timeout=self.request_timeout, handshake_timeout=self.handshake_timeout,
                                batch_chunks=self.batch_chunks, peer_timeout=self.peer_timeout,
-                               heartbeat_interval=self.heartbeat_interval, lease_grace=self.lease_grace)
+                               heartbeat_interval=self.heartbeat_interval, lease_grace=self.lease_grace,
+                               refuse_unissued=True)   # the scheduler issues every id first (after_alloc)
 
     def make_transport(self, side: str) -> Transport:
         if ":" not in self.transport:
@@ -134,6 +138,9 @@ class WorkerSide:
     def start(self, plan: StepPlan) -> None:
         """Start this step's work: hand over prefill's KV, announce decode's blocks, stop aborted transfers.
         Non-blocking, except the first handshake with a prefill address (bounded by ``handshake_timeout``)."""
+        if self.prefill is not None:
+            for request_id in plan.issues:   # before this step's output can hand out their transfer params
+                self.prefill.issue(request_id)
         for send in plan.sends:
             self._send(send)
         for recv in plan.recvs:
@@ -174,7 +181,7 @@ class WorkerSide:
         if self.prefill is None:
             raise UsageError('a send staged on an instance without a prefill endpoint')
         try:
-            self.prefill.send(send.request_id, send.pages)
+            self.prefill.send(send.request_id, send.pages, binding=send.binding)
         except KVFerryError as exc:
             # Nothing posted: vLLM may free the blocks at once (the request is reported finished below).
             log.warning("kvferry: prefill request %s not sent: %s", send.request_id, exc)
@@ -200,7 +207,7 @@ class WorkerSide:
             raise UsageError('a receive staged on an instance without a decode endpoint')
         try:
             peer = self._connect(recv.prefill_ranks)
-            self.decode.announce(recv.transfer_id, recv.pages, peer=peer, prefix=recv.prefix)
+            self.decode.announce(recv.transfer_id, recv.pages, peer=peer, prefix=recv.prefix, binding=recv.binding)
         except KVFerryError as exc:
             self._failed_now[recv.request_id] = exc
             return

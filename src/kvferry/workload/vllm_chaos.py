@@ -1,7 +1,10 @@
 """Faults at the engine level: ``vllm serve`` processes killed, stalled and restarted under online load.
 
-Part of the integrations layer, beside ``proxy`` (whose command it starts in front of the servers), below the
-``kvferry vllm-chaos`` command; the tests of docs/vllm.md's "Faults" drive the same pieces. Nothing here
+A test harness, not library code: part of the workload layer (with the demo's, stress's and chaos's harnesses),
+beside ``integrations`` (it starts ``kvferry vllm-proxy``, ``integrations.vllm.proxy``, in front of the
+servers, as a command), below the ``kvferry vllm-chaos`` command; the tests of docs/vllm.md's "Faults" drive
+the same pieces. It lived in ``integrations.vllm`` until issue 29 moved it out of the library's import path.
+Nothing here
 imports vLLM: the servers are processes (``python -m vllm.entrypoints.openai.api_server``), the load is HTTP
 (aiohttp, a vLLM dependency, imported in the functions that need it).
 
