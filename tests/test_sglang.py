@@ -164,6 +164,7 @@ def test_kvferry_backend_over_mooncake_moves_every_byte(pool: str) -> None:
     RESULTS["kvferry-mc", pool] = decode
 
 
+@pytest.mark.slow   # a comparison, not kvferry's code: make test-sglang-slow
 @pytest.mark.parametrize("pool", POOLS)
 def test_sglang_mooncake_backend_same_cases(pool: str) -> None:
     """SGLang's own Mooncake backend on the same pools and requests, its engine forced onto TCP
