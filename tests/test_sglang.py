@@ -164,6 +164,12 @@ def test_kvferry_backend_over_mooncake_moves_every_byte(pool: str) -> None:
     RESULTS["kvferry-mc", pool] = decode
 
 
+def test_an_unknown_transport_is_refused_by_name() -> None:
+    prefill, decode = run_pair("kvferry", "mla", n=2, env={"KVFERRY_SGLANG_TRANSPORT": "ucx"})
+    for side in (prefill, decode):   # both managers refuse before moving anything
+        assert "KVFERRY_SGLANG_TRANSPORT must be one of ('nixl', 'mooncake'), got 'ucx'" in side["refused"], side
+
+
 @pytest.mark.slow   # a comparison, not kvferry's code: make test-sglang-slow
 @pytest.mark.parametrize("pool", POOLS)
 def test_sglang_mooncake_backend_same_cases(pool: str) -> None:
