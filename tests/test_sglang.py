@@ -146,7 +146,9 @@ def test_sglang_nixl_backend_same_cases(pool: str) -> None:
     RESULTS["nixl", pool] = decode
 
 
-@pytest.mark.parametrize("pool", POOLS)
+# The seed's pools (DeepSeek-V4) in make test; the other three in make test-sglang-slow (each case starts two
+# SGLang processes: 40-90 s on 2 cores).
+@pytest.mark.parametrize("pool", [p if p == "v4" else pytest.param(p, marks=pytest.mark.slow) for p in POOLS])
 def test_kvferry_backend_over_mooncake_moves_every_byte(pool: str) -> None:
     """Issue 33: the same cases with the backend on Mooncake's Transfer Engine (its TCP transport here),
     chosen by ``KVFERRY_SGLANG_TRANSPORT=mooncake`` on both sides: every request concludes, every slot exact."""
@@ -164,6 +166,7 @@ def test_kvferry_backend_over_mooncake_moves_every_byte(pool: str) -> None:
     RESULTS["kvferry-mc", pool] = decode
 
 
+@pytest.mark.slow   # two SGLang processes for a refusal: make test-sglang-slow
 def test_an_unknown_transport_is_refused_by_name() -> None:
     prefill, decode = run_pair("kvferry", "mla", n=2, env={"KVFERRY_SGLANG_TRANSPORT": "ucx"})
     for side in (prefill, decode):   # both managers refuse before moving anything
