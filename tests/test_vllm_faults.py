@@ -131,6 +131,7 @@ def test_a_stalled_prefill_is_fenced_and_comes_back(soak: tuple[SoakConfig, dict
     assert pids(servers["decode"]) == decode_before
 
 
+@pytest.mark.slow   # two server starts and a kill under load (~110 s idle): make test's budget
 def test_a_killed_prefill_fails_its_requests_and_is_reconnected_after_a_restart(
         soak: tuple[SoakConfig, dict[str, Server]]) -> None:
     """SIGKILL prefill's process group mid-load and start it again on the same ports (kvferry's address is
@@ -155,6 +156,7 @@ def test_a_killed_prefill_fails_its_requests_and_is_reconnected_after_a_restart(
     assert pids(servers["decode"]) == decode_before, "decode restarted"
 
 
+@pytest.mark.slow   # two server starts and a kill under load (~110 s idle): make test's budget
 def test_a_killed_decode_releases_prefills_blocks(soak: tuple[SoakConfig, dict[str, Server]]) -> None:
     """SIGKILL decode mid-load (not restarted): the requests it held fail at the client, and prefill gives
     back every block it held for them (its own /metrics: KV cache usage 0, nothing running) within
