@@ -10,6 +10,9 @@
 # "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
 # On a GPU machine: KVFERRY_VLLM=vllm KVFERRY_TORCH="" bash scripts/setup-vllm.sh (the `vllm` extra: the CUDA
 # build, with the torch it resolves).
+# Mooncake's Transfer Engine (the `mooncake` extra: the connector's "transport": "mooncake") joins where the
+# system libraries its wheel links are present (scripts/setup.sh installs them; docs/mooncake.md);
+# KVFERRY_VLLM_MOONCAKE=0 leaves it out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -26,7 +29,18 @@ if [ -n "$TORCH" ]; then
     # Unquoted: it may carry pip options, e.g. "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
     "$VENV/bin/python" -m pip install -q $TORCH
 fi
-"$VENV/bin/python" -m pip install -q -e ".[$EXTRA,dev,metrics]"
+EXTRAS="$EXTRA,dev,metrics"
+KNOWN=$(ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null || true)
+if [ "${KVFERRY_VLLM_MOONCAKE:-1}" != 0 ]; then
+    if grep -q libibverbs.so.1 <<<"$KNOWN" && grep -q librdmacm.so.1 <<<"$KNOWN" \
+            && grep -q libnuma.so.1 <<<"$KNOWN" && grep -q libcurl.so.4 <<<"$KNOWN"; then
+        EXTRAS="$EXTRAS,mooncake"
+    else
+        echo "setup-vllm: no Mooncake (libibverbs1, librdmacm1, libnuma1 or libcurl4 missing: scripts/setup.sh" \
+             "installs them); its vLLM test skips"
+    fi
+fi
+"$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]"
 if [ -n "$TORCH" ]; then
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi

@@ -4,7 +4,8 @@ As a module: ``make_layout``, ``fill``, ``workload``, ``run_prefill``, ``announc
 As a program (``python tests/control_peer.py prefill|decode '<options json>'``): builds one endpoint,
 prints ``{"event": "ready", "address": ...}``, then answers JSON commands read from stdin, one line each,
 with one JSON line on stdout. Commands: ``connect``, ``serve``, ``send`` (one request's pages, given),
-``send_rest``, ``announce``, ``wait_all``, ``verify``, ``counters``, ``exit``; ``serve`` and ``announce`` take
+``send_rest``, ``announce``, ``wait_all``, ``verify``, ``counters``, ``hog`` (starve this process's Python
+threads for ``seconds``), ``exit``; ``serve`` and ``announce`` take
 ``tokens`` (request id -> token ids) to bind requests (``token_binding``), ``verify`` takes ``only``.
 ``"mode": "pull"`` makes the endpoint pull (decode reads prefill's pages). With ``"stop_before_write":
 true`` a prefill stops itself (SIGSTOP) right before its first transport write, after every check the
@@ -236,9 +237,24 @@ def _command(ep: Any, op: str, cmd: dict[str, Any], reqs: list[Req], before: dic
         return {"ok": True}
     if op == "counters":
         return {"counters": ep.counters()}
+    if op == "hog":   # starve this process's Python (not its libzmq I/O thread) for about ``seconds``
+        return {"calls": _hog(cmd["seconds"])}
     if op == "holds":  # pull mode: how many requests' source pages decode may still read
         return {"holds": sum(ep.holds_source(r.rid) for r in reqs), "total": ep.counters()["source_holds"]}
     return {"error": f"unknown op {op!r}"}
+
+
+def _hog(seconds: float) -> int:
+    """Start a thread that holds the GIL for about ``seconds``: one ``sum`` over a range, a C loop that
+    never lets the GIL go, sized from a short calibration. Every Python thread here (the endpoint's progress
+    loop) stands still meanwhile; libzmq's I/O thread, which needs no GIL, keeps answering ZMTP heartbeats."""
+    import threading
+
+    t0 = time.perf_counter()
+    sum(range(2_000_000))
+    n = int(2_000_000 * seconds / max(time.perf_counter() - t0, 1e-6))
+    threading.Thread(target=sum, args=(range(n),), daemon=True).start()
+    return n
 
 
 def _reply(obj: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""A decode-side NIXL peer in its own OS process, driven over a ``multiprocessing`` pipe.
+"""A decode-side NIXL (or Mooncake) peer in its own OS process, driven over a ``multiprocessing`` pipe.
 
 Used by ``tests/test_transport_nixl.py`` and ``bench/transport.py``. The peer owns its memory (built from a
 layout manifest and filled from a seed), registers it with a ``NixlTransport``, and keeps driving progress
@@ -51,32 +51,34 @@ class PeerProcess:
 
 
 def start_peer(manifest: bytes, seed: int, *, pause_after_setup: float = 0.0,
-               descriptors: str = "dlist") -> PeerProcess:
+               descriptors: str = "dlist", transport: str = "nixl") -> PeerProcess:
     """Spawn a peer holding ``Layout.from_manifest(manifest)`` filled from ``seed``; returns once registered.
 
     ``pause_after_setup`` makes the peer sleep that long *without driving progress* right after it sent its
-    metadata (the deadline test's stalled receiver).
+    metadata (the deadline test's stalled receiver). ``transport``: ``"nixl"`` or ``"mooncake"``
+    (``descriptors`` is NIXL's only).
     """
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=serve, args=(theirs, manifest, seed, pause_after_setup, descriptors), daemon=True)
+    proc = ctx.Process(target=serve, args=(theirs, manifest, seed, pause_after_setup, descriptors, transport),
+                       daemon=True)
     proc.start()
     if not ours.poll(60):
         proc.kill()
-        raise TimeoutError("NIXL peer did not start within 60 s")
+        raise TimeoutError(f"{transport} peer did not start within 60 s")
     name, metadata = ours.recv()
     return PeerProcess(proc, ours, name, metadata)
 
 
-def serve(conn: Connection, manifest: bytes, seed: int, pause: float, descriptors: str) -> None:
+def serve(conn: Connection, manifest: bytes, seed: int, pause: float, descriptors: str, kind: str = "nixl") -> None:
     """Peer main loop: register, announce, then alternate between progress and commands until ``exit``."""
     sys.path.insert(0, os.path.dirname(__file__))
     from kvferry import KVMemory, Layout
-    from kvferry.transport.nixl import NixlTransport
+    from kvferry.transport import make_transport
 
     memory = KVMemory.allocate(Layout.from_manifest(manifest))
     fill(memory, seed)
-    transport = NixlTransport(descriptors=descriptors)  # type: ignore[arg-type]
+    transport = make_transport(kind, **({"descriptors": descriptors} if kind == "nixl" else {}))
     conn.send((transport.agent_name, transport.register(memory)))
     time.sleep(pause)
     inbox: list[tuple[str, bytes]] = []
@@ -138,7 +140,7 @@ def _handlers(transport: Any, memory: Any, inbox: list[tuple[str, bytes]]) -> di
         "pages": pages,
         "fill": lambda seed: fill(memory, seed),
         "send": transport.send_notification,
-        "modules": lambda: sorted(m for m in ("torch", "nixl") if m in sys.modules),
+        "modules": lambda: sorted(m for m in ("torch", "nixl", "mooncake") if m in sys.modules),
         "pause": time.sleep,
     }
 

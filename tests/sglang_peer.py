@@ -333,6 +333,14 @@ def make_manager(cfg: dict[str, Any], role: str, args: Any) -> tuple[Any, Any]:
     load_plugins()
     if cfg["backend"] == "nixl" and cfg.get("host_shim", True):
         host_memory_shim()
+    if cfg["backend"] == "mooncake":
+        # SGLang's mooncake manager takes the process's shared engine, which its distributed bootstrap
+        # creates (sglang.srt.distributed.bootstrap) before any manager: created here the same way.
+        from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+            init_mooncake_transfer_engine,
+        )
+
+        init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
     backend = dutils.TransferBackend(cfg["backend"])
     mode = dutils.DisaggregationMode.PREFILL if role == "prefill" else dutils.DisaggregationMode.DECODE
     server = None

@@ -1,4 +1,7 @@
-"""Control plane between two OS processes over NIXL: bulk traffic, peers killed mid-transfer, restarts."""
+"""Control plane between two OS processes over NIXL: bulk traffic, peers killed mid-transfer, restarts.
+
+The bulk and fault tests run over Mooncake's Transfer Engine too (``KINDS``), where it is installed: a peer
+killed mid-transfer or restarted (a new generation) fails closed the same way over either transport."""
 
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ import pytest
 
 from kvferry import KVMemory, PeerLost
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
-from kvferry.errors import RequestFailed, UsageError
+from kvferry.errors import IncompatiblePeer, RequestFailed, UsageError
+from kvferry.transport import mooncake_available
 
 from .control_peer import announce, fill, make_layout, run_prefill, snapshot, verify, wait_all, workload
 
@@ -32,6 +36,8 @@ PEER = Path(__file__).with_name("control_peer.py")
 TIMEOUTS = {"heartbeat_interval": 0.2, "peer_timeout": 1.0, "lease_grace": 1.0, "request_timeout": 30.0}
 OPTS = EndpointOptions(**TIMEOUTS)
 SEED = 7
+KINDS = pytest.mark.parametrize("kind", ["nixl", pytest.param("mooncake", marks=pytest.mark.skipif(
+    not mooncake_available(), reason="Mooncake's Transfer Engine is not installed (kvferry[mooncake])"))])
 
 
 class Peer:
@@ -89,10 +95,10 @@ def peers() -> Iterator[list[Peer]]:
         peer.close()
 
 
-def _decode() -> tuple[DecodeEndpoint, dict[str, Any]]:
+def _decode(kind: str = "nixl") -> tuple[DecodeEndpoint, dict[str, Any]]:
     dst = KVMemory.allocate(make_layout("decode"))
     fill(dst, 999)
-    return DecodeEndpoint(dst, "nixl", options=OPTS), snapshot(dst)
+    return DecodeEndpoint(dst, kind, options=OPTS), snapshot(dst)
 
 
 def _idle(ep: Any) -> bool:
@@ -132,19 +138,21 @@ def serve_64_and_verify(decode: DecodeEndpoint, prefill: Peer, before: dict[str,
     assert prefill("counters")["counters"]["live_handles"] == 0
 
 
-def test_many_requests_between_processes(peers: list[Peer]) -> None:
-    prefill = Peer("prefill", digest_mode="full")
+@KINDS
+def test_many_requests_between_processes(peers: list[Peer], kind: str) -> None:
+    prefill = Peer("prefill", digest_mode="full", transport=kind)
     peers.append(prefill)
-    decode, before = _decode()
+    decode, before = _decode(kind)
     with decode:
         serve_64_and_verify(decode, prefill, before)
 
 
-def test_decode_killed_mid_transfer(peers: list[Peer]) -> None:
+@KINDS
+def test_decode_killed_mid_transfer(peers: list[Peer], kind: str) -> None:
     src = KVMemory.allocate(make_layout("prefill"))
     fill(src, SEED)
-    with PrefillEndpoint(src, "nixl", options=OPTS) as prefill:
-        doomed = Peer("decode")
+    with PrefillEndpoint(src, kind, options=OPTS) as prefill:
+        doomed = Peer("decode", transport=kind)
         peers.append(doomed)
         doomed("connect", address=prefill.address)
         doomed("announce", n=24, seed=22)
@@ -158,7 +166,7 @@ def test_decode_killed_mid_transfer(peers: list[Peer]) -> None:
         assert time.monotonic() - t0 < OPTS.peer_timeout + 1.0
         _until(lambda: _idle(prefill), 5)
         # Prefill keeps serving: a new decode process gets all its bytes.
-        fresh = Peer("decode")
+        fresh = Peer("decode", transport=kind)
         peers.append(fresh)
         fresh("connect", address=prefill.address)
         fresh("announce", n=16, seed=23, prefix="f")
@@ -169,10 +177,11 @@ def test_decode_killed_mid_transfer(peers: list[Peer]) -> None:
         assert len(prefill.peers) == 1                   # the dead session is gone
 
 
-def test_prefill_killed_mid_transfer_then_restarted(peers: list[Peer]) -> None:
-    first = Peer("prefill")
+@KINDS
+def test_prefill_killed_mid_transfer_then_restarted(peers: list[Peer], kind: str) -> None:
+    first = Peer("prefill", transport=kind)
     peers.append(first)
-    decode, before = _decode()
+    decode, before = _decode(kind)
     with decode:
         decode.connect(first.address)
         reqs = workload(24, seed=24)
@@ -190,7 +199,7 @@ def test_prefill_killed_mid_transfer_then_restarted(peers: list[Peer]) -> None:
         assert decode.num_live_leases == 24              # a write may still be landing: pages kept...
         held = _until(lambda: decode.num_live_leases == 0, 5)
         assert failed_after + held >= OPTS.lease_grace * 0.9  # ...until the grace after the death passed
-        second = Peer("prefill")
+        second = Peer("prefill", transport=kind)
         peers.append(second)
         decode.connect(second.address)
         again = workload(24, seed=24, prefix="again")
@@ -222,6 +231,16 @@ def test_decode_prefix_between_processes(peers: list[Peer], mode: str) -> None:
         assert set(prefill("wait_all")["results"].values()) == {"done"}
         verify(dst, SEED, rest, before)
         _until(lambda: _idle(decode), 5)
+
+
+@pytest.mark.skipif(not mooncake_available(), reason="Mooncake's Transfer Engine is not installed")
+def test_transport_mismatch_is_refused_by_name(peers: list[Peer]) -> None:
+    """A decode over Mooncake meeting a prefill over NIXL: the handshake refuses, naming both transports."""
+    prefill = Peer("prefill", transport="nixl")
+    peers.append(prefill)
+    decode, _ = _decode("mooncake")
+    with decode, pytest.raises(IncompatiblePeer, match="transport differs: prefill uses 'nixl', decode 'mooncake'"):
+        decode.connect(prefill.address, timeout=10)
 
 
 def test_a_swap_between_two_processes_over_nixl(peers: list[Peer]) -> None:

@@ -325,17 +325,20 @@ def _stopped(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.nixl
-def test_sigstopped_prefill_process_writes_only_into_quarantine() -> None:
+@pytest.mark.parametrize("kind", ["nixl", "mooncake"])
+def test_sigstopped_prefill_process_writes_only_into_quarantine(kind: str) -> None:
     pytest.importorskip("nixl")
+    if kind == "mooncake":
+        pytest.importorskip("mooncake")
     from .test_control_nixl import Peer
 
     figures = {"heartbeat_interval": 0.5, "peer_timeout": 2.5, "lease_grace": 1.0, "request_timeout": 30.0}
     opts = EndpointOptions(**figures)
-    p1 = Peer("prefill", options=figures, seed=SEED_1, stop_before_write=True)
-    p2 = Peer("prefill", options=figures, seed=SEED_2)
+    p1 = Peer("prefill", options=figures, seed=SEED_1, stop_before_write=True, transport=kind)
+    p2 = Peer("prefill", options=figures, seed=SEED_2, transport=kind)
     src1, src2, dst = _memory("prefill", SEED_1), _memory("prefill", SEED_2), _memory("decode", 999)
     try:
-        with DecodeEndpoint(dst, "nixl", options=opts, digest_mode="full") as decode:
+        with DecodeEndpoint(dst, kind, options=opts, digest_mode="full") as decode:
             decode.connect(p1.address)
             decode.connect(p2.address)
             p1("send", rid="a", pages={k: v.tolist() for k, v in SRC_A.items()})

@@ -146,6 +146,49 @@ def test_sglang_nixl_backend_same_cases(pool: str) -> None:
     RESULTS["nixl", pool] = decode
 
 
+# The seed's pools (DeepSeek-V4) in make test; the other three in make test-sglang-slow (each case starts two
+# SGLang processes: 40-90 s on 2 cores).
+@pytest.mark.parametrize("pool", [p if p == "v4" else pytest.param(p, marks=pytest.mark.slow) for p in POOLS])
+def test_kvferry_backend_over_mooncake_moves_every_byte(pool: str) -> None:
+    """Issue 33: the same cases with the backend on Mooncake's Transfer Engine (its TCP transport here),
+    chosen by ``KVFERRY_SGLANG_TRANSPORT=mooncake`` on both sides: every request concludes, every slot exact."""
+    from kvferry.transport import mooncake_available
+
+    if not mooncake_available():
+        pytest.skip("Mooncake's Transfer Engine cannot import (pip install 'kvferry[mooncake]', docs/mooncake.md)")
+    prefill, decode = run_pair("kvferry", pool, env={"KVFERRY_SGLANG_TRANSPORT": "mooncake"})
+    assert "refused" not in decode, decode
+    assert _ok(prefill) == N and _ok(decode) == N, (Counter(prefill["outcomes"].values()),
+                                                    Counter(decode["outcomes"].values()), decode["errors"])
+    assert_exact(decode)
+    assert prefill["stats"]["requests_done"] == decode["stats"]["requests_done"] == N
+    assert prefill["stats"]["page_bytes"] == decode["stats"]["page_bytes"] > 0
+    RESULTS["kvferry-mc", pool] = decode
+
+
+@pytest.mark.slow   # two SGLang processes for a refusal: make test-sglang-slow
+def test_an_unknown_transport_is_refused_by_name() -> None:
+    prefill, decode = run_pair("kvferry", "mla", n=2, env={"KVFERRY_SGLANG_TRANSPORT": "ucx"})
+    for side in (prefill, decode):   # both managers refuse before moving anything
+        assert "KVFERRY_SGLANG_TRANSPORT must be one of ('nixl', 'mooncake'), got 'ucx'" in side["refused"], side
+
+
+@pytest.mark.slow   # a comparison, not kvferry's code: make test-sglang-slow
+@pytest.mark.parametrize("pool", POOLS)
+def test_sglang_mooncake_backend_same_cases(pool: str) -> None:
+    """SGLang's own Mooncake backend on the same pools and requests, its engine forced onto TCP
+    (``MC_FORCE_TCP=1``, ``MOONCAKE_PROTOCOL=tcp``): beside the kvferry-over-Mooncake runs above."""
+    from kvferry.transport import mooncake_available
+
+    if not mooncake_available():
+        pytest.skip("Mooncake's Transfer Engine cannot import (pip install 'kvferry[mooncake]', docs/mooncake.md)")
+    prefill, decode = run_pair("mooncake", pool, env={"MC_FORCE_TCP": "1", "MOONCAKE_PROTOCOL": "tcp"})
+    assert "refused" not in decode, decode
+    assert _ok(prefill) == N and _ok(decode) == N, (Counter(decode["outcomes"].values()), decode["errors"])
+    assert_exact(decode)
+    RESULTS["mooncake", pool] = decode
+
+
 def _kvferry_ranks_all_exact(pool: str, prefill_tp: int, decode_tp: int) -> None:
     """kvferry's backend, a process per rank: every rank concludes every request and decode is exact."""
     prefills, decodes = run_ranks("kvferry", pool, prefill_tp=prefill_tp, decode_tp=decode_tp)
@@ -592,9 +635,9 @@ def report_lines() -> list[str]:
     end of the run by ``pytest_terminal_summary`` in tests/conftest.py; empty when no transfer ran."""
     if not RESULTS:
         return []
-    lines = ["backend  pool               requests ok  bytes checked  bad pages  mean s/request"]
+    lines = ["backend    pool               requests ok  bytes checked  bad pages  mean s/request"]
     for (backend, pool), d in sorted(RESULTS.items()):
-        lines.append(f"{backend:8} {pool:18} {_ok(d):>11}  {d['check']['bytes_checked']:>13}  "
+        lines.append(f"{backend:10} {pool:18} {_ok(d):>11}  {d['check']['bytes_checked']:>13}  "
                      f"{d['check']['num_bad_pages']:>9}  {_seconds(d['mean_latency_s'])}")
-        lines.extend(f"         ^ {note}" for note in d.get("notes", ()))
+        lines.extend(f"           ^ {note}" for note in d.get("notes", ()))
     return lines

@@ -32,11 +32,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``kvferry chaos`` (handler ``run_chaos_command``)."""
     p = subparsers.add_parser(
         "chaos", help="the stress load while either side is stalled, killed or cut off; every byte checked",
-        description="Run prefill and decode as two processes over NIXL with many multi-turn sessions, while a "
-                    "supervisor at seeded random moments SIGSTOPs a side for longer than peer_timeout + "
-                    "lease_grace, SIGKILLs and restarts a side, or cuts the control connections (through a "
-                    "TCP relay). Every page of every request reported done is checked when it completes, when "
-                    "it is reused and at the end. Exit status 1 if any byte was wrong or a lease leaked.")
+        description="Run prefill and decode as two processes over NIXL (or Mooncake) with many multi-turn "
+                    "sessions, while a supervisor at seeded random moments SIGSTOPs a side for longer than "
+                    "peer_timeout + lease_grace, SIGKILLs and restarts a side, or cuts the control connections "
+                    "(through a TCP relay). Every page of every request reported done is checked when it "
+                    "completes, when it is reused and at the end. Exit status 1 if any byte was wrong or a lease "
+                    "leaked.")
     w = p.add_argument_group("load")
     w.add_argument("--duration", type=float, default=60.0, metavar="S", help="seconds of chaos (default 60)")
     w.add_argument("--seed", type=int, default=0, help="seed of the load, the bytes and the fault schedule")
@@ -48,6 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="memory per side (default 128MiB: restarts allocate it again)")
     w.add_argument("--mode", choices=("push", "pull"), default="push",
                    help="push (default): prefill writes into decode's pages; pull: decode reads prefill's")
+    w.add_argument("--transport", choices=("nixl", "mooncake"), default="nixl",
+                   help="between the two processes: nixl (default, NIXL over UCX) or mooncake (Mooncake's "
+                        "Transfer Engine over TCP, kvferry[mooncake])")
     f = p.add_argument_group("faults and deadlines")
     f.add_argument("--mean-gap", type=float, default=4.0, metavar="S", help="mean seconds between faults")
     f.add_argument("--peer-timeout", type=float, default=1.0, metavar="S", help="endpoints' peer_timeout")
@@ -61,7 +65,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ChaosConfig:
     spec = WorkloadSpec(num_sessions=args.sessions, num_turns=args.turns, seed=args.seed)
-    workload = WorkloadConfig(workload=spec, preset=args.preset, budget_bytes=args.budget, transport="nixl",
+    workload = WorkloadConfig(workload=spec, preset=args.preset, budget_bytes=args.budget,
+                              transport=getattr(args, "transport", "nixl"),
                               request_timeout_s=args.request_timeout, peer_timeout_s=args.peer_timeout,
                               lease_grace_s=args.lease_grace, mode=args.mode)
     return ChaosConfig(workload=workload, duration_s=args.duration, mean_gap_s=args.mean_gap)
@@ -69,7 +74,7 @@ def config_from_args(args: argparse.Namespace) -> ChaosConfig:
 
 def run_chaos_command(args: argparse.Namespace) -> int:
     """Handler: run, print, and return 0 (no wrong byte, no leaked lease) or 1."""
-    from kvferry.transport import nixl_available
+    from kvferry.transport import mooncake_available, nixl_available
     from kvferry.workload.chaos import run_chaos
 
     config = config_from_args(args)
@@ -77,9 +82,10 @@ def run_chaos_command(args: argparse.Namespace) -> int:
         for event in fault_schedule(config):
             print(event.describe())
         return 0
-    if not nixl_available():
-        print("kvferry chaos: needs the nixl package (pip install 'kvferry[nixl]'): faults need two processes",
-              file=sys.stderr)
+    kind = config.workload.transport
+    if not (nixl_available() if kind == "nixl" else mooncake_available()):
+        print(f"kvferry chaos: --transport {kind} needs the {kind} package (pip install 'kvferry[{kind}]'): "
+              "faults need two processes", file=sys.stderr)
         return 2
     server = start_metrics(args)
     try:

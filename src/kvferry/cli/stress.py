@@ -28,8 +28,9 @@ from kvferry.cli.args import (
     start_metrics,
 )
 from kvferry.diagnostics.audit import buffer_role
+from kvferry.errors import UsageError
 from kvferry.layout.presets import DEFAULT_PRESET, PRESETS
-from kvferry.transport import nixl_available
+from kvferry.transport import mooncake_available, nixl_available
 from kvferry.workload.runner import DEFAULT_BUDGET, ProgressFn, WorkloadConfig, WorkloadResult
 from kvferry.workload.sim import WorkloadSpec
 
@@ -80,8 +81,9 @@ def add_workload_arguments(p: argparse.ArgumentParser, *, sessions: int, turns: 
     lay.add_argument("--knob", type=parse_knob, action="append", default=[], metavar="NAME=VALUE",
                      help="a preset knob, e.g. num_layers=8 (repeatable)")
     run = p.add_argument_group("run")
-    run.add_argument("--transport", choices=("auto", "nixl", "local"), default="auto",
-                     help="nixl: two OS processes over NIXL/UCX; local: two threads, in-process; auto "
+    run.add_argument("--transport", choices=("auto", "nixl", "mooncake", "local"), default="auto",
+                     help="nixl: two OS processes over NIXL/UCX; mooncake: two OS processes over Mooncake's "
+                          "Transfer Engine (kvferry[mooncake]); local: two threads, in-process; auto "
                           "(default): nixl when the nixl package is installed, else local, saying so")
     run.add_argument("--mode", choices=("push", "pull"), default="push",
                      help="push (default): prefill writes into decode's pages; pull: decode reads prefill's")
@@ -106,6 +108,8 @@ def config_from_args(args: argparse.Namespace) -> WorkloadConfig:
 
 
 def _transport(choice: str) -> str:
+    if choice == "mooncake" and not mooncake_available():
+        raise UsageError("--transport mooncake needs Mooncake's Transfer Engine (pip install 'kvferry[mooncake]')")
     if choice != "auto":
         return choice
     if nixl_available():

@@ -747,7 +747,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
                 f"at that address, its answer may exceed max_message_bytes={self.options.max_message_bytes})"))
         elif not link.established:
             return
-        elif link.clock.peer_silent(now):
+        elif link.clock.peer_lost(now, self._connected()):
             self._link_dead(link, PeerLost(f"prefill {link.address} silent for {link.clock.silent_for(now):.2f} s "
                                            f"(peer_timeout {self.options.peer_timeout} s)"))
         elif link.clock.heartbeat_due(now):

@@ -120,6 +120,14 @@ class EndpointOptions:
       for a request already done here (a replay), instead of waiting ``request_timeout`` for a ``send`` that
       will not come. Only for engines whose order makes it true: prefill issues every id before decode can
       be asked about it (vLLM's: the id reaches decode in prefill's response). Off by default.
+    * ``transport_liveness``: decide "peer gone" from what CPU starvation cannot fake (issue 29). Each ZMQ
+      connection runs libzmq's own ZMTP heartbeats (every ``heartbeat_interval``, dropped after
+      ``peer_timeout`` unanswered): libzmq's I/O thread answers them without the GIL, so a busy or
+      GIL-starved peer still does, while a stopped, hung-in-the-kernel or dead one does not. A dropped
+      connection (that, a reset, a refusal) ends the peer at once; application-level silence past
+      ``peer_timeout`` only makes it *suspect* (requests ride it out, bounded by ``request_timeout``).
+      Prefill's check of its own stall is unchanged (docs/protocol.md, "Slow is not dead"). Both sides
+      of a pair should agree. Off by default for now (see that section).
     """
 
     heartbeat_interval: float = 0.5
@@ -134,6 +142,7 @@ class EndpointOptions:
     batch_bytes: int = 8 << 20
     stats: bool = True
     refuse_unissued: bool = False
+    transport_liveness: bool = False
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "peer_timeout", "request_timeout", "lease_grace",
@@ -581,7 +590,20 @@ class EndpointBase:
         # No send high-water mark: control messages are small and must not be dropped; a dead peer's
         # queue is bounded by peer_timeout, after which its socket is closed.
         sock.setsockopt(zmq.SNDHWM, 0)
+        if self.options.transport_liveness:
+            # ZMTP PING/PONG, answered by libzmq's I/O thread (no GIL): a silent connection is dropped only
+            # when the peer's process cannot answer at all (stopped, gone, cut off), never when it is slow.
+            opts = self.options
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(opts.heartbeat_interval * 1000)))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(opts.peer_timeout * 1000)))
+            sock.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(opts.peer_timeout * 1000)))
         return sock
+
+    def _connected(self) -> bool | None:
+        """What ``PeerClock.peer_lost`` is told of an established peer's connection: True with
+        ``transport_liveness`` (a connection still standing has answered libzmq's heartbeats within
+        ``peer_timeout``; a dropped one has already ended the peer), None without (silence decides)."""
+        return True if self.options.transport_liveness else None
 
     # -- the progress thread ---------------------------------------------------------------------------
     def _run(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections import OrderedDict
@@ -126,6 +127,14 @@ class PrefillEndpoint(EndpointBase, PullSource):
             raise
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller.register(self._sock, zmq.POLLIN)
+        # transport_liveness: libzmq's monitor says a connection dropped (a reset, or ZMTP heartbeats
+        # unanswered for peer_timeout), not whose: ROUTER_NOTIFY, which would, is a draft API. So every
+        # session not heard from since the last drop falls back to the silence rule (``_connected_for``).
+        self._monitor: Any = None
+        self._last_drop = -math.inf
+        if self.options.transport_liveness:
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._poller.register(self._monitor, zmq.POLLIN)
         self._sessions: dict[bytes, Session] = {}
         # Records (by identity: an id may have an old incarnation still settling) that are live, hold
         # handles, or owe decode a Fail; ``_dirty`` is the subset the progress loop must look at now.
@@ -606,6 +615,9 @@ class PrefillEndpoint(EndpointBase, PullSource):
 
     # -- messages (progress thread) --------------------------------------------------------------------
     def _on_frames(self, sock: Any, frames: list[bytes]) -> None:
+        if sock is self._monitor:
+            self._last_drop = self._recv_time
+            return
         if len(frames) != 2:
             raise ProtocolError(f"expected identity and one frame, got {len(frames)} frames")
         identity, data = frames
@@ -860,11 +872,17 @@ class PrefillEndpoint(EndpointBase, PullSource):
             self._session_dead(session, PeerLost(f"{session.label} heard nothing from this prefill for more than "
                                                  f"peer_timeout {self.options.peer_timeout} s (this process "
                                                  "stalled): it has declared us dead"))
-        elif session.clock.peer_silent(now):
+        elif session.clock.peer_lost(now, self._connected_for(session)):
             self._session_dead(session, PeerLost(f"{session.label} silent for {session.clock.silent_for(now):.2f} s "
                                                  f"(peer_timeout {self.options.peer_timeout} s)"))
         elif session.clock.heartbeat_due(now):
             self._send(session, wire.Heartbeat())
+
+    def _connected_for(self, session: Session) -> bool | None:
+        """True while no connection dropped since we last heard ``session`` (its own still stands, with
+        libzmq's heartbeats answered); None (silence decides, as without transport_liveness) otherwise."""
+        connected = self._connected()
+        return connected if connected is None or session.clock.last_seen > self._last_drop else None
 
     def _check_silence(self, now: float) -> None:
         # Before reading: a session we sent nothing to for longer than peer_timeout (this process stalled)
@@ -968,4 +986,8 @@ class PrefillEndpoint(EndpointBase, PullSource):
         return True
 
     def _close_sockets(self) -> None:
+        if self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            self._monitor.close(0)
         self._sock.close(FLUSH_MS)  # let the last Fail and Bye leave; bounded if the peer is gone

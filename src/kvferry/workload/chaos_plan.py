@@ -28,7 +28,7 @@ SIDES = ("decode", "prefill")
 
 @dataclass(frozen=True, slots=True)
 class ChaosConfig:
-    """A chaos run: ``workload`` (its transport must be ``nixl``: faults need processes) for ``duration_s``.
+    """A chaos run: ``workload`` (its transport ``nixl`` or ``mooncake``: faults need processes) for ``duration_s``.
 
     Faults start after ``warmup_s``, ``min_gap_s`` plus an exponential gap of mean ``mean_gap_s`` apart
     (a killed side needs a moment to start again before the next fault means anything), and end
@@ -52,8 +52,8 @@ class ChaosConfig:
 
     def __post_init__(self) -> None:
         wl = self.workload
-        if wl.transport != "nixl":
-            raise UsageError("a chaos run stops and kills processes: its transport must be 'nixl'")
+        if wl.transport not in ("nixl", "mooncake"):
+            raise UsageError("a chaos run stops and kills processes: its transport must be 'nixl' or 'mooncake'")
         if wl.peer_timeout_s is None or wl.lease_grace_s is None:
             raise UsageError("a chaos run needs peer_timeout_s and lease_grace_s set (stalls are sized by them)")
         if self.duration_s <= 0 or self.mean_gap_s <= 0 or self.drain_s <= 0 or self.min_gap_s < 0:

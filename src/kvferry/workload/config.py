@@ -53,8 +53,8 @@ class WorkloadConfig:
     reuse_prefix: bool = False
 
     def __post_init__(self) -> None:
-        if self.transport not in ("nixl", "local"):
-            raise UsageError(f"transport must be 'nixl' or 'local', got {self.transport!r}")
+        if self.transport not in ("nixl", "mooncake", "local"):
+            raise UsageError(f"transport must be 'nixl', 'mooncake' or 'local', got {self.transport!r}")
         if self.mode not in ("push", "pull"):
             raise UsageError(f"mode must be 'push' or 'pull', got {self.mode!r}")
         if self.mode == "pull" and self.inject is not None:

@@ -94,7 +94,7 @@ class Supervisor:
     def __init__(self, config: WorkloadConfig, progress: ProgressFn | None) -> None:
         self.config = config
         self.progress = progress
-        ctx = mp.get_context("spawn") if config.transport == "nixl" else None
+        ctx = mp.get_context("spawn") if config.transport != "local" else None
         router_d, router_p = mp.Pipe() if ctx is None else ctx.Pipe()
         self.workers = {"decode": Worker("decode", config, router_d, ctx),
                         "prefill": Worker("prefill", config, router_p, ctx)}

@@ -6,7 +6,11 @@ that queued up while this process stalled do not make a peer that gave up on us 
 frame of ours last left. From those two times alone:
 
 * a heartbeat is due ``heartbeat_interval`` after our last frame (any frame counts as one);
-* the peer is *silent* (lost) once nothing came from it for longer than ``peer_timeout``;
+* the peer is *silent* once nothing came from it for longer than ``peer_timeout``. Silence alone makes it
+  *suspect*, not lost, when its connection is known to be up (``connected=True``: libzmq's own ZMTP
+  heartbeats, answered by its I/O thread without the GIL, still come back, so the peer is slow, not gone;
+  a SIGSTOPped or dead process answers none and libzmq drops the connection, which ends it at once). With
+  no such knowledge (``connected=None``) silence means lost, as before;
 * *we* were silent once nothing of ours left for longer than ``peer_timeout`` (this process stalled): the
   peer has declared us dead by its own clock, whatever frames queued meanwhile say, so nothing more may be
   written under that session (prefill), and pull-mode reads stop at the tighter ``fence_s`` (decode).
@@ -28,7 +32,9 @@ class Liveness(Enum):
     """``PeerClock.judge``'s verdict, most serious first."""
 
     WE_WERE_SILENT = "we_were_silent"   # our frames paused past peer_timeout: the peer has given up on us
+    GONE = "gone"                       # the connection is down (refused, reset, ZMTP heartbeats unanswered)
     PEER_SILENT = "peer_silent"         # nothing from the peer for longer than peer_timeout: it is lost
+    PEER_SUSPECT = "peer_suspect"       # silent that long, but its connection is up: slow, not gone
     HEARTBEAT_DUE = "heartbeat_due"     # nothing of ours left for heartbeat_interval: send one
     OK = "ok"
 
@@ -68,22 +74,40 @@ class PeerClock:
     def heartbeat_due(self, now: float) -> bool:
         return now >= self.last_sent + self.heartbeat_interval
 
-    def judge(self, now: float) -> Liveness:
+    def peer_lost(self, now: float, connected: bool | None = None) -> bool:
+        """Whether the peer is gone at ``now``: its connection is down (``connected=False``), or it is
+        silent past ``peer_timeout`` with nothing telling us it is up (``connected=None``). Silence with
+        ``connected=True`` is never loss: a starved peer resumes, and requests are bounded by their own
+        deadline (``request_timeout``), not by this."""
+        if connected is False:
+            return True
+        return connected is None and self.peer_silent(now)
+
+    def judge(self, now: float, connected: bool | None = None) -> Liveness:
+        """The verdict at ``now``. ``connected``: what the transport below says of the peer's connection
+        (True: up and its keepalives answered; False: down; None: not known, silence decides)."""
         if self.we_were_silent(now):
             return Liveness.WE_WERE_SILENT
+        if connected is False:
+            return Liveness.GONE
         if self.peer_silent(now):
-            return Liveness.PEER_SILENT
+            return Liveness.PEER_SILENT if connected is None else Liveness.PEER_SUSPECT
         if self.heartbeat_due(now):
             return Liveness.HEARTBEAT_DUE
         return Liveness.OK
 
-    def next_deadline(self) -> float:
+    def next_deadline(self, now: float | None = None) -> float:
         """The earliest ``now`` at which ``judge`` may answer otherwise than now, if no frame comes or goes:
         the heartbeat falls due, or a silence passes ``peer_timeout`` (strictly: the first representable time
-        after it). Exact: each test above compares ``now`` with one of these sums."""
+        after it). Exact: each test above compares ``now`` with one of these sums. Given ``now``, a peer
+        silence already passed is left out: a *suspect* peer (its connection up) is not lost by it, and the
+        heartbeats we still owe it are the next thing to happen."""
         hb = self.last_sent + self.heartbeat_interval
-        silent = min(self.last_seen, self.last_sent) + self.peer_timeout
-        return min(hb, _after(silent))
+        ours = _after(self.last_sent + self.peer_timeout)
+        peer = _after(self.last_seen + self.peer_timeout)
+        if now is not None and peer <= now:
+            peer = math.inf
+        return min(hb, ours, peer)
 
 
 def _after(t: float) -> float:

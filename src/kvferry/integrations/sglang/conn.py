@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -32,6 +33,7 @@ from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, Re
 from kvferry.errors import HandshakeError, IncompatiblePeer, KVFerryError, LayoutError, PeerLost, UsageError
 from kvferry.integrations.sglang.layout import PoolNames, chunk_pages, kvargs_memory, rank_kv_heads, request_pages
 from kvferry.integrity.binding import Binding, token_binding
+from kvferry.transport import Transport, make_transport
 
 __all__ = ["KVFerryKVBootstrapServer", "KVFerryKVManager", "KVFerryKVReceiver", "KVFerryKVSender"]
 
@@ -51,6 +53,27 @@ BIND_TOKENS = 64
 
 def _room_id(room: int) -> str:
     return f"room-{room}"
+
+
+# Which kvferry transport the backend moves pages with: "nixl" (the default) or "mooncake" (Mooncake's Transfer
+# Engine, pip install 'kvferry[mooncake]'). An environment variable, as SGLang's own backends read theirs:
+# its server args have no field a plugin backend may add. Both sides of a pair must name the same one (the
+# handshake refuses otherwise).
+TRANSPORT_ENV = "KVFERRY_SGLANG_TRANSPORT"
+SGLANG_TRANSPORTS = ("nixl", "mooncake")
+
+
+def _transport(host: str, server_args: Any) -> Transport:
+    """A fresh transport of the kind ``KVFERRY_SGLANG_TRANSPORT`` names. Mooncake's engine listens on
+    ``host`` (the rank's IP, what peers reach it at) over TCP, or RDMA when ``KVFERRY_MOONCAKE_PROTOCOL=rdma``
+    on ``--disaggregation-ib-device`` (SGLang's own server arg for its Mooncake backend's NIC)."""
+    kind = os.environ.get(TRANSPORT_ENV, "nixl") or "nixl"
+    if kind not in SGLANG_TRANSPORTS:
+        raise UsageError(f"kvferry backend: {TRANSPORT_ENV} must be one of {SGLANG_TRANSPORTS}, got {kind!r}")
+    if kind == "nixl":
+        return make_transport("nixl")
+    return make_transport("mooncake", hostname=host, protocol=os.environ.get("KVFERRY_MOONCAKE_PROTOCOL", "tcp"),
+                          device=str(getattr(server_args, "disaggregation_ib_device", None) or ""))
 
 
 def _memory_device(args: KVArgs, server_args: Any) -> tuple[str, int]:
@@ -128,7 +151,8 @@ class KVFerryKVManager(CommonKVManager):
         # SGLang's PULL socket carries its own backends' messages; kvferry's endpoint replaces it.
         self.server_socket.close(linger=0)
         if disaggregation_mode == DisaggregationMode.DECODE:
-            self.decode_endpoint = DecodeEndpoint(self.kvferry_memory, "nixl", options=self.kvferry_options)
+            self.decode_endpoint = DecodeEndpoint(self.kvferry_memory, _transport(self.local_ip, server_args),
+                                                  options=self.kvferry_options)
             # SGLang's decode caches each prefill's bootstrap info (and so its kvferry address) per bootstrap
             # address, and only its heartbeat thread (``_handle_node_failure``) drops it: without it, a
             # restarted prefill (a new endpoint port) is never looked up again, and every later request
@@ -139,7 +163,8 @@ class KVFerryKVManager(CommonKVManager):
     def register_to_bootstrap(self) -> None:
         """Bind the prefill endpoint on this rank's IP and register its port as the rank port."""
         if self.prefill_endpoint is None:
-            self.prefill_endpoint = PrefillEndpoint(self.kvferry_memory, "nixl", host=self.local_ip,
+            self.prefill_endpoint = PrefillEndpoint(self.kvferry_memory, _transport(self.local_ip, self.server_args),
+                                                    host=self.local_ip,
                                                     options=self.kvferry_options)
         self.rank_port = int(self.prefill_endpoint.address.rsplit(":", 1)[1])
         super().register_to_bootstrap()

@@ -42,7 +42,8 @@ MAX_PREFILL_RANKS = 1024   # transfer parameters are untrusted input: far above 
 class WorkerConfig:
     """The connector's settings, from vLLM's ``kv_connector_extra_config`` (see docs/vllm.md).
 
-    ``transport``: ``"nixl"`` (between processes), ``"local"`` (one process) or ``"module:factory"``, a
+    ``transport``: ``"nixl"`` (between processes), ``"mooncake"`` (Mooncake's Transfer Engine, loopback only:
+    no hostname passed to it yet; tests/test_vllm_mooncake.py), ``"local"`` (one process) or ``"module:factory"``, a
     callable taking the side (``"prefill"``/``"decode"``) and returning a ``Transport`` (tests inject
     faults this way). ``host``/``port``: where prefill listens. ``digest_mode``: ``off``, ``sampled``,
     ``full``. ``secret``: shared by both sides, or None. Times in seconds. ``mode``: the transfer mode a
