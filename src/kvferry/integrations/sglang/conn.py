@@ -30,7 +30,7 @@ from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_parallel
 
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
-from kvferry.errors import KVFerryError, LayoutError, UsageError
+from kvferry.errors import HandshakeError, IncompatiblePeer, KVFerryError, LayoutError, PeerLost, UsageError
 from kvferry.integrations.sglang.layout import PoolNames, chunk_pages, kvargs_memory, rank_kv_heads, request_pages
 from kvferry.integrity.binding import Binding, token_binding
 from kvferry.transport import Transport, make_transport
@@ -153,6 +153,12 @@ class KVFerryKVManager(CommonKVManager):
         if disaggregation_mode == DisaggregationMode.DECODE:
             self.decode_endpoint = DecodeEndpoint(self.kvferry_memory, _transport(self.local_ip, server_args),
                                                   options=self.kvferry_options)
+            # SGLang's decode caches each prefill's bootstrap info (and so its kvferry address) per bootstrap
+            # address, and only its heartbeat thread (``_handle_node_failure``) drops it: without it, a
+            # restarted prefill (a new endpoint port) is never looked up again, and every later request
+            # goes to the dead address. It also fails the rooms of a dead prefill that kvferry never heard
+            # of (not announced yet), which would otherwise wait in Bootstrapping with no deadline.
+            self._start_heartbeat_checker_thread()
 
     def register_to_bootstrap(self) -> None:
         """Bind the prefill endpoint on this rank's IP and register its port as the rank port."""
@@ -170,6 +176,14 @@ class KVFerryKVManager(CommonKVManager):
         if self.decode_endpoint is None:
             raise UsageError('kvferry backend: this manager has no decode endpoint (not a decode instance)')
         self.decode_endpoint.connect_needed([address], exact=True)
+
+    def prefill_lost(self, bootstrap_addr: str, reason: str) -> None:
+        """Decode: kvferry found the prefill behind ``bootstrap_addr`` gone (no handshake, or its link
+        lost): forget what SGLang cached of it, as its heartbeat does, so the next request looks it up
+        again (a restarted prefill has a new endpoint port), and fail its rooms still waiting."""
+        logger.warning("kvferry: prefill at bootstrap address %s lost (%s): its bootstrap info is dropped",
+                       bootstrap_addr, reason)
+        self._handle_node_failure(bootstrap_addr)
 
     @property
     def tokens_per_page(self) -> int:
@@ -192,6 +206,9 @@ class KVFerryKVManager(CommonKVManager):
         self.update_status(room, KVPoll.Failed)
 
     def teardown(self) -> None:
+        shutdown = getattr(self, "_heartbeat_shutdown", None)   # decode only: stop the heartbeat thread
+        if shutdown is not None:
+            shutdown.set()
         for endpoint in (self.prefill_endpoint, self.decode_endpoint):
             if endpoint is not None:
                 endpoint.close()
@@ -398,6 +415,8 @@ class KVFerryKVReceiver(CommonKVReceiver):
             for info in self.bootstrap_infos:
                 self.kv_mgr.connect_prefill(self._address(info))
         except KVFerryError as exc:
+            if isinstance(exc, (HandshakeError, PeerLost)) and not isinstance(exc, IncompatiblePeer):
+                self.kv_mgr.prefill_lost(self.bootstrap_addr, f"handshake: {exc}")
             # An MHA decode's head geometry is what it derived itself: say from where, so an operator can
             # tell a wrong model config from a wrong prefill.
             heads = "" if self.kv_mgr.is_mla_backend else f" (decode: {self.kv_mgr.kv_heads_note})"
@@ -425,6 +444,8 @@ class KVFerryKVReceiver(CommonKVReceiver):
             self.kv_mgr.endpoint.announce(_room_id(self.bootstrap_room), pages, peer=peer,
                                           prefix=int(decode_prefix_len or 0), binding=self.binding)
         except KVFerryError as exc:
+            if isinstance(exc, PeerLost):   # SGLang's cached address of a prefill that is gone (restarted)
+                self.kv_mgr.prefill_lost(self.bootstrap_addr, f"announce: {exc}")
             self._fail(f"kvferry announce failed: {exc}")
             return
         self.init_time = time.time()
