@@ -220,8 +220,8 @@ def posting(pages: int, repeat: int, stat: str) -> dict[str, Any]:
 def control_steps(repeat: int, stat: str) -> dict[str, float]:
     """Per-request CPU of the control plane's planning and sampled-digest steps (us), in this process."""
     import control  # bench/control.py, beside this file
-    from kvferry.control.digests import chunk_digests, source_digests
-    from kvferry.control.prefill_requests import make_spec
+    from kvferry.control.core.digests import chunk_digests, source_digests
+    from kvferry.control.core.prefill_requests import make_spec
     from kvferry.integrity import digests
     from kvferry.plan.planner import plan_pages
 

@@ -17,6 +17,7 @@ import pytest
 
 from kvferry import KVMemory
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState, wire
+from kvferry.control.core.links import Link
 from kvferry.control.core.states import (
     LINK_TRANSITIONS,
     SESSION_TRANSITIONS,
@@ -26,7 +27,6 @@ from kvferry.control.core.states import (
     check_transition,
 )
 from kvferry.control.core.timers import GraceClock, Liveness, PeerClock
-from kvferry.control.links import Link
 from kvferry.errors import EndpointClosed, HandshakeError, IncompatiblePeer, InternalError, RequestFailed
 
 from .control_peer import fill, make_layout
@@ -51,7 +51,7 @@ def test_every_state_is_in_its_table_and_reachable_from_the_first(table: dict) -
 
 
 def test_a_link_or_session_never_comes_back() -> None:
-    link = Link("tcp://127.0.0.1:1", 0.0, PeerClock(0.0, 0.1, 0.6))
+    link = Link("tcp://127.0.0.1:1", 0.0, PeerClock(0.0, 0.1, 0.6), "s", b"n")
     link.move(LinkState.ESTABLISHED)
     link.move(LinkState.DEAD)
     with pytest.raises(InternalError, match=r"link to prefill tcp://127.0.0.1:1: illegal state transition dead -> "
@@ -86,11 +86,11 @@ def test_an_illegal_transition_fails_the_request_closed_and_loudly(
         pair: tuple[PrefillEndpoint, DecodeEndpoint], caplog: pytest.LogCaptureFixture) -> None:
     _, decode = pair
     decode.announce("r1", {"main": np.array([1, 2])})
-    rec = decode._records["r1"]
+    rec = decode.records["r1"]
     with caplog.at_level(logging.ERROR, "kvferry.control"), decode._lock, \
             pytest.raises(InternalError, match=r"request 'r1': illegal state transition "
                                                r"(bootstrapping|waiting_for_input) -> done"):
-        decode._set_state(rec, RequestState.DONE)   # DONE without a byte landed: a bug, caught
+        decode.set_state(rec, RequestState.DONE)   # DONE without a byte landed: a bug, caught
     assert decode.poll("r1") is RequestState.FAILED
     with pytest.raises(RequestFailed) as info:
         decode.wait("r1", 1)
@@ -116,7 +116,7 @@ def test_an_internal_error_in_a_handler_is_not_a_bad_message(
         if isinstance(msg, wire.Announce):
             raise InternalError("planted: a bug in the announce handler")
 
-    monkeypatch.setattr(prefill, "_on_message", broken)
+    monkeypatch.setattr(prefill.core, "on_message", broken)
     with caplog.at_level(logging.ERROR, "kvferry.control"):
         decode.announce("r1", {"main": np.array([1, 2])})
         deadline = time.monotonic() + 5

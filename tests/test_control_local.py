@@ -365,10 +365,10 @@ def test_ended_lists_each_request_once_in_the_order_they_ended(
 def test_ended_keeps_at_most_max_finished_ids(pair: tuple[PrefillEndpoint, DecodeEndpoint],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A caller that stops asking leaks nothing: the oldest ids beyond the bound are dropped."""
-    from kvferry.control import endpoints
+    from kvferry.control.core import base
 
     prefill, decode = pair
-    monkeypatch.setattr(endpoints, "MAX_FINISHED", 4)
+    monkeypatch.setattr(base, "MAX_FINISHED", 4)
     assert decode.ended() == []
     reqs = workload(6, seed=4)
     for req in reqs:                                   # one after another: they end in this order
@@ -427,8 +427,8 @@ def test_a_chunk_sent_after_its_announce_is_planned_on_the_callers_thread(
     """Decode announced first (as engines mostly do): send() plans the chunk, so the progress thread (whose
     time bounds push mode's throughput) only posts it. A plan that no longer matches the record (here:
     made stale by force) is planned again on the progress thread. Either way the bytes are checked."""
-    from kvferry.control import prefill as prefill_mod
-    from kvferry.control.prefill_requests import Planned
+    from kvferry.control.core import prefill as prefill_mod
+    from kvferry.control.core.prefill_requests import Planned
 
     prefill, decode = pair
     before = snapshot(decode.memory)

@@ -183,14 +183,14 @@ def test_stall_before_the_check_writes_nothing(cfg: tuple[float, float, float],
             DecodeEndpoint(dst, "local", options=opts) as decode:
         decode.connect(p1.address)
         resumed: list[float] = []
-        on_announce = p1._on_announce
+        on_announce = p1.core.on_announce
 
         def stalled(session: Any, msg: Any) -> None:
             time.sleep(stall)
             resumed.append(time.monotonic())
             on_announce(session, msg)
 
-        monkeypatch.setattr(p1, "_on_announce", stalled)
+        monkeypatch.setattr(p1.core, "on_announce", stalled)
         p1.send("a", SRC_A)
         decode.announce("a", PAGES_A)
         with pytest.raises(RequestFailed):
@@ -266,7 +266,7 @@ def test_waits_keep_their_deadlines_while_the_loop_holds_the_lock(monkeypatch: p
         decode.connect(prefill.address)
         decode.announce("r", PAGES_A)
         stuck = threading.Event()
-        tick = decode._tick
+        tick = decode.tick
 
         def stalled_tick(now: float) -> None:      # runs under the endpoint's lock
             if not stuck.is_set():
@@ -274,7 +274,7 @@ def test_waits_keep_their_deadlines_while_the_loop_holds_the_lock(monkeypatch: p
                 time.sleep(2.0)
             tick(now)
 
-        monkeypatch.setattr(decode, "_tick", stalled_tick)
+        monkeypatch.setattr(decode, "tick", stalled_tick)
         assert stuck.wait(2)
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout):
@@ -402,7 +402,7 @@ def test_reconnected_prefill_settles_only_after_its_writes_finish(monkeypatch: p
         decode.announce("a", PAGES_A)
         p1.send("a", SRC_A)
         _until(lambda: p1.num_live_handles == 1, 5)
-        tick, stalled = p1._tick, threading.Event()
+        tick, stalled = p1.core.tick, threading.Event()
 
         def stalled_tick(now: float) -> None:          # one stall of the progress loop: no heartbeats
             if not stalled.is_set():
@@ -410,7 +410,7 @@ def test_reconnected_prefill_settles_only_after_its_writes_finish(monkeypatch: p
                 time.sleep(1.0)
             tick(now)
 
-        monkeypatch.setattr(p1, "_tick", stalled_tick)
+        monkeypatch.setattr(p1.core, "tick", stalled_tick)
         with pytest.raises(RequestFailed) as info:
             decode.wait("a", 5)
         assert isinstance(info.value.__cause__, PeerLost)

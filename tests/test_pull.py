@@ -350,10 +350,10 @@ def test_stalled_reader_accepts_nothing_prefill_released() -> None:
     with PrefillEndpoint(src, "local", options=opts, mode="pull", digest_mode="off") as prefill, \
             DecodeEndpoint(dst, reader, options=opts, mode="pull", digest_mode="off") as decode:
         decode.connect(prefill.address)
-        send = prefill._send
+        send = prefill.core.send_msg
         # Prefill's Bye would tell decode at once; drop it, so that only decode's own fence stands between
         # the reused bytes and a DONE (a Bye can be lost: a connection cut, a relay).
-        prefill._send = lambda session, msg: None if isinstance(msg, wire.Bye) else send(session, msg)
+        prefill.core.send_msg = lambda session, msg: None if isinstance(msg, wire.Bye) else send(session, msg)
         decode.announce("a", PAGES_A)
         prefill.send("a", SRC_A)
         assert reader.stalled.wait(5)
@@ -384,7 +384,7 @@ def test_a_bad_ready_fails_the_request_and_reads_nothing(pages: dict[str, np.nda
     with PrefillEndpoint(src, "local", options=OPTS, mode="pull") as prefill, \
             DecodeEndpoint(dst, "local", options=OPTS, mode="pull") as decode:
         decode.connect(prefill.address)
-        send = prefill._send
+        send = prefill.core.send_msg
 
         def forge(session: Any, msg: Any) -> None:
             if isinstance(msg, wire.Ready):
@@ -392,7 +392,7 @@ def test_a_bad_ready_fails_the_request_and_reads_nothing(pages: dict[str, np.nda
                                  wire.encode_pages(pages), msg.offsets, msg.buffers, msg.digests)
             send(session, msg)
 
-        prefill._send = forge
+        prefill.core.send_msg = forge
         decode.announce("a", {"main": PAGES_A["main"]})
         prefill.send("a", {"main": SRC_A["main"]})
         for ep in (decode, prefill):

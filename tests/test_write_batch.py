@@ -14,7 +14,8 @@ import pytest
 
 from kvferry import KVMemory, plan_transfer
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState, wire
-from kvferry.control.write_batch import NOTIF_BYTES, Queued, group_cap, joinable, share, write_groups
+from kvferry.control.core.write_batch import NOTIF_BYTES, Queued, group_cap, joinable, write_groups
+from kvferry.control.handles import share
 from kvferry.errors import PlanError, RequestFailed, TransportError, UsageError
 from kvferry.plan import TransferPlan
 from kvferry.plan.planner import concat_plans
@@ -30,7 +31,7 @@ def _heard(prefill: PrefillEndpoint, reqs: list[Any]) -> None:
     """Prefill has bound every announce (its chunks can be posted the moment they are queued)."""
     def bound() -> bool:
         with prefill._lock:
-            return all(getattr(prefill._records.get(r.rid), "session", None) is not None for r in reqs)
+            return all(getattr(prefill.core.records.get(r.rid), "session", None) is not None for r in reqs)
     _until(bound)
 
 
@@ -38,7 +39,7 @@ def _send_together(prefill: PrefillEndpoint, reqs: list[Any]) -> None:
     """Every chunk of ``reqs`` queued while the progress thread waits for the lock, as after an iteration
     that posted several (under load): one iteration then posts them all, batched from the first."""
     with prefill._lock:
-        prefill._batches.batching = True
+        prefill.core.batches.batching = True
         run_prefill(prefill, reqs)
 
 
@@ -116,7 +117,7 @@ def test_a_lone_chunk_is_written_at_once_and_the_second_of_an_iteration_starts_b
     decode.wait(reqs[0].rid, 5)
     prefill.wait(reqs[0].rid, 5)   # ended on both sides: out of the window
     with prefill._lock:
-        assert not prefill._batches.batching
+        assert not prefill.core.batches.batching
         run_prefill(prefill, reqs[1:])
     assert set(wait_all(decode, [r.rid for r in reqs], 10).values()) == {"done"}
     verify(decode.memory, SEED, reqs, before)
@@ -212,7 +213,8 @@ def test_decode_reads_a_batched_notification_chunk_by_chunk(
     frame = wire.batch_frame([wire.encode(wire.Heartbeat()), stray])
     agent = decode.transport.agent_name
     with prefill._lock:
-        prefill._call_soon(lambda: transport.send_notification(agent, frame))
+        prefill.core.call_soon(lambda: transport.send_notification(agent, frame))
+        prefill._done_with_call()
     _until(lambda: decode.counters()["bad_messages"] == 1 and decode.counters()["stray_notifications"] == 1)
 
 
@@ -237,7 +239,7 @@ def _offer_together(prefill: PrefillEndpoint, decode: DecodeEndpoint, reqs: list
     """Prefill offers every chunk (its Readys) while decode's progress thread waits for the lock: decode's
     next iteration reads them all."""
     with decode._lock:
-        decode._batches.batching = True
+        decode.batches.batching = True
         run_prefill(prefill, reqs)
         _until(lambda: all(prefill.poll(r.rid) is RequestState.TRANSFERRING for r in reqs))
         time.sleep(0.05)   # the last Readys reach decode's socket

@@ -27,22 +27,15 @@ import zmq
 import zmq.utils.monitor
 
 from kvferry.control import wire
-from kvferry.control.admission import check_welcome
+from kvferry.control.core.admission import as_secret, auth_mac, check_welcome
+from kvferry.control.core.base import CoreBase, RequestRecord, Transfer
+from kvferry.control.core.decode_requests import DecodeRequest, Part
+from kvferry.control.core.digests import verify_chunk
+from kvferry.control.core.links import Link, pick_links
 from kvferry.control.core.states import LinkState, RequestState
 from kvferry.control.core.timers import PeerClock
-from kvferry.control.decode_requests import DecodeRequest, Part
-from kvferry.control.digests import verify_chunk
-from kvferry.control.endpoints import (
-    FLUSH_MS,
-    EndpointBase,
-    EndpointOptions,
-    RequestRecord,
-    Transfer,
-    as_secret,
-    auth_mac,
-)
+from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions
 from kvferry.control.leases import LeaseTable
-from kvferry.control.links import Link, pick_links
 from kvferry.control.liveness import ProcessIdentity, this_process
 from kvferry.control.pull import DEFAULT_MODE, check_mode, check_pull_options, is_mode_refusal
 from kvferry.control.pull_reader import PullReader
@@ -78,7 +71,7 @@ RETRY_MAX = 30.0
 log = logging.getLogger("kvferry.control")
 
 
-class DecodeEndpoint(EndpointBase, PullReader):
+class DecodeEndpoint(EndpointBase, PullReader, CoreBase):
     """Decode side of kvferry. Construct, ``connect`` to prefill (``connect_all`` to the ranks of a prefill
     TP group when this side runs another TP size), then ``announce`` requests and ``wait``.
 
@@ -90,6 +83,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
     """
 
     _role = "decode"
+    role = "decode"
 
     def __init__(self, memory: KVMemory, transport: str | Transport = "nixl", *,
                  secret: str | bytes | None = None, digest_mode: Any = "sampled",
@@ -115,11 +109,27 @@ class DecodeEndpoint(EndpointBase, PullReader):
         self._by_gen: dict[int, DecodeRequest] = {}
         self._generations = itertools.count(1)
         self._next_deadline_check = 0.0
-        self._num_live = 0   # live records, kept by announce and _set_state: the busy test is O(1)
+        self._num_live = 0   # live records, kept by announce and set_state: the busy test is O(1)
         self.num_stray_notifications = 0
         # connect_needed's memory of failed handshakes: addresses -> (retry at, the error, the back-off).
         self._refused: dict[tuple[str, ...], tuple[float, KVFerryError, float]] = {}
         self._thread.start()
+
+    def _make_core(self) -> CoreBase:
+        # Not yet split (issue 29): decode's protocol still runs in the endpoint itself, on the same core
+        # base as prefill's (records, states, action queues), so the shell drives both sides alike.
+        CoreBase.__init__(self, self.options, self._stats, self._entropy)
+        return self
+
+    def _connected(self) -> bool | None:
+        """What ``PeerClock.peer_lost`` is told of an established link's connection: True with
+        ``transport_liveness`` (a connection still standing has answered libzmq's heartbeats within
+        ``peer_timeout``; a dropped one has already ended the link), None without (silence decides)."""
+        return True if self.options.transport_liveness else None
+
+    def call_soon(self, fn: Any) -> None:
+        super().call_soon(fn)
+        self._wake()
 
     # -- public API: any thread ------------------------------------------------------------------------
     def connect(self, address: str, timeout: float | None = None, *, mode: str | None = None) -> str:
@@ -241,21 +251,22 @@ class DecodeEndpoint(EndpointBase, PullReader):
         with self._lock:
             self._check_open()
             links = pick_links(self._links, peer, self.memory.layout)
-            old = self._records.get(request_id)
+            old = self.records.get(request_id)
             if old is not None and old.is_live:
                 raise LeaseError(f"request {request_id!r} is already live ({old.state.value})")
             gen = next(self._generations)
             leased = self._leases.acquire(gen, request_id, pages)
-            rec = DecodeRequest(request_id, time.monotonic() + self.options.request_timeout, gen, links,
-                                self.options.lease_grace)
-            self._remember(rec)
+            self.now = now = time.monotonic()
+            rec = DecodeRequest(request_id, now + self.options.request_timeout, gen, links,
+                                self.options.lease_grace, now)
+            self.remember(rec)
             self._by_gen[gen] = rec
             self._num_live += 1
             # Queued here, sent by the progress thread at the end of its next iteration (with the others
             # of that iteration: see endpoints' _flush).
             data = wire.encode(wire.Announce(request_id, gen, wire.encode_pages(leased), held, *bound))
             for link in links:
-                self._queue_out(link, data)
+                self.queue_out(link, data)
             self._wake()
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
@@ -264,8 +275,8 @@ class DecodeEndpoint(EndpointBase, PullReader):
         already ended."""
         with self._lock:
             rec = cast(DecodeRequest, self._record(request_id))
-            if self._fail(rec, RequestAborted(f"aborted by decode: {reason}")):
-                self._call_soon(lambda: self._abort_parts(rec, reason))
+            if self.fail(rec, RequestAborted(f"aborted by decode: {reason}")):
+                self.call_soon(lambda: self._abort_parts(rec, reason))
 
     def cancel(self, request_id: str, reason: str, *, peer: str | Sequence[str] | None = None) -> None:
         """Non-blocking: tell prefill that this decode will never announce ``request_id`` (the engine failed
@@ -276,12 +287,12 @@ class DecodeEndpoint(EndpointBase, PullReader):
         with self._lock:
             self._check_open()
             links = pick_links(self._links, peer, self.memory.layout)
-            old = self._records.get(request_id)
+            old = self.records.get(request_id)
             if old is not None and old.is_live:
                 raise LeaseError(f"request {request_id!r} is live here ({old.state.value}): abort it instead")
             data = wire.encode(wire.Cancel(request_id, reason[:wire.MAX_REASON_LEN]))
             for link in links:
-                self._queue_out(link, data)
+                self.queue_out(link, data)
             self._wake()
 
     @property
@@ -302,7 +313,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
         quarantined, until the writer confirms its handles settled, or is certainly gone and
         ``lease_grace`` passed since)."""
         with self._lock:
-            rec = self._records.get(request_id)
+            rec = self.records.get(request_id)
             return rec is not None and self._leases.holds(rec.generation)
 
     @property
@@ -348,13 +359,13 @@ class DecodeEndpoint(EndpointBase, PullReader):
                                        f"expected rank {expect[0]} of TP {expect[1]}")
             return old
         if old is not None and old.connecting:  # e.g. a recovery handshake: this one replaces it
-            self._call_soon(lambda: self._link_failed(old, HandshakeError(f"prefill {address}: handshake "
+            self.call_soon(lambda: self._link_failed(old, HandshakeError(f"prefill {address}: handshake "
                                                                           "superseded by a newer connect")))
         now = time.monotonic()
-        link = Link(address, now + timeout, self._peer_clock(now))
+        link = Link(address, now + timeout, self._peer_clock(now), self._entropy(16).hex(), self._entropy(32))
         link.expect, link.mode = expect, mode
         self._links[address] = link
-        self._call_soon(lambda: self._open_link(link))
+        self.call_soon(lambda: self._open_link(link))
         return link
 
     def _peer_clock(self, now: float) -> PeerClock:
@@ -391,7 +402,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
                 if link.connecting:
                     link.move(LinkState.FAILED)
                     link.error = error
-                    self._call_soon(lambda x=link: self._close_link(x))
+                    self.call_soon(lambda x=link: self._close_link(x))
         finally:
             self._lock.release()
 
@@ -448,7 +459,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
         link.process = ProcessIdentity(msg.host, msg.pid, msg.started) if msg.pid else None
         self._by_agent[link.agent] = link
         link.move(LinkState.ESTABLISHED)
-        self._changed = True
+        self.changed = True
         self._resettle(link)
 
     def _resettle(self, link: Link) -> None:
@@ -470,7 +481,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
             link.error = error
             link.move(LinkState.FAILED)
             with contextlib.suppress(zmq.ZMQError):  # best effort: the connection may be what failed
-                for frame in wire.batches(self._take_out(link)):  # what was queued goes first
+                for frame in wire.batches(self.take_out(link)):  # what was queued goes first
                     self._send_raw(link, frame, quiet=False)
                 self._send_raw(link, wire.encode(wire.Bye(str(error)[:wire.MAX_REASON_LEN])), quiet=False)
             self._close_link(link)
@@ -490,7 +501,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
         if link is not None:
             self._dropped(link, f"receive failed: {exc}")
 
-    def _fail_peers(self, error: KVFerryError) -> None:
+    def fail_peers(self, error: KVFerryError) -> None:
         for link in self._links.values():
             if link.state in (LinkState.CONNECTING, LinkState.ESTABLISHED):
                 link.move(LinkState.FAILED if link.connecting else LinkState.DEAD)
@@ -514,7 +525,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
             raise
         link.clock.heard(self._recv_time)
         if isinstance(msg, wire.Batch):
-            self._on_batch(wire.unbatch(msg), lambda m: self._on_link_msg(link, m))
+            self.on_batch(wire.unbatch(msg), lambda m: self._on_link_msg(link, m))
         else:
             self._on_link_msg(link, msg)
 
@@ -540,7 +551,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
         if isinstance(msg, wire.Ack):
             rec = self._lookup(link, msg.request_id, msg.generation)
             if rec is not None and rec.state is RequestState.BOOTSTRAPPING:
-                self._set_state(rec, RequestState.WAITING_FOR_INPUT)
+                self.set_state(rec, RequestState.WAITING_FOR_INPUT)
         elif isinstance(msg, wire.Ready):
             self._on_ready(link, msg)
         elif isinstance(msg, wire.Fail):
@@ -576,12 +587,12 @@ class DecodeEndpoint(EndpointBase, PullReader):
         """Prefill failed a request before any decode announced it: keep it FAILED here so ``poll`` says so
         now (nothing is leased for it). A request this decode already knows is left alone: one announced and
         live hears from prefill itself (its announce is refused), one ended ended on its own."""
-        if msg.request_id in self._records:
+        if msg.request_id in self.records:
             return
-        rec = RequestRecord(msg.request_id, RequestState.BOOTSTRAPPING, time.monotonic())
-        self._remember(rec)
-        self._num_live += 1   # _set_state counts it out as it fails, as for an announced request
-        self._fail(rec, RequestAborted(f"prefill {link.address}: {msg.reason}"))
+        rec = RequestRecord(msg.request_id, RequestState.BOOTSTRAPPING, self.now, self.now)
+        self.remember(rec)
+        self._num_live += 1   # set_state counts it out as it fails, as for an announced request
+        self.fail(rec, RequestAborted(f"prefill {link.address}: {msg.reason}"))
 
     def _lookup(self, link: Link, request_id: str, generation: int) -> DecodeRequest | None:
         """The record a message from ``link`` is about, or None (an ended request: a late Ack or a
@@ -594,14 +605,14 @@ class DecodeEndpoint(EndpointBase, PullReader):
     def _fail_req(self, rec: DecodeRequest, error: KVFerryError, reason: str) -> None:
         """Fail a live request and tell every prefill rank writing it that does not know yet to stop
         (each answers with a settled Fail, which ends its part of the lease)."""
-        if self._fail(rec, error):
+        if self.fail(rec, error):
             self._abort_parts(rec, reason)
 
-    def _fail_closed(self, rec: RequestRecord, error: KVFerryError) -> None:
+    def fail_closed(self, rec: RequestRecord, error: KVFerryError) -> None:
         if isinstance(rec, DecodeRequest):
             self._fail_req(rec, error, "decode internal error")
         else:   # a cancelled id's record: nothing leased, nobody to tell
-            self._fail(rec, error)
+            self.fail(rec, error)
 
     def _abort_parts(self, rec: DecodeRequest, reason: str) -> None:
         msg = wire.Abort(rec.request_id, rec.generation, reason[:wire.MAX_REASON_LEN])
@@ -620,11 +631,11 @@ class DecodeEndpoint(EndpointBase, PullReader):
         self._quarantine.remove(rec.generation)
         self._leases.release(rec.generation)
         self._by_gen.pop(rec.generation, None)
-        self._changed = True
+        self.changed = True
 
     # -- chunk notifications (progress thread) ---------------------------------------------------------
-    def _post_queued(self) -> None:
-        if self._batches:   # pull mode: reads queued by the Readys just read (pull_reader)
+    def post_queued(self) -> None:
+        if self.batches:   # pull mode: reads queued by the Readys just read (pull_reader)
             self._post_reads()
 
     def _carry_out(self, transfer: Transfer) -> None:
@@ -648,7 +659,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
                 self.num_bad_messages += 1
                 continue
             if isinstance(msg, wire.Batch):   # one write carried several chunks (prefill's write_batch)
-                self._on_batch(wire.unbatch(msg), lambda m, link=link: self._on_batched_chunk(link, m))
+                self.on_batch(wire.unbatch(msg), lambda m, link=link: self._on_batched_chunk(link, m))
             else:
                 self._on_chunk(link, msg)
         return news or bool(notifications)
@@ -679,7 +690,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
             self._reject_part(rec, part, error)
             return
         if rec.state is not RequestState.TRANSFERRING:
-            self._set_state(rec, RequestState.TRANSFERRING)
+            self.set_state(rec, RequestState.TRANSFERRING)
         if part.is_complete:
             self._part_complete(rec, part)
 
@@ -700,28 +711,28 @@ class DecodeEndpoint(EndpointBase, PullReader):
         part.settled = True  # every write of this rank has landed
         if not all(p.is_complete for p in rec.parts.values()):
             return
-        self._set_state(rec, RequestState.DONE)
+        self.set_state(rec, RequestState.DONE)
         self._end_lease(rec)  # every chunk's notification arrived, so every write has landed
         for p in rec.parts.values():
             self._send(p.link, wire.Result(rec.request_id, rec.generation, True, ""))
 
     # -- timers (progress thread) ----------------------------------------------------------------------
-    def _num_waiting(self) -> int:
+    def num_waiting(self) -> int:
         # Live requests wait for chunk notifications, which only polling the transport brings in.
         return self._num_live + len(self._reading)
 
-    def _done_pages(self, rec: RequestRecord) -> Mapping[str, Any]:
+    def done_pages(self, rec: RequestRecord) -> Mapping[str, Any]:
         # Called as the request turns DONE, before its lease ends: the leased pages are what moved.
         return self._leases.pages(cast(DecodeRequest, rec).generation)
 
-    def _gauges(self) -> dict[str, int]:
+    def gauges(self) -> dict[str, int]:
         return {"live_requests": self._num_live, "leases": self._leases.num_leases,
                 "leased_pages": self._leases.num_leased_pages, "quarantined_pages": self._quarantine.num_pages,
                 "peers": sum(link.established for link in list(self._links.values()))}
 
-    def _set_state(self, rec: RequestRecord, state: RequestState) -> None:
+    def set_state(self, rec: RequestRecord, state: RequestState) -> None:
         was_live = rec.is_live
-        super()._set_state(rec, state)
+        super().set_state(rec, state)
         if was_live and not rec.is_live:
             self._num_live -= 1
             if state is RequestState.FAILED and isinstance(rec, DecodeRequest):
@@ -733,7 +744,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
                 if pages:
                     self._quarantine.add(rec.generation, pages)
 
-    def _tick(self, now: float) -> None:
+    def tick(self, now: float) -> None:
         for link in list(self._links.values()):
             self._tick_link(link, now)
         if now >= self._next_deadline_check:
@@ -753,7 +764,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
         elif link.clock.heartbeat_due(now):
             self._send(link, wire.Heartbeat())
 
-    def _check_silence(self, now: float) -> None:
+    def check_silence(self, now: float) -> None:
         """Push mode: nothing before reading (decode posts no writes, so frames queued during its own stall
         can only make it talk to a prefill that dropped it, which answers with Bye). Pull mode: a link whose
         fence tripped (this process stalled) dies before frames queued meanwhile can start reads on it."""
@@ -785,7 +796,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
                 elif part.grace.due(now):
                     self._settle(rec, part)
         for link, is_gone in gone.items():
-            if not is_gone and not self._closing:
+            if not is_gone and not self.closing:
                 self._recover(link, now)
 
     def _recover(self, dead: Link, now: float) -> None:
@@ -796,7 +807,8 @@ class DecodeEndpoint(EndpointBase, PullReader):
         if now < dead.retry_at or (current is not None and (current.connecting or current.established)):
             return
         dead.retry_at = now + self.options.peer_timeout
-        link = Link(dead.address, now + self.options.handshake_timeout, self._peer_clock(now))
+        link = Link(dead.address, now + self.options.handshake_timeout, self._peer_clock(now), self._entropy(16).hex(),
+                    self._entropy(32))
         link.expect = (dead.rank, dead.tp_size)
         self._links[dead.address] = link
         self._open_link(link)
@@ -817,12 +829,12 @@ class DecodeEndpoint(EndpointBase, PullReader):
             self._by_agent.pop(link.agent)
         with contextlib.suppress(TransportError):  # the peer is gone either way
             self.transport.remove_peer(link.agent)
-        self._changed = True
+        self.changed = True
 
     # -- sockets (progress thread) ---------------------------------------------------------------------
     def _send(self, link: Link, msg: Any) -> None:
         """Queue ``msg`` for ``link``; it leaves with this iteration's next ``_flush``."""
-        self._queue_out(link, wire.encode(msg))
+        self.queue_out(link, wire.encode(msg))
 
     def _send_frame(self, link: Link, frame: bytes) -> None:
         self._send_raw(link, frame)
@@ -844,7 +856,7 @@ class DecodeEndpoint(EndpointBase, PullReader):
         link.clock.sent(now)
 
     def _close_link(self, link: Link) -> None:
-        self._take_out(link)   # closed with linger 0: what it had not sent is dropped, as before
+        self.take_out(link)   # closed with linger 0: what it had not sent is dropped, as before
         if link.monitor is not None:
             self._poller.unregister(link.monitor)
             self._monitors.pop(link.monitor, None)
@@ -858,14 +870,15 @@ class DecodeEndpoint(EndpointBase, PullReader):
             self._by_sock.pop(link.sock, None)
             link.sock.close(0)
             link.sock = None
-        self._changed = True
+        self.changed = True
 
-    def _shutdown_step(self) -> bool:
+    def shutdown_step(self, now: float, give_up: bool) -> bool:
+        self.now = now
         for rec in list(self._by_gen.values()):  # a pull request's lease may end as it fails
             self._fail_req(rec, KVFerryError("decode endpoint closing"), "decode closing")
         waiting = any(p.link.established and not p.settled
                       for r in self._by_gen.values() for p in r.parts.values())
-        if waiting and time.monotonic() < self._close_deadline:
+        if waiting and not give_up:
             return False
         for link in self._links.values():
             if link.established:

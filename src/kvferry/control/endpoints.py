@@ -44,24 +44,22 @@ decode's verdicts back for company, up to 500 us, was tried: it made p50 no bett
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import logging
 import os
+import secrets
 import select
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence, Sized
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import zmq
 
 from kvferry.control import wire
-from kvferry.control.core.states import TERMINAL, RequestState, advance
+from kvferry.control.core.base import CoreBase, Effect, FlushNow, RequestRecord, Transfer
+from kvferry.control.core.options import EndpointOptions
+from kvferry.control.core.states import RequestState
 from kvferry.control.stats import EndpointStats, NullRecorder, StatsRecorder
-from kvferry.control.write_batch import WriteBatches
 from kvferry.errors import EndpointClosed, InternalError, KVFerryError, RequestFailed, TransferTimeout, UsageError
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
@@ -84,128 +82,10 @@ log = logging.getLogger("kvferry.control")
 LAZY_WAKE_MIN = 8
 LOAD_POLL_SHARE = 0.25
 
-# Terminal records kept so poll/wait can still answer after the fact; the oldest are forgotten first.
-MAX_FINISHED = 1 << 16
-
-
-@dataclass(frozen=True, slots=True)
-class EndpointOptions:
-    """Deadlines and limits. Every wait the endpoint does is bounded by one of these (seconds).
-
-    * ``heartbeat_interval``: how often each side tells the other it is alive.
-    * ``peer_timeout``: silence after which the peer is declared dead and its requests fail (``PeerLost``).
-    * ``request_timeout``: a request not done by then fails on this side (``TransferTimeout``).
-    * ``lease_grace``: how long decode still keeps a failed request's pages after their writer is
-      *certainly* gone (its process gone on this host, or the transport guarantees it cannot write). No
-      longer a timer after a peer is declared dead: a silent peer may be stalled, not dead, and resume
-      writing; its pages stay quarantined until it acknowledges or is certainly gone (docs/fencing.md).
-    * ``handshake_timeout``: default bound of ``DecodeEndpoint.connect`` and of a half-open handshake.
-    * ``busy_poll``: sleep between progress iterations while something is in flight, right after one
-      that found work; each idle iteration doubles it, up to ``busy_poll_max``, and up to ``busy_poll``
-      times the number of requests in flight (never below ``busy_poll``): a lone request is polled every
-      ``busy_poll``, many share longer sleeps. Under load (``LAZY_WAKE_MIN`` or more in flight) the loop
-      sleeps ``busy_poll / 4`` per request in flight, up to ``busy_poll_max``, after every iteration.
-    * ``max_message_bytes``: ZMQ drops peers that send larger messages (silently: decode notices the
-      drop and fails the link with an error naming this limit).
-    * ``batch_chunks``, ``batch_bytes``: under load prefill posts the chunks one iteration has ready for
-      one decode as few writes as the caps allow (decode in pull mode, those ready from one prefill as few
-      reads), each of at most this many chunks and bytes, and of at most half the requests in flight, so
-      that two transfers share the window (``control.write_batch.group_cap``; 1 chunk: every chunk its own
-      transfer). Nothing waits to be batched; the bytes cap bounds how long the first chunk of a transfer
-      waits for the rest of it to land.
-    * ``stats``: keep the running totals ``stats()`` reports (``control.stats``); off only to measure what
-      they cost (``bench/control.py --stats``).
-    * ``refuse_unissued`` (prefill): an announce for a request id this prefill never issued
-      (``PrefillEndpoint.issue``) nor sent is refused at once with ``UnknownRequest`` naming it, and so is one
-      for a request already done here (a replay), instead of waiting ``request_timeout`` for a ``send`` that
-      will not come. Only for engines whose order makes it true: prefill issues every id before decode can
-      be asked about it (vLLM's: the id reaches decode in prefill's response). Off by default.
-    * ``transport_liveness``: decide "peer gone" from what CPU starvation cannot fake (issue 29). Each ZMQ
-      connection runs libzmq's own ZMTP heartbeats (every ``heartbeat_interval``, dropped after
-      ``peer_timeout`` unanswered): libzmq's I/O thread answers them without the GIL, so a busy or
-      GIL-starved peer still does, while a stopped, hung-in-the-kernel or dead one does not. A dropped
-      connection (that, a reset, a refusal) ends the peer at once; application-level silence past
-      ``peer_timeout`` only makes it *suspect* (requests ride it out, bounded by ``request_timeout``).
-      Prefill's check of its own stall is unchanged (docs/protocol.md, "Slow is not dead"). Both sides
-      of a pair should agree. Off by default for now (see that section).
-    """
-
-    heartbeat_interval: float = 0.5
-    peer_timeout: float = 5.0
-    request_timeout: float = 60.0
-    lease_grace: float = 5.0
-    handshake_timeout: float = 10.0
-    busy_poll: float = 50e-6
-    busy_poll_max: float = 1e-3
-    max_message_bytes: int = 64 << 20
-    batch_chunks: int = 64
-    batch_bytes: int = 8 << 20
-    stats: bool = True
-    refuse_unissued: bool = False
-    transport_liveness: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("heartbeat_interval", "peer_timeout", "request_timeout", "lease_grace",
-                     "handshake_timeout", "busy_poll", "busy_poll_max"):
-            if not getattr(self, name) > 0:
-                raise UsageError(f"EndpointOptions.{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("batch_chunks", "batch_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UsageError(f"EndpointOptions.{name} must be an int >= 1, got {value!r}")
-        if self.batch_chunks > wire.MAX_BATCH:
-            raise UsageError(f"EndpointOptions.batch_chunks must be <= {wire.MAX_BATCH} (wire.MAX_BATCH), "
-                             f"got {self.batch_chunks}")
-        if self.peer_timeout <= self.heartbeat_interval:
-            raise UsageError("peer_timeout must exceed heartbeat_interval, or live peers look dead")
-
-
-@dataclass(frozen=True, slots=True)
-class Transfer:
-    """A transfer a decision queued, carried out between events: to which peer (prefill's session, decode's
-    link), the chunks it carries (``write_batch.Queued``), and what counts it in flight (``posting``: the
-    records, or the parts)."""
-
-    peer: Any
-    group: list[Any]
-    holders: tuple[Any, ...]
-
-
-def auth_mac(secret: bytes, role: bytes, nonce_a: bytes, nonce_b: bytes, hello: bytes) -> bytes:
-    """HMAC-SHA256 binding a role, both nonces and the exact Hello bytes (so the manifest cannot be swapped)."""
-    msg = b"kvferry-auth/" + role + b"\0" + nonce_a + nonce_b + hashlib.sha256(hello).digest()
-    return hmac.new(secret, msg, hashlib.sha256).digest()
-
-
-def as_secret(secret: str | bytes | None) -> bytes | None:
-    if secret is None:
-        return None
-    out = secret.encode() if isinstance(secret, str) else bytes(secret)
-    if not out:
-        raise UsageError("an empty secret would authenticate anyone: pass None for no secret")
-    return out
-
-
-class RequestRecord:
-    """Fields both sides keep per request. Mutated only under the endpoint's lock."""
-
-    __slots__ = ("deadline", "ended_at", "error", "request_id", "started_at", "state")
-
-    def __init__(self, request_id: str, state: RequestState, deadline: float) -> None:
-        self.request_id = request_id
-        self.state = state
-        self.deadline = deadline
-        self.error: KVFerryError | None = None
-        self.started_at = time.monotonic()
-        self.ended_at: float | None = None
-
-    @property
-    def is_live(self) -> bool:
-        return self.state not in TERMINAL
-
 
 class EndpointBase:
-    """Progress thread, lock, request lookup, ``wait``/``poll``. Subclasses implement the protocol."""
+    """The shell: progress thread, lock, sockets, transport, clock, ``wait``/``poll``. The protocol is the
+    core's (``self.core``, a ``core.base.CoreBase``); subclasses connect the two."""
 
     _role = "endpoint"
 
@@ -222,15 +102,9 @@ class EndpointBase:
         # Re-entrant only so that a test may hold it across public calls (to queue work while the progress
         # thread waits); no public method calls another under it.
         self._lock = threading.RLock()
-        self._records: OrderedDict[str, RequestRecord] = OrderedDict()   # newest incarnation per id
-        # Ids that ended, in order, for ``ended``; bounded as the records are (MAX_FINISHED, in _set_state),
-        # so a caller that never asks leaks nothing.
-        self._ended: deque[str] = deque()
-        self._calls: list[Callable[[], None]] = []                      # run on the progress thread
-        self._outbox: dict[Any, list[bytes]] = {}   # peer -> encoded messages, sent at the iteration's end
+        self._stats = (StatsRecorder if self.options.stats else NullRecorder)(self._role, memory.layout)
+        self.core: CoreBase = self._make_core()
         self._wake_pending = False   # a byte is in the wake pipe that the thread has not drained yet
-        self._changed = False
-        self._closing = False
         self._close_deadline = 0.0
         self._crashed: BaseException | None = None
         # Waiters sleep on this, not on a condition of the endpoint's lock: re-acquiring it after a wake-up would
@@ -240,9 +114,6 @@ class EndpointBase:
         # When the current iteration's poll returned: what frames read in it are stamped with (see _step).
         self._recv_time = time.monotonic()
         self._published_at = self._recv_time   # when waiters last heard of this thread's news (_publish)
-        self.num_bad_messages = 0
-        self.num_internal_errors = 0   # kvferry bugs caught in the act (InternalError): 0 unless one is
-        self._stats = (StatsRecorder if self.options.stats else NullRecorder)(self._role, memory.layout)
         self._ctx = zmq.Context()
         self._poller = zmq.Poller()
         self._wake_r, self._wake_w = os.pipe()
@@ -251,20 +122,17 @@ class EndpointBase:
         self._poller.register(self._wake_r, zmq.POLLIN)
         # The last iteration found work in flight: the next comes within busy_poll_max (see _wake).
         self._spinning = False
-        # Transfers queued in this iteration, posted by _post_queued: prefill's writes, decode's pull-mode
-        # reads (control.write_batch). Whether to queue depends on the last iteration, so the loop, which
-        # knows where an iteration ends, moves it on.
-        self._batches = WriteBatches()
-        # Transfers decided by the event being handled, carried out once it is (``_between_events``).
-        self._transfers: deque[Transfer] = deque()
         self._idle_spins = 0   # busy iterations in a row that found nothing to do (sets the sleep)
         self._thread = threading.Thread(target=self._run, name=f"kvferry-{self._role}", daemon=True)
+
+    def _make_core(self) -> CoreBase:
+        raise NotImplementedError
 
     # -- public: any thread ----------------------------------------------------------------------------
     # poll, timing, failure and wait's answer for a request that has ended read the record without the
     # endpoint's lock. The progress thread holds that lock for a whole iteration (all but its copies: see
     # PrefillEndpoint._carry_out, PullReader._carry_out_read), so a caller asking about many requests
-    # would block behind it once per question. Each field is one attribute the thread assigns in a single
+    # would block behind it once per question. Each field is one attribute the core assigns in a single
     # store (the error before the state, the state before the end time), so an unlocked read sees a value
     # the record had, never a torn one; a state read a moment stale is what a locked read returns a moment later too.
     def poll(self, request_id: str) -> RequestState:
@@ -280,7 +148,7 @@ class EndpointBase:
     def stats(self) -> EndpointStats:
         """Non-blocking, lock-free, any thread: this endpoint's running totals and current figures since it
         started (``control.stats``: never reset; take differences of two snapshots for an interval)."""
-        return self._stats.snapshot(**self._gauges())
+        return self._stats.snapshot(**self.core.gauges())
 
     def failure(self, request_id: str) -> KVFerryError | None:
         """Non-blocking, lock-free: why the request failed (None unless it is ``FAILED``)."""
@@ -324,7 +192,7 @@ class EndpointBase:
         themselves are forgotten. Lock-free, as ``poll``; raises ``EndpointClosed`` when the progress
         thread has died.
         """
-        queue = self._ended
+        queue = self.core.ended_ids
         if not queue and timeout > 0:
             self._wait_for(lambda: bool(queue), time.monotonic() + timeout, locked=False)
         out: list[str] = []
@@ -343,7 +211,7 @@ class EndpointBase:
     def num_live_requests(self) -> int:
         """Requests not yet DONE or FAILED on this side (a leak check: 0 when idle)."""
         with self._lock:
-            return sum(1 for r in self._records.values() if r.is_live)
+            return sum(1 for r in self.core.records.values() if r.is_live)
 
     def close(self, timeout: float = 5.0) -> None:
         """Fail what is live, let the peer settle, say goodbye, stop the thread. Idempotent, blocking:
@@ -352,9 +220,9 @@ class EndpointBase:
         # (a plain store; the thread reads it on its next iteration).
         got = self._lock.acquire(timeout=timeout)
         try:
-            if self._closing:
+            if self.core.closing:
                 return
-            self._closing = True
+            self.core.closing = True
             self._close_deadline = time.monotonic() + timeout
         finally:
             if got:
@@ -385,6 +253,17 @@ class EndpointBase:
         self.close()
 
     # -- helpers for subclasses ------------------------------------------------------------------------
+    @staticmethod
+    def _entropy(n: int) -> bytes:
+        """The core's random source (session ids, nonces): the OS's."""
+        return secrets.token_bytes(n)
+
+    def _done_with_call(self) -> None:
+        """After a caller's command ran on the core (under the lock): wake the loop if it left work."""
+        if self.core.wake_wanted:
+            self.core.wake_wanted = False
+            self._wake()
+
     def _wait_for(self, done: Callable[[], bool], deadline: float, *, locked: bool = True) -> bool:
         """Block until ``done()`` (run under the lock, or without it when ``locked`` is False: a ``done``
         that reads single fields, as ``wait`` does) is true: True; or until ``deadline``: False.
@@ -423,70 +302,15 @@ class EndpointBase:
             raise EndpointClosed(f"{self._role} progress loop stopped: {self._crashed!r}") from self._crashed
 
     def _record(self, request_id: str) -> RequestRecord:
-        rec = self._records.get(request_id)
+        rec = self.core.records.get(request_id)
         if rec is None:
             raise UsageError(f"{self._role}: unknown request {request_id!r}")
         return rec
 
     def _check_open(self) -> None:
         self._raise_if_crashed()
-        if self._closing:
+        if self.core.closing:
             raise EndpointClosed(f"{self._role} endpoint is closed")
-
-    def _remember(self, rec: RequestRecord) -> None:
-        self._records[rec.request_id] = rec
-        self._records.move_to_end(rec.request_id)
-        while len(self._records) > MAX_FINISHED:
-            oldest = next(iter(self._records.values()))
-            if oldest.is_live:
-                break
-            self._records.popitem(last=False)
-
-    def _set_state(self, rec: RequestRecord, state: RequestState) -> None:
-        try:
-            rec.state = advance(rec.state, state, rec.request_id)
-        except InternalError as exc:
-            self._internal_error(rec, exc)
-            raise
-        if state in TERMINAL:  # only endings wake waiters: waking them on every step costs the GIL
-            rec.ended_at = time.monotonic()
-            if state is RequestState.DONE:
-                self._stats.request_done(rec.ended_at - rec.started_at, self._done_pages(rec))
-            else:
-                self._stats.request_failed(rec.error)
-            self._changed = True
-            if self._records.get(rec.request_id) is rec:   # the record poll/wait see
-                ended = self._ended
-                ended.append(rec.request_id)
-                if len(ended) > MAX_FINISHED:
-                    ended.popleft()
-
-    def _internal_error(self, rec: RequestRecord, error: InternalError) -> None:
-        """A kvferry bug caught in the act (``error``: an illegal transition of ``rec``): fail ``rec`` closed
-        (with ``error`` as its reason) and say so at ERROR; the caller re-raises, so the decision that asked
-        for the transition goes no further."""
-        self.num_internal_errors += 1
-        log.error("%s: internal error on request %r (state %s): %s", self._role, rec.request_id,
-                  rec.state.value, error)
-        if rec.is_live:
-            self._fail_closed(rec, error)
-
-    def _fail_closed(self, rec: RequestRecord, error: KVFerryError) -> None:
-        """Fail ``rec`` the way this side fails a request on its own (telling the peer what it must know)."""
-        self._fail(rec, error)
-
-    def _fail(self, rec: RequestRecord, error: KVFerryError) -> bool:
-        """Fail a live request (first reason wins); False when it had already ended."""
-        if not rec.is_live:
-            return False
-        rec.error = error
-        self._set_state(rec, RequestState.FAILED)
-        return True
-
-    def _call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the progress thread (under the lock); callers hold the lock."""
-        self._calls.append(fn)
-        self._wake()
 
     def _wake(self, *, force: bool = False) -> None:
         # One byte until the thread drains the pipe: more would wake it no sooner (callers hold the lock,
@@ -496,47 +320,45 @@ class EndpointBase:
             return
         # Under load the thread is spinning and comes round within its busy sleep anyway; a wake per
         # request would cost a context switch and an iteration each (issue 13: most of decode's CPU).
-        if not force and self._spinning and self._num_waiting() >= LAZY_WAKE_MIN:
+        if not force and self._spinning and self.core.num_waiting() >= LAZY_WAKE_MIN:
             return
         self._wake_pending = True
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"x")
 
-    def _queue_out(self, peer: Any, data: bytes) -> None:
-        """Queue an encoded message for ``peer``; it leaves with the next ``_flush``."""
-        out = self._outbox.get(peer)
-        if out is None:
-            self._outbox[peer] = [data]
-        else:
-            out.append(data)
-
-    def _take_out(self, peer: Any) -> list[bytes]:
-        """Everything queued for ``peer``, taken off the queue (to be sent at once, or dropped)."""
-        return self._outbox.pop(peer, [])
-
     def _flush(self) -> None:
-        """Send every queued message, per peer in order, several as ``wire.Batch`` frames."""
-        if not self._outbox:
+        """Send every message the core queued, per peer in order, several as ``wire.Batch`` frames."""
+        outbox = self.core.outbox
+        if not outbox:
             return
-        for peer in list(self._outbox):
-            for frame in wire.batches(self._take_out(peer)):
+        for peer in list(outbox):
+            for frame in wire.batches(self.core.take_out(peer)):
                 self._send_frame(peer, frame)
 
-    def _queue_transfer(self, peer: Any, group: list[Any], holders: Sequence[Any]) -> None:
-        """A decision's transfer, to be carried out once the event is handled (``_between_events``).
-        ``posting`` is True from now on each of ``holders`` (the records or parts it carries): what would
-        end a lease or a hold counts it as a transfer in flight."""
-        for holder in holders:
-            holder.posting = True
-        self._transfers.append(Transfer(peer, group, tuple(holders)))
+    def _flush_peer(self, peer: Any, raw: bytes = b"") -> None:
+        """``FlushNow``: what is queued for ``peer`` leaves now, then ``raw`` alone (if any)."""
+        for frame in wire.batches(self.core.take_out(peer)):
+            self._send_frame(peer, frame)
+        if raw:
+            self._send_raw_frame(peer, raw)
 
     def _between_events(self) -> None:
-        """Carry out the transfers the last event decided, in order (progress thread, holding the lock
-        once: the iteration's). ``_carry_out`` checks each again, posts it with the lock let go
-        (``_unlocked``) and feeds the outcome back."""
-        transfers = self._transfers
-        while transfers:
-            self._carry_out(transfers.popleft())
+        """Carry out what the last event decided, in order (progress thread, holding the lock once: the
+        iteration's): its effects, then its transfers. ``_carry_out`` posts each with the lock let go
+        (``_unlocked``) and feeds the outcome back to the core."""
+        core = self.core
+        while core.effects or core.transfers:
+            while core.effects:
+                self._apply(core.effects.popleft())
+            if core.transfers:
+                self._carry_out(core.transfers.popleft())
+
+    def _apply(self, effect: Effect) -> None:
+        """Carry out one of the core's effects (``core.base``)."""
+        if isinstance(effect, FlushNow):
+            self._flush_peer(effect.peer, effect.raw)
+        else:
+            raise InternalError(f"{self._role}: no shell for the effect {effect!r}")
 
     def _unlocked(self, holders: Sequence[Any], post: Callable[[], T]) -> T:
         """Run ``post`` (a transport call that may copy for hundreds of microseconds with the GIL released)
@@ -556,28 +378,9 @@ class EndpointBase:
         rather than at the end of an iteration that still has copies to run."""
         self._published_at = time.monotonic()
         self._flush()
-        if self._changed:
-            self._changed = False
+        if self.core.changed:
+            self.core.changed = False
             self._notify()
-
-    def _on_batch(self, messages: list[Any], handle: Callable[[Any], None]) -> None:
-        """``handle`` each message of one frame in order; a bad one is counted and dropped, not the rest."""
-        for msg in messages:
-            try:
-                if isinstance(msg, KVFerryError):
-                    raise msg
-                handle(msg)
-            except InternalError as exc:   # our bug, not the peer's: loud, and the loop goes on
-                self._log_internal(exc)
-            except KVFerryError as exc:
-                self.num_bad_messages += 1
-                log.debug("%s: dropped a message: %s", self._role, exc)
-
-    def _log_internal(self, error: InternalError) -> None:
-        """An ``InternalError`` reached the message loop: the records it touched already failed closed
-        (``_internal_error``); it is never counted as the peer's bad message."""
-        log.error("%s: internal error while handling a message (the requests it touched failed): %s",
-                  self._role, error)
 
     def _new_socket(self, kind: int) -> zmq.Socket:
         sock = self._ctx.socket(kind)
@@ -599,18 +402,12 @@ class EndpointBase:
             sock.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(opts.peer_timeout * 1000)))
         return sock
 
-    def _connected(self) -> bool | None:
-        """What ``PeerClock.peer_lost`` is told of an established peer's connection: True with
-        ``transport_liveness`` (a connection still standing has answered libzmq's heartbeats within
-        ``peer_timeout``; a dropped one has already ended the peer), None without (silence decides)."""
-        return True if self.options.transport_liveness else None
-
     # -- the progress thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             while True:
                 with self._lock:
-                    if self._closing and self._shutdown_step():
+                    if self.core.closing and self._shutdown_step():
                         self._flush()
                         break
                 self._step()
@@ -621,23 +418,24 @@ class EndpointBase:
             with contextlib.suppress(zmq.ZMQError, OSError):
                 self._close_sockets()
 
+    def _shutdown_step(self) -> bool:
+        now = time.monotonic()
+        done = self.core.shutdown_step(now, now >= self._close_deadline)
+        self._between_events()
+        return done
+
     def _crash(self, exc: BaseException) -> None:
         error = EndpointClosed(f"{self._role} progress loop stopped: {exc!r}")
         error.__cause__ = exc
         with self._lock:
             self._crashed = exc
-            for transfer in self._transfers:   # never posted: nothing of them is in flight
-                for holder in transfer.holders:
-                    holder.posting = False
-            self._transfers.clear()
-            for rec in self._records.values():
-                self._fail(rec, error)
-            self._fail_peers(error)
+            self.core.crashed(time.monotonic(), error)
         self._notify()
 
     def _step(self) -> None:
+        core = self.core
         with self._lock:
-            busy = self._num_waiting() > 0 or bool(self._calls) or bool(self._outbox)
+            busy = core.num_waiting() > 0 or bool(core.calls) or bool(core.outbox)
             self._spinning = busy
             timeout_ms = 0 if busy else self._idle_timeout_ms()
         events = dict(self._poller.poll(timeout_ms))
@@ -646,34 +444,37 @@ class EndpointBase:
             # checked before any is read: frames that queued up while this process stalled must not make
             # a peer that has declared us dead look alive.
             self._recv_time = time.monotonic()
-            self._check_silence(self._recv_time)
+            core.check_silence(self._recv_time)
+            self._between_events()
             if events.pop(self._wake_r, None):
                 self._wake_pending = False   # under the lock, before draining: a later _wake writes again
                 self._drain_wake()
-            calls, self._calls = self._calls, []
+            calls = core.run_calls(self._recv_time)
             for fn in calls:
                 try:
                     fn()
                 finally:
                     self._between_events()
-            self._post_queued()
+            core.post_queued()
             self._between_events()
             self._flush()   # what the calls queued (decode's Announces) leaves before the reads below run
             for sock in events:
                 self._drain_socket(sock)
-            self._post_queued()
+            core.post_queued()
             self._between_events()
             # What the messages just read produced leaves before this iteration's transfers too: the peer
             # can start on it while they run.
             self._flush()
             if self._pump() or events or calls:
                 self._idle_spins = 0
-            self._batches.next_iteration()
-            self._tick(time.monotonic())
+            self._between_events()
+            core.batches.next_iteration()
+            core.tick(time.monotonic())
             self._between_events()
             self._flush()
             self._published_at = time.monotonic()
-            changed, self._changed = self._changed, False
+            changed, core.changed = core.changed, False
+            core.wake_wanted = False
         if changed:
             self._notify()
         if busy and not events:
@@ -690,7 +491,7 @@ class EndpointBase:
         opts = self.options
         # A lone request is polled every busy_poll (its latency is the whole cost); many share longer
         # sleeps, each wake finding several of them (their CPU is the cost, and their latency is queueing).
-        waiting = self._num_waiting()
+        waiting = self.core.num_waiting()
         if waiting >= LAZY_WAKE_MIN:
             delay = min(opts.busy_poll_max, opts.busy_poll * LOAD_POLL_SHARE * waiting)
         else:
@@ -730,9 +531,9 @@ class EndpointBase:
             try:
                 self._on_frames(sock, frames)
             except InternalError as exc:
-                self._log_internal(exc)
+                self.core.log_internal(exc)
             except KVFerryError as exc:
-                self.num_bad_messages += 1
+                self.core.num_bad_messages += 1
                 log.debug("%s: dropped a message: %s", self._role, exc)
             self._between_events()   # what the frame decided, even if a later message of it was bad
 
@@ -740,41 +541,17 @@ class EndpointBase:
         # Wake often enough for heartbeats and deadlines; never sleep past half a heartbeat.
         return max(1, int(self.options.heartbeat_interval * 1000 / 4))
 
-    # -- protocol hooks (run on the progress thread, under the lock) -----------------------------------
-    def _num_waiting(self) -> int:
-        """How many requests the loop polls for: while any, it spins (``_busy_wait``, whose longest sleep
-        this sets) rather than block in its idle poll."""
-        raise NotImplementedError
-
+    # -- shell hooks (progress thread, under the lock) -------------------------------------------------
     def _on_frames(self, sock: Any, frames: list[bytes]) -> None:
+        """Frames read from ``sock``: fed to the core as an event (``self._recv_time`` its ``now``)."""
         raise NotImplementedError
-
-    def _done_pages(self, rec: RequestRecord) -> Mapping[str, Sized]:
-        """A request turning DONE: the pages it moved here (pool -> page array), for ``stats``."""
-        return {}
-
-    def _gauges(self) -> dict[str, int]:
-        """``EndpointStats``' current figures. Any thread, without the lock: reads only values a single
-        load gives (lengths, plain ints), never iterates a container the progress thread changes."""
-        return {}
-
-    def _post_queued(self) -> None:
-        """Post the transfers batched by what just ran (the calls, or the messages read): the chunks ready
-        for one peer go together (``control.write_batch``)."""
 
     def _carry_out(self, transfer: Transfer) -> None:
-        """Post one transfer a decision queued (``_queue_transfer``), between events; feed back its outcome."""
+        """Post one transfer the core queued, between events; feed back its outcome."""
         raise NotImplementedError
 
     def _pump(self) -> bool:
-        """Drive the transport; True when it brought news (a notification, a settled write)."""
-        raise NotImplementedError
-
-    def _tick(self, now: float) -> None:
-        raise NotImplementedError
-
-    def _check_silence(self, now: float) -> None:
-        """Before this iteration reads: judge the peers that must have declared us dead (our own stall)."""
+        """Drive the transport and feed what it brought to the core; True when there was news."""
         raise NotImplementedError
 
     def _socket_failed(self, sock: Any, exc: zmq.ZMQError) -> None:
@@ -785,12 +562,8 @@ class EndpointBase:
         """Send one frame (a message or a Batch) to ``peer`` now, as ``_flush`` does; never raises."""
         raise NotImplementedError
 
-    def _fail_peers(self, error: KVFerryError) -> None:
-        """The loop stopped: every peer (link, session) fails with ``error``; nothing is sent."""
-        raise NotImplementedError
-
-    def _shutdown_step(self) -> bool:
-        """Advance shutdown; True once the thread may exit."""
+    def _send_raw_frame(self, peer: Any, data: bytes) -> None:
+        """Send ``data`` alone to ``peer`` now (a Reject, a Bye), outside any batch; never raises."""
         raise NotImplementedError
 
     def _close_sockets(self) -> None:

@@ -12,23 +12,11 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 from functools import cache
 
+from kvferry.control.core.process import ProcessIdentity
+
 __all__ = ["ProcessIdentity", "is_gone", "this_process"]
-
-
-@dataclass(frozen=True, slots=True)
-class ProcessIdentity:
-    """A process, precisely enough that a reused PID is not mistaken for it.
-
-    ``host``: hostname, boot id and PID-namespace inode (two containers may share a hostname, not all
-    three); ``started``: start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), 0 when
-    unknown; ``pid`` 0 means "not reported" (an older or foreign peer)."""
-
-    host: str
-    pid: int
-    started: int
 
 
 @cache

@@ -20,14 +20,15 @@ import time
 from typing import Any
 
 from kvferry.control import wire
+from kvferry.control.core.decode_requests import DecodeRequest, Part
+from kvferry.control.core.digests import verify_chunk
+from kvferry.control.core.links import Link
 from kvferry.control.core.states import RequestState
-from kvferry.control.decode_requests import DecodeRequest, Part
-from kvferry.control.digests import verify_chunk
+from kvferry.control.core.write_batch import Queued, WriteBatches, group_cap, joinable, joined, write_groups
 from kvferry.control.endpoints import Transfer
-from kvferry.control.links import Link
+from kvferry.control.handles import share
 from kvferry.control.pull import fence_s, welcome_mismatch
 from kvferry.control.stats import StatsRecorder
-from kvferry.control.write_batch import Queued, WriteBatches, group_cap, joinable, joined, share, write_groups
 from kvferry.errors import (
     HandshakeError,
     KVFerryError,
@@ -62,15 +63,15 @@ class Read:
 class PullReader:
     """Mixed into ``DecodeEndpoint`` (after ``EndpointBase`` in its bases): the pull-mode handlers. Relies
     on the endpoint's lease table, transport, options and request bookkeeping (``_lookup``, ``_fail_req``,
-    ``_reject_part``, ``_part_complete``, ``_end_lease``, ``_link_dead``, ``_set_state``)."""
+    ``_reject_part``, ``_part_complete``, ``_end_lease``, ``_link_dead``, ``set_state``)."""
 
     _reading: set[DecodeRequest]
     _num_live: int
-    _batches: WriteBatches
+    batches: WriteBatches
     _published_at: float
     _publish: Any
     _queue_transfer: Any
-    _transfers: Any
+    transfers: Any
     _unlocked: Any
     memory: KVMemory
     transport: Any
@@ -133,9 +134,9 @@ class PullReader:
         part = rec.parts[link]
         if msg.chunk in part.chunks_seen or any(r.chunk.chunk == msg.chunk for r in part.reads):
             return
-        if any(q.part is part and q.chunk.chunk == msg.chunk for q in self._batches.queued(link)):
+        if any(q.part is part and q.chunk.chunk == msg.chunk for q in self.batches.queued(link)):
             return
-        if any(q.part is part and q.chunk.chunk == msg.chunk for t in self._transfers for q in t.group):
+        if any(q.part is part and q.chunk.chunk == msg.chunk for t in self.transfers for q in t.group):
             return   # a repeat within one frame: its read is decided, not yet posted
         chunk = wire.Chunk(msg.request_id, msg.generation, msg.chunk, msg.last, msg.num_chunks, msg.digests)
         label = f"{rec.request_id}#{msg.chunk}"
@@ -146,10 +147,10 @@ class PullReader:
             self._read_failed(rec, part, exc)
             return
         queued = Queued(rec, plan, b"", label, part, chunk)
-        if self._batches.wanted() and self.options.batch_chunks > 1 and joinable(plan):
+        if self.batches.wanted() and self.options.batch_chunks > 1 and joinable(plan):
             # Read once the messages of this iteration were read: with what else is ready from this prefill.
             part.posting = True
-            self._batches.add(link, queued)
+            self.batches.add(link, queued)
             return
         self._post_read_group(link, [queued])
 
@@ -175,7 +176,7 @@ class PullReader:
         few reads as the caps allow. Each is checked again right before (``posting`` kept its lease from
         ending meanwhile): a request that failed, or a link whose fence tripped, is not read."""
         cap = group_cap(self.options.batch_chunks, self._num_live)
-        for link, queued in self._batches.take():
+        for link, queued in self.batches.take():
             for group in write_groups(queued, cap, self.options.batch_bytes):
                 self._post_read_group(link, group)
 
@@ -196,7 +197,7 @@ class PullReader:
     def _post_read_group(self, link: Link, group: list[Queued]) -> None:
         """Decide one read of ``group``'s chunks (one, or several sharing it): queued, and carried out once
         the event being handled is (``_carry_out_read``); its parts count as reads in flight from now."""
-        self._queue_transfer(link, group, [q.part for q in group])
+        self.queue_transfer(link, group, [q.part for q in group])
 
     def _carry_out_read(self, transfer: Transfer) -> None:
         """Post one queued read (decode's ``_carry_out``), between events, with the endpoint's lock let go
@@ -286,7 +287,7 @@ class PullReader:
             return
         part.see(chunk)
         if rec.state is not RequestState.TRANSFERRING:
-            self._set_state(rec, RequestState.TRANSFERRING)
+            self.set_state(rec, RequestState.TRANSFERRING)
         if part.is_complete:
             self._part_complete(rec, part)
 

@@ -12,7 +12,7 @@ Mutated only under the endpoint's lock.
 
 from __future__ import annotations
 
-from kvferry.control.links import Link
+from kvferry.control.core.links import Link
 from kvferry.control.liveness import is_gone
 from kvferry.transport import Transport
 

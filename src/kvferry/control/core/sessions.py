@@ -7,14 +7,12 @@ and goes challenged -> established -> dead. What a session must show to be estab
 
 from __future__ import annotations
 
-import secrets
-
 import numpy as np
 
 from kvferry.control import wire
+from kvferry.control.core.process import ProcessIdentity
 from kvferry.control.core.states import SESSION_TRANSITIONS, SessionState, check_transition
 from kvferry.control.core.timers import PeerClock
-from kvferry.control.liveness import ProcessIdentity
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Pool
@@ -30,11 +28,11 @@ class Session:
     (``SessionState``; ``move`` checks each step against its table)."""
 
     def __init__(self, identity: bytes, hello: wire.Hello, hello_bytes: bytes, deadline: float,
-                 clock: PeerClock) -> None:
+                 clock: PeerClock, nonce: bytes) -> None:
         self.identity = identity
         self.hello = hello
         self.hello_bytes = hello_bytes
-        self.nonce = secrets.token_bytes(32)
+        self.nonce = nonce   # random, chosen by the caller (the core has no random source)
         self.state = SessionState.CHALLENGED
         self.deadline = deadline
         self.remote: KVMemory | None = None

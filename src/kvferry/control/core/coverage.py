@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvferry.control.prefill_requests import ChunkSpec, PrefillRequest
+from kvferry.control.core.prefill_requests import ChunkSpec, PrefillRequest
 from kvferry.errors import PlanError
 from kvferry.layout.spec import Layout
 

@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvferry.control import wire
-from kvferry.control.links import Link
-from kvferry.control.stats import StatsRecorder
+from kvferry.control.core.links import Link
 from kvferry.errors import IntegrityError, KVFerryError, PageMismatchError
 from kvferry.integrity import DigestMode, PageDigests, digest_pages, digest_plan, verify_digests
 from kvferry.integrity.sampling import PageSampler
@@ -55,7 +54,7 @@ def _plan_digests(mode: DigestMode, plan: Plan, generation: int, index: int) -> 
 
 
 def verify_chunk(memory: KVMemory, mode: DigestMode, link: Link, msg: wire.Chunk,
-                 stats: StatsRecorder) -> KVFerryError | None:
+                 stats: Any) -> KVFerryError | None:
     """Decode side: why the chunk's landed bytes do not match its digests (an ``IntegrityError``), or None.
     A chunk without digests passes only when this side's ``mode`` is off. ``stats`` counts the page
     digests that matched, or those that did not (by pool and buffer kind)."""

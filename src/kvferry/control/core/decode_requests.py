@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.control import wire
+from kvferry.control.core.base import RequestRecord
+from kvferry.control.core.links import Link
 from kvferry.control.core.states import RequestState
 from kvferry.control.core.timers import GraceClock
-from kvferry.control.endpoints import RequestRecord
-from kvferry.control.links import Link
 
 __all__ = ["DecodeRequest", "Part"]
 
@@ -60,8 +60,8 @@ class DecodeRequest(RequestRecord):
     __slots__ = ("generation", "parts")
 
     def __init__(self, request_id: str, deadline: float, generation: int, links: list[Link],
-                 lease_grace: float) -> None:
-        super().__init__(request_id, RequestState.BOOTSTRAPPING, deadline)
+                 lease_grace: float, now: float) -> None:
+        super().__init__(request_id, RequestState.BOOTSTRAPPING, deadline, now)
         self.generation = generation
         self.parts = {link: Part(link, lease_grace) for link in links}
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from kvferry.control.core.base import RequestRecord
+from kvferry.control.core.sessions import Session
 from kvferry.control.core.states import RequestState
-from kvferry.control.endpoints import RequestRecord
-from kvferry.control.sessions import Session
 from kvferry.errors import PlanError
 from kvferry.integrity.binding import Binding
 from kvferry.layout.memory import KVMemory
@@ -26,7 +26,6 @@ from kvferry.plan.pages import validate_pages
 from kvferry.plan.planner import select_buffers
 from kvferry.plan.prefix import prefix_past_request, split_prefix
 from kvferry.plan.ranks import source_ranks
-from kvferry.transport import TransferHandle
 
 __all__ = ["ChunkSpec", "Planned", "PrefillRequest", "can_join", "chunk_pairs", "group_done", "make_spec",
            "num_decode_ranks", "past_prefix"]
@@ -69,8 +68,8 @@ class PrefillRequest(RequestRecord):
                  "group", "handles", "history", "last_posted", "last_queued", "next_chunk", "pending", "posting",
                  "prefix", "release_at", "request_pages", "session", "source_held")
 
-    def __init__(self, request_id: str, state: RequestState, deadline: float) -> None:
-        super().__init__(request_id, state, deadline)
+    def __init__(self, request_id: str, state: RequestState, deadline: float, now: float) -> None:
+        super().__init__(request_id, state, deadline, now)
         self.session: Session | None = None
         self.generation = -1
         self.dst: dict[str, np.ndarray] = {}
@@ -80,7 +79,7 @@ class PrefillRequest(RequestRecord):
         self.request_pages: dict[str, int] = {}
         self.coverage: dict[str, np.ndarray] = {}     # pool -> bool [buffers of pool, destination pages]
         self.pending: deque[ChunkSpec] = deque()
-        self.handles: list[TransferHandle] = []
+        self.handles: list[Any] = []   # tickets of writes in flight (the shell holds the transfer handles)
         # True from the decision to write a chunk of this record until the write is posted (between events,
         # with the endpoint's lock let go: PrefillEndpoint._carry_out): a write in flight with no handle yet,
         # as good as one for holds.

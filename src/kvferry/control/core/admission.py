@@ -5,25 +5,40 @@ handshake). Prefill checks decode's Hello (``check_hello``), decode checks prefi
 (``check_welcome``). Both compare layouts the same way (``layout_difference``: the shapes at equal TP
 sizes, the model across them) and both check that the decode rank needs that prefill rank; across TP each
 side keeps what slicing heads needs (prefill a planner, decode the slices it verifies). The secret's MACs
-are ``endpoints.auth_mac``; comparing them, constant-time, happens here.
+are ``auth_mac``; comparing them, constant-time, happens here. Part of the protocol core (no I/O): adding
+the peer's transport agent is the shell's (``core.prefill``'s ``AddPeer``, decode's Welcome handling).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from kvferry.control import wire
-from kvferry.control.endpoints import auth_mac
-from kvferry.control.links import Link
-from kvferry.control.sessions import Session
-from kvferry.errors import HandshakeError, IncompatiblePeer, KVFerryError, LayoutError
+from kvferry.control.core.links import Link
+from kvferry.control.core.sessions import Session
+from kvferry.errors import HandshakeError, IncompatiblePeer, KVFerryError, LayoutError, UsageError
 from kvferry.layout.compare import model_difference, shape_difference
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Layout
 from kvferry.plan.tp import TPPlanner, source_ranks
-from kvferry.transport import Transport
 
-__all__ = ["check_auth", "check_hello", "check_welcome", "layout_difference"]
+__all__ = ["as_secret", "auth_mac", "check_auth", "check_hello", "check_welcome", "layout_difference"]
+
+
+def auth_mac(secret: bytes, role: bytes, nonce_a: bytes, nonce_b: bytes, hello: bytes) -> bytes:
+    """HMAC-SHA256 binding a role, both nonces and the exact Hello bytes (so the manifest cannot be swapped)."""
+    msg = b"kvferry-auth/" + role + b"\0" + nonce_a + nonce_b + hashlib.sha256(hello).digest()
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def as_secret(secret: str | bytes | None) -> bytes | None:
+    if secret is None:
+        return None
+    out = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if not out:
+        raise UsageError("an empty secret would authenticate anyone: pass None for no secret")
+    return out
 
 
 def layout_difference(local: Layout, other: Layout) -> str | None:
@@ -41,27 +56,21 @@ def check_auth(secret: bytes, session: Session, mac: bytes) -> bool:
     return hmac.compare_digest(mac, want)
 
 
-def check_hello(memory: KVMemory, transport: Transport, session: Session) -> str | None:
-    """Prefill side: why decode's Hello cannot be admitted, or None. On success the session knows the
-    remote memory, its TP planner (across TP) and its transport agent (added to ``transport`` here)."""
+def check_hello(memory: KVMemory, transport: str, descriptors: str, session: Session) -> str | None:
+    """Prefill side: why decode's Hello cannot be admitted, or None. ``transport``: this side's transport
+    name; ``descriptors``: how it posts plans (NIXL's ``descriptors`` option; "dlist" for others). On
+    success the session knows the remote memory and its TP planner (across TP)."""
     hello = session.hello
-    if hello.transport != transport.name:
-        return f"transport differs: prefill uses {transport.name!r}, decode {hello.transport!r}"
+    if hello.transport != transport:
+        return f"transport differs: prefill uses {transport!r}, decode {hello.transport!r}"
     try:
         session.remote = KVMemory.from_manifest(hello.manifest)
     except LayoutError as exc:
         return f"malformed manifest: {exc}"
-    problem = _check_decode_rank(memory, transport, session, session.remote)
-    if problem is not None:
-        return problem
-    try:
-        session.agent = transport.add_peer(hello.transport_meta)
-    except (KVFerryError, ValueError) as exc:
-        return f"bad transport metadata: {exc}"
-    return None
+    return _check_decode_rank(memory, descriptors, session, session.remote)
 
 
-def _check_decode_rank(memory: KVMemory, transport: Transport, session: Session, remote: KVMemory) -> str | None:
+def _check_decode_rank(memory: KVMemory, descriptors: str, session: Session, remote: KVMemory) -> str | None:
     """Equal TP sizes: the shapes must match. Different: one model, and the session gets a planner
     that writes this rank's head slices. Either way decode's rank must need this prefill rank."""
     local, other = memory.layout, remote.layout
@@ -73,7 +82,7 @@ def _check_decode_rank(memory: KVMemory, transport: Transport, session: Session,
         return (f"decode rank {other.tp_rank} of TP {other.tp_size} needs prefill ranks {list(need)} of TP "
                 f"{local.tp_size}; this prefill is rank {local.tp_rank}")
     if local.tp_size != other.tp_size:
-        if getattr(transport, "descriptors", "dlist") == "prepped":  # "auto" posts TP plans as rows
+        if descriptors == "prepped":  # "auto" posts TP plans as rows
             return "cross-TP writes move slices of pages: the transport must use descriptors='dlist' or 'auto'"
         session.planner = TPPlanner(memory, remote)  # slices derived once per session
     return None

@@ -8,13 +8,12 @@ rank needs (``tp.source_ranks``). Mutated only under the endpoint's lock.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from typing import Any
 
+from kvferry.control.core.process import ProcessIdentity
 from kvferry.control.core.states import LINK_TRANSITIONS, LinkState, check_transition
 from kvferry.control.core.timers import PeerClock
-from kvferry.control.liveness import ProcessIdentity
 from kvferry.errors import KVFerryError, PeerLost, UsageError
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
@@ -28,15 +27,15 @@ class Link:
     """One prefill this decode talks to. ``state``: connecting -> established -> dead (or failed)
     (``LinkState``; ``move`` checks each step against its table)."""
 
-    def __init__(self, address: str, deadline: float, clock: PeerClock) -> None:
+    def __init__(self, address: str, deadline: float, clock: PeerClock, session: str, nonce: bytes) -> None:
         self.address = address
         self.sock: Any = None
         self.monitor: Any = None   # the socket's monitor: tells when libzmq dropped the connection
         self.state = LinkState.CONNECTING
         self.error: KVFerryError | None = None
         self.deadline = deadline
-        self.session = secrets.token_hex(16)
-        self.nonce = secrets.token_bytes(32)
+        self.session = session   # random, chosen by the caller (the core has no random source)
+        self.nonce = nonce
         self.hello = b""
         self.server_nonce: bytes | None = None
         self.agent = ""

@@ -1,6 +1,6 @@
 """Batched transfers: the chunks one progress iteration has ready for one peer, posted as one transfer.
 
-Part of the control plane, above ``wire``, ``plan`` and the transports, below ``prefill`` (push mode's
+Part of the protocol core (no I/O), above ``wire`` and ``plan``, below ``core.prefill`` (push mode's
 writes) and ``pull_reader`` (pull mode's reads, the same way round). Under load the
 progress thread finds tens of requests ready per iteration, and each write costs the same fixed work
 whatever its size (a NIXL transfer made, posted, polled and released; a notification sent and received):
@@ -10,8 +10,9 @@ whose notification is a ``wire.Batch`` of their ``Chunk`` messages. Nothing wait
 in its iteration goes alone, as before, with its plain ``Chunk``, and is posted at once unless the previous
 iteration posted several (``WriteBatches.wanted``).
 
-Each record still settles, fails and aborts on its own: it holds its own handle on the shared write
-(``share``), released once every record let go. A failed write fails every record in it (their bytes may
+Each record still settles, fails and aborts on its own: it holds the shared write's ticket, and the
+shell releases the transfer once it completed (``control.handles`` shares a handle where the reads of
+pull mode still hold one each). A failed write fails every record in it (their bytes may
 have landed in part). Only whole-page plans join (equal TP; across TP each rank's plan goes alone), and a
 group is capped in chunks, bytes moved (the first request's latency is the group's copy), notification
 bytes and half the requests in flight (``group_cap``: two transfers share the window, so that decode
@@ -25,9 +26,8 @@ from typing import Any
 
 from kvferry.plan.contract import Plan
 from kvferry.plan.planner import TransferPlan, concat_plans
-from kvferry.transport import TransferHandle
 
-__all__ = ["NOTIF_BYTES", "Queued", "WriteBatches", "group_cap", "joinable", "joined", "share", "write_groups"]
+__all__ = ["NOTIF_BYTES", "Queued", "WriteBatches", "group_cap", "joinable", "joined", "write_groups"]
 
 # Notification bytes of one batched write: a chunk's sampled digests are ~1 KB, so tens fit; a chunk with
 # larger digests (full mode over many pages) goes alone.
@@ -120,43 +120,6 @@ def write_groups(queued: list[Queued], max_chunks: int, max_bytes: int) -> Itera
         notif += len(q.data)
     if group:
         yield group
-
-
-class _Shared:
-    __slots__ = ("handle", "refs")
-
-    def __init__(self, handle: TransferHandle, refs: int) -> None:
-        self.handle, self.refs = handle, refs
-
-
-class _Member(TransferHandle):
-    """One record's handle on a shared write: polls it; releasing it lets go of one reference (once)."""
-
-    __slots__ = ("_released", "_shared", "label", "peer")
-
-    def __init__(self, shared: _Shared) -> None:
-        self._shared, self._released = shared, False
-        self.peer, self.label = shared.handle.peer, shared.handle.label
-
-    def poll(self) -> bool:
-        return self._shared.handle.poll()
-
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        self._shared.refs -= 1
-        if self._shared.refs == 0:
-            self._shared.handle.release()
-
-
-def share(handle: TransferHandle, count: int) -> list[TransferHandle]:
-    """``count`` handles on one transfer, one per record in it; it is released when all are (one record:
-    the handle itself)."""
-    if count == 1:
-        return [handle]
-    shared = _Shared(handle, count)
-    return [_Member(shared) for _ in range(count)]
 
 
 def joined(group: list[Queued]) -> tuple[Plan, str]:
