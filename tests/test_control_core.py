@@ -116,7 +116,7 @@ def test_an_internal_error_in_a_handler_is_not_a_bad_message(
         if isinstance(msg, wire.Announce):
             raise InternalError("planted: a bug in the announce handler")
 
-    monkeypatch.setattr(prefill.core, "on_message", broken)
+    monkeypatch.setattr(prefill.core.announces, "on_message", broken)
     with caplog.at_level(logging.ERROR, "kvferry.control"):
         decode.announce("r1", {"main": np.array([1, 2])})
         deadline = time.monotonic() + 5

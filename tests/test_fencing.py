@@ -183,14 +183,14 @@ def test_stall_before_the_check_writes_nothing(cfg: tuple[float, float, float],
             DecodeEndpoint(dst, "local", options=opts) as decode:
         decode.connect(p1.address)
         resumed: list[float] = []
-        on_announce = p1.core.on_announce
+        on_announce = p1.core.announces.on_announce
 
         def stalled(session: Any, msg: Any) -> None:
             time.sleep(stall)
             resumed.append(time.monotonic())
             on_announce(session, msg)
 
-        monkeypatch.setattr(p1.core, "on_announce", stalled)
+        monkeypatch.setattr(p1.core.announces, "on_announce", stalled)
         p1.send("a", SRC_A)
         decode.announce("a", PAGES_A)
         with pytest.raises(RequestFailed):

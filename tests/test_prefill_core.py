@@ -18,8 +18,8 @@ import pytest
 
 from kvferry import KVMemory
 from kvferry.control import EndpointOptions, RequestState, wire
-from kvferry.control.core.base import CheckProcess, FlushNow, RemovePeer
-from kvferry.control.core.prefill import AddPeer, PrefillCore, PrefillSetup, Write
+from kvferry.control.core.base import AddPeer, CheckProcess, FlushNow, RemovePeer
+from kvferry.control.core.prefill import PrefillCore, PrefillSetup, Write
 from kvferry.control.core.prefill_requests import make_spec
 from kvferry.control.core.process import ProcessIdentity
 from kvferry.control.pull import source_hold_s
@@ -104,7 +104,7 @@ class Peer:
 
     def apply(self, effect: Any) -> None:
         if isinstance(effect, AddPeer):
-            self.core.peer_added(self.t, effect.identity, "agent-" + effect.identity.decode(), None)
+            self.core.peer_added(self.t, effect.peer, "agent-" + effect.peer.decode(), None)
         elif isinstance(effect, RemovePeer):
             self.removed.append(effect.agent)
         elif isinstance(effect, CheckProcess):

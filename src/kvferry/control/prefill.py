@@ -21,9 +21,9 @@ import zmq
 
 from kvferry.control import wire
 from kvferry.control.core.admission import as_secret
-from kvferry.control.core.base import CheckProcess, Effect, RemovePeer, Transfer
+from kvferry.control.core.base import AddPeer, CheckProcess, Effect, RemovePeer, Transfer
 from kvferry.control.core.digests import source_digests
-from kvferry.control.core.prefill import AddPeer, PrefillCore, PrefillSetup
+from kvferry.control.core.prefill import PrefillCore, PrefillSetup
 from kvferry.control.core.prefill_requests import ChunkSpec, Planned, PrefillRequest, chunk_pairs, make_spec
 from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions
 from kvferry.control.liveness import is_gone, this_process
@@ -263,9 +263,9 @@ class PrefillEndpoint(EndpointBase):
             try:
                 agent = self.transport.add_peer(effect.meta)
             except (KVFerryError, ValueError) as exc:
-                core.peer_added(time.monotonic(), effect.identity, None, str(exc))
+                core.peer_added(time.monotonic(), effect.peer, None, str(exc))
             else:
-                core.peer_added(time.monotonic(), effect.identity, agent, None)
+                core.peer_added(time.monotonic(), effect.peer, agent, None)
         elif isinstance(effect, RemovePeer):
             with contextlib.suppress(TransportError):
                 self.transport.remove_peer(effect.agent)

@@ -28,7 +28,7 @@ from kvferry.control.core.states import TERMINAL, RequestState, advance
 from kvferry.control.core.write_batch import WriteBatches
 from kvferry.errors import InternalError, KVFerryError
 
-__all__ = ["MAX_FINISHED", "CheckProcess", "CoreBase", "Effect", "FlushNow", "RemovePeer", "RequestRecord",
+__all__ = ["MAX_FINISHED", "AddPeer", "CheckProcess", "CoreBase", "Effect", "FlushNow", "RemovePeer", "RequestRecord",
            "Transfer"]
 
 log = logging.getLogger("kvferry.control")
@@ -61,6 +61,15 @@ class FlushNow(Effect):
 
     peer: Any
     raw: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class AddPeer(Effect):
+    """Add the peer's transport agent (``meta``: its transport metadata from the handshake); the shell
+    answers with the core's ``peer_added`` (the agent's name, or why not)."""
+
+    peer: Any
+    meta: bytes
 
 
 @dataclass(frozen=True, slots=True)
