@@ -89,7 +89,7 @@ class PrefillRequest(RequestRecord):
         self.group: list[PrefillRequest] = [self]               # shared by the group's records; the leader first
         self.expected = 1                             # decode ranks this request goes to (set at bind)
         self.history: list[ChunkSpec] | None = []     # every chunk so far, for decode ranks still to come
-        # Pull mode: decode may still read this record's source pages (pull_source); until when, once the
+        # Pull mode: decode may still read this record's source pages (core.holds); until when, once the
         # session died.
         self.source_held = False
         self.release_at: float | None = None
