@@ -17,9 +17,8 @@ import pytest
 
 from kvferry import KVMemory
 from kvferry.control import EndpointOptions, RequestState, wire
-from kvferry.control.core.base import FlushNow, RemovePeer
+from kvferry.control.core.base import AddPeer, FlushNow, RemovePeer
 from kvferry.control.core.decode import (
-    AddPeer,
     CheckWriter,
     CloseLink,
     DecodeCore,
@@ -139,7 +138,7 @@ class Side:
             core.take_out(effect.link)
             self.closed.append(effect.link)
         elif isinstance(effect, AddPeer):
-            core.peer_added(self.t, effect.link, f"agent-{next(self.agents)}", None)
+            core.peer_added(self.t, effect.peer, f"agent-{next(self.agents)}", None)
         elif isinstance(effect, RemovePeer):
             self.removed.append(effect.agent)
         elif isinstance(effect, CheckWriter):

@@ -15,7 +15,6 @@ import pytest
 from kvferry import KVMemory, plan_transfer
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState, wire
 from kvferry.control.core.write_batch import NOTIF_BYTES, Queued, group_cap, joinable, write_groups
-from kvferry.control.handles import share
 from kvferry.errors import PlanError, RequestFailed, TransportError, UsageError
 from kvferry.plan import TransferPlan
 from kvferry.plan.planner import concat_plans
@@ -369,23 +368,6 @@ def test_write_groups_cut_at_every_cap_and_keep_order() -> None:
     assert not joinable(odd.plan)
     groups = list(write_groups([*queued[:2], odd, *queued[2:4]], 16, 1 << 30))
     assert [[q.rec for q in g] for g in groups] == [[0, 1], ["odd"], [2, 3]]
-
-
-def test_shared_handle_is_released_once_every_record_let_go() -> None:
-    released: list[str] = []
-
-    class Handle(LocalHandle):
-        def release(self) -> None:
-            released.append(self.label)
-
-    members = share(Handle("peer", "w"), 3)
-    assert all(m.poll() for m in members)
-    members[0].release()
-    members[0].release()          # idempotent: still one reference gone, not two
-    members[1].release()
-    assert released == []
-    members[2].release()
-    assert released == ["w"]
 
 
 @pytest.mark.parametrize("bad", [{"batch_chunks": 0}, {"batch_chunks": wire.MAX_BATCH + 1}, {"batch_bytes": 0},

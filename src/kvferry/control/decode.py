@@ -25,11 +25,10 @@ import zmq.utils.monitor
 
 from kvferry.control import wire
 from kvferry.control.core.admission import as_secret
-from kvferry.control.core.base import Effect, RemovePeer, Transfer
+from kvferry.control.core.base import AddPeer, Effect, RemovePeer, Transfer
 from kvferry.control.core.decode import (
     RETRY_AFTER,
     RETRY_MAX,
-    AddPeer,
     CheckWriter,
     CloseLink,
     DecodeCore,
@@ -351,9 +350,9 @@ class DecodeEndpoint(EndpointBase):
             try:
                 agent = self.transport.add_peer(effect.meta)
             except KVFerryError as exc:
-                core.peer_added(time.monotonic(), effect.link, None, str(exc))
+                core.peer_added(time.monotonic(), effect.peer, None, str(exc))
             else:
-                core.peer_added(time.monotonic(), effect.link, agent, None)
+                core.peer_added(time.monotonic(), effect.peer, agent, None)
         elif isinstance(effect, RemovePeer):
             with contextlib.suppress(TransportError):  # the peer is gone either way
                 self.transport.remove_peer(effect.agent)

@@ -32,7 +32,7 @@ from typing import Any, cast
 
 from kvferry.control import wire
 from kvferry.control.core.admission import auth_mac, check_welcome
-from kvferry.control.core.base import CoreBase, Effect, FlushNow, RemovePeer, RequestRecord, Transfer
+from kvferry.control.core.base import AddPeer, CoreBase, Effect, FlushNow, RemovePeer, RequestRecord, Transfer
 from kvferry.control.core.decode_requests import DecodeRequest, Part
 from kvferry.control.core.digests import verify_chunk
 from kvferry.control.core.leases import LeaseTable
@@ -60,7 +60,7 @@ from kvferry.errors import (
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
 
-__all__ = ["RETRY_AFTER", "RETRY_MAX", "AddPeer", "CheckWriter", "CloseLink", "DecodeCore", "DecodeSetup",
+__all__ = ["RETRY_AFTER", "RETRY_MAX", "CheckWriter", "CloseLink", "DecodeCore", "DecodeSetup",
            "OpenLink", "TakeNotifications"]
 
 # connect_needed: a handshake that failed (not a refusal) is retried after RETRY_AFTER seconds, doubling with
@@ -86,15 +86,6 @@ class CloseLink(Effect):
     """Close ``link``'s socket now; what is still queued for it is dropped."""
 
     link: Link
-
-
-@dataclass(frozen=True, slots=True)
-class AddPeer(Effect):
-    """Add prefill's transport agent (``meta``: its transport metadata from the Welcome); answer with
-    ``DecodeCore.peer_added``."""
-
-    link: Link
-    meta: bytes
 
 
 @dataclass(frozen=True, slots=True)
