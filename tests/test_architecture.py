@@ -40,7 +40,7 @@ def test_an_upward_import_and_a_circle_break_the_contracts(tmp_path: Path) -> No
     spec = tmp_path / "kvferry" / "layout" / "spec.py"
     spec.write_text(spec.read_text() + "\nfrom kvferry.control import wire  # planted\n")
     # A circle inside the control plane: the lease table importing the endpoint that imports it.
-    leases = tmp_path / "kvferry" / "control" / "leases.py"
+    leases = tmp_path / "kvferry" / "control" / "core" / "leases.py"
     leases.write_text(leases.read_text() + "\nfrom kvferry.control import decode  # planted\n")
     # A clock inside the protocol core.
     states = tmp_path / "kvferry" / "control" / "core" / "states.py"

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from kvferry import IncompatiblePeer, KVMemory, LeaseError, PeerLost
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState, wire
+from kvferry.control.core.leases import LeaseTable
 from kvferry.control.core.states import TERMINAL, TRANSITIONS, advance, can_advance
-from kvferry.control.leases import LeaseTable
 from kvferry.errors import InternalError, RequestFailed
 
 from .control_peer import fill, make_layout, run_prefill, workload

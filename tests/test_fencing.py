@@ -266,7 +266,7 @@ def test_waits_keep_their_deadlines_while_the_loop_holds_the_lock(monkeypatch: p
         decode.connect(prefill.address)
         decode.announce("r", PAGES_A)
         stuck = threading.Event()
-        tick = decode.tick
+        tick = decode.core.tick
 
         def stalled_tick(now: float) -> None:      # runs under the endpoint's lock
             if not stuck.is_set():
@@ -274,7 +274,7 @@ def test_waits_keep_their_deadlines_while_the_loop_holds_the_lock(monkeypatch: p
                 time.sleep(2.0)
             tick(now)
 
-        monkeypatch.setattr(decode, "tick", stalled_tick)
+        monkeypatch.setattr(decode.core, "tick", stalled_tick)
         assert stuck.wait(2)
         t0 = time.monotonic()
         with pytest.raises(TransferTimeout):

@@ -239,7 +239,7 @@ def _offer_together(prefill: PrefillEndpoint, decode: DecodeEndpoint, reqs: list
     """Prefill offers every chunk (its Readys) while decode's progress thread waits for the lock: decode's
     next iteration reads them all."""
     with decode._lock:
-        decode.batches.batching = True
+        decode.core.batches.batching = True
         run_prefill(prefill, reqs)
         _until(lambda: all(prefill.poll(r.rid) is RequestState.TRANSFERRING for r in reqs))
         time.sleep(0.05)   # the last Readys reach decode's socket

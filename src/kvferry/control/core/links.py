@@ -1,7 +1,7 @@
 """Decode's view of its prefill peers: one ``Link`` per prefill rank, and which links a request goes to.
 
-Part of the control plane, above ``wire``, below ``decode``. A link owns one ZMQ DEALER socket and goes
-connecting -> established -> dead (or failed). What a prefill must show to be established is
+Part of the protocol core, above ``wire``, below ``core.decode``. A link (its ZMQ DEALER socket is the
+shell's) goes connecting -> established -> dead (or failed). What a prefill must show to be established is
 ``admission``'s; ``pick_links`` chooses, per announced request, exactly the prefill ranks this decode
 rank needs (``tp.source_ranks``). Mutated only under the endpoint's lock.
 """
@@ -9,7 +9,6 @@ rank needs (``tp.source_ranks``). Mutated only under the endpoint's lock.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from kvferry.control.core.process import ProcessIdentity
 from kvferry.control.core.states import LINK_TRANSITIONS, LinkState, check_transition
@@ -29,8 +28,6 @@ class Link:
 
     def __init__(self, address: str, deadline: float, clock: PeerClock, session: str, nonce: bytes) -> None:
         self.address = address
-        self.sock: Any = None
-        self.monitor: Any = None   # the socket's monitor: tells when libzmq dropped the connection
         self.state = LinkState.CONNECTING
         self.error: KVFerryError | None = None
         self.deadline = deadline

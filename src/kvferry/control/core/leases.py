@@ -1,13 +1,13 @@
 """Destination-page leases: which request owns which decode pages, until no write to them can land.
 
-Part of the control plane, above the plan layer's page validator, below ``decode``. Decode leases its pages to
-a request when it announces it; the lease ends only when the endpoint knows nothing more can be written there
+Part of the protocol core (no I/O), above the plan layer's page validator, below ``core.decode``. Decode
+leases its pages to a request when it announces it; the lease ends only when nothing more can be written there
 (every write confirmed done, the writer confirmed its handles settled, or the writer is certainly gone and
 ``lease_grace`` passed since: see ``quarantine``). Reusing a page while a write to it is still in flight is
 the bug this table exists to make impossible: ``acquire`` refuses, before anything moves, pages that are
 out of range, repeated, or held by a live lease.
 
-Not thread-safe on its own: the endpoint calls it under its lock.
+Not thread-safe on its own: the core is mutated only under its shell's lock.
 """
 
 from __future__ import annotations
