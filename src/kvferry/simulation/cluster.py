@@ -89,10 +89,15 @@ def make_workload(sim: Sim, cfg: SimConfig, swarm: Swarm) -> list[Request]:
         out.append(Request(
             f"r{i}", rng.randrange(cfg.decodes), rng.randrange(cfg.prefills), arrive, total, prefix, chunks,
             max(0.0, arrive + rng.uniform(-0.05, 0.3)),
-            rng.uniform(0.0, 0.3) if faults and rng.random() < swarm.prefill_abort else None,
-            rng.uniform(0.0, 0.3) if faults and rng.random() < swarm.decode_abort else None,
+            _abort_after(rng) if faults and rng.random() < swarm.prefill_abort else None,
+            _abort_after(rng) if faults and rng.random() < swarm.decode_abort else None,
             faults and rng.random() < swarm.cancel))
     return out
+
+
+def _abort_after(rng: Any) -> float:
+    """When an engine aborts: often right as the bytes move (the races), else any time later."""
+    return rng.uniform(0.0, 0.03) if rng.random() < 0.5 else rng.uniform(0.0, 0.5)
 
 
 class World:
@@ -185,10 +190,10 @@ class World:
         node = self.sim.rng_fault.choice(self.nodes)
         node.stall(self.sim.rng_fault.random() * self.swarm.stall_max)
 
-    def stall_before_post(self, node: Node) -> bool:
+    def stall_in_post(self, node: Node) -> bool:
         s = self.swarm
         if s.stall_post and self.faults_on() and self.sim.rng_fault.random() < s.stall_post:
-            node.stall(self.sim.rng_fault.random() * max(s.stall_max, self.options.peer_timeout * 2))
+            node.stall(self.sim.rng_fault.random() * max(s.stall_max, self.options.peer_timeout * 3))
             return True
         return False
 

@@ -61,6 +61,8 @@ class Swarm:
     """One seed's fault mix: each a rate per simulated second, a probability per occurrence, or a bound."""
 
     delay_max: float = 0.002       # per message (network) and per transfer (transport), uniform
+    spike: float = 0.0             # a message delayed much longer (TCP retransmits), up to spike_max
+    spike_max: float = 0.0
     cut_rate: float = 0.0          # connection cuts, across all connections
     partition_rate: float = 0.0    # a decode-prefill pair partitioned for a while (messages held, TCP-like)
     partition_max: float = 0.0
@@ -86,13 +88,15 @@ class Swarm:
         def on(p: float = 0.5) -> bool:
             return rng.random() < p
 
-        base = cls(delay_max=rng.choice([0.0005, 0.002, 0.01]), pull=rng.choice([0.0, 0.5, 1.0]),
+        base = cls(delay_max=rng.choice([0.0005, 0.002, 0.01]), pull=rng.choice([0.0, 0.5, 1.0, 1.0]),
                    chunked=rng.random(), layered=rng.random() * 0.5, prefix=rng.random() * 0.5,
                    digest=rng.choice(["off", "off", "sampled", "full"]))
         if not faults:
             return base
         return replace(
             base,
+            spike=rng.uniform(0.01, 0.1) if on() else 0.0,
+            spike_max=rng.choice([0.05, 0.2, 0.4]),
             cut_rate=rng.uniform(0.2, 2.0) if on() else 0.0,
             partition_rate=rng.uniform(0.1, 1.0) if on() else 0.0,
             partition_max=rng.uniform(0.2, 1.5),
@@ -119,5 +123,5 @@ class Swarm:
         return replace(self, **{n: 0.0 for n in names})
 
 
-FAULT_KINDS = ("cut_rate", "partition_rate", "stall_rate", "stall_post", "crash_rate", "transfer_fail",
+FAULT_KINDS = ("spike", "cut_rate", "partition_rate", "stall_rate", "stall_post", "crash_rate", "transfer_fail",
                "slow_transfer", "prefill_abort", "decode_abort", "cancel", "retry")

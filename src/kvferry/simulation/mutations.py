@@ -124,7 +124,9 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "planner_buffer0": ("a_lease",),
     "done_before_verdict": ("b_prefill_done_before_verdict",),
     "abort_frees_lease": ("a_lease",),
-    "stale_generation": ("b_done_bytes",),
+    # A stale completion counted for the new generation makes it DONE without its bytes; a stale settled
+    # Fail ends the new generation's lease under its writes, or the old one is never settled.
+    "stale_generation": ("b_done_bytes", "a_lease", "e_at_rest"),
     "pull_release_early": ("a_source_released_under_read",),
 }
 

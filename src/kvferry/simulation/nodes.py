@@ -72,6 +72,7 @@ class Node:
         self.pending_wake = math.inf
         self.wake_token = 0
         self.resume_between = False   # stalled between two transfers: carry out the rest first
+        self.resume_post: Callable[[float], None] | None = None   # stalled inside a post: finish it first
         self.frames: deque[tuple[str, Any, bytes]] = deque()
         self.ended: list[tuple[Any, RequestState]] = []   # records that ended in the last step
         self.start()
@@ -139,6 +140,9 @@ class Node:
         now = self.sim.now
         self.pending_wake = math.inf
         try:
+            if self.resume_post is not None:
+                post, self.resume_post = self.resume_post, None
+                post(now)
             if self.resume_between:
                 self.resume_between = False
                 self.between(now)
@@ -185,6 +189,7 @@ class Node:
         self.stalled_until = self.resumed_at = self.sim.now
         self.pending_wake = math.inf
         self.resume_between = False
+        self.resume_post = None
         self.frames.clear()
         self.ended.clear()
         self.start()
@@ -199,10 +204,22 @@ class Node:
             while core.effects:
                 self.apply(core.effects.popleft(), now)
             if core.transfers:
-                if self.world.stall_before_post(self):
+                transfer = core.transfers.popleft()
+                if self.world.stall_in_post(self):
+                    # SIGSTOP between the decision and the start of its posting: checked again on resume.
+                    core.transfers.appendleft(transfer)
                     self.resume_between = True
                     raise Stalled
-                self.carry_out(core.transfers.popleft(), now)
+                self.carry_out(transfer, now)
+
+    def stalled_posting(self, post: Callable[[float], None]) -> None:
+        """SIGSTOP inside the post call, after the core's last check (``start_write``/``start_read``):
+        the transfer goes out when the process resumes, however late (the stalled writer)."""
+        if self.world.stall_in_post(self):
+            self.resume_post = post
+            self.resume_between = True
+            raise Stalled
+        post(self.sim.now)
 
     def iterate(self, now: float) -> None:
         core = self.core
@@ -345,10 +362,12 @@ class PrefillNode(Node):
             raise AssertionError(f"no shell for {effect!r}")
 
     def carry_out(self, transfer: Transfer, now: float) -> None:
+        write = self.core.start_write(now, transfer)
+        if write is not None:
+            self.stalled_posting(lambda t: self.post_write(t, transfer, write))
+
+    def post_write(self, now: float, transfer: Transfer, write: Any) -> None:
         core = self.core
-        write = core.start_write(now, transfer)
-        if write is None:
-            return
         recs = write.records
         for rec in recs:
             rec.posting = False
@@ -391,6 +410,9 @@ class PrefillNode(Node):
                 else:
                     att.done = True
                 return
+        elif core.records.get(req.rid) is not att.rec:
+            att.done = True   # decode announced it again meanwhile: the rest belongs to the retry's send
+            return
         assert att.src is not None
         chunk = req.chunks[att.sent]
         pages = {pool: att.src[pool][lo:hi] for pool, (lo, hi) in chunk.ranges.items() if hi > lo}
@@ -448,7 +470,8 @@ class PrefillNode(Node):
         keep = []
         for att in self.attempts:
             rec = att.rec
-            if not rec.is_live and att.done and not any(m.source_held or m.handles or m.posting for m in rec.group):
+            if not rec.is_live and not any(m.source_held or m.handles or m.posting for m in rec.group):
+                att.done = True   # ended: a chunk not sent yet never will be
                 self.release(att)
             else:
                 keep.append(att)
@@ -464,6 +487,7 @@ class DAttempt:
     gen: int = -1
     rec: Any = None
     give_up: float = 0.0
+    decided: bool = False        # whether to announce it again was decided (once it ended)
 
 
 class DecodeNode(Node):
@@ -562,10 +586,12 @@ class DecodeNode(Node):
             raise AssertionError(f"no shell for {effect!r}")
 
     def carry_out(self, transfer: Transfer, now: float) -> None:
+        job = self.core.start_read(now, transfer)
+        if job is not None:
+            self.stalled_posting(lambda t: self.post_read(t, job))
+
+    def post_read(self, now: float, job: Any) -> None:
         core = self.core
-        job = core.start_read(now, transfer)
-        if job is None:
-            return
         for part in job.parts:
             part.posting = False
         if self.world.refuse_post():
@@ -647,18 +673,25 @@ class DecodeNode(Node):
             att.pages = None
 
     def engine(self, now: float) -> None:
-        """Take pages back once their lease ended; announce a failed request again (same id)."""
+        """Announce a failed request again (same id, new pages: the old ones may be quarantined) as soon as
+        it failed; take pages back once their lease ended."""
         leases = self.core.leases
-        for gen in [g for g, a in self.attempts.items() if not a.rec.is_live and not leases.holds(g)]:
-            att = self.attempts.pop(gen)
-            self.release(att)
-            req = att.req
-            if (att.rec.state is RequestState.FAILED and att.n < 2 and self.world.faults_on()
-                    and self.sim.rng_work.random() < self.world.swarm.retry):
-                t = now + self.sim.rng_work.random() * 0.2
-                self.sim.log(self.name, f"retry {req.rid} at {t:.4f}")
-                self.plan_announce(req, t, att.n + 1)
-                self.world.prefills[req.prefill].plan_send(req, t + self.sim.rng_work.random() * 0.1, retry=True)
+        for gen, att in list(self.attempts.items()):
+            if att.rec.is_live:
+                continue
+            if not att.decided:
+                att.decided = True
+                req = att.req
+                if (att.rec.state is RequestState.FAILED and att.n < 2 and self.world.faults_on()
+                        and self.sim.rng_work.random() < self.world.swarm.retry):
+                    t = now + self.sim.rng_work.random() * 0.05
+                    self.sim.log(self.name, f"retry {req.rid} at {t:.4f}")
+                    self.plan_announce(req, t, att.n + 1)
+                    self.world.prefills[req.prefill].plan_send(req, t + self.sim.rng_work.random() * 0.05,
+                                                               retry=True)
+            if not leases.holds(gen):
+                del self.attempts[gen]
+                self.release(att)
 
     # -- what the invariants read --------------------------------------------------------------------------
     def check_done(self, rec: Any) -> None:

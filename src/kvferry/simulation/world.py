@@ -167,7 +167,11 @@ class Net:
         self.partitions: dict[tuple[str, str], float] = {}   # (decode, prefill) -> heals at
 
     def delay(self) -> float:
-        return 1e-5 + self.sim.rng_lat.random() * self.world.swarm.delay_max
+        swarm = self.world.swarm
+        extra = 0.0
+        if swarm.spike and self.sim.rng_fault.random() < swarm.spike and self.world.faults_on():
+            extra = self.sim.rng_fault.random() * swarm.spike_max   # FIFO: later messages wait behind it
+        return 1e-5 + self.sim.rng_lat.random() * swarm.delay_max + extra
 
     def _held(self, conn: Conn) -> float:
         if conn.prefill is None:

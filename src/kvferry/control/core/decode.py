@@ -807,8 +807,8 @@ class DecodeCore(CoreBase):
         live = [rec.deadline for rec in self.by_gen.values() if rec.is_live]
         if live:
             times.append(max(min(live), self.next_deadline_check))
-        if self.quarantine.num_leases:
-            times.append(self.next_quarantine_check)
+        if self.quarantine.num_leases:   # looked at with the request deadlines (tick_requests)
+            times.append(max(self.next_quarantine_check, self.next_deadline_check))
         return min(times, default=math.inf)
 
     def link_dead(self, link: Link, error: KVFerryError) -> None:
