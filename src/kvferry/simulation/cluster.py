@@ -244,8 +244,9 @@ class World:
             owner = owners[dst.pages.pools[buf]]
             if p1 > len(owner) or (owner[p0:p1] != gen).any():
                 held = [int(x) for x in owner[p0:min(p1, len(owner))]]
-                self.sim.fail("a_lease", f"{kind} of {rid!r} gen {gen} landed in {dst.name} {buf} pages {p0}..{p1 - 1}, "
-                              f"leased to generations {held} (-1: free; pages past {len(owner)} are never leased)")
+                self.sim.fail("a_lease", f"{kind} of {rid!r} gen {gen} landed in {dst.name} {buf} pages "
+                              f"{p0}..{p1 - 1}, leased to generations {held} (-1: free; pages past {len(owner)} "
+                              "are never leased)")
             origin = src.pages.locate(s, n)
             if origin is None:
                 self.sim.fail("a_lease", f"{kind} of {rid!r}: a source row lies outside {src.name}'s buffers")

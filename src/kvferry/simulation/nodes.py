@@ -37,7 +37,7 @@ from kvferry.control.stats import NullRecorder
 from kvferry.errors import InternalError, KVFerryError, LeaseError, PeerLost, TransportError
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
-from kvferry.simulation.config import LAYERS, sim_layout
+from kvferry.simulation.config import sim_layout
 from kvferry.simulation.world import PageMap, fill_pattern, pattern
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ DEADLINE_SLACK = 0.05
 RETRY_S = 0.05
 
 
-class Stalled(Exception):  # noqa: N818 (control flow: the node stopped mid-iteration)
+class Stalled(Exception):  # control flow: the node stopped mid-iteration
     pass
 
 

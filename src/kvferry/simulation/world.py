@@ -48,7 +48,7 @@ class Violation:
     detail: str
 
 
-class ViolationFound(Exception):  # noqa: N818 (a control-flow signal, not an error class)
+class ViolationFound(Exception):  # a control-flow signal: the run stops at its first violation
     def __init__(self, violation: Violation) -> None:
         super().__init__(violation.detail)
         self.violation = violation
@@ -104,16 +104,11 @@ def pattern(rid: str, pos: int, buffer_index: int, page_bytes: int) -> np.ndarra
 
 def fill_pattern(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first_pos: int) -> None:
     """Write the request's content into ``pages`` (positions ``first_pos`` on) of every buffer of ``pool``."""
-    index = memory.layout.buffer_index if hasattr(memory.layout, "buffer_index") else None
+    index = memory.buffer_index
     for buf in memory.layout.pool(pool).buffers:
         arr = memory.array(buf.name)
-        b = _buffer_index(memory, buf.name) if index is None else index[buf.name]
         for i, page in enumerate(pages.tolist()):
-            arr[page] = pattern(rid, first_pos + i, b, buf.page_bytes)
-
-
-def _buffer_index(memory: KVMemory, name: str) -> int:
-    return [b.name for b in memory.layout.buffers].index(name)
+            arr[page] = pattern(rid, first_pos + i, index[buf.name], buf.page_bytes)
 
 
 class PageMap:
