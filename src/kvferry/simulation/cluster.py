@@ -121,6 +121,7 @@ class World:
         self.outcome_d: dict[tuple[str, str, int], RequestState] = {}
         self.disagreements = 0
         self.done = self.failed = 0
+        self.last_work = 0.0   # when the last engine command was scheduled for
         self.prefills = [PrefillNode(self, f"prefill{i}", f"sim://prefill{i}") for i in range(cfg.prefills)]
         modes = ["pull" if self.sim.rng_fault.random() < self.swarm.pull else "push" for _ in range(cfg.decodes)]
         self.decodes = [DecodeNode(self, f"decode{i}", modes[i]) for i in range(cfg.decodes)]
@@ -316,6 +317,8 @@ class World:
     def leftovers(self) -> list[str]:
         """What remains although nothing should: (e)'s list, empty at rest."""
         out = []
+        if self.sim.now <= self.last_work:
+            out.append(f"engine commands still due (until {self.last_work:.4f})")
         for node in self.decodes:
             core = node.core
             if node.crashed:
@@ -354,8 +357,9 @@ class World:
     def run(self) -> None:
         cfg, sim = self.cfg, self.sim
         end = cfg.fault_until + cfg.rest_after
-        start_rest = max(cfg.fault_until, cfg.arrival_span) + self.options.request_timeout
-        next_check = start_rest
+        # Rest is looked for from the moment faults stop (every REST_CHECK_S): a run ends as soon as it is
+        # reached, or fails (e) when it is not by ``end``.
+        next_check = max(cfg.fault_until, cfg.arrival_span)
         while True:
             t = sim.next_time()
             if t >= next_check:

@@ -51,7 +51,7 @@ DEADLINE_SLACK = 0.05
 RETRY_S = 0.05
 
 
-class Stalled(Exception):  # control flow: the node stopped mid-iteration
+class Stalled(BaseException):  # control flow: no `except Exception` in the code under test may swallow it
     pass
 
 
@@ -120,8 +120,11 @@ class Node:
             self.wake_token += 1
             self.sim.at(t, self.wake, self.wake_token)
 
-    def call_at(self, t: float, fn: Callable[[float], None]) -> None:
-        """An engine command at ``t`` (deferred while the process is stopped)."""
+    def call_at(self, t: float, fn: Callable[[float], None], *, work: bool = True) -> None:
+        """An engine command at ``t`` (deferred while the process is stopped). ``work``: part of the workload
+        (the run is not at rest before it), not a periodic chore."""
+        if work:
+            self.world.last_work = max(self.world.last_work, t)
         self.sim.at(t, self._run_call, self.inc, fn)
 
     def _run_call(self, inc: int, fn: Callable[[float], None]) -> None:
@@ -511,7 +514,7 @@ class DecodeNode(Node):
         self.notifs: deque[tuple[str, bytes]] = deque()
         self.attempts: dict[int, DAttempt] = {}    # generation -> attempt, until its lease ends
         world.agents[self.agent] = self
-        self.call_at(self.sim.now, self.connect)
+        self.call_at(self.sim.now, self.connect, work=False)
 
     # -- the shell ---------------------------------------------------------------------------------------
     def send_frame(self, now: float, peer: Any, frame: bytes) -> None:
@@ -611,7 +614,7 @@ class DecodeNode(Node):
             if link is None or link.state in (LinkState.DEAD, LinkState.FAILED):
                 self.guard(lambda a=prefill.address: self.core.start_link(now, a, self.world.options.handshake_timeout,
                                                                           None, self.mode))
-        self.call_at(now + 0.25, self.connect)
+        self.call_at(now + 0.25, self.connect, work=False)
 
     def plan_announce(self, req: Request, t: float, n: int = 0) -> None:
         att = DAttempt(req, n, give_up=t + self.world.options.request_timeout)

@@ -48,7 +48,7 @@ class Violation:
     detail: str
 
 
-class ViolationFound(Exception):  # a control-flow signal: the run stops at its first violation
+class ViolationFound(BaseException):  # control flow: the run stops at its first violation, whatever catches
     def __init__(self, violation: Violation) -> None:
         super().__init__(violation.detail)
         self.violation = violation
