@@ -641,7 +641,8 @@ class DecodeNode(Node):
         rec = core.records[req.rid]
         att.rec, att.gen = rec, rec.generation
         self.attempts[att.gen] = att
-        self.sim.log(self.name, f"announce {req.rid} gen {att.gen} pages {att.pages} prefix {req.prefix}")
+        pages = {p: a.tolist() for p, a in att.pages.items()}   # lists: numpy's repr costs more than the step
+        self.sim.log(self.name, f"announce {req.rid} gen {att.gen} pages {pages} prefix {dict(req.prefix)}")
         if req.decode_abort is not None and att.n == 0:
             self.call_at(now + req.decode_abort, lambda t: self.abort(t, att))
 
