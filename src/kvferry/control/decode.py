@@ -187,7 +187,7 @@ class DecodeEndpoint(EndpointBase):
             links = self.core.links
             if all(a in links and links[a].established for a in need):
                 return need[0] if single else need
-            refused = self.core.refused_now(time.monotonic(), key)
+            refused = self.core.refused.get(key)
             error = self.core.backoff_error(time.monotonic(), refused)
             if error is not None:
                 raise error

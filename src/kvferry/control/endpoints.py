@@ -131,7 +131,7 @@ class EndpointBase:
     # -- public: any thread ----------------------------------------------------------------------------
     # poll, timing, failure and wait's answer for a request that has ended read the record without the
     # endpoint's lock. The progress thread holds that lock for a whole iteration (all but its copies: see
-    # PrefillEndpoint._carry_out, PullReader._carry_out_read), so a caller asking about many requests
+    # PrefillEndpoint._carry_out, DecodeEndpoint._carry_out), so a caller asking about many requests
     # would block behind it once per question. Each field is one attribute the core assigns in a single
     # store (the error before the state, the state before the end time), so an unlocked read sees a value
     # the record had, never a torn one; a state read a moment stale is what a locked read returns a moment later too.

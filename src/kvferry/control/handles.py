@@ -1,8 +1,9 @@
 """Transfer handles shared by several records: the shell's side of a batched transfer.
 
-Part of the control plane's shell, above the transports, below ``pull_reader``. A batched read (pull mode)
-carries the chunks of several parts; each part holds its own handle on it, and the transfer is released
-once every part let go.
+Part of the control plane's shell, above the transports. A batched transfer carries the chunks of several
+records; with ``share`` each holds its own handle on it, and the transfer is released once every record let
+go. (Neither endpoint needs it since issue 29: each core keys a batched transfer by one ticket, and the
+shell releases the handle once it completed.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Transfer modes, and what both sides of pull mode share: the mode handshake and the timing rules.
 
-Part of the control plane, above ``wire`` and ``links``, below ``pull_reader`` (decode) and ``pull_source``
+Part of the control plane, above ``wire`` and ``links``, below ``core.pull_reads`` (decode) and ``pull_source``
 (prefill). In **push** mode prefill writes into decode's leased pages (one-sided writes, fenced by decode's
 quarantine). In **pull** mode decode reads prefill's source pages into its own leased pages: only decode ever
 writes decode's memory, so its lease ends as soon as its own reads are terminal, and prefill instead holds

@@ -186,13 +186,10 @@ class DecodeCore(CoreBase):
                 link.error = error
                 self.call_soon(lambda x=link: self.close_link(x))
 
-    def refused_now(self, now: float, key: tuple[str, ...]) -> tuple[float, KVFerryError, float] | None:
-        """``connect_needed``: the remembered failure for ``key``, if any; raised again at once when it is
-        a refusal or its back-off has not passed (``backoff_error``)."""
-        return self.refused.get(key)
-
     @staticmethod
     def backoff_error(now: float, refused: tuple[float, KVFerryError, float] | None) -> KVFerryError | None:
+        """``connect_needed``: the remembered failure (``refused``, from ``self.refused``) to raise again at
+        once: a refusal always, another failure until its back-off passed; None to try again."""
         if refused is not None and (isinstance(refused[1], IncompatiblePeer) or now < refused[0]):
             return refused[1]
         return None

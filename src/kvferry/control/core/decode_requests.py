@@ -33,9 +33,9 @@ class Part:
         self.settled = False
         self.told = False   # that prefill knows the request ended: it failed it, or we sent Abort/Result
         self.grace = GraceClock(lease_grace)   # quarantined: settled lease_grace after the writer is certainly gone
-        self.reads: list[Any] = []   # pull mode: this side's reads in flight (pull_reader.Read)
+        self.reads: list[Any] = []   # pull mode: this side's reads in flight (pull_reads.Read)
         # Pull mode: a read of this part is decided and not yet posted, or being posted with the endpoint's
-        # lock let go (PullReader._carry_out_read): in flight, with no handle yet; the lease may not end under it.
+        # lock let go (DecodeEndpoint._carry_out): in flight, with no handle yet; the lease may not end under it.
         self.posting = False
 
     @property

@@ -1,7 +1,7 @@
 """Batched transfers: the chunks one progress iteration has ready for one peer, posted as one transfer.
 
 Part of the protocol core (no I/O), above ``wire`` and ``plan``, below ``core.prefill`` (push mode's
-writes) and ``pull_reader`` (pull mode's reads, the same way round). Under load the
+writes) and ``core.decode`` (pull mode's reads, the same way round). Under load the
 progress thread finds tens of requests ready per iteration, and each write costs the same fixed work
 whatever its size (a NIXL transfer made, posted, polled and released; a notification sent and received):
 about 55 us per request on the raw baseline (``bench/control.py --raw-batched``, bench/RESULTS.md). So the
@@ -11,8 +11,8 @@ in its iteration goes alone, as before, with its plain ``Chunk``, and is posted 
 iteration posted several (``WriteBatches.wanted``).
 
 Each record still settles, fails and aborts on its own: it holds the shared write's ticket, and the
-shell releases the transfer once it completed (``control.handles`` shares a handle where the reads of
-pull mode still hold one each). A failed write fails every record in it (their bytes may
+shell releases the transfer once it completed (pull mode's reads the same way: each part holds the
+read's ticket). A failed write fails every record in it (their bytes may
 have landed in part). Only whole-page plans join (equal TP; across TP each rank's plan goes alone), and a
 group is capped in chunks, bytes moved (the first request's latency is the group's copy), notification
 bytes and half the requests in flight (``group_cap``: two transfers share the window, so that decode
