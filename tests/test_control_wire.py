@@ -264,13 +264,15 @@ def test_silent_prefill_fails_requests_and_keeps_leases_for_the_grace(ctx: zmq.C
         decode.announce("r", {"main": [1, 2]})
         assert isinstance(fake.recv(), wire.Announce)
         t0 = time.monotonic()
-        with pytest.raises(RequestFailed) as info:       # no heartbeat from the fake: dead in peer_timeout
+        with pytest.raises(RequestFailed) as info:       # no heartbeat from the fake: dead after peer_timeout
             decode.wait("r", 5)
-        took = time.monotonic() - t0
         assert isinstance(info.value.__cause__, PeerLost)
-        assert OPTS.peer_timeout * 0.8 < took < OPTS.peer_timeout + 0.5
+        # Never before peer_timeout (the exact instant is the core's, on a fake clock: test_decode_core.py).
+        assert time.monotonic() - t0 >= OPTS.peer_timeout * 0.8
         assert decode.num_live_leases == 1               # a write posted before the death may still land
-        time.sleep(OPTS.lease_grace + 0.2)
+        deadline = time.monotonic() + OPTS.lease_grace + 5   # ends lease_grace after the writer is gone
+        while decode.num_live_leases and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert decode.num_live_leases == 0
 
 

@@ -32,8 +32,8 @@ from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
 from kvferry.plan.planner import PoolPlan, TransferPlan
 
-__all__ = ["RowBuffer", "TransferHandle", "Transport", "check_plan_in_regions", "check_rows_in_regions",
-           "pages_in_regions", "short_runs"]
+__all__ = ["RowBuffer", "TransferHandle", "Transport", "already_registered", "check_plan_in_regions",
+           "check_rows_in_regions", "pages_in_regions", "short_runs"]
 
 
 class TransferHandle(ABC):
@@ -143,6 +143,19 @@ class Transport(ABC):
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+def already_registered(name: str, registered: KVMemory | None, memory: KVMemory) -> bool:
+    """``register``'s guard, for transports that register one memory per side: True when ``memory`` is the
+    one registered already (register again returns the same metadata); ``TransportError`` for another
+    memory, or for a peer's manifest (nothing of it is this process's to register)."""
+    if registered is not None:
+        if memory is registered:
+            return True
+        raise TransportError(f"transport {name!r} already has memory registered (once per side)")
+    if memory.remote:
+        raise TransportError("cannot register a peer's (remote) memory binding")
+    return False
 
 
 def check_plan_in_regions(plan: Plan, src: KVMemory, dst: KVMemory, peer: str, label: str, *,

@@ -80,7 +80,7 @@ from kvferry.codec import decode_versioned, encode
 from kvferry.errors import PeerLost, TransferTimeout, TransportError, UsageError
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
-from kvferry.transport.base import RowBuffer, TransferHandle, Transport, check_plan_in_regions
+from kvferry.transport.base import RowBuffer, TransferHandle, Transport, already_registered, check_plan_in_regions
 
 __all__ = ["ENV_DEFAULTS", "MooncakeHandle", "MooncakeTransport"]
 
@@ -273,12 +273,8 @@ class MooncakeTransport(Transport):
     def register(self, memory: KVMemory) -> bytes:
         """Create the engine, register ``memory``'s regions and return metadata for peers. Once per side."""
         self._check_open()
-        if self._memory is not None:
-            if memory is self._memory:
-                return self._metadata
-            raise TransportError(f"transport {self._name!r} already has memory registered (once per side)")
-        if memory.remote:
-            raise TransportError("cannot register a peer's (remote) memory binding")
+        if already_registered(self._name, self._memory, memory):
+            return self._metadata
         kinds = {r.device for r in memory.regions}
         if len(kinds) > 1:
             raise TransportError(f"memory mixes {sorted(kinds)} regions; register one kind per side")

@@ -73,6 +73,7 @@ from kvferry.transport.base import (
     RowBuffer,
     TransferHandle,
     Transport,
+    already_registered,
     check_plan_in_regions,
     pages_in_regions,
     short_runs,
@@ -294,12 +295,8 @@ class NixlTransport(Transport):
     def register(self, memory: KVMemory) -> bytes:
         """Create the agent, register ``memory``'s regions and return metadata for peers. Once per side."""
         self._check_open()
-        if self._memory is not None:
-            if memory is self._memory:
-                return self._metadata
-            raise TransportError(f"transport {self._name!r} already has memory registered (once per side)")
-        if memory.remote:
-            raise TransportError("cannot register a peer's (remote) memory binding")
+        if already_registered(self._name, self._memory, memory):
+            return self._metadata
         self._mem_type = _memory_type(memory, "local")
         api = _load_nixl(need_cuda=self._mem_type == "VRAM")
         with _nixl_errors(f"creating NIXL agent {self._name!r}", "-"):

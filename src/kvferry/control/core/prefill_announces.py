@@ -13,12 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from kvferry.control import wire
-from kvferry.control.core.prefill_requests import (
-    ChunkSpec,
-    PrefillRequest,
-    can_join,
-    num_decode_ranks,
-)
+from kvferry.control.core.prefill_requests import ChunkSpec, PrefillRequest, can_join, num_decode_ranks
 from kvferry.control.core.sessions import Session
 from kvferry.control.core.states import RequestState
 from kvferry.errors import (

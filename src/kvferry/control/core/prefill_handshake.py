@@ -17,10 +17,7 @@ from kvferry.control.core.sessions import Session, drop_half_open
 from kvferry.control.core.states import SessionState
 from kvferry.control.core.timers import PeerClock
 from kvferry.control.pull import MODE_REFUSAL, mode_refusal
-from kvferry.errors import (
-    PeerLost,
-    ProtocolError,
-)
+from kvferry.errors import PeerLost, ProtocolError
 from kvferry.integrity import DigestMode
 
 if TYPE_CHECKING:

@@ -14,10 +14,7 @@ from kvferry.control import wire
 from kvferry.control.core.base import RemovePeer
 from kvferry.control.core.sessions import Session
 from kvferry.control.core.states import RequestState, SessionState
-from kvferry.errors import (
-    KVFerryError,
-    PeerLost,
-)
+from kvferry.errors import KVFerryError, PeerLost
 
 if TYPE_CHECKING:
     from kvferry.control.core.prefill import PrefillCore

@@ -17,20 +17,11 @@ from kvferry.control import wire
 from kvferry.control.core.base import FlushNow
 from kvferry.control.core.coverage import cover
 from kvferry.control.core.digests import chunk_digests
-from kvferry.control.core.prefill_requests import (
-    ChunkSpec,
-    PrefillRequest,
-    chunk_pairs,
-    group_done,
-    past_prefix,
-)
+from kvferry.control.core.prefill_requests import ChunkSpec, PrefillRequest, chunk_pairs, group_done, past_prefix
 from kvferry.control.core.sessions import Session
 from kvferry.control.core.states import RequestState
 from kvferry.control.core.write_batch import Queued, joinable
-from kvferry.errors import (
-    KVFerryError,
-    PeerLost,
-)
+from kvferry.errors import KVFerryError, PeerLost
 
 if TYPE_CHECKING:
     from kvferry.control.core.prefill import PrefillCore
