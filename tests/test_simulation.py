@@ -18,7 +18,7 @@ from kvferry.simulation import MUTATIONS, SimConfig, run_many, run_seed, shrink
 from kvferry.simulation.mutations import EXPECTED
 
 REGRESSIONS = Path(__file__).with_name("simulation_regressions.txt")
-SEEDS_BUDGET_S = 10.0       # CPU seconds of fresh seeds with faults per test run
+SEEDS_BUDGET_S = 20.0       # CPU seconds of fresh seeds with faults per test run
 MUTATION_BUDGET_S = 5.0     # CPU seconds each mutation may take to be found
 FRESH_FROM = 1000           # fresh seeds start here, past those the regression list and mutation check use
 
@@ -38,7 +38,7 @@ def test_seeds_with_faults_break_no_invariant() -> None:
     results = run_many(range(FRESH_FROM, FRESH_FROM + 100_000), budget_s=SEEDS_BUDGET_S)
     broken = [r for r in results if not r.ok]
     assert not broken, "\n".join(f"seed {r.seed}: {r.violation}\n" + "\n".join(r.trace) for r in broken[:3])
-    assert len(results) >= 40
+    assert len(results) >= 80
     assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
 
 
