@@ -73,7 +73,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     cpu = max(time.process_time() - start, 1e-9)
     n = len(seeds)
     print(f"{n} seed{'s' * (n != 1)} ({seeds.start}..{seeds.stop - 1}), {failures} with a violation; "
-          f"{requests} requests ({done} done, {failed} failed on decode, {disagree} done on decode but failed on "
-          f"prefill), {events} events, {sim_time:.1f} s simulated in {cpu:.2f} s CPU: "
+          f"{requests} requests (on decode {done} generations DONE, {failed} FAILED, retries counted apart; "
+          f"{disagree} DONE on decode but FAILED on prefill), {events} events, {sim_time:.1f} s simulated in "
+          f"{cpu:.2f} s CPU: "
           f"{requests / cpu * 60:,.0f} simulated requests per minute")
     return 1 if failures else 0
