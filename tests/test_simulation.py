@@ -90,6 +90,8 @@ def test_shrinking_keeps_the_invariant() -> None:
     small = shrink(failed, "done_before_verdict", budget_s=3.0)
     assert small.violation is not None and small.violation.invariant == failed.violation.invariant
     assert small.config.requests <= failed.config.requests
+    again = run_seed(small.seed, small.config, mutate="done_before_verdict", without=small.without)
+    assert again.violation == small.violation   # what the shrunk run's replay line runs
 
 
 def test_the_command_reports_seeds_throughput_and_failures(capsys: pytest.CaptureFixture[str]) -> None:

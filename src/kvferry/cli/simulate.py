@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from kvferry.cli.args import positive_int
 from kvferry.simulation import MUTATIONS, RunResult, SimConfig, run_seed, shrink
+from kvferry.simulation.config import FAULT_KINDS
 
 __all__ = ["add_parser", "run_simulate"]
 
@@ -35,6 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-faults", action="store_true", help="no faults: the protocol's happy paths only")
     p.add_argument("--mutate", choices=sorted(MUTATIONS), default=None,
                    help="switch on a known bug (docs/simulation.md): the run should find it")
+    p.add_argument("--without", action="append", choices=FAULT_KINDS, default=[], metavar="KIND",
+                   help=f"switch a fault kind off in each seed's draw (repeatable; what --shrink prints): "
+                        f"{', '.join(FAULT_KINDS)}")
     p.add_argument("--shrink", action="store_true", help="shrink a failure: fewer requests and faults, same invariant")
     p.add_argument("--trace", type=int, default=30, metavar="L", help="trace lines printed for a failure")
     p.set_defaults(handler=run_simulate)
@@ -45,9 +49,7 @@ def _report(result: RunResult, trace: int) -> None:
     assert v is not None
     print(f"seed {result.seed}: invariant {v.invariant} broken at t={v.time:.5f}: {v.detail}")
     print(f"  faults: {result.swarm.describe()}")
-    print(f"  replay: kvferry simulate --seed {result.seed}" + (f" --requests {result.config.requests}"
-                                                                 if result.config.requests != SimConfig().requests
-                                                                 else ""))
+    print(f"  replay: {result.replay_command()}")
     for line in result.trace[-trace:]:
         print("  " + line)
 
@@ -60,7 +62,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     requests = events = done = failed = disagree = 0
     sim_time = 0.0
     for seed in seeds:
-        result = run_seed(seed, cfg, mutate=args.mutate, trace=max(args.trace, 200))
+        result = run_seed(seed, cfg, mutate=args.mutate, trace=max(args.trace, 200), without=tuple(args.without))
         requests += result.requests
         events += result.events
         done, failed, disagree = done + result.done, failed + result.failed, disagree + result.disagreements
@@ -69,6 +71,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             failures += 1
             if args.shrink:
                 result = shrink(result, args.mutate)
+                print(f"seed {result.seed}: shrunk to {result.config.requests} requests, without "
+                      f"{', '.join(result.without) or 'no fault kind'}")
             _report(result, args.trace)
     cpu = max(time.process_time() - start, 1e-9)
     n = len(seeds)

@@ -101,12 +101,12 @@ def _abort_after(rng: Any) -> float:
 
 
 class World:
-    def __init__(self, seed: int, cfg: SimConfig, swarm: Swarm | None = None) -> None:
+    def __init__(self, seed: int, cfg: SimConfig, swarm: Swarm | None = None, without: tuple[str, ...] = ()) -> None:
         self.sim = Sim(seed)
         self.cfg = cfg
         self.options = cfg.options
         drawn = Swarm.draw(self.sim.rng_fault, cfg.faults)   # always drawn: the fault stream stays the same
-        self.swarm = swarm if swarm is not None else drawn
+        self.swarm = (swarm if swarm is not None else drawn).without(*without)
         self.net = Net(self)
         self.transport = Transport(self)
         self.agents: dict[str, Node] = {}

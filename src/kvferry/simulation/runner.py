@@ -32,6 +32,18 @@ class RunResult:
     swarm: Swarm
     config: SimConfig
     trace: tuple[str, ...]
+    without: tuple[str, ...] = ()   # fault kinds switched off in this seed's draw (shrinking)
+    mutate: str | None = None
+
+    def replay_command(self) -> str:
+        """The command line that runs exactly this again."""
+        parts = [f"kvferry simulate --seed {self.seed}"]
+        if self.config.requests != SimConfig().requests:
+            parts.append(f"--requests {self.config.requests}")
+        parts += [f"--without {kind}" for kind in self.without]
+        if self.mutate:
+            parts.append(f"--mutate {self.mutate}")
+        return " ".join(parts)
 
     @property
     def ok(self) -> bool:
@@ -43,12 +55,13 @@ def format_trace(sim: Sim, last: int) -> tuple[str, ...]:
 
 
 def run_seed(seed: int, config: SimConfig | None = None, swarm: Swarm | None = None, mutate: str | None = None,
-             trace: int = 40) -> RunResult:
-    """Run one seed to rest (or to its first violation)."""
+             trace: int = 40, without: tuple[str, ...] = ()) -> RunResult:
+    """Run one seed to rest (or to its first violation). ``without``: fault kinds switched off in the
+    seed's own fault mix (the rest of the draw unchanged)."""
     cfg = config or SimConfig()
     start = time.process_time()
     with mutation(mutate):
-        world = World(seed, cfg, swarm)
+        world = World(seed, cfg, swarm, without)
         violation = None
         try:
             world.run()
@@ -56,7 +69,7 @@ def run_seed(seed: int, config: SimConfig | None = None, swarm: Swarm | None = N
             violation = found.violation
     return RunResult(seed, violation, len(world.requests), world.done, world.failed, world.disagreements,
                      world.sim.events, world.sim.now, time.process_time() - start, world.swarm, cfg,
-                     format_trace(world.sim, trace) if violation is not None else ())
+                     format_trace(world.sim, trace) if violation is not None else (), tuple(without), mutate)
 
 
 def run_many(seeds: Iterable[int], config: SimConfig | None = None, mutate: str | None = None,
@@ -89,13 +102,13 @@ def shrink(result: RunResult, mutate: str | None = None, budget_s: float = 20.0)
         if time.process_time() - start > budget_s:
             break
         if getattr(best.swarm, kind):
-            cand = run_seed(best.seed, best.config, best.swarm.without(kind), mutate)
+            cand = run_seed(best.seed, best.config, mutate=mutate, without=(*best.without, kind))
             if same(cand):
                 best = cand
     n = best.config.requests
     while n > 1 and time.process_time() - start <= budget_s:
         n //= 2
-        cand = run_seed(best.seed, replace(best.config, requests=n), best.swarm, mutate)
+        cand = run_seed(best.seed, replace(best.config, requests=n), mutate=mutate, without=best.without)
         if not same(cand):
             break
         best = cand
