@@ -8,6 +8,10 @@ breaks. The long run is marked slow.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -109,3 +113,18 @@ def test_a_long_run_breaks_no_invariant() -> None:
     results = run_many(range(10_000, 12_000))
     broken = [r for r in results if not r.ok]
     assert not broken, "\n".join(f"seed {r.seed}: {r.violation}\n" + "\n".join(r.trace) for r in broken[:3])
+
+
+def test_a_seed_replays_exactly_in_another_process() -> None:
+    """The replay line works from a fresh process too (another hash seed, other addresses): the trace and
+    the event count are the same."""
+    code = ("import hashlib; from kvferry.simulation import run_seed; "
+            "r = run_seed(11, mutate='quarantine_timer', trace=400); "
+            "print(r.events, hashlib.sha1(repr(r.trace).encode()).hexdigest())")
+    here = run_seed(11, mutate="quarantine_timer", trace=400)
+    want = f"{here.events} {hashlib.sha1(repr(here.trace).encode()).hexdigest()}"
+    src = str(Path(__file__).parents[1] / "src")
+    for hash_seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": src}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want

@@ -18,6 +18,7 @@ same id, and reuses pages once the lease ends.
 from __future__ import annotations
 
 import math
+import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ class Node:
 
     @property
     def process(self) -> ProcessIdentity:
-        return ProcessIdentity("simhost", 1000 + hash(self.name) % 1000, self.inc + 1)
+        return ProcessIdentity("simhost", 1000 + zlib.crc32(self.name.encode()) % 1000, self.inc + 1)
 
     def start(self) -> None:
         raise NotImplementedError
