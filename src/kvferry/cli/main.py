@@ -1,7 +1,7 @@
 """The ``kvferry`` entry point: one argparse parser with a subcommand per command module.
 
 The top of the command line, above every command module (``layouts``, ``demo``, ``stress``, ``chaos``,
-``diff``, ``bench``, ``vllm_proxy``), which in turn sit above ``args``. Each command module has
+``simulate``, ``diff``, ``bench``, ``vllm_proxy``), which in turn sit above ``args``. Each command module has
 ``add_parser(subparsers)``, which adds its subcommand and sets ``handler=fn(args) -> int``; heavy
 dependencies (nixl, zmq, torch, matplotlib, aiohttp) are imported inside the handlers, so ``kvferry --help``
 stays fast. ``KVFerryError`` from a handler becomes a one-line message on stderr and exit status 2.
@@ -13,15 +13,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvferry.cli import bench, chaos, demo, diff, layouts, stress, vllm_chaos, vllm_proxy
+from kvferry.cli import bench, chaos, demo, diff, layouts, simulate, stress, vllm_chaos, vllm_proxy
 from kvferry.errors import KVFerryError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 # Each adds its subcommands, in the order ``kvferry --help`` lists them.
 COMMANDS = (layouts.add_presets_parser, layouts.add_audit_parser, layouts.add_sizing_parser, demo.add_parser,
-            stress.add_parser, chaos.add_parser, diff.add_parser, bench.add_parser, vllm_proxy.add_parser,
-            vllm_chaos.add_parser)
+            stress.add_parser, chaos.add_parser, simulate.add_parser, diff.add_parser, bench.add_parser,
+            vllm_proxy.add_parser, vllm_chaos.add_parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

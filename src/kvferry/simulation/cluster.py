@@ -1,0 +1,380 @@
+"""One simulated deployment: prefills and decodes, the workload they serve, the faults, and the invariants.
+
+Part of ``simulation``, above ``nodes`` and ``world``, below ``runner``. ``World`` builds the nodes and the
+workload from the seed, schedules the faults, runs the event loop, and checks after every step:
+
+* ``a_lease`` (a): no byte lands in a decode page that is not leased to the (request, generation) whose
+  write or read carried it (checked row by row as it lands, from the row's own address); and
+  ``a_source_released_under_write`` / ``a_source_released_under_read``: no prefill source page is handed back
+  to the engine while a write of it is in flight, or while a read of it can still be accepted;
+* ``b_done_bytes`` / ``b_prefill_done_before_verdict`` (b): a request DONE on decode has every leased page
+  last written by it and equal to its source; prefill reports DONE only after decode's verdict;
+* ``c_done_and_failed`` (c): never DONE on prefill and FAILED on decode for the same request and generation
+  (DONE on decode and FAILED on prefill is counted, not a violation: a verdict lost with its connection
+  cannot be told apart from a late one; docs/simulation.md);
+* ``d_deadline`` (d): every request ends on both sides by its deadline (plus the cores' check period, and
+  plus any stall of the node holding it);
+* ``e_at_rest`` (e): once faults stop and the work is done, no lease, hold, quarantine, record or transfer
+  remains, and every page is back with its engine;
+* ``internal``: a core caught a bug of its own (``InternalError``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvferry.control.core.states import RequestState
+from kvferry.simulation.config import LAYERS, SimConfig, Swarm
+from kvferry.simulation.nodes import DEADLINE_SLACK, DecodeNode, Node, PrefillNode
+from kvferry.simulation.world import Net, Sim, Transport, copy_rows
+
+__all__ = ["Chunk", "Request", "World"]
+
+REST_CHECK_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One ``send``: per pool, the request positions it carries (lo, hi); the buffers (None: all)."""
+
+    ranges: Mapping[str, tuple[int, int]]
+    buffers: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request of the workload, as both engines will handle it."""
+
+    rid: str
+    decode: int
+    prefill: int
+    arrive: float
+    total: Mapping[str, int]     # pages per pool of the whole request
+    prefix: Mapping[str, int]    # leading pages decode already holds
+    chunks: tuple[Chunk, ...]
+    send_at: float
+    prefill_abort: float | None  # seconds after its send, or None
+    decode_abort: float | None   # seconds after its announce, or None
+    cancel: bool                 # decode never announces it, and says so
+
+    @property
+    def leased(self) -> dict[str, int]:
+        return {p: n - self.prefix.get(p, 0) for p, n in self.total.items() if n - self.prefix.get(p, 0) > 0}
+
+
+def make_workload(sim: Sim, cfg: SimConfig, swarm: Swarm) -> list[Request]:
+    rng = sim.rng_work
+    out = []
+    for i in range(cfg.requests):
+        total = {"kv": rng.randint(1, 4)}
+        if rng.random() < 0.6:
+            total["c"] = rng.randint(1, 2)
+        prefix = {"kv": rng.randint(1, total["kv"] - 1)} if total["kv"] > 1 and rng.random() < swarm.prefix else {}
+        if rng.random() < swarm.layered:
+            chunks = tuple(Chunk({p: (0, n) for p, n in total.items()}, layer) for layer in LAYERS)
+        elif rng.random() < swarm.chunked and total["kv"] > 1:
+            cut = rng.randint(1, total["kv"] - 1)
+            first = {"kv": (0, cut)}
+            rest = {"kv": (cut, total["kv"])}
+            if "c" in total:
+                rest["c"] = (0, total["c"])
+            chunks = (Chunk(first), Chunk(rest))
+        else:
+            chunks = (Chunk({p: (0, n) for p, n in total.items()}),)
+        arrive = rng.random() * cfg.arrival_span
+        faults = cfg.faults
+        out.append(Request(
+            f"r{i}", rng.randrange(cfg.decodes), rng.randrange(cfg.prefills), arrive, total, prefix, chunks,
+            max(0.0, arrive + rng.uniform(-0.05, 0.3)),
+            _abort_after(rng) if faults and rng.random() < swarm.prefill_abort else None,
+            _abort_after(rng) if faults and rng.random() < swarm.decode_abort else None,
+            faults and rng.random() < swarm.cancel))
+    return out
+
+
+def _abort_after(rng: Any) -> float:
+    """When an engine aborts: often right as the bytes move (the races), else any time later."""
+    return rng.uniform(0.0, 0.03) if rng.random() < 0.5 else rng.uniform(0.0, 0.5)
+
+
+class World:
+    def __init__(self, seed: int, cfg: SimConfig, swarm: Swarm | None = None, without: tuple[str, ...] = ()) -> None:
+        self.sim = Sim(seed)
+        self.cfg = cfg
+        self.options = cfg.options
+        drawn = Swarm.draw(self.sim.rng_fault, cfg.faults)   # always drawn: the fault stream stays the same
+        self.swarm = (swarm if swarm is not None else drawn).without(*without)
+        self.net = Net(self)
+        self.transport = Transport(self)
+        self.agents: dict[str, Node] = {}
+        self.dead_processes: set[Any] = set()
+        self.dead_agents: set[str] = set()
+        self.graveyard: list[Any] = []
+        self._tags: dict[tuple[str, str, int], int] = {}
+        self._tag_names: list[tuple[str, str, int]] = []
+        self._rids: dict[str, int] = {}
+        self.decode_done: set[tuple[str, str, int]] = set()
+        self.outcome_p: dict[tuple[str, str, int], RequestState] = {}
+        self.outcome_d: dict[tuple[str, str, int], RequestState] = {}
+        self.disagreements = 0
+        self.done = self.failed = 0
+        self.last_work = 0.0   # when the last engine command was scheduled for
+        self.prefills = [PrefillNode(self, f"prefill{i}", f"sim://prefill{i}") for i in range(cfg.prefills)]
+        modes = ["pull" if self.sim.rng_fault.random() < self.swarm.pull else "push" for _ in range(cfg.decodes)]
+        self.decodes = [DecodeNode(self, f"decode{i}", modes[i]) for i in range(cfg.decodes)]
+        self.requests = make_workload(self.sim, cfg, self.swarm)
+        for req in self.requests:
+            self.decodes[req.decode].plan_announce(req, req.arrive)
+            prefill = self.prefills[req.prefill]
+            prefill.plan_send(req, req.send_at)
+            if req.prefill_abort is not None:
+                prefill.abort_at(req.send_at + req.prefill_abort, req.rid)
+        if cfg.faults:
+            self.schedule_faults()
+        self.at_rest = False
+
+    # -- names -------------------------------------------------------------------------------------------
+    def tag(self, decode: str, rid: str, gen: int) -> int:
+        key = (decode, rid, gen)
+        tag = self._tags.get(key)
+        if tag is None:
+            tag = self._tags[key] = len(self._tag_names)
+            self._tag_names.append(key)
+        return tag
+
+    def tag_name(self, tag: int) -> str:
+        if tag < 0:
+            return "nobody"
+        decode, rid, gen = self._tag_names[tag]
+        return f"{rid!r} gen {gen} (for {decode})"
+
+    def rid_id(self, rid: str) -> int:
+        return self._rids.setdefault(rid, len(self._rids))
+
+    def prefill_at(self, address: str) -> PrefillNode | None:
+        for node in self.prefills:
+            if node.address == address:
+                return node
+        return None
+
+    @property
+    def nodes(self) -> list[Node]:
+        return [*self.prefills, *self.decodes]
+
+    # -- faults --------------------------------------------------------------------------------------------
+    def faults_on(self) -> bool:
+        return self.cfg.faults and self.sim.now < self.cfg.fault_until
+
+    def schedule_faults(self) -> None:
+        s, rng = self.swarm, self.sim.rng_fault
+        for rate, fn in ((s.cut_rate, self.net.cut_random), (s.partition_rate, self.partition),
+                         (s.stall_rate, self.stall_one), (s.crash_rate, self.crash_one)):
+            t = 0.0
+            while rate > 0:
+                t += rng.expovariate(rate)
+                if t >= self.cfg.fault_until:
+                    break
+                self.sim.at(t, fn)
+
+    def partition(self) -> None:
+        rng = self.sim.rng_fault
+        d, p = rng.choice(self.decodes), rng.choice(self.prefills)
+        heal = self.sim.now + rng.uniform(0.05, self.swarm.partition_max)
+        key = (d.name, p.name)
+        self.net.partitions[key] = max(self.net.partitions.get(key, 0.0), heal)
+        self.sim.log("net", f"partition {d.name}|{p.name} until {heal:.4f}")
+
+    def stall_one(self) -> None:
+        node = self.sim.rng_fault.choice(self.nodes)
+        node.stall(self.sim.rng_fault.random() * self.swarm.stall_max)
+
+    def stall_in_post(self, node: Node) -> bool:
+        s = self.swarm
+        if s.stall_post and self.faults_on() and self.sim.rng_fault.random() < s.stall_post:
+            node.stall(self.sim.rng_fault.random() * max(s.stall_max, self.options.peer_timeout * 3))
+            return True
+        return False
+
+    def refuse_post(self) -> bool:
+        s = self.swarm
+        return bool(s.transfer_fail) and self.faults_on() and self.sim.rng_fault.random() < s.transfer_fail / 4
+
+    def crash_one(self) -> None:
+        node = self.sim.rng_fault.choice(self.nodes)
+        if node.crashed:
+            return
+        node.crash()
+        self.sim.at(self.sim.now + self.sim.rng_fault.uniform(0.1, 1.0), node.restart)
+
+    def node_crashed(self, node: Node) -> None:
+        for conn in list(self.net.by_link.values()):
+            if conn.decode is node or conn.prefill is node:
+                self.net.close(conn.link, tell_decode=conn.decode is not node)
+        if isinstance(node, PrefillNode):
+            for rec in node.core.active:
+                if rec.is_live:
+                    self.prefill_ended(rec, RequestState.FAILED)
+        else:
+            for rec in node.core.by_gen.values():
+                if rec.is_live:
+                    self.outcome_d[(node.ident, rec.request_id, rec.generation)] = RequestState.FAILED
+
+    def internal(self, node: Node, exc: Exception) -> None:
+        self.sim.fail("internal", f"{node.name}: {exc}")
+
+    # -- the transport's bytes -----------------------------------------------------------------------------
+    def apply(self, part: tuple[int, str, int, Any], src: PrefillNode, dst: DecodeNode, kind: str) -> bool:
+        """Copy one chunk's rows from ``src``'s memory into ``dst``'s as they land, checking each row against
+        decode's lease table (a). False when a source page was no longer the request's (released)."""
+        tag, rid, gen, plan = part
+        rid_id = self.rid_id(rid)
+        owners = dst.core.leases._owner   # the lease table's own view (pool -> lease id per page)
+        src_ok = True
+        sd, dd = plan.src_descs, plan.dst_descs
+        rows_ok = []
+        for (s, n, _), (d, _, _) in zip(sd.tolist(), dd.tolist()):
+            where = dst.pages.locate(d, n)
+            if where is None:
+                self.sim.fail("a_lease", f"{kind} of {rid!r} gen {gen} to {dst.name}: a row at {d:#x} ({n} bytes) "
+                              "lies outside every registered buffer")
+            assert where is not None
+            buf, p0, p1 = where
+            owner = owners[dst.pages.pools[buf]]
+            if p1 > len(owner) or (owner[p0:p1] != gen).any():
+                held = [int(x) for x in owner[p0:min(p1, len(owner))]]
+                self.sim.fail("a_lease", f"{kind} of {rid!r} gen {gen} landed in {dst.name} {buf} pages "
+                              f"{p0}..{p1 - 1}, leased to generations {held} (-1: free; pages past {len(owner)} "
+                              "are never leased)")
+            origin = src.pages.locate(s, n)
+            if origin is None:
+                self.sim.fail("a_lease", f"{kind} of {rid!r}: a source row lies outside {src.name}'s buffers")
+            assert origin is not None
+            sbuf, q0, q1 = origin
+            sown = src.src_owner[src.pages.pools[sbuf]]
+            if q1 > len(sown) or (sown[q0:q1] != rid_id).any():
+                src_ok = False
+            rows_ok.append((buf, p0, p1))
+        copy_rows(sd, dd)
+        for buf, p0, p1 in rows_ok:
+            dst.pages.prov[buf][p0:p1] = tag
+        if kind == "write" and not src_ok:
+            self.sim.fail("a_source_released_under_write", f"write of {rid!r} gen {gen} by {src.name} read source "
+                          "pages its engine had been given back")
+        return src_ok
+
+    # -- invariants after each step --------------------------------------------------------------------------
+    def after_step(self, node: Node, now: float) -> None:
+        if node.core.num_internal_errors:
+            self.sim.fail("internal", f"{node.name}: the core caught a bug of its own (InternalError)")
+        ended, node.ended = node.ended, []
+        for rec, state in ended:
+            if isinstance(node, PrefillNode):
+                self.prefill_ended(rec, state)
+            elif hasattr(rec, "generation"):
+                self.decode_ended(node, rec, state)   # type: ignore[arg-type]
+        if now < node.stalled_until or node.crashed:
+            return
+        records = node.core.active if isinstance(node, PrefillNode) else node.core.by_gen.values()
+        for rec in records:
+            if rec.is_live and now > max(rec.deadline, node.resumed_at) + DEADLINE_SLACK:
+                self.sim.fail("d_deadline", f"{node.name}: {rec.request_id!r} still {rec.state.value} at "
+                              f"{now:.4f}, its deadline was {rec.deadline:.4f}")
+
+    def prefill_ended(self, rec: Any, state: RequestState) -> None:
+        if rec.session is None or rec.generation < 0:
+            return
+        key = (rec.session.identity.split(b"|")[0].decode(), rec.request_id, rec.generation)
+        self.outcome_p[key] = state
+        if state is RequestState.DONE:
+            if key not in self.decode_done:
+                self.sim.fail("b_prefill_done_before_verdict", f"prefill reports {rec.request_id!r} gen "
+                              f"{rec.generation} DONE; decode {key[0]} has not verified it")
+            if self.outcome_d.get(key) is RequestState.FAILED:
+                self.sim.fail("c_done_and_failed", f"{rec.request_id!r} gen {rec.generation}: DONE on prefill, "
+                              "FAILED on decode")
+        elif self.outcome_d.get(key) is RequestState.DONE:
+            self.disagreements += 1
+
+    def decode_ended(self, node: DecodeNode, rec: Any, state: RequestState) -> None:
+        key = (node.ident, rec.request_id, rec.generation)
+        self.outcome_d[key] = state
+        if state is RequestState.DONE:
+            self.done += 1
+            node.check_done(rec)
+            self.decode_done.add(key)
+            if self.outcome_p.get(key) is RequestState.FAILED:
+                self.disagreements += 1
+        else:
+            self.failed += 1
+            if self.outcome_p.get(key) is RequestState.DONE:
+                self.sim.fail("c_done_and_failed", f"{rec.request_id!r} gen {rec.generation}: DONE on prefill, "
+                              "FAILED on decode")
+
+    # -- at rest -------------------------------------------------------------------------------------------
+    def leftovers(self) -> list[str]:
+        """What remains although nothing should: (e)'s list, empty at rest."""
+        out = []
+        if self.sim.now <= self.last_work:
+            out.append(f"engine commands still due (until {self.last_work:.4f})")
+        for node in self.decodes:
+            core = node.core
+            if node.crashed:
+                out.append(f"{node.name} is down")
+                continue
+            if core.leases.num_leases:
+                gens = sorted(core.by_gen)
+                states = [f"{core.by_gen[g].request_id}#{g}:{core.by_gen[g].state.value}" for g in gens[:5]]
+                out.append(f"{node.name}: {core.leases.num_leases} leases ({core.quarantine.num_leases} quarantined) "
+                           f"{states}")
+            if core.num_reads() or core.reading:
+                out.append(f"{node.name}: reads in flight")
+            if node.attempts:
+                out.append(f"{node.name}: engine still holds {len(node.attempts)} requests' pages")
+            total = sum(p.min_pages for p in node.memory.layout.pools)
+            if sum(len(v) for v in node.free.values()) != total:
+                out.append(f"{node.name}: engine pages not all free")
+        for node in self.prefills:
+            core = node.core
+            if node.crashed:
+                out.append(f"{node.name} is down")
+                continue
+            if core.active:
+                out.append(f"{node.name}: {len(core.active)} active records "
+                           f"{[(r.request_id, r.state.value, len(r.handles)) for r in list(core.active)[:5]]}")
+            if core.holds.held:
+                out.append(f"{node.name}: {len(core.holds.held)} source holds")
+            if core.writes:
+                out.append(f"{node.name}: {len(core.writes)} writes in flight")
+            if node.attempts:
+                out.append(f"{node.name}: engine still waits on {len(node.attempts)} requests' source pages")
+        if self.transport.pending:
+            out.append(f"{len(self.transport.pending)} transfers in flight")
+        return out
+
+    def run(self) -> None:
+        cfg, sim = self.cfg, self.sim
+        end = cfg.fault_until + cfg.rest_after
+        # Rest is looked for from the moment faults stop (every REST_CHECK_S): a run ends as soon as it is
+        # reached, or fails (e) when it is not by ``end``.
+        next_check = max(cfg.fault_until, cfg.arrival_span)
+        while True:
+            t = sim.next_time()
+            if t >= next_check:
+                if not self.leftovers():
+                    self.at_rest = True
+                    return
+                next_check += REST_CHECK_S
+                if next_check > end:
+                    sim.now = end
+                    sim.fail("e_at_rest", "; ".join(self.leftovers()))
+                continue
+            if cfg.max_events and sim.events >= cfg.max_events:
+                return
+            if t == math.inf:
+                sim.now = next_check
+                continue
+            sim.step()
+

@@ -1,0 +1,140 @@
+"""What one simulated run is made of: its size (``SimConfig``) and its faults (``Swarm``, drawn per seed).
+
+Swarm testing: rather than every fault at a fixed rate in every run, each seed switches each kind of fault
+on or off and picks its rate, so that some runs are dominated by one fault (many cuts, or long stalls),
+which finds bugs a uniform mix dilutes. ``Swarm.draw`` is the only place the fault mix comes from.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, fields, replace
+
+from kvferry.control.core.options import EndpointOptions
+from kvferry.layout.spec import Buffer, Layout, Pool
+
+__all__ = ["OPTIONS", "SimConfig", "Swarm", "sim_layout"]
+
+# Short timers: a run covers many peer timeouts, deadlines and grace periods in a few simulated seconds.
+OPTIONS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.5, request_timeout=3.0, lease_grace=0.3,
+                          handshake_timeout=1.0, batch_chunks=8)
+
+
+def sim_layout(side: str) -> Layout:
+    """Small pages, and buffers of one pool that differ in page size and capacity (the heterogeneity the
+    planner and the lease table must respect: buffer 0's slot count is wrong for the others)."""
+    kv, c = (40, 20) if side == "prefill" else (32, 16)
+    return Layout([
+        Pool("kv", [
+            Buffer("kv.L0", 64, kv, "fp8_e4m3", "kv", 0),
+            Buffer("idx.L0", 16, kv + 8, "bf16", "index_k", 0),
+            Buffer("kv.L1", 64, kv, "fp8_e4m3", "kv", 1),
+        ], tokens_per_page=16),
+        Pool("c", [
+            Buffer("c.L0", 32, c, "fp8_e4m3", "kv", 0),
+            Buffer("c.L1", 32, c + 4, "fp8_e4m3", "kv", 1),
+        ], tokens_per_page=64),
+    ])
+
+
+LAYERS = (("kv.L0", "idx.L0", "c.L0"), ("kv.L1", "c.L1"))
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """A run's size. ``fault_until``: faults stop then (partitions heal, stalled and crashed nodes come back),
+    and the run goes on until everything is at rest (``rest_after`` more seconds at most)."""
+
+    requests: int = 48
+    prefills: int = 2
+    decodes: int = 2
+    arrival_span: float = 4.0
+    fault_until: float = 5.0
+    rest_after: float = 12.0
+    max_events: int = 0           # 0: no cap (a capped run skips the at-rest check)
+    options: EndpointOptions = OPTIONS
+    faults: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Swarm:
+    """One seed's fault mix: each a rate per simulated second, a probability per occurrence, or a bound."""
+
+    delay_max: float = 0.002       # per message (network) and per transfer (transport), uniform
+    spike: float = 0.0             # a message delayed much longer (TCP retransmits), up to spike_max
+    spike_max: float = 0.0
+    cut_rate: float = 0.0          # connection cuts, across all connections
+    partition_rate: float = 0.0    # a decode-prefill pair partitioned for a while (messages held, TCP-like)
+    partition_max: float = 0.0
+    stall_rate: float = 0.0        # a node stops handling events (SIGSTOP) for up to stall_max
+    stall_max: float = 0.0
+    stall_post: float = 0.0        # a stall between a transfer's decision and its posting
+    crash_rate: float = 0.0        # a node crashes, restarting later under a new identity
+    transfer_fail: float = 0.0     # a write or read fails (nothing, or part of it, landed)
+    slow_transfer: float = 0.0     # a write or read completes late: up to slow_max
+    slow_max: float = 0.0
+    prefill_abort: float = 0.0     # per request
+    decode_abort: float = 0.0
+    cancel: float = 0.0            # decode never announces, and says so
+    retry: float = 0.0             # decode announces a failed request again, same id
+    pull: float = 0.0              # share of decodes that pull
+    chunked: float = 0.5
+    layered: float = 0.2
+    prefix: float = 0.3
+    digest: str = "off"
+
+    @classmethod
+    def draw(cls, rng: random.Random, faults: bool = True) -> Swarm:
+        def on(p: float = 0.5) -> bool:
+            return rng.random() < p
+
+        base = cls(delay_max=rng.choice([0.0005, 0.002, 0.01]), pull=rng.choice([0.0, 0.5, 1.0, 1.0]),
+                   chunked=rng.random(), layered=rng.random() * 0.5, prefix=rng.random() * 0.5,
+                   digest=rng.choice(["off", "off", "sampled", "full"]))
+        if not faults:
+            return base
+        drawn = replace(
+            base,
+            spike=rng.uniform(0.01, 0.1) if on() else 0.0,
+            spike_max=rng.choice([0.05, 0.2, 0.4]),
+            cut_rate=rng.uniform(0.2, 2.0) if on() else 0.0,
+            partition_rate=rng.uniform(0.1, 1.0) if on() else 0.0,
+            partition_max=rng.uniform(0.2, 1.5),
+            stall_rate=rng.uniform(0.1, 1.0) if on() else 0.0,
+            stall_max=rng.choice([0.2, 0.7, 2.0]),
+            stall_post=rng.uniform(0.0, 0.2) if on() else 0.0,
+            crash_rate=rng.uniform(0.05, 0.3) if on(0.3) else 0.0,
+            transfer_fail=rng.uniform(0.0, 0.2) if on() else 0.0,
+            slow_transfer=rng.uniform(0.0, 0.3) if on() else 0.0,
+            slow_max=rng.choice([0.3, 1.0, 2.0]),
+            prefill_abort=rng.uniform(0.0, 0.3) if on() else 0.0,
+            decode_abort=rng.uniform(0.0, 0.3) if on() else 0.0,
+            cancel=rng.uniform(0.0, 0.15) if on(0.3) else 0.0,
+            retry=rng.uniform(0.2, 0.8) if on() else 0.0,
+        )
+        profile = rng.choice([None, None, None, *PROFILES])
+        return drawn if profile is None else replace(drawn, **PROFILES[profile])
+
+    def describe(self) -> str:
+        return " ".join(f"{f.name}={getattr(self, f.name):.3g}" if isinstance(getattr(self, f.name), float)
+                        else f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                        if getattr(self, f.name) not in (0.0, "off"))
+
+    def without(self, *names: str) -> Swarm:
+        """This mix with the named faults switched off (shrinking)."""
+        return replace(self, **{n: 0.0 for n in names})
+
+
+# Swarm profiles: a quarter of the seeds push one family of races hard, where a uniform mix rarely lines
+# up the several faults a bug needs at once (a pull read in flight as prefill fails the request and its Fail
+# is delayed; a writer stalled past peer_timeout with its write posted; a request id reused while the old
+# generation still settles).
+PROFILES: dict[str, dict[str, float | str]] = {
+    "pull_races": {"pull": 1.0, "digest": "off", "prefill_abort": 0.6, "spike": 0.1, "spike_max": 0.4,
+                   "delay_max": 0.01},
+    "stalled_writers": {"pull": 0.0, "stall_post": 0.2, "stall_max": 2.0, "slow_transfer": 0.2, "slow_max": 1.0},
+    "reuse": {"decode_abort": 0.5, "retry": 0.8, "slow_transfer": 0.2, "slow_max": 1.0, "digest": "off"},
+}
+
+FAULT_KINDS = ("spike", "cut_rate", "partition_rate", "stall_rate", "stall_post", "crash_rate", "transfer_fail",
+               "slow_transfer", "prefill_abort", "decode_abort", "cancel", "retry")

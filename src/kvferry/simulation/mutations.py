@@ -1,0 +1,148 @@
+"""Bugs switched on by patching a core method: the simulator must find each and name the right invariant.
+
+Part of ``simulation``, at its bottom. Each mutation is a bug class the protocol exists to rule out;
+``mutation(name)`` patches it in for the duration of a ``with`` block (the test suite's mutation check, and
+``kvferry simulate --mutate NAME``), and restores the real method after.
+
+1. ``quarantine_timer``: decode frees a quarantined lease on a timer (``lease_grace`` after the link died)
+   while the stalled writer may still write.
+2. ``planner_buffer0``: the planner indexes every buffer's pages with buffer 0's slot count (the NIXL
+   sender bug kvferry exists for, tests/test_buffer0_regression.py).
+3. ``done_before_verdict``: prefill reports DONE once its writes completed, before decode's verdict.
+4. ``abort_frees_lease``: decode's abort ends the lease at once, before the writer is fenced.
+5. ``stale_generation``: decode accepts a completion of an earlier generation for a reused request id.
+6. ``pull_release_early``: prefill never holds a pull-mode source: its pages go back to the engine while
+   decode's read of them is in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from kvferry.control.core import decode as core_decode
+from kvferry.control.core import prefill as core_prefill
+from kvferry.control.core.decode import DecodeCore
+from kvferry.control.core.holds import SourceHolds
+from kvferry.control.core.prefill_writer import Writer
+from kvferry.layout.memory import KVMemory
+
+__all__ = ["EXPECTED", "MUTATIONS", "mutation"]
+
+
+def _quarantine_timer(self: DecodeCore, now: float) -> None:
+    for rec in list(self.by_gen.values()):
+        for part in list(rec.parts.values()):
+            if part.settled or part.link.established:
+                continue
+            part.grace.writer_gone(now)   # the bug: no one asked whether the writer can still write
+            if part.grace.due(now):
+                self.settle(rec, part)
+
+
+def _done_before_verdict(orig: Callable[..., None]) -> Callable[..., None]:
+    def settle(self: Writer, rec: Any) -> None:
+        if rec.is_live and rec.last_posted and not rec.handles and not rec.posting:
+            rec.decode_ok = True   # the bug: our writes completed, so it must be fine
+        orig(self, rec)
+    return settle
+
+
+def _abort_frees_lease(orig: Callable[..., None]) -> Callable[..., None]:
+    def abort(self: DecodeCore, now: float, request_id: str, reason: str) -> None:
+        orig(self, now, request_id, reason)
+        rec = self.records.get(request_id)
+        if rec is not None and getattr(rec, "generation", None) in self.by_gen:
+            self.end_lease(rec)   # the bug: the writer may still be writing these pages
+    return abort
+
+
+def _stale_generation(self: DecodeCore, link: Any, request_id: str, generation: int) -> Any:
+    rec = self.records.get(request_id)   # the bug: by id alone, whatever the generation
+    if rec is None or not hasattr(rec, "parts") or link not in rec.parts:
+        return None
+    return rec
+
+
+def _no_hold(self: SourceHolds, rec: Any) -> None:
+    rec.source_held, rec.release_at = False, None   # the bug: decode's reads are not waited for
+
+
+class Buffer0Plan:
+    """A plan whose destination rows are where buffer 0's slot count puts them (``b * slots0 + page`` into
+    the pool's flat per-page list), not where the buffers are."""
+
+    def __init__(self, plan: Any) -> None:
+        self._plan = plan
+        self.dst_descs = _buffer0_rows(plan.dst_memory, plan.dst_descs)
+        self.src_descs = plan.src_descs
+        self.whole_pages = plan.whole_pages
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._plan, name)
+
+
+def _buffer0_rows(memory: KVMemory, rows: np.ndarray) -> np.ndarray:
+    out = np.array(rows, dtype=np.uint64, copy=True)
+    for pool in memory.layout.pools:
+        bufs = pool.buffers
+        bases = [memory.address(b.name) for b in bufs]
+        starts = np.cumsum([0] + [b.num_pages for b in bufs])
+        slots0 = bufs[0].num_pages
+        for i, (addr, _, _) in enumerate(rows.tolist()):
+            for pos, b in enumerate(bufs):
+                if bases[pos] <= addr < bases[pos] + b.page_bytes * b.num_pages:
+                    page = (addr - bases[pos]) // b.page_bytes
+                    flat = min(pos * slots0 + page, int(starts[-1]) - 1)
+                    k = int(np.searchsorted(starts, flat, side="right")) - 1
+                    out[i, 0] = bases[k] + (flat - int(starts[k])) * bufs[k].page_bytes
+    return out
+
+
+def _buffer0_planner(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def plan_pages(src: KVMemory, dst: KVMemory, pairs: Any, selected: Any = None) -> Any:
+        return Buffer0Plan(orig(src, dst, pairs, selected))
+    return plan_pages
+
+
+# name -> (object, attribute, the replacement given the original)
+MUTATIONS: dict[str, tuple[Any, str, Callable[[Any], Any]]] = {
+    "quarantine_timer": (DecodeCore, "check_quarantine", lambda orig: _quarantine_timer),
+    "planner_buffer0": (core_prefill, "plan_pages", _buffer0_planner),
+    "done_before_verdict": (Writer, "settle", _done_before_verdict),
+    "abort_frees_lease": (DecodeCore, "abort", _abort_frees_lease),
+    "stale_generation": (DecodeCore, "lookup", lambda orig: _stale_generation),
+    "pull_release_early": (SourceHolds, "hold", lambda orig: _no_hold),
+}
+
+# The invariants each mutation must be caught by (any one of them).
+EXPECTED: dict[str, tuple[str, ...]] = {
+    "quarantine_timer": ("a_lease",),
+    "planner_buffer0": ("a_lease",),
+    "done_before_verdict": ("b_prefill_done_before_verdict",),
+    "abort_frees_lease": ("a_lease",),
+    # A stale completion counted for the new generation makes it DONE without its bytes; a stale settled
+    # Fail ends the new generation's lease under its writes, or the old one is never settled.
+    "stale_generation": ("b_done_bytes", "a_lease", "e_at_rest"),
+    "pull_release_early": ("a_source_released_under_read",),
+}
+
+assert core_decode is not None
+
+
+@contextmanager
+def mutation(name: str | None) -> Iterator[None]:
+    """Patch in the named bug (None: none) for the duration of the block."""
+    if name is None:
+        yield
+        return
+    owner, attr, make = MUTATIONS[name]
+    orig = getattr(owner, attr)
+    setattr(owner, attr, make(orig))
+    try:
+        yield
+    finally:
+        setattr(owner, attr, orig)

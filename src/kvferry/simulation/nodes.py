@@ -1,0 +1,724 @@
+"""Simulated processes: a prefill and a decode, each the real protocol core in a shell of simulated I/O.
+
+Part of ``simulation``, above ``world``. Each ``Node`` does what its real shell does (``control.prefill``,
+``control.decode``, ``control.endpoints``' progress loop), in the same order, against the simulated
+network and transport instead of sockets and NIXL: an iteration checks silence first, runs the deferred
+calls, reads the frames that arrived (stamped with the time the iteration started, as the shell stamps
+them with the poll's return), feeds back completed transfers and notifications, ticks the timers, and
+carries out every action between events. A node stalled (SIGSTOP) handles nothing until it resumes; its
+transfers already posted go on. A crashed node is gone; it restarts as a new process (new core, memory,
+transport agent and process identity) at the same address.
+
+Each node also plays its engine: prefill sends chunks of its requests (whole, chunked, layer by layer),
+aborts some, and reuses a request's source pages as soon as the core says it may (``may_free``); decode
+leases pages, announces (with a prefix), aborts, cancels, and announces a failed request again under the
+same id, and reuses pages once the lease ends.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvferry.control import wire
+from kvferry.control.core.base import AddPeer, CheckProcess, FlushNow, RemovePeer, Transfer
+from kvferry.control.core.decode import AddPeer as DecodeAddPeer
+from kvferry.control.core.decode import CheckWriter, CloseLink, DecodeCore, DecodeSetup, OpenLink, TakeNotifications
+from kvferry.control.core.prefill import PrefillCore, PrefillSetup
+from kvferry.control.core.prefill_requests import make_spec
+from kvferry.control.core.process import ProcessIdentity
+from kvferry.control.core.states import TERMINAL, LinkState, RequestState
+from kvferry.control.stats import NullRecorder
+from kvferry.errors import InternalError, KVFerryError, LeaseError, PeerLost, TransportError
+from kvferry.integrity import DigestMode
+from kvferry.layout.memory import KVMemory
+from kvferry.simulation.config import sim_layout
+from kvferry.simulation.world import PageMap, fill_pattern, pattern
+
+if TYPE_CHECKING:
+    from kvferry.simulation.cluster import Request, World
+
+__all__ = ["DecodeNode", "Node", "PrefillNode"]
+
+# A request must have ended this long after its deadline (or after its node resumed from a stall): the
+# cores look at deadlines every 10 ms.
+DEADLINE_SLACK = 0.05
+RETRY_S = 0.05
+
+
+class Stalled(BaseException):  # control flow: no `except Exception` in the code under test may swallow it
+    pass
+
+
+class Node:
+    """What both simulated processes share: the event plumbing, stalls, crashes, the action loop."""
+
+    kind = "node"
+    core: Any
+
+    def __init__(self, world: World, name: str) -> None:
+        self.world = world
+        self.sim = world.sim
+        self.name = name
+        self.inc = 0
+        self.crashed = False
+        self.stalled_until = 0.0
+        self.resumed_at = 0.0
+        self.pending_wake = math.inf
+        self.wake_token = 0
+        self.resume_between = False   # stalled between two transfers: carry out the rest first
+        self.resume_post: Callable[[float], None] | None = None   # stalled inside a post: finish it first
+        self.frames: deque[tuple[str, Any, bytes]] = deque()
+        self.ended: list[tuple[Any, RequestState]] = []   # records that ended in the last step
+        self.start()
+
+    # -- identity ------------------------------------------------------------------------------------------
+    @property
+    def ident(self) -> str:
+        return f"{self.name}.{self.inc}"
+
+    @property
+    def agent(self) -> str:
+        return f"agent:{self.ident}"
+
+    @property
+    def process(self) -> ProcessIdentity:
+        return ProcessIdentity("simhost", 1000 + zlib.crc32(self.name.encode()) % 1000, self.inc + 1)
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def entropy(self, n: int) -> bytes:
+        return self.sim.rng_lat.getrandbits(8 * n).to_bytes(n, "little")
+
+    def watch(self, core: Any) -> None:
+        """Hear every record's end as it happens (the invariants look at them after the step)."""
+        orig = core.set_state
+
+        def set_state(rec: Any, state: RequestState) -> None:
+            orig(rec, state)
+            if state in TERMINAL:
+                self.ended.append((rec, state))
+        core.set_state = set_state
+
+    # -- scheduling ----------------------------------------------------------------------------------------
+    def kick(self) -> None:
+        self.schedule(self.sim.now)
+
+    def schedule(self, t: float) -> None:
+        if self.crashed:
+            return
+        t = max(t, self.stalled_until)
+        if t < self.pending_wake:
+            # Only the earliest wake counts (a later one it replaced is stale): one chain of wakes per node.
+            self.pending_wake = t
+            self.wake_token += 1
+            self.sim.at(t, self.wake, self.wake_token)
+
+    def call_at(self, t: float, fn: Callable[[float], None], *, work: bool = True) -> None:
+        """An engine command at ``t`` (deferred while the process is stopped). ``work``: part of the workload
+        (the run is not at rest before it), not a periodic chore."""
+        if work:
+            self.world.last_work = max(self.world.last_work, t)
+        self.sim.at(t, self._run_call, self.inc, fn)
+
+    def _run_call(self, inc: int, fn: Callable[[float], None]) -> None:
+        if self.crashed or inc != self.inc:
+            return
+        if self.sim.now < self.stalled_until:
+            self.sim.at(self.stalled_until, self._run_call, inc, fn)
+            return
+        fn(self.sim.now)
+        self.after(self.sim.now)
+        self.kick()
+
+    def wake(self, token: int) -> None:
+        if self.crashed or token != self.wake_token or self.sim.now < self.stalled_until:
+            return
+        now = self.sim.now
+        self.pending_wake = math.inf
+        try:
+            if self.resume_post is not None:
+                post, self.resume_post = self.resume_post, None
+                post(now)
+            if self.resume_between:
+                self.resume_between = False
+                self.between(now)
+            self.iterate(now)
+        except Stalled:
+            return
+        self.after(now)
+        core = self.core
+        if core.calls or self.frames or self.has_news():
+            self.schedule(now)
+        else:
+            self.schedule(max(core.next_deadline(), now + 1e-4))
+
+    def after(self, now: float) -> None:
+        self.world.after_step(self, now)   # first: the engine takes back the pages of what ended
+        self.engine(now)
+
+    def has_news(self) -> bool:
+        return False
+
+    # -- faults --------------------------------------------------------------------------------------------
+    def stall(self, seconds: float) -> None:
+        if self.crashed:
+            return
+        self.stalled_until = max(self.stalled_until, self.sim.now + seconds)
+        self.resumed_at = self.stalled_until
+        self.pending_wake = math.inf
+        self.schedule(self.stalled_until)
+        self.sim.log(self.name, f"stalled until {self.stalled_until:.4f}")
+
+    def crash(self) -> None:
+        if self.crashed:
+            return
+        self.sim.log(self.name, f"crashed ({self.ident})")
+        self.crashed = True
+        self.world.dead_processes.add(self.process)
+        self.world.dead_agents.add(self.agent)
+        self.world.transport.crashed(self)
+        self.world.node_crashed(self)
+
+    def restart(self) -> None:
+        self.inc += 1
+        self.crashed = False
+        self.stalled_until = self.resumed_at = self.sim.now
+        self.pending_wake = math.inf
+        self.resume_between = False
+        self.resume_post = None
+        self.frames.clear()
+        self.ended.clear()
+        self.start()
+        self.sim.log(self.name, f"restarted as {self.ident}")
+        self.kick()
+
+    # -- the shell's loop ------------------------------------------------------------------------------------
+    def between(self, now: float) -> None:
+        """Carry out what the last event decided: effects, then transfers (``endpoints._between_events``)."""
+        core = self.core
+        while core.effects or core.transfers:
+            while core.effects:
+                self.apply(core.effects.popleft(), now)
+            if core.transfers:
+                transfer = core.transfers.popleft()
+                if self.world.stall_in_post(self):
+                    # SIGSTOP between the decision and the start of its posting: checked again on resume.
+                    core.transfers.appendleft(transfer)
+                    self.resume_between = True
+                    raise Stalled
+                self.carry_out(transfer, now)
+
+    def stalled_posting(self, post: Callable[[float], None]) -> None:
+        """SIGSTOP inside the post call, after the core's last check (``start_write``/``start_read``):
+        the transfer goes out when the process resumes, however late (the stalled writer)."""
+        if self.world.stall_in_post(self):
+            self.resume_post = post
+            self.resume_between = True
+            raise Stalled
+        post(self.sim.now)
+
+    def iterate(self, now: float) -> None:
+        core = self.core
+        core.check_silence(now)
+        self.between(now)
+        for fn in core.run_calls(now):
+            self.guard(fn)
+            self.between(now)
+        core.post_queued()
+        self.between(now)
+        self.flush(now)
+        while self.frames:
+            kind, peer, data = self.frames.popleft()
+            self.guard(lambda k=kind, p=peer, d=data: self.on_frame(now, k, p, d))
+            self.between(now)
+        core.post_queued()
+        self.between(now)
+        self.flush(now)
+        self.pump(now)
+        self.between(now)
+        core.batches.next_iteration()
+        core.tick(now)
+        self.between(now)
+        self.flush(now)
+
+    def guard(self, fn: Callable[[], None]) -> None:
+        """An event handled as the shell handles it: a peer's bad message is counted, a bug is loud."""
+        try:
+            fn()
+        except InternalError as exc:
+            self.core.log_internal(exc)
+            self.world.internal(self, exc)
+        except KVFerryError:
+            self.core.num_bad_messages += 1
+
+    def flush(self, now: float, only: Any = None) -> None:
+        core = self.core
+        for peer in [only] if only is not None else list(core.outbox):
+            for frame in wire.batches(core.take_out(peer)):
+                self.send_frame(now, peer, frame)
+
+    # -- per side --------------------------------------------------------------------------------------------
+    def send_frame(self, now: float, peer: Any, frame: bytes) -> None:
+        raise NotImplementedError
+
+    def on_frame(self, now: float, kind: str, peer: Any, data: bytes) -> None:
+        raise NotImplementedError
+
+    def pump(self, now: float) -> None:
+        raise NotImplementedError
+
+    def apply(self, effect: Any, now: float) -> None:
+        raise NotImplementedError
+
+    def carry_out(self, transfer: Transfer, now: float) -> None:
+        raise NotImplementedError
+
+    def engine(self, now: float) -> None:
+        raise NotImplementedError
+
+
+# -- prefill ------------------------------------------------------------------------------------------------
+@dataclass
+class PAttempt:
+    """One try at sending a request from this prefill: its source pages and the record it went to."""
+
+    req: Request
+    retry: bool
+    src: dict[str, np.ndarray] | None = None
+    rec: Any = None
+    sent: int = 0         # chunks sent so far
+    give_up: float = 0.0
+    done: bool = False
+    prev: Any = None      # a retry: the record of the try before, which decode's new announce replaces
+
+
+class PrefillNode(Node):
+    kind = "prefill"
+
+    def __init__(self, world: World, name: str, address: str) -> None:
+        self.address = address
+        super().__init__(world, name)
+
+    def start(self) -> None:
+        world = self.world
+        self.memory = KVMemory.allocate(sim_layout("prefill"))
+        world.graveyard.append(self.memory)   # late copies never touch freed memory
+        self.pages = PageMap(self.memory)
+        self.src_owner = {p.name: np.full(p.min_pages, -1, dtype=np.int64) for p in self.memory.layout.pools}
+        self.free = {p.name: list(range(p.min_pages)) for p in self.memory.layout.pools}
+        setup = PrefillSetup(self.address, "sim", "dlist", self.agent.encode(), self.process, None,
+                             frozenset({"push", "pull"}))
+        self.core = PrefillCore(self.memory, setup, world.options, DigestMode(world.swarm.digest),
+                                NullRecorder("prefill", self.memory.layout), self.entropy)
+        self.watch(self.core)
+        self.settled: deque[tuple[int, str | None]] = deque()
+        self.attempts: list[PAttempt] = []
+        world.agents[self.agent] = self
+
+    # -- the shell ---------------------------------------------------------------------------------------
+    def send_frame(self, now: float, peer: Any, frame: bytes) -> None:
+        self.world.net.to_decode(peer, frame)
+        self.core.frame_sent(now, peer)
+
+    def on_frame(self, now: float, kind: str, peer: Any, data: bytes) -> None:
+        if kind == "dropped":
+            self.core.connection_dropped(now)
+        else:
+            self.core.on_frame(now, peer, data)
+
+    def has_news(self) -> bool:
+        return bool(self.settled)
+
+    def pump(self, now: float) -> None:
+        core = self.core
+        while self.settled:
+            ticket, error = self.settled.popleft()
+            core.write_settled(now, ticket, None if error is None else TransportError(f"sim: {error}"))
+        core.settle_dirty(now)
+
+    def completed(self, ticket: int, error: str | None) -> None:
+        if not self.crashed:
+            self.settled.append((ticket, error))
+            self.kick()
+
+    def apply(self, effect: Any, now: float) -> None:
+        core = self.core
+        if isinstance(effect, AddPeer):
+            core.peer_added(now, effect.peer, effect.meta.decode(), None)
+        elif isinstance(effect, RemovePeer):
+            pass
+        elif isinstance(effect, CheckProcess):
+            if effect.process in self.world.dead_processes:
+                core.process_gone(now, effect.process)
+        elif isinstance(effect, FlushNow):
+            self.flush(now, effect.peer)
+            if effect.raw:
+                self.send_frame(now, effect.peer, effect.raw)
+        else:
+            raise AssertionError(f"no shell for {effect!r}")
+
+    def carry_out(self, transfer: Transfer, now: float) -> None:
+        write = self.core.start_write(now, transfer)
+        if write is not None:
+            self.stalled_posting(lambda t: self.post_write(t, transfer, write))
+
+    def post_write(self, now: float, transfer: Transfer, write: Any) -> None:
+        core = self.core
+        recs = write.records
+        for rec in recs:
+            rec.posting = False
+        if self.world.refuse_post():
+            core.write_failed(now, write, TransportError("sim: the write could not be posted"))
+            return
+        parts = []
+        for q in transfer.group:
+            if any(q.rec is r for r in recs):
+                dec = q.rec.session.identity.split(b"|")[0].decode()
+                parts.append((self.world.tag(dec, q.rec.request_id, q.rec.generation), q.rec.request_id,
+                              q.rec.generation, q.plan))
+        ticket = self.world.transport.post("write", self, write.agent, parts, write.notification)
+        core.write_posted(write, ticket)
+        self.sim.log(self.name, f"posted write {ticket} ({write.label}) to {write.agent}")
+
+    # -- the engine --------------------------------------------------------------------------------------------
+    def plan_send(self, req: Request, t: float, *, retry: bool = False) -> None:
+        att = PAttempt(req, retry, give_up=t + self.world.options.request_timeout)
+        if retry:
+            att.prev = self.core.records.get(req.rid)
+        self.call_at(t, lambda now: self.send_next(now, att))
+
+    def send_next(self, now: float, att: PAttempt) -> None:
+        core, req = self.core, att.req
+        if att.done:
+            return
+        if att.sent == 0:
+            rec = core.records.get(req.rid)
+            if att.retry and (rec is att.prev or (rec is not None and not rec.is_live)):
+                # A retry waits for decode's new announce to replace the ended record.
+                if now < att.give_up:
+                    self.call_at(now + RETRY_S, lambda t: self.send_next(t, att))
+                else:
+                    att.done = True
+                return
+            if att.src is None and not self.allocate(att):
+                if now < att.give_up:
+                    self.call_at(now + RETRY_S, lambda t: self.send_next(t, att))
+                else:
+                    att.done = True
+                return
+        elif core.records.get(req.rid) is not att.rec:
+            att.done = True   # decode announced it again meanwhile: the rest belongs to the retry's send
+            return
+        assert att.src is not None
+        chunk = req.chunks[att.sent]
+        pages = {pool: att.src[pool][lo:hi] for pool, (lo, hi) in chunk.ranges.items() if hi > lo}
+        offsets = {pool: lo for pool, (lo, hi) in chunk.ranges.items() if hi > lo}
+        last = att.sent == len(req.chunks) - 1
+        try:
+            spec = make_spec(self.memory, pages, offsets, last, chunk.buffers)
+            core.send(now, req.rid, spec, None)
+        except KVFerryError as exc:
+            self.sim.log(self.name, f"send {req.rid} refused: {exc}")
+            att.done = True
+            if att.rec is None:   # nothing of this attempt was handed over: its pages are the engine's
+                self.release(att)
+            return
+        if att.rec is None:
+            att.rec = core.records[req.rid]
+            self.attempts.append(att)
+        att.sent += 1
+        self.sim.log(self.name, f"send {req.rid} chunk {att.sent}/{len(req.chunks)}")
+        if att.sent < len(req.chunks):
+            self.call_at(now + self.sim.rng_work.random() * 0.05, lambda t: self.send_next(t, att))
+        else:
+            att.done = True
+
+    def allocate(self, att: PAttempt) -> bool:
+        req = att.req
+        if any(len(self.free[pool]) < n for pool, n in req.total.items()):
+            return False
+        att.src = {}
+        rid_id = self.world.rid_id(req.rid)
+        for pool, n in req.total.items():
+            pages = np.array(sorted(self.free[pool])[:n], dtype=np.int64)
+            self.free[pool] = [p for p in self.free[pool] if p not in set(pages.tolist())]
+            fill_pattern(self.memory, req.rid, pool, pages, 0)
+            self.src_owner[pool][pages] = rid_id
+            att.src[pool] = pages
+        return True
+
+    def release(self, att: PAttempt) -> None:
+        """The engine takes the source pages back (and will write other requests' KV there)."""
+        if att.src is None:
+            return
+        for pool, pages in att.src.items():
+            self.src_owner[pool][pages] = -1
+            for buf in self.memory.layout.pool(pool).buffers:
+                self.memory.array(buf.name)[pages] = 0   # reused at once: what a late read gets is not the KV
+            self.free[pool].extend(pages.tolist())
+        att.src = None
+
+    def abort_at(self, t: float, rid: str) -> None:
+        self.call_at(t, lambda now: self.core.abort(now, rid, "engine abort"))
+
+    def engine(self, now: float) -> None:
+        """Reuse the source pages of every request the core says may be freed (``PrefillEndpoint.may_free``)."""
+        keep = []
+        for att in self.attempts:
+            rec = att.rec
+            if not rec.is_live and not any(m.source_held or m.handles or m.posting for m in rec.group):
+                att.done = True   # ended: a chunk not sent yet never will be
+                self.release(att)
+            else:
+                keep.append(att)
+        self.attempts = keep
+
+
+# -- decode ------------------------------------------------------------------------------------------------
+@dataclass
+class DAttempt:
+    req: Request
+    n: int                       # 0: the first announce, then each retry
+    pages: dict[str, np.ndarray] | None = None
+    gen: int = -1
+    rec: Any = None
+    give_up: float = 0.0
+    decided: bool = False        # whether to announce it again was decided (once it ended)
+
+
+class DecodeNode(Node):
+    kind = "decode"
+
+    def __init__(self, world: World, name: str, mode: str) -> None:
+        self.mode = mode
+        super().__init__(world, name)
+
+    def start(self) -> None:
+        world = self.world
+        self.memory = KVMemory.allocate(sim_layout("decode"))
+        world.graveyard.append(self.memory)
+        self.pages = PageMap(self.memory)
+        self.free = {p.name: list(range(p.min_pages)) for p in self.memory.layout.pools}
+        setup = DecodeSetup("sim", self.agent.encode(), self.process, None)
+        self.core = DecodeCore(self.memory, setup, world.options, DigestMode(world.swarm.digest),
+                               NullRecorder("decode", self.memory.layout), self.entropy)
+        self.watch(self.core)
+        self.reads_done: deque[tuple[int, str | None, list[Any]]] = deque()
+        self.notifs: deque[tuple[str, bytes]] = deque()
+        self.attempts: dict[int, DAttempt] = {}    # generation -> attempt, until its lease ends
+        world.agents[self.agent] = self
+        self.call_at(self.sim.now, self.connect, work=False)
+
+    # -- the shell ---------------------------------------------------------------------------------------
+    def send_frame(self, now: float, peer: Any, frame: bytes) -> None:
+        if peer in self.world.net.by_link:   # a closed socket sends nothing (and says nothing left)
+            self.world.net.to_prefill(peer, frame)
+            self.core.frame_sent(now, peer)
+
+    def on_frame(self, now: float, kind: str, peer: Any, data: bytes) -> None:
+        if kind == "dropped":
+            if peer.state in (LinkState.CONNECTING, LinkState.ESTABLISHED):
+                self.core.dropped(now, peer, "sim: connection cut")
+        else:
+            self.core.on_frame(now, peer, data)
+
+    def has_news(self) -> bool:
+        return bool(self.reads_done or self.notifs)
+
+    def pump(self, now: float) -> None:
+        core = self.core
+        while self.reads_done:
+            ticket, error, tainted = self.reads_done.popleft()
+            entries = list(core.reads.get(ticket, ()))
+            core.read_settled(now, ticket, None if error is None else TransportError(f"sim: {error}"))
+            for rec, part, read in entries:
+                if any(t[1] == rec.request_id and t[2] == rec.generation for t in tainted) and \
+                        read.chunk.chunk in part.chunks_seen and rec.state is not RequestState.FAILED:
+                    self.sim.fail("a_source_released_under_read",
+                                  f"{self.name}: read of {rec.request_id!r} gen {rec.generation} chunk "
+                                  f"{read.chunk.chunk} took bytes from source pages prefill had released, and "
+                                  "decode accepted it")
+        self.take_notifications(now)
+
+    def take_notifications(self, now: float) -> None:
+        while self.notifs:
+            agent, data = self.notifs.popleft()
+            self.guard(lambda a=agent, d=data: self.core.on_notification(now, a, d))
+
+    def notified(self, target: str, agent: str, data: bytes) -> None:
+        if not self.crashed and target == self.agent:
+            self.notifs.append((agent, data))
+            self.kick()
+
+    def read_completed(self, inc: int, ticket: int, error: str | None, tainted: list[Any]) -> None:
+        if not self.crashed and inc == self.inc:
+            self.reads_done.append((ticket, error, tainted))
+            self.kick()
+
+    def apply(self, effect: Any, now: float) -> None:
+        core, net = self.core, self.world.net
+        if isinstance(effect, OpenLink):
+            net.open(self, effect.link)
+            self.send_frame(now, effect.link, effect.hello)
+        elif isinstance(effect, CloseLink):
+            core.take_out(effect.link)
+            net.close(effect.link, tell_decode=False)
+        elif isinstance(effect, DecodeAddPeer):
+            core.peer_added(now, effect.link, effect.meta.decode(), None)
+        elif isinstance(effect, RemovePeer):
+            pass
+        elif isinstance(effect, CheckWriter):
+            link = effect.link
+            gone = link.agent in self.world.dead_agents or link.process in self.world.dead_processes
+            core.writer_checked(now, link, gone)
+        elif isinstance(effect, TakeNotifications):
+            self.take_notifications(now)
+            core.notifications_taken(now)
+        elif isinstance(effect, FlushNow):
+            self.flush(now, effect.peer)
+            if effect.raw:
+                self.send_frame(now, effect.peer, effect.raw)
+        else:
+            raise AssertionError(f"no shell for {effect!r}")
+
+    def carry_out(self, transfer: Transfer, now: float) -> None:
+        job = self.core.start_read(now, transfer)
+        if job is not None:
+            self.stalled_posting(lambda t: self.post_read(t, job))
+
+    def post_read(self, now: float, job: Any) -> None:
+        core = self.core
+        for part in job.parts:
+            part.posting = False
+        if self.world.refuse_post():
+            core.read_failed(now, job, TransportError("sim: the read could not be posted"))
+            return
+        parts = [(self.world.tag(self.ident, q.rec.request_id, q.rec.generation), q.rec.request_id,
+                  q.rec.generation, q.plan) for q in job.group]
+        ticket = self.world.transport.post("read", self, job.agent, parts)
+        core.read_posted(job, ticket)
+        self.sim.log(self.name, f"posted read {ticket} ({job.label}) from {job.agent}")
+
+    # -- the engine --------------------------------------------------------------------------------------------
+    def connect(self, now: float) -> None:
+        """Keep a link to every prefill (as an engine's connect retries do)."""
+        for prefill in self.world.prefills:
+            link = self.core.links.get(prefill.address)
+            if link is None or link.state in (LinkState.DEAD, LinkState.FAILED):
+                self.guard(lambda a=prefill.address: self.core.start_link(now, a, self.world.options.handshake_timeout,
+                                                                          None, self.mode))
+        self.call_at(now + 0.25, self.connect, work=False)
+
+    def plan_announce(self, req: Request, t: float, n: int = 0) -> None:
+        att = DAttempt(req, n, give_up=t + self.world.options.request_timeout)
+        self.call_at(t, lambda now: self.announce(now, att))
+
+    def announce(self, now: float, att: DAttempt) -> None:
+        req, core = att.req, self.core
+        if att.pages is None and not self.allocate(att):
+            self.later(now, att)
+            return
+        assert att.pages is not None
+        address = self.world.prefills[req.prefill].address
+        try:
+            if req.cancel:
+                core.cancel(now, req.rid, "engine cancel", address)
+                self.sim.log(self.name, f"cancel {req.rid}")
+                self.release(att)
+                return
+            core.announce(now, req.rid, att.pages, address, dict(req.prefix), ([], ""))
+        except (PeerLost, LeaseError) as exc:
+            self.sim.log(self.name, f"announce {req.rid} not yet: {exc}")
+            self.later(now, att)
+            return
+        rec = core.records[req.rid]
+        att.rec, att.gen = rec, rec.generation
+        self.attempts[att.gen] = att
+        pages = {p: a.tolist() for p, a in att.pages.items()}   # lists: numpy's repr costs more than the step
+        self.sim.log(self.name, f"announce {req.rid} gen {att.gen} pages {pages} prefix {dict(req.prefix)}")
+        if req.decode_abort is not None and att.n == 0:
+            self.call_at(now + req.decode_abort, lambda t: self.abort(t, att))
+
+    def later(self, now: float, att: DAttempt) -> None:
+        if now + RETRY_S < att.give_up:
+            self.call_at(now + RETRY_S, lambda t: self.announce(t, att))
+        else:
+            self.release(att)
+
+    def abort(self, now: float, att: DAttempt) -> None:
+        if att.rec is not None and att.rec.is_live:
+            self.core.abort(now, att.req.rid, "engine abort")
+
+    def allocate(self, att: DAttempt) -> bool:
+        req = att.req
+        if any(len(self.free[pool]) < n for pool, n in req.leased.items()):
+            return False
+        att.pages = {}
+        for pool, n in req.leased.items():
+            pages = sorted(self.free[pool])[:n]
+            taken = set(pages)
+            self.free[pool] = [p for p in self.free[pool] if p not in taken]
+            # Announce order differs from page order: the lease maps positions to any pages.
+            self.sim.rng_work.shuffle(pages)
+            att.pages[pool] = np.array(pages, dtype=np.int64)
+        return True
+
+    def release(self, att: DAttempt) -> None:
+        if att.pages is not None:
+            for pool, pages in att.pages.items():
+                self.free[pool].extend(pages.tolist())
+            att.pages = None
+
+    def engine(self, now: float) -> None:
+        """Announce a failed request again (same id, new pages: the old ones may be quarantined) as soon as
+        it failed; take pages back once their lease ended."""
+        leases = self.core.leases
+        for gen, att in list(self.attempts.items()):
+            if att.rec.is_live:
+                continue
+            if not att.decided:
+                att.decided = True
+                req = att.req
+                if (att.rec.state is RequestState.FAILED and att.n < 2 and self.world.faults_on()
+                        and self.sim.rng_work.random() < self.world.swarm.retry):
+                    t = now + self.sim.rng_work.random() * 0.05
+                    self.sim.log(self.name, f"retry {req.rid} at {t:.4f}")
+                    self.plan_announce(req, t, att.n + 1)
+                    self.world.prefills[req.prefill].plan_send(req, t + self.sim.rng_work.random() * 0.05,
+                                                               retry=True)
+            if not leases.holds(gen):
+                del self.attempts[gen]
+                self.release(att)
+
+    # -- what the invariants read --------------------------------------------------------------------------
+    def check_done(self, rec: Any) -> None:
+        """(b): a request DONE here has every leased page written by it, byte for byte its source."""
+        att = self.attempts.get(rec.generation)
+        if att is None or att.pages is None:
+            self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE with no lease")
+        assert att is not None and att.pages is not None
+        tag = self.world.tag(self.ident, rec.request_id, rec.generation)
+        layout = self.memory.layout
+        for pool, pages in att.pages.items():
+            first = att.req.prefix.get(pool, 0)
+            for buf in layout.pool(pool).buffers:
+                prov = self.pages.prov[buf.name][pages]
+                if (prov != tag).any():
+                    bad = int(pages[np.flatnonzero(prov != tag)[0]])
+                    self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE but "
+                                  f"{buf.name} page {bad} was last written by "
+                                  f"{self.world.tag_name(int(self.pages.prov[buf.name][bad]))}")
+                arr = self.pages.arrays[buf.name]
+                b = self.pages.layout_index[buf.name]
+                for i, page in enumerate(pages.tolist()):
+                    if not np.array_equal(arr[page], pattern(rec.request_id, first + i, b, buf.page_bytes)):
+                        self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE "
+                                      f"but {buf.name} page {page} differs from its source")

@@ -1,0 +1,115 @@
+"""Running seeds: one (``run_seed``), many within a budget (``run_many``), and shrinking a failure.
+
+Part of ``simulation``, above ``cluster``. A run is a pure function of (seed, config, fault mix, mutation):
+``run_seed(seed)`` again gives the same events, the same trace and the same verdict.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from kvferry.simulation.cluster import World
+from kvferry.simulation.config import FAULT_KINDS, SimConfig, Swarm
+from kvferry.simulation.mutations import mutation
+from kvferry.simulation.world import Sim, Violation, ViolationFound
+
+__all__ = ["RunResult", "format_trace", "run_many", "run_seed", "shrink"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    seed: int
+    violation: Violation | None
+    requests: int
+    done: int
+    failed: int
+    disagreements: int
+    events: int
+    sim_time: float
+    cpu_s: float
+    swarm: Swarm
+    config: SimConfig
+    trace: tuple[str, ...]
+    without: tuple[str, ...] = ()   # fault kinds switched off in this seed's draw (shrinking)
+    mutate: str | None = None
+
+    def replay_command(self) -> str:
+        """The command line that runs exactly this again."""
+        parts = [f"kvferry simulate --seed {self.seed}"]
+        if self.config.requests != SimConfig().requests:
+            parts.append(f"--requests {self.config.requests}")
+        parts += [f"--without {kind}" for kind in self.without]
+        if self.mutate:
+            parts.append(f"--mutate {self.mutate}")
+        return " ".join(parts)
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None
+
+
+def format_trace(sim: Sim, last: int) -> tuple[str, ...]:
+    return tuple(f"{t:10.5f} {who:>10} {what}" for t, who, what in list(sim.trace)[-last:])
+
+
+def run_seed(seed: int, config: SimConfig | None = None, swarm: Swarm | None = None, mutate: str | None = None,
+             trace: int = 40, without: tuple[str, ...] = ()) -> RunResult:
+    """Run one seed to rest (or to its first violation). ``without``: fault kinds switched off in the
+    seed's own fault mix (the rest of the draw unchanged)."""
+    cfg = config or SimConfig()
+    start = time.process_time()
+    with mutation(mutate):
+        world = World(seed, cfg, swarm, without)
+        violation = None
+        try:
+            world.run()
+        except ViolationFound as found:
+            violation = found.violation
+    return RunResult(seed, violation, len(world.requests), world.done, world.failed, world.disagreements,
+                     world.sim.events, world.sim.now, time.process_time() - start, world.swarm, cfg,
+                     format_trace(world.sim, trace) if violation is not None else (), tuple(without), mutate)
+
+
+def run_many(seeds: Iterable[int], config: SimConfig | None = None, mutate: str | None = None,
+             budget_s: float | None = None, stop_at_first: bool = False) -> list[RunResult]:
+    """Run seeds in order until they run out or ``budget_s`` of CPU time is spent."""
+    out: list[RunResult] = []
+    start = time.process_time()
+    for seed in seeds:
+        if budget_s is not None and time.process_time() - start >= budget_s:
+            break
+        result = run_seed(seed, config, mutate=mutate)
+        out.append(result)
+        if stop_at_first and not result.ok:
+            break
+    return out
+
+
+def shrink(result: RunResult, mutate: str | None = None, budget_s: float = 20.0) -> RunResult:
+    """A smaller run with the same seed that breaks the same invariant: fewer requests, faults switched off
+    one kind at a time; greedy, within ``budget_s`` of CPU time."""
+    assert result.violation is not None
+    want = result.violation.invariant
+    best = result
+    start = time.process_time()
+
+    def same(candidate: RunResult) -> bool:
+        return candidate.violation is not None and candidate.violation.invariant == want
+
+    for kind in FAULT_KINDS:
+        if time.process_time() - start > budget_s:
+            break
+        if getattr(best.swarm, kind):
+            cand = run_seed(best.seed, best.config, mutate=mutate, without=(*best.without, kind))
+            if same(cand):
+                best = cand
+    n = best.config.requests
+    while n > 1 and time.process_time() - start <= budget_s:
+        n //= 2
+        cand = run_seed(best.seed, replace(best.config, requests=n), mutate=mutate, without=best.without)
+        if not same(cand):
+            break
+        best = cand
+    return best

@@ -1,0 +1,336 @@
+"""The simulated world: clock and event queue, network, transport, page memory with provenance.
+
+Part of ``simulation``, below ``nodes`` and ``runner``. One thread, one heap of events ordered by (time,
+sequence): nothing here reads a wall clock or an unseeded random source, so a seed replays exactly.
+
+* Network (``Net``): a decode's link is one connection to a prefill. ZMQ over one TCP connection is FIFO, so
+  a message never overtakes an earlier one on its connection (delivery time is at least the previous
+  one's); messages on different connections reorder freely. A cut loses what is in flight and tells both
+  sides as their shells would be told (decode: ``dropped``; prefill: ``connection_dropped``); a partition
+  holds messages until it heals (TCP retransmits), which looks like silence to both sides.
+* Transport (``Transport``): a write copies its plan's rows from prefill memory into decode memory when it
+  lands, then delivers its notification, then tells the writer it completed; a read copies when it
+  completes. Either may be late (landing after the writer was declared dead: a one-sided write needs no
+  help from the stalled process that posted it) or fail. Each landed row is checked against decode's lease
+  table and recorded in a provenance array per buffer and page: which (request, generation) wrote it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import heapq
+import math
+import random
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvferry.layout.memory import KVMemory
+
+if TYPE_CHECKING:
+    from kvferry.simulation.nodes import DecodeNode, PrefillNode
+
+__all__ = ["Conn", "Net", "PageMap", "Sim", "Transport", "Violation", "fill_pattern", "pattern"]
+
+TRACE_LEN = 400
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """An invariant broken: which (its name), when, and what."""
+
+    invariant: str
+    time: float
+    detail: str
+
+
+class ViolationFound(BaseException):  # control flow: the run stops at its first violation, whatever catches
+    def __init__(self, violation: Violation) -> None:
+        super().__init__(violation.detail)
+        self.violation = violation
+
+
+class Sim:
+    """The clock, the event heap, the seeded random streams and the trace."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = 0
+        # Separate streams: the workload, the faults and the latencies each draw from their own, so that
+        # shrinking one (fewer requests, a fault switched off) disturbs the others less.
+        self.rng_work = random.Random(seed * 4 + 1)
+        self.rng_fault = random.Random(seed * 4 + 2)
+        self.rng_lat = random.Random(seed * 4 + 3)
+        self.trace: deque[tuple[float, str, str]] = deque(maxlen=TRACE_LEN)
+        self.events = 0
+
+    def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._heap, (max(t, self.now), self._seq, fn, args))
+        self._seq += 1
+
+    def step(self) -> bool:
+        if not self._heap:
+            return False
+        t, _, fn, args = heapq.heappop(self._heap)
+        self.now = t
+        self.events += 1
+        fn(*args)
+        return True
+
+    def next_time(self) -> float:
+        return self._heap[0][0] if self._heap else math.inf
+
+    def log(self, who: str, what: str) -> None:
+        self.trace.append((self.now, who, what))
+
+    def fail(self, invariant: str, detail: str) -> None:
+        self.log("INVARIANT", f"{invariant}: {detail}")
+        raise ViolationFound(Violation(invariant, self.now, detail))
+
+
+# -- page content ------------------------------------------------------------------------------------------
+def pattern(rid: str, pos: int, buffer_index: int, page_bytes: int) -> np.ndarray:
+    """The bytes of a request's page ``pos`` in one buffer: a function of the request id alone, so that any
+    page written by another request (or not at all) differs from it."""
+    start = (zlib.crc32(rid.encode()) * 7 + pos * 31 + buffer_index * 13) % 251
+    return ((np.arange(page_bytes, dtype=np.int64) + start) % 251 + 1).astype(np.uint8)
+
+
+def fill_pattern(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first_pos: int) -> None:
+    """Write the request's content into ``pages`` (positions ``first_pos`` on) of every buffer of ``pool``."""
+    index = memory.buffer_index
+    for buf in memory.layout.pool(pool).buffers:
+        arr = memory.array(buf.name)
+        for i, page in enumerate(pages.tolist()):
+            arr[page] = pattern(rid, first_pos + i, index[buf.name], buf.page_bytes)
+
+
+class PageMap:
+    """Addresses back to (buffer, pages) for one memory: what a plan's rows touch, computed from the rows
+    themselves (so a planner that computes a wrong address is seen writing the wrong page)."""
+
+    def __init__(self, memory: KVMemory) -> None:
+        self.memory = memory
+        bufs = memory.layout.buffers
+        order = sorted(range(len(bufs)), key=lambda i: memory.address(bufs[i].name))
+        self.index = order
+        self.bases = np.array([memory.address(bufs[i].name) for i in order], dtype=np.int64)
+        self.ends = np.array([memory.address(bufs[i].name) + bufs[i].page_bytes * bufs[i].num_pages
+                              for i in order], dtype=np.int64)
+        self.page_bytes = [bufs[i].page_bytes for i in order]
+        self.names = [bufs[i].name for i in order]
+        self.pools = {b.name: p.name for p in memory.layout.pools for b in p.buffers}
+        self.layout_index = {b.name: i for i, b in enumerate(bufs)}
+        # Provenance: per buffer and page, the tag (``World.tags``) of the (request, generation) that last
+        # wrote it; -1 never written.
+        self.prov = {b.name: np.full(b.num_pages, -1, dtype=np.int64) for b in bufs}
+        self.arrays = {b.name: memory.array(b.name) for b in bufs}
+
+    def locate(self, addr: int, nbytes: int) -> tuple[str, int, int] | None:
+        """(buffer, first page, last page + 1) of the row, or None when it is not inside one buffer."""
+        k = int(np.searchsorted(self.bases, addr, side="right")) - 1
+        if k < 0 or addr + nbytes > self.ends[k] or nbytes <= 0:
+            return None
+        base, pb = int(self.bases[k]), self.page_bytes[k]
+        return self.names[k], (addr - base) // pb, (addr + nbytes - 1 - base) // pb + 1
+
+
+# -- network ----------------------------------------------------------------------------------------------
+class Conn:
+    """One ZMQ connection: a decode link's DEALER to a prefill's ROUTER (``identity``: its routing id)."""
+
+    __slots__ = ("decode", "identity", "last_to_d", "last_to_p", "link", "open", "prefill")
+
+    def __init__(self, decode: DecodeNode, link: Any, prefill: PrefillNode | None, identity: bytes) -> None:
+        self.decode, self.link, self.prefill, self.identity = decode, link, prefill, identity
+        self.open = True
+        self.last_to_p = self.last_to_d = 0.0
+
+
+class Net:
+    def __init__(self, world: Any) -> None:
+        self.world = world
+        self.sim: Sim = world.sim
+        self.by_identity: dict[bytes, Conn] = {}
+        self.by_link: dict[Any, Conn] = {}
+        self.partitions: dict[tuple[str, str], float] = {}   # (decode, prefill) -> heals at
+
+    def delay(self) -> float:
+        swarm = self.world.swarm
+        extra = 0.0
+        if swarm.spike and self.sim.rng_fault.random() < swarm.spike and self.world.faults_on():
+            extra = self.sim.rng_fault.random() * swarm.spike_max   # FIFO: later messages wait behind it
+        return 1e-5 + self.sim.rng_lat.random() * swarm.delay_max + extra
+
+    def _held(self, conn: Conn) -> float:
+        if conn.prefill is None:
+            return 0.0
+        return self.partitions.get((conn.decode.name, conn.prefill.name), 0.0)
+
+    def open(self, decode: DecodeNode, link: Any) -> Conn:
+        prefill = self.world.prefill_at(link.address)
+        identity = f"{decode.ident}|{link.session}".encode()
+        conn = Conn(decode, link, prefill, identity)
+        self.by_identity[identity] = conn
+        self.by_link[link] = conn
+        return conn
+
+    def to_prefill(self, link: Any, frame: bytes) -> None:
+        conn = self.by_link.get(link)
+        if conn is None or not conn.open or conn.prefill is None or conn.prefill.crashed:
+            return   # lost: ZMQ has nobody to hand it to (a crashed peer's queue dies with it)
+        t = max(self.sim.now + self.delay(), conn.last_to_p, self._held(conn))
+        conn.last_to_p = t
+        self.sim.at(t, self._deliver_p, conn, frame)
+
+    def _deliver_p(self, conn: Conn, frame: bytes) -> None:
+        if conn.open and conn.prefill is not None and not conn.prefill.crashed:
+            conn.prefill.frames.append(("frame", conn.identity, frame))
+            conn.prefill.kick()
+
+    def to_decode(self, identity: bytes, frame: bytes) -> None:
+        conn = self.by_identity.get(identity)
+        if conn is None or not conn.open or conn.decode.crashed:
+            return   # ROUTER drops what it cannot route
+        t = max(self.sim.now + self.delay(), conn.last_to_d, self._held(conn))
+        conn.last_to_d = t
+        self.sim.at(t, self._deliver_d, conn, frame)
+
+    def _deliver_d(self, conn: Conn, frame: bytes) -> None:
+        if conn.open and not conn.decode.crashed:
+            conn.decode.frames.append(("frame", conn.link, frame))
+            conn.decode.kick()
+
+    def close(self, link: Any, *, tell_decode: bool) -> None:
+        """The connection ends (decode closed it, a cut, a crash): what is in flight is lost; both sides'
+        monitors see the drop (decode's only when it did not close it itself)."""
+        conn = self.by_link.pop(link, None)
+        if conn is None or not conn.open:
+            return
+        conn.open = False
+        self.by_identity.pop(conn.identity, None)
+        if tell_decode and not conn.decode.crashed:
+            conn.decode.frames.append(("dropped", link, b""))
+            conn.decode.kick()
+        if conn.prefill is not None and not conn.prefill.crashed:
+            conn.prefill.frames.append(("dropped", b"", b""))
+            conn.prefill.kick()
+
+    def cut_random(self) -> None:
+        conns = [c for c in self.by_link.values() if c.open]
+        if conns:
+            conn = self.sim.rng_fault.choice(conns)
+            self.sim.log("net", f"cut {conn.decode.name}->{conn.prefill.name if conn.prefill else '?'}")
+            self.close(conn.link, tell_decode=True)
+
+
+# -- transport --------------------------------------------------------------------------------------------
+class Pending:
+    """A write or read in flight: who posted it, to or from whom, and its parts (one per chunk carried:
+    the decode-side tag of its (request, generation), its plan, and the prefill record or decode entry)."""
+
+    __slots__ = ("dropped", "kind", "notif", "parts", "peer_agent", "poster", "ticket")
+
+    def __init__(self, ticket: int, kind: str, poster: Any, peer_agent: str, parts: list[Any], notif: bytes) -> None:
+        self.ticket, self.kind, self.poster, self.peer_agent = ticket, kind, poster, peer_agent
+        self.parts, self.notif = parts, notif
+        self.dropped = False
+
+
+class Transport:
+    def __init__(self, world: Any) -> None:
+        self.world = world
+        self.sim: Sim = world.sim
+        self.pending: dict[int, Pending] = {}
+        self.next_ticket = 1
+
+    def latency(self) -> float:
+        swarm = self.world.swarm
+        lat = 1e-5 + self.sim.rng_lat.random() * swarm.delay_max
+        if swarm.slow_transfer and self.sim.rng_fault.random() < swarm.slow_transfer:
+            lat += self.sim.rng_fault.random() * swarm.slow_max
+        return lat
+
+    def post(self, kind: str, poster: Any, peer_agent: str, parts: list[Any], notif: bytes = b"") -> int:
+        ticket = self.next_ticket
+        self.next_ticket += 1
+        pend = Pending(ticket, kind, poster, peer_agent, parts, notif)
+        self.pending[ticket] = pend
+        self.sim.at(self.sim.now + self.latency(), self._land, pend)
+        return ticket
+
+    def _land(self, pend: Pending) -> None:
+        self.pending.pop(pend.ticket, None)
+        if pend.dropped:
+            return
+        world = self.world
+        if pend.kind == "write":
+            self._land_write(pend, world)
+        else:
+            self._land_read(pend, world)
+
+    def _fails(self) -> bool:
+        rate = self.world.swarm.transfer_fail
+        return bool(rate) and self.sim.rng_fault.random() < rate
+
+    def _land_write(self, pend: Pending, world: Any) -> None:
+        writer: PrefillNode = pend.poster
+        target: DecodeNode | None = world.agents.get(pend.peer_agent)
+        error = None
+        parts = pend.parts
+        if target is None or target.crashed or target.agent != pend.peer_agent:
+            error = "peer gone"
+            parts = []
+        elif self._fails():
+            error = "write failed"
+            parts = parts[:self.sim.rng_fault.randrange(len(parts) + 1)]   # some chunks may have landed
+        for part in parts:
+            world.apply(part, src=writer, dst=target, kind="write")
+        if error is None:
+            assert target is not None
+            self.sim.at(self.sim.now + 1e-5 + self.sim.rng_lat.random() * world.swarm.delay_max,
+                        target.notified, pend.peer_agent, writer.agent, pend.notif)
+        self.sim.log(writer.name, f"write {pend.ticket} landed{' ' + error if error else ''}")
+        self.sim.at(self.sim.now + 1e-5, writer.completed, pend.ticket, error)
+
+    def _land_read(self, pend: Pending, world: Any) -> None:
+        reader: DecodeNode = pend.poster
+        source: PrefillNode | None = world.agents.get(pend.peer_agent)
+        error = None
+        tainted: list[Any] = []
+        if reader.crashed:
+            return
+        if source is None or source.crashed or source.agent != pend.peer_agent:
+            error = "peer gone"
+        elif self._fails():
+            error = "read failed"
+        else:
+            for part in pend.parts:
+                if not world.apply(part, src=source, dst=reader, kind="read"):
+                    tainted.append(part)
+        self.sim.log(reader.name, f"read {pend.ticket} done{' ' + error if error else ''}")
+        self.sim.at(self.sim.now + 1e-5, reader.read_completed, reader.inc, pend.ticket, error, tainted)
+
+    def crashed(self, node: Any) -> None:
+        """``node`` crashed: its posted writes either land now (the NIC finishes what it had) or never."""
+        for pend in list(self.pending.values()):
+            if pend.poster is node:
+                if pend.kind == "write" and self.sim.rng_fault.random() < 0.5:
+                    pend.dropped = True
+                    self.pending.pop(pend.ticket, None)
+                    self._land_write(pend, self.world)
+                else:
+                    pend.dropped = True
+                    self.pending.pop(pend.ticket, None)
+
+
+def copy_rows(src: np.ndarray, dst: np.ndarray) -> None:
+    """memmove each (src, dst) row pair; the caller checked every row lies inside registered memory."""
+    for (s, n, _), (d, _, _) in zip(src.tolist(), dst.tolist()):
+        ctypes.memmove(d, s, n)

@@ -1,0 +1,130 @@
+"""The deterministic simulator (kvferry.simulation, docs/simulation.md): the real protocol cores under faults.
+
+Within ``make test``'s budget: a fixed CPU budget of seeds with faults (no invariant may break), the seeds
+kept in tests/simulation_regressions.txt replayed, exact replay, and the mutation check: each bug class
+switched on by patching a core method is found within a few seconds of seeds and named by the invariant it
+breaks. The long run is marked slow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvferry.cli import main
+from kvferry.simulation import MUTATIONS, SimConfig, run_many, run_seed, shrink
+from kvferry.simulation.mutations import EXPECTED
+
+REGRESSIONS = Path(__file__).with_name("simulation_regressions.txt")
+SEEDS_BUDGET_S = 20.0       # CPU seconds of fresh seeds with faults per test run
+MUTATION_BUDGET_S = 5.0     # CPU seconds each mutation may take to be found
+FRESH_FROM = 1000           # fresh seeds start here, past those the regression list and mutation check use
+
+
+def _regressions() -> list[tuple[int, str | None, str | None]]:
+    out = []
+    for line in REGRESSIONS.read_text().splitlines():
+        fields = line.split("#")[0].split()
+        if fields:
+            out.append((int(fields[0]), fields[1] if len(fields) > 1 else None, fields[2] if len(fields) > 2 else None))
+    return out
+
+
+def test_seeds_with_faults_break_no_invariant() -> None:
+    """As many seeds as the budget allows, every fault on in some of them: no invariant breaks, and the
+    faults did bite (requests failed, and others still completed)."""
+    results = run_many(range(FRESH_FROM, FRESH_FROM + 100_000), budget_s=SEEDS_BUDGET_S)
+    broken = [r for r in results if not r.ok]
+    assert not broken, "\n".join(f"seed {r.seed}: {r.violation}\n" + "\n".join(r.trace) for r in broken[:3])
+    assert len(results) >= 80
+    assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
+
+
+def test_without_faults_every_request_is_done() -> None:
+    for seed in range(3):
+        result = run_seed(seed, SimConfig(faults=False))
+        assert result.ok, result.violation
+        assert result.done == result.requests and result.failed == 0
+
+
+@pytest.mark.parametrize(("seed", "mutate", "invariant"), _regressions())
+def test_regression_seeds_replay(seed: int, mutate: str | None, invariant: str | None) -> None:
+    result = run_seed(seed, mutate=mutate)
+    if invariant is None:
+        assert result.ok, f"{result.violation}\n" + "\n".join(result.trace)
+    else:
+        assert result.violation is not None and result.violation.invariant == invariant, result.violation
+
+
+def test_a_seed_replays_exactly() -> None:
+    """The same seed gives the same run: events, outcomes, and for a failure the same violation and trace."""
+    a, b = run_seed(7), run_seed(7)
+    assert (a.events, a.done, a.failed, a.sim_time) == (b.events, b.done, b.failed, b.sim_time)
+    bad_a, bad_b = run_seed(0, mutate="planner_buffer0"), run_seed(0, mutate="planner_buffer0")
+    assert bad_a.violation is not None and bad_a.violation == bad_b.violation and bad_a.trace == bad_b.trace
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_each_mutation_is_found_and_named(name: str) -> None:
+    """A bug class switched on is found within MUTATION_BUDGET_S of seeds, by the invariant it breaks; and
+    the real method is back afterwards (the same seeds pass again)."""
+    start = time.process_time()
+    found = None
+    seed = 0
+    while time.process_time() - start < MUTATION_BUDGET_S:
+        result = run_seed(seed, mutate=name)
+        if not result.ok:
+            found = result
+            break
+        seed += 1
+    assert found is not None, f"{name}: not found in {seed} seeds"
+    assert found.violation is not None and found.violation.invariant in EXPECTED[name], found.violation
+    assert run_seed(found.seed).ok
+
+
+def test_shrinking_keeps_the_invariant() -> None:
+    failed = run_seed(0, mutate="done_before_verdict")
+    assert failed.violation is not None
+    small = shrink(failed, "done_before_verdict", budget_s=3.0)
+    assert small.violation is not None and small.violation.invariant == failed.violation.invariant
+    assert small.config.requests <= failed.config.requests
+    again = run_seed(small.seed, small.config, mutate="done_before_verdict", without=small.without)
+    assert again.violation == small.violation   # what the shrunk run's replay line runs
+
+
+def test_the_command_reports_seeds_throughput_and_failures(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--seeds", "3", "--seed", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "3 seeds (5..7), 0 with a violation" in out and "simulated requests per minute" in out
+    assert main(["simulate", "--seed", "0", "--mutate", "done_before_verdict", "--trace", "5"]) == 1
+    out = capsys.readouterr().out
+    assert "seed 0: invariant b_prefill_done_before_verdict broken" in out
+    assert "replay: kvferry simulate --seed 0" in out
+
+
+@pytest.mark.slow
+def test_a_long_run_breaks_no_invariant() -> None:
+    results = run_many(range(10_000, 12_000))
+    broken = [r for r in results if not r.ok]
+    assert not broken, "\n".join(f"seed {r.seed}: {r.violation}\n" + "\n".join(r.trace) for r in broken[:3])
+
+
+def test_a_seed_replays_exactly_in_another_process() -> None:
+    """The replay line works from a fresh process too (another hash seed, other addresses): the trace and
+    the event count are the same."""
+    code = ("import hashlib; from kvferry.simulation import run_seed; "
+            "r = run_seed(11, mutate='quarantine_timer', trace=400); "
+            "print(r.events, hashlib.sha1(repr(r.trace).encode()).hexdigest())")
+    here = run_seed(11, mutate="quarantine_timer", trace=400)
+    want = f"{here.events} {hashlib.sha1(repr(here.trace).encode()).hexdigest()}"
+    src = str(Path(__file__).parents[1] / "src")
+    for hash_seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": src}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want
