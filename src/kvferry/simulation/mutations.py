@@ -26,6 +26,8 @@ import numpy as np
 from kvferry.control.core import decode as core_decode
 from kvferry.control.core import prefill as core_prefill
 from kvferry.control.core.decode import DecodeCore
+from kvferry.control.core.decode_liveness import Liveness
+from kvferry.control.core.decode_messages import Messages
 from kvferry.control.core.holds import SourceHolds
 from kvferry.control.core.prefill_writer import Writer
 from kvferry.layout.memory import KVMemory
@@ -33,14 +35,14 @@ from kvferry.layout.memory import KVMemory
 __all__ = ["EXPECTED", "MUTATIONS", "mutation"]
 
 
-def _quarantine_timer(self: DecodeCore, now: float) -> None:
-    for rec in list(self.by_gen.values()):
+def _quarantine_timer(self: Liveness, now: float) -> None:
+    for rec in list(self.core.by_gen.values()):
         for part in list(rec.parts.values()):
             if part.settled or part.link.established:
                 continue
             part.grace.writer_gone(now)   # the bug: no one asked whether the writer can still write
             if part.grace.due(now):
-                self.settle(rec, part)
+                self.core.messages.settle(rec, part)
 
 
 def _done_before_verdict(orig: Callable[..., None]) -> Callable[..., None]:
@@ -56,12 +58,12 @@ def _abort_frees_lease(orig: Callable[..., None]) -> Callable[..., None]:
         orig(self, now, request_id, reason)
         rec = self.records.get(request_id)
         if rec is not None and getattr(rec, "generation", None) in self.by_gen:
-            self.end_lease(rec)   # the bug: the writer may still be writing these pages
+            self.messages.end_lease(rec)   # the bug: the writer may still be writing these pages
     return abort
 
 
-def _stale_generation(self: DecodeCore, link: Any, request_id: str, generation: int) -> Any:
-    rec = self.records.get(request_id)   # the bug: by id alone, whatever the generation
+def _stale_generation(self: Messages, link: Any, request_id: str, generation: int) -> Any:
+    rec = self.core.records.get(request_id)   # the bug: by id alone, whatever the generation
     if rec is None or not hasattr(rec, "parts") or link not in rec.parts:
         return None
     return rec
@@ -110,11 +112,11 @@ def _buffer0_planner(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 # name -> (object, attribute, the replacement given the original)
 MUTATIONS: dict[str, tuple[Any, str, Callable[[Any], Any]]] = {
-    "quarantine_timer": (DecodeCore, "check_quarantine", lambda orig: _quarantine_timer),
+    "quarantine_timer": (Liveness, "check_quarantine", lambda orig: _quarantine_timer),
     "planner_buffer0": (core_prefill, "plan_pages", _buffer0_planner),
     "done_before_verdict": (Writer, "settle", _done_before_verdict),
     "abort_frees_lease": (DecodeCore, "abort", _abort_frees_lease),
-    "stale_generation": (DecodeCore, "lookup", lambda orig: _stale_generation),
+    "stale_generation": (Messages, "lookup", lambda orig: _stale_generation),
     "pull_release_early": (SourceHolds, "hold", lambda orig: _no_hold),
 }
 

@@ -28,7 +28,6 @@ import numpy as np
 
 from kvferry.control import wire
 from kvferry.control.core.base import AddPeer, CheckProcess, FlushNow, RemovePeer, Transfer
-from kvferry.control.core.decode import AddPeer as DecodeAddPeer
 from kvferry.control.core.decode import CheckWriter, CloseLink, DecodeCore, DecodeSetup, OpenLink, TakeNotifications
 from kvferry.control.core.prefill import PrefillCore, PrefillSetup
 from kvferry.control.core.prefill_requests import make_spec
@@ -571,8 +570,8 @@ class DecodeNode(Node):
         elif isinstance(effect, CloseLink):
             core.take_out(effect.link)
             net.close(effect.link, tell_decode=False)
-        elif isinstance(effect, DecodeAddPeer):
-            core.peer_added(now, effect.link, effect.meta.decode(), None)
+        elif isinstance(effect, AddPeer):
+            core.peer_added(now, effect.peer, effect.meta.decode(), None)
         elif isinstance(effect, RemovePeer):
             pass
         elif isinstance(effect, CheckWriter):
