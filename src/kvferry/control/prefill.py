@@ -24,7 +24,15 @@ from kvferry.control.core.admission import as_secret
 from kvferry.control.core.base import AddPeer, CheckProcess, Effect, RemovePeer, Transfer
 from kvferry.control.core.digests import source_digests
 from kvferry.control.core.prefill import PrefillCore, PrefillSetup
-from kvferry.control.core.prefill_requests import ChunkSpec, Planned, PrefillRequest, chunk_pairs, make_spec
+from kvferry.control.core.prefill_requests import (
+    ChunkSpec,
+    Planned,
+    PrefillRequest,
+    chunk_pairs,
+    make_spec,
+    may_free,
+    source_in_use,
+)
 from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions
 from kvferry.control.liveness import is_gone, this_process
 from kvferry.control.pull import DEFAULT_MODE, accepted_modes
@@ -194,7 +202,7 @@ class PrefillEndpoint(EndpointBase):
             rec = self.core.records.get(request_id)
             if not isinstance(rec, PrefillRequest):
                 return False
-            return any(m.source_held or m.handles or m.posting for m in rec.group)
+            return source_in_use(rec)
 
     def may_free(self, request_id: str) -> bool:
         """Non-blocking: whether the engine may reuse ``request_id``'s source pages now: the request ended
@@ -204,11 +212,7 @@ class PrefillEndpoint(EndpointBase):
         (nothing was ever handed over)."""
         with self._lock:
             rec = self.core.records.get(request_id)
-            if not isinstance(rec, PrefillRequest):
-                return True
-            if rec.is_live:
-                return False
-            return not any(m.source_held or m.handles or m.posting for m in rec.group)
+            return not isinstance(rec, PrefillRequest) or may_free(rec)
 
     @property
     def num_live_handles(self) -> int:

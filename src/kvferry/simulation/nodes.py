@@ -30,7 +30,7 @@ from kvferry.control import wire
 from kvferry.control.core.base import AddPeer, CheckProcess, FlushNow, RemovePeer, Transfer
 from kvferry.control.core.decode import CheckWriter, CloseLink, DecodeCore, DecodeSetup, OpenLink, TakeNotifications
 from kvferry.control.core.prefill import PrefillCore, PrefillSetup
-from kvferry.control.core.prefill_requests import make_spec
+from kvferry.control.core.prefill_requests import make_spec, may_free
 from kvferry.control.core.process import ProcessIdentity
 from kvferry.control.core.states import TERMINAL, LinkState, RequestState
 from kvferry.control.stats import NullRecorder
@@ -469,11 +469,12 @@ class PrefillNode(Node):
         self.call_at(t, lambda now: self.core.abort(now, rid, "engine abort"))
 
     def engine(self, now: float) -> None:
-        """Reuse the source pages of every request the core says may be freed (``PrefillEndpoint.may_free``)."""
+        """Reuse the source pages of every request the core says may be freed (``prefill_requests.may_free``,
+        what ``PrefillEndpoint.may_free`` answers)."""
         keep = []
         for att in self.attempts:
             rec = att.rec
-            if not rec.is_live and not any(m.source_held or m.handles or m.posting for m in rec.group):
+            if may_free(rec):
                 att.done = True   # ended: a chunk not sent yet never will be
                 self.release(att)
             else:

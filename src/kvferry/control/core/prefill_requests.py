@@ -28,7 +28,7 @@ from kvferry.plan.prefix import prefix_past_request, split_prefix
 from kvferry.plan.ranks import source_ranks
 
 __all__ = ["ChunkSpec", "Planned", "PrefillRequest", "can_join", "chunk_pairs", "group_done", "make_spec",
-           "num_decode_ranks", "past_prefix"]
+           "may_free", "num_decode_ranks", "past_prefix", "source_in_use"]
 
 
 class ChunkSpec:
@@ -190,3 +190,15 @@ def group_done(rec: PrefillRequest) -> bool:
     if rec.leader is not rec:
         return True
     return len(rec.group) >= rec.expected and all(m.state is RequestState.DONE for m in rec.group[1:])
+
+
+# -- the engine's source pages ------------------------------------------------------------------------------
+def source_in_use(rec: PrefillRequest) -> bool:
+    """Whether any decode rank's record of the request may still read its source pages: a write posted or
+    being posted (push), or decode's reads not yet answered for (pull: the source hold)."""
+    return any(m.source_held or m.handles or m.posting for m in rec.group)
+
+
+def may_free(rec: PrefillRequest) -> bool:
+    """Whether the engine may reuse the request's source pages: it ended, and nothing of it is in use."""
+    return not rec.is_live and not source_in_use(rec)
