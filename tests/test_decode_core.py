@@ -36,6 +36,7 @@ from kvferry.errors import HandshakeError, PeerLost, RequestAborted, TransferTim
 from kvferry.integrity import DigestMode
 
 from .control_peer import make_layout
+from .core_shell import between_events
 
 OPTS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, lease_grace=0.4, request_timeout=20.0,
                        handshake_timeout=2.0)
@@ -110,24 +111,15 @@ class Side:
 
     # -- the shell's part ----------------------------------------------------------------------------------
     def carry_out(self, *, post: bool = True) -> list[ReadJob]:
-        core, posted = self.core, []
-        for fn in core.run_calls(self.t):
-            fn()
-        core.post_queued()
-        while core.effects or (post and core.transfers):
-            while core.effects:
-                self.apply(core.effects.popleft())
-            if post and core.transfers:
-                job = core.start_read(self.t, core.transfers.popleft())
-                if job is not None:
-                    ticket = next(self.tickets)
-                    for part in job.parts:
-                        part.posting = False
-                    core.read_posted(job, ticket)
-                    self.in_flight[ticket] = job
-                    posted.append(job)
+        posted = between_events(self.core, self.t, self.apply, self.core.start_read, self.posted,
+                                lambda job: job.parts, post=post)
         self.flush()
         return posted
+
+    def posted(self, job: ReadJob) -> None:
+        ticket = next(self.tickets)
+        self.core.read_posted(job, ticket)
+        self.in_flight[ticket] = job
 
     def apply(self, effect: Any) -> None:
         core = self.core

@@ -28,6 +28,7 @@ from kvferry.errors import PeerLost, RequestAborted, TransferTimeout
 from kvferry.integrity import DigestMode
 
 from .control_peer import make_layout
+from .core_shell import between_events
 
 OPTS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, lease_grace=0.4, request_timeout=20.0,
                        handshake_timeout=2.0)
@@ -83,24 +84,15 @@ class Peer:
     def carry_out(self, *, post: bool = True) -> list[Write]:
         """What the shell does between events: the deferred calls, effects, writes (posted at ``self.t``),
         and the messages (sent at ``self.t``)."""
-        core, posted = self.core, []
-        for fn in core.run_calls(self.t):
-            fn()
-        core.post_queued()
-        while core.effects or (post and core.transfers):
-            while core.effects:
-                self.apply(core.effects.popleft())
-            if post and core.transfers:
-                write = core.start_write(self.t, core.transfers.popleft())
-                if write is not None:
-                    ticket = next(self.tickets)
-                    for rec in write.records:
-                        rec.posting = False
-                    core.write_posted(write, ticket)
-                    self.in_flight[ticket] = write
-                    posted.append(write)
+        posted = between_events(self.core, self.t, self.apply, self.core.start_write, self.posted,
+                                lambda write: write.records, post=post)
         self.flush()
         return posted
+
+    def posted(self, write: Write) -> None:
+        ticket = next(self.tickets)
+        self.core.write_posted(write, ticket)
+        self.in_flight[ticket] = write
 
     def apply(self, effect: Any) -> None:
         if isinstance(effect, AddPeer):

@@ -93,16 +93,6 @@ class DecodeEndpoint(EndpointBase):
         return DecodeCore(self.memory, setup, self.options, self.digest_mode, self._stats, self._entropy)
 
     @property
-    def num_bad_messages(self) -> int:
-        """Frames and notifications dropped as malformed or unexpected (the peer's fault, never ours)."""
-        return self.core.num_bad_messages
-
-    @property
-    def num_internal_errors(self) -> int:
-        """kvferry bugs caught in the act (``InternalError``): 0 unless one is."""
-        return self.core.num_internal_errors
-
-    @property
     def num_stray_notifications(self) -> int:
         """Chunk notifications for no lease held here (a prefill bug, or a forged notification)."""
         return self.core.num_stray_notifications
@@ -396,20 +386,7 @@ class DecodeEndpoint(EndpointBase):
 
     def _pump_reads(self) -> bool:
         """Poll every read in flight; feed each that ended to the core. True when one did."""
-        news = False
-        now = time.monotonic()
-        for handle in list(self._reads):
-            error: KVFerryError | None = None
-            try:
-                if not handle.poll():
-                    continue
-            except TransportError as exc:
-                error = exc
-            handle.release()
-            del self._reads[handle]
-            news = True
-            self.core.read_settled(now, handle, error)
-        return news
+        return self._settle_handles(self._reads, self.core.read_settled)
 
     def _take_notifications(self) -> bool:
         """Feed the transport's notifications to the core; True when there was one."""

@@ -60,7 +60,15 @@ from kvferry.control.core.base import CoreBase, Effect, FlushNow, RequestRecord,
 from kvferry.control.core.options import EndpointOptions
 from kvferry.control.core.states import RequestState
 from kvferry.control.stats import EndpointStats, NullRecorder, StatsRecorder
-from kvferry.errors import EndpointClosed, InternalError, KVFerryError, RequestFailed, TransferTimeout, UsageError
+from kvferry.errors import (
+    EndpointClosed,
+    InternalError,
+    KVFerryError,
+    RequestFailed,
+    TransferTimeout,
+    TransportError,
+    UsageError,
+)
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
 from kvferry.transport import Transport, make_transport
@@ -127,6 +135,16 @@ class EndpointBase:
 
     def _make_core(self) -> CoreBase:
         raise NotImplementedError
+
+    @property
+    def num_bad_messages(self) -> int:
+        """Frames (and, on decode, notifications) dropped as malformed or unexpected: the peer's fault."""
+        return self.core.num_bad_messages
+
+    @property
+    def num_internal_errors(self) -> int:
+        """kvferry bugs caught in the act (``InternalError``): 0 unless one is."""
+        return self.core.num_internal_errors
 
     # -- public: any thread ----------------------------------------------------------------------------
     # poll, timing, failure and wait's answer for a request that has ended read the record without the
@@ -359,6 +377,25 @@ class EndpointBase:
             self._flush_peer(effect.peer, effect.raw)
         else:
             raise InternalError(f"{self._role}: no shell for the effect {effect!r}")
+
+    def _settle_handles(self, handles: dict[Any, Any], settled: Callable[[float, Any, KVFerryError | None], None]
+                        ) -> bool:
+        """Poll each transfer in ``handles`` (the shell's; the core knows each by its handle as a ticket);
+        release each that ended and tell the core (``settled(now, handle, error)``). True when one ended."""
+        now = time.monotonic()
+        news = False
+        for handle in list(handles):
+            error: KVFerryError | None = None
+            try:
+                if not handle.poll():
+                    continue
+            except TransportError as exc:
+                error = exc
+            handle.release()
+            del handles[handle]
+            news = True
+            settled(now, handle, error)
+        return news
 
     def _unlocked(self, holders: Sequence[Any], post: Callable[[], T]) -> T:
         """Run ``post`` (a transport call that may copy for hundreds of microseconds with the GIL released)

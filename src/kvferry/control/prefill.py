@@ -98,16 +98,6 @@ class PrefillEndpoint(EndpointBase):
                              self.transport_metadata, this_process(), self._secret, self.modes)
         return PrefillCore(self.memory, setup, self.options, self.digest_mode, self._stats, self._entropy)
 
-    @property
-    def num_bad_messages(self) -> int:
-        """Frames dropped as malformed or unexpected (the peer's fault, never ours)."""
-        return self.core.num_bad_messages
-
-    @property
-    def num_internal_errors(self) -> int:
-        """kvferry bugs caught in the act (``InternalError``): 0 unless one is."""
-        return self.core.num_internal_errors
-
     # -- public API: any thread ------------------------------------------------------------------------
     def send(self, request_id: str, pages: Mapping[str, Any], *, offset: int | Mapping[str, int] = 0,
              last: bool = True, buffers: Iterable[str] | None = None, binding: Any = None) -> None:
@@ -284,18 +274,8 @@ class PrefillEndpoint(EndpointBase):
             self.transport.get_notifications()  # prefill expects none; the call drives the backend's progress
         except KVFerryError as exc:  # handles report their own failures; the loop goes on
             log.warning("prefill: driving the transport failed: %s", exc)
-        now = time.monotonic()
-        for handle in list(self._writes):
-            error: KVFerryError | None = None
-            try:
-                if not handle.poll():
-                    continue
-            except TransportError as exc:
-                error = exc
-            handle.release()
-            del self._writes[handle]
-            self.core.write_settled(now, handle, error)
-        return self.core.settle_dirty(now)
+        self._settle_handles(self._writes, self.core.write_settled)
+        return self.core.settle_dirty(time.monotonic())
 
     # -- sockets (progress thread) ---------------------------------------------------------------------
     def _on_frames(self, sock: Any, frames: list[bytes]) -> None:
