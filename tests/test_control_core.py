@@ -256,7 +256,7 @@ def test_connect_needed_backs_off_from_a_prefill_that_is_down_and_connects_once_
         time.sleep(0.3)
         with pytest.raises(HandshakeError):           # tried again, and failed again: the back-off doubles
             decode.connect_needed([dead], timeout=0.2, retry_after=0.3)
-        assert decode.core.refused[(dead,)][2] == pytest.approx(0.6)
+        assert decode.core.backoff.refused[(dead,)][2] == pytest.approx(0.6)
         with PrefillEndpoint(src, "local", options=OPTS) as prefill:
             assert decode.connect_needed([prefill.address]) == prefill.address
             t0 = time.monotonic()
@@ -270,7 +270,7 @@ def test_connect_needed_never_retries_a_refusal() -> None:
             DecodeEndpoint(dst, "local", options=OPTS) as decode:
         with pytest.raises(IncompatiblePeer, match="shared secret"):
             decode.connect_needed([prefill.address], retry_after=0.0)
-        first = decode.core.refused[(prefill.address,)][1]
+        first = decode.core.backoff.refused[(prefill.address,)][1]
         with pytest.raises(IncompatiblePeer) as again:
             decode.connect_needed([prefill.address], retry_after=0.0)
         assert again.value is first                   # the remembered refusal, not a new handshake

@@ -25,10 +25,9 @@ import zmq.utils.monitor
 
 from kvferry.control import wire
 from kvferry.control.core.admission import as_secret
+from kvferry.control.core.backoff import RETRY_AFTER, RETRY_MAX
 from kvferry.control.core.base import AddPeer, Effect, RemovePeer, Transfer
 from kvferry.control.core.decode import (
-    RETRY_AFTER,
-    RETRY_MAX,
     CheckWriter,
     CloseLink,
     DecodeCore,
@@ -176,8 +175,7 @@ class DecodeEndpoint(EndpointBase):
             links = self.core.links
             if all(a in links and links[a].established for a in need):
                 return need[0] if single else need
-            refused = self.core.refused.get(key)
-            error = self.core.backoff_error(time.monotonic(), refused)
+            error = self.core.backoff.error(time.monotonic(), key)
             if error is not None:
                 raise error
         try:
@@ -187,10 +185,10 @@ class DecodeEndpoint(EndpointBase):
                 connected = self.connect_all(addresses, timeout)
         except HandshakeError as exc:
             with self._lock:
-                self.core.handshake_failed(time.monotonic(), key, exc, retry_after, refused)
+                self.core.backoff.failed(time.monotonic(), key, exc, retry_after)
             raise
         with self._lock:
-            self.core.refused.pop(key, None)
+            self.core.backoff.succeeded(key)
         return connected[0] if single else connected
 
     def announce(self, request_id: str, pages: Mapping[str, Any], *,

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from kvferry.control import wire
+from kvferry.control.core.backoff import ConnectBackoff
 from kvferry.control.core.base import CoreBase, RemovePeer, RequestRecord, Transfer
 from kvferry.control.core.decode_effects import CheckWriter, CloseLink, OpenLink, TakeNotifications
 from kvferry.control.core.decode_handshake import Handshake
@@ -59,13 +60,9 @@ from kvferry.errors import (
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
 
-__all__ = ["RETRY_AFTER", "RETRY_MAX", "CheckWriter", "CloseLink", "DecodeCore", "DecodeSetup",
+__all__ = ["CheckWriter", "CloseLink", "DecodeCore", "DecodeSetup",
            "OpenLink", "TakeNotifications"]
 
-# connect_needed: a handshake that failed (not a refusal) is retried after RETRY_AFTER seconds, doubling with
-# each failure in a row up to RETRY_MAX.
-RETRY_AFTER = 1.0
-RETRY_MAX = 30.0
 
 DEADLINE_CHECK_S = 0.01     # how often request deadlines are looked at
 
@@ -108,7 +105,7 @@ class DecodeCore(CoreBase):
         # the Welcome in the same frame, handled once it is added (as if the link had been established).
         self.adding: dict[Link, list[Any]] = {}
         # connect_needed's memory of failed handshakes: addresses -> (retry at, the error, the back-off).
-        self.refused: dict[tuple[str, ...], tuple[float, KVFerryError, float]] = {}
+        self.backoff = ConnectBackoff()
         # The decisions, by concern; each part reads and changes this core's state.
         self.handshake = Handshake(self)
         self.messages = Messages(self)
@@ -144,20 +141,6 @@ class DecodeCore(CoreBase):
                 link.move(LinkState.FAILED)
                 link.error = error
                 self.call_soon(lambda x=link: self.handshake.close_link(x))
-
-    @staticmethod
-    def backoff_error(now: float, refused: tuple[float, KVFerryError, float] | None) -> KVFerryError | None:
-        """``connect_needed``: the remembered failure (``refused``, from ``self.refused``) to raise again at
-        once: a refusal always, another failure until its back-off passed; None to try again."""
-        if refused is not None and (isinstance(refused[1], IncompatiblePeer) or now < refused[0]):
-            return refused[1]
-        return None
-
-    def handshake_failed(self, now: float, key: tuple[str, ...], error: KVFerryError, retry_after: float,
-                         before: tuple[float, KVFerryError, float] | None) -> None:
-        """``connect_needed`` failed (not a refusal): raised again at once for a back-off, doubling."""
-        wait = min(RETRY_MAX, retry_after if before is None else 2 * before[2])
-        self.refused[key] = (now + wait, error, wait)
 
     def announce(self, now: float, request_id: str, pages: Mapping[str, Any], peer: str | Sequence[str] | None,
                  held: Any, bound: Sequence[Any]) -> None:
