@@ -1,5 +1,5 @@
 # The two commands of the README. Each sets up .venv on first use (scripts/setup.sh), then runs.
-.PHONY: setup demo test test-core test-fast lint bench setup-vllm test-vllm test-vllm-slow setup-sglang test-sglang test-sglang-slow
+.PHONY: setup demo test test-core test-fast test-sim-long lint bench setup-vllm test-vllm test-vllm-slow setup-sglang test-sglang test-sglang-slow
 
 setup:
 	bash scripts/setup.sh
@@ -17,6 +17,10 @@ test-core: setup
 
 test-fast: setup
 	.venv/bin/python -m pytest -q -m "not slow" tests
+
+# The simulator's long run: 2,000 seeds with faults (~150 s; make test runs ~250 in 20 s of CPU).
+test-sim-long: setup
+	KVFERRY_SIM_LONG=1 .venv/bin/python -m pytest -q tests/test_simulation.py -k long_run
 
 lint: setup
 	.venv/bin/ruff check src tests bench
