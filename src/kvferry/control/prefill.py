@@ -12,6 +12,7 @@ queues (messages, writes, ``AddPeer``, ``RemovePeer``, ``CheckProcess``, ``Flush
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -65,9 +66,8 @@ class PrefillEndpoint(EndpointBase):
                  options: EndpointOptions | None = None, mode: str | Iterable[str] = DEFAULT_MODE) -> None:
         self.modes = accepted_modes(mode)
         self._secret = as_secret(secret)
-        self._address = ""
         super().__init__(memory, transport, digest_mode=digest_mode, options=options)
-        self._writes: dict[TransferHandle, Any] = {}   # posted writes (the handle is the core's ticket)
+        self._writes: dict[TransferHandle, None] = {}   # posted writes, in order (the handle is the core's ticket)
         self._monitor: Any = None
         try:
             self._sock = self._new_socket(zmq.ROUTER)
@@ -80,9 +80,7 @@ class PrefillEndpoint(EndpointBase):
             self._release_resources()   # the thread never started: nothing else would close them
             raise
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.core.setup = PrefillSetup(self.address, self.core.setup.transport, self.core.setup.descriptors,
-                                       self.core.setup.transport_metadata, self.core.setup.process,
-                                       self._secret, self.modes)
+        self.core.setup = dataclasses.replace(self.core.setup, address=self.address)   # known once bound
         self._poller.register(self._sock, zmq.POLLIN)
         # transport_liveness: libzmq's monitor says a connection dropped (a reset, or ZMTP heartbeats
         # unanswered for peer_timeout), not whose: ROUTER_NOTIFY, which would, is a draft API. So every
@@ -94,7 +92,7 @@ class PrefillEndpoint(EndpointBase):
         self._thread.start()
 
     def _make_core(self) -> PrefillCore:
-        setup = PrefillSetup(self._address, self.transport.name, getattr(self.transport, "descriptors", "dlist"),
+        setup = PrefillSetup("", self.transport.name, getattr(self.transport, "descriptors", "dlist"),
                              self.transport_metadata, this_process(), self._secret, self.modes)
         return PrefillCore(self.memory, setup, self.options, self.digest_mode, self._stats, self._entropy)
 
