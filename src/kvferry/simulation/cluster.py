@@ -231,7 +231,7 @@ class World:
         decode's lease table (a). False when a source page was no longer the request's (released)."""
         tag, rid, gen, plan = part
         rid_id = self.rid_id(rid)
-        owners = dst.core.leases._owner   # the lease table's own view (pool -> lease id per page)
+        leases = dst.core.leases   # the lease table's own view (pool -> lease id per page)
         src_ok = True
         sd, dd = plan.src_descs, plan.dst_descs
         rows_ok = []
@@ -242,7 +242,7 @@ class World:
                               "lies outside every registered buffer")
             assert where is not None
             buf, p0, p1 = where
-            owner = owners[dst.pages.pools[buf]]
+            owner = leases.owners(dst.pages.pools[buf])
             if p1 > len(owner) or (owner[p0:p1] != gen).any():
                 held = [int(x) for x in owner[p0:min(p1, len(owner))]]
                 self.sim.fail("a_lease", f"{kind} of {rid!r} gen {gen} landed in {dst.name} {buf} pages "

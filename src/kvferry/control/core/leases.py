@@ -37,6 +37,13 @@ class LeaseTable:
         # Kept as leases come and go, so that stats() can read it from any thread without iterating.
         self._num_leased_pages = 0
 
+    def owners(self, pool: str) -> np.ndarray:
+        """The lease id owning each page of ``pool`` (``FREE`` when none): a read-only view, for checkers
+        (the simulator's lease invariant) that must see exactly what the table decides by."""
+        view = self._owner[pool].view()
+        view.flags.writeable = False
+        return view
+
     @property
     def num_leases(self) -> int:
         return len(self._leases)
