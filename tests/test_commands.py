@@ -92,3 +92,15 @@ def test_bench_without_matplotlib_writes_its_json_and_exits_0(tmp_path: Path) ->
     data = json.loads((out / "bench.json").read_text())
     assert data["files"] == {"json": str(out / "bench.json")} and "matplotlib" in data["plots_skipped"]
     assert data["bandwidth"]["rows"] and not list(out.glob("*.png"))
+
+
+def test_simulate_exits_0_clean_and_1_on_a_violation() -> None:
+    """``kvferry simulate`` as a user runs it: 0 when no seed breaks an invariant, 1 when one does (a known
+    bug switched on), naming the invariant and the replay line."""
+    clean = kvferry("simulate", "--seeds", "2", "--seed", "0")
+    assert clean.returncode == 0, explain(clean)
+    assert "0 with a violation" in clean.stdout, explain(clean)
+    broken = kvferry("simulate", "--seeds", "3", "--seed", "0", "--mutate", "done_before_verdict")
+    assert broken.returncode == 1, explain(broken)
+    assert "b_prefill_done_before_verdict" in broken.stdout + broken.stderr, explain(broken)
+    assert "kvferry simulate --seed" in broken.stdout + broken.stderr, explain(broken)
