@@ -211,6 +211,21 @@ def test_a_silent_prefill_is_lost_exactly_after_peer_timeout() -> None:
     assert side.core.quarantine.num_pages == 3 and side.core.leases.num_leases == 1
 
 
+def test_a_probe_is_echoed_on_a_link_still_held_and_not_on_one_declared_dead() -> None:
+    """Prefill, back from a stall, asks whether decode still holds the session: decode echoes the number on
+    a link it holds. A link it declared dead is closed; what arrives on it is never answered."""
+    side = Side()
+    link = side.connect()
+    side.inbox.pop(ADDRESS, None)
+    side.frame(link, wire.Heartbeat(probe=7))
+    assert [m.echo for m in side.inbox.pop(ADDRESS, []) if isinstance(m, wire.Heartbeat)] == [7]
+    side.tick(_after(link.clock.last_seen + OPTS.peer_timeout))   # prefill silent: the link dies
+    assert link.state is LinkState.DEAD and link in side.closed
+    side.inbox.pop(ADDRESS, None)
+    side.frame(link, wire.Heartbeat(probe=8))
+    assert not [m for m in side.inbox.get(ADDRESS, []) if isinstance(m, wire.Heartbeat) and m.echo]
+
+
 def test_the_handshake_deadline_is_exact() -> None:
     side = Side()
     link = side.core.start_link(0.0, ADDRESS, 1.5, None, "push")

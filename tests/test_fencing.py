@@ -205,7 +205,9 @@ def test_stall_before_the_check_writes_nothing(cfg: tuple[float, float, float],
             time.sleep(0.01)
         _until(lambda: decode.num_quarantined_pages == 0, peer_timeout + lease_grace + 5)
         assert all(np.array_equal(dst.array(k), v) for k, v in before.items()), "a late write landed"
-        with pytest.raises(RequestFailed, match="declared it dead"):
+        # Prefill probed the session on resuming; decode had given up (its link closed), so no echo came, and
+        # the session ended by the probe's deadline or, first, by decode's reconnect replacing it.
+        with pytest.raises(RequestFailed, match="declared it dead|replaced by a new session"):
             p1.wait("a", 5)
 
 
