@@ -30,8 +30,10 @@ from kvferry.integrity import DigestMode
 from .control_peer import make_layout
 from .core_shell import between_events
 
+# The silence rule, exact (with transport_liveness, the default, silence alone never ends a session whose
+# connection stands: test_control_liveness).
 OPTS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, lease_grace=0.4, request_timeout=20.0,
-                       handshake_timeout=2.0)
+                       handshake_timeout=2.0, transport_liveness=False)
 DECODE = ProcessIdentity("host-a", 4242, 7)
 PAGES = {"main": np.array([3, 4]), "c4": np.array([1])}
 SRC = {"main": np.array([10, 11]), "c4": np.array([5])}
