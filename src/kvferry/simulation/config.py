@@ -16,8 +16,10 @@ from kvferry.layout.spec import Buffer, Layout, Pool
 __all__ = ["OPTIONS", "SimConfig", "Swarm", "sim_layout"]
 
 # Short timers: a run covers many peer timeouts, deadlines and grace periods in a few simulated seconds.
+# Silence decides liveness here (transport_liveness off): the simulated network has no ZMTP heartbeats yet, so
+# a stopped node's connections would never drop and only request deadlines would end its requests.
 OPTIONS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.5, request_timeout=3.0, lease_grace=0.3,
-                          handshake_timeout=1.0, batch_chunks=8)
+                          handshake_timeout=1.0, batch_chunks=8, transport_liveness=False)
 
 
 def sim_layout(side: str) -> Layout:
