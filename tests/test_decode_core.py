@@ -228,6 +228,28 @@ def test_a_probe_is_echoed_on_a_link_still_held_and_not_on_one_declared_dead() -
     assert not [m for m in side.inbox.get(ADDRESS, []) if isinstance(m, wire.Heartbeat) and m.echo]
 
 
+@pytest.mark.parametrize("silence", [0.61, 5.0, 3600.0])
+def test_a_starved_prefill_whose_connection_stands_is_ridden_out(silence: float) -> None:
+    """With transport_liveness (the default) prefill's silence alone, however long, never ends the link
+    while its connection stands: the lease waits, and the chunk that lands after the silence completes the
+    request. The connection dropping (its libzmq stopped answering) ends the link at once, pages quarantined."""
+    side = Side(EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, request_timeout=7200.0,
+                                handshake_timeout=2.0))
+    link = side.connect()
+    side.announce()
+    side.run_until(side.t + silence)                  # prefill's Python starved: not a frame from it
+    assert link.established and side.rec().is_live
+    side.notify(link)
+    assert side.rec().state is RequestState.DONE and side.core.leases.num_leases == 0
+
+    side.announce("s")
+    side.run_until(side.t + 1.0)
+    side.core.dropped(side.t, link, "ZMTP heartbeats unanswered")
+    side.carry_out()
+    assert link.state is LinkState.DEAD and side.rec("s").state is RequestState.FAILED
+    assert side.core.quarantine.num_pages == 3
+
+
 def test_the_handshake_deadline_is_exact() -> None:
     side = Side()
     link = side.core.start_link(0.0, ADDRESS, 1.5, None, "push")

@@ -345,6 +345,31 @@ def test_abort_with_a_write_in_flight_tells_decode_twice() -> None:
     assert not peer.core.active
 
 
+@pytest.mark.parametrize("silence", [0.61, 5.0, 3600.0])
+def test_a_starved_decode_whose_connection_stands_is_ridden_out(silence: float) -> None:
+    """With transport_liveness (the default) decode's silence alone, however long, never ends the session
+    while its connection stands: the write goes on, and decode's verdict after the silence completes the
+    request. A connection drop, with decode unheard since, ends it at once."""
+    opts = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, request_timeout=7200.0)
+    peer = Peer(opts)
+    peer.connect()
+    peer.send()
+    peer.announce()
+    [ticket] = list(peer.in_flight)
+    peer.settle(ticket)
+    peer.run_until(peer.t + silence, heard=False)     # decode's Python starved: not a frame from it
+    assert b"d1" in peer.core.sessions and peer.state() is RequestState.TRANSFERRING
+    peer.frame(b"d1", wire.Result("r", 1, True, ""))
+    peer.core.settle_dirty(peer.t)
+    assert peer.state() is RequestState.DONE
+
+    peer.connect(b"d2")
+    peer.run_until(peer.t + 1.0, heard=False)
+    peer.core.connection_dropped(peer.t)             # d2's libzmq stopped answering (SIGSTOP, a crash)
+    peer.tick(peer.t)
+    assert b"d2" not in peer.core.sessions
+
+
 def test_the_request_deadline_is_exact_to_the_deadline_check() -> None:
     opts = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, request_timeout=3.0)
     peer = Peer(opts)
