@@ -353,12 +353,12 @@ class DecodeEndpoint(EndpointBase):
 
     def _carry_out(self, transfer: Transfer) -> None:
         """Post one pull-mode read the core decided (decode's only transfers), between events, with the
-        endpoint's lock let go (``ActionRunner.unlocked``): on one host (cma) the copy runs inside this call, with the
-        GIL released, and callers (``announce`` above all) proceed alongside it rather than queue behind the
-        whole iteration. The core checks each part again first (``start_read``: the request still live,
-        the fence still holding). Only this thread posts and settles reads; an ``abort`` meanwhile fails the
-        request, but its lease cannot end under the read (``posting`` counts as a read in flight). A read
-        that fails to post fails every request in it."""
+        endpoint's lock let go (``ActionRunner.unlocked``): on one host (cma) the copy runs inside this
+        call, with the GIL released, and callers (``announce`` above all) proceed alongside it rather than
+        queue behind the whole iteration. The core checks each part again first (``start_read``: the
+        request still live, the fence still holding). Only this thread posts and settles reads; an
+        ``abort`` meanwhile fails the request, but its lease cannot end under the read (``posting`` counts
+        as a read in flight). A read that fails to post fails every request in it."""
         job = self.core.start_read(time.monotonic(), transfer)
         if job is None:
             return

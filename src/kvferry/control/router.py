@@ -39,7 +39,11 @@ class RouterPort(Port):
         # session not heard from since the last drop falls back to the silence rule (core.connected_for).
         self._monitor: Any = None
         if core.options.transport_liveness:
-            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            try:
+                self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            except BaseException:
+                self._sock.close(0)   # else the constructor's cleanup would wait on it to end the context
+                raise
             sockets.poller.register(self._monitor, zmq.POLLIN)
 
     def on_frames(self, sock: Any, frames: list[bytes], now: float) -> None:
