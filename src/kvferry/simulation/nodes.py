@@ -210,7 +210,7 @@ class Node:
 
     # -- the shell's loop ------------------------------------------------------------------------------------
     def between(self, now: float) -> None:
-        """Carry out what the last event decided: effects, then transfers (``endpoints._between_events``)."""
+        """Carry out what the last event decided: effects, then transfers (``actions.ActionRunner.run``)."""
         core = self.core
         while core.effects or core.transfers:
             while core.effects:
