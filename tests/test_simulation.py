@@ -8,6 +8,7 @@ breaks. The long run is marked slow.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import subprocess
@@ -15,11 +16,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvferry.cli import main
+from kvferry.layout.memory import KVMemory
+from kvferry.plan import plan_decode_rank
 from kvferry.simulation import MUTATIONS, SimConfig, run_many, run_seed, shrink
 from kvferry.simulation.mutations import EXPECTED
+from kvferry.simulation.tp import TP_PAIRS, fill_content, page_content, rank_layout
 
 REGRESSIONS = Path(__file__).with_name("simulation_regressions.txt")
 SEEDS_BUDGET_S = 20.0       # CPU seconds of fresh seeds with faults per test run
@@ -27,13 +32,15 @@ MUTATION_BUDGET_S = 5.0     # CPU seconds each mutation may take to be found
 FRESH_FROM = 1000           # fresh seeds start here, past those the regression list and mutation check use
 
 
-def _regressions() -> list[tuple[int, str | None, str | None]]:
+def _regressions() -> list[tuple[int, str | None, str | None, tuple[int, int] | None]]:
     out = []
     for line in REGRESSIONS.read_text().splitlines():
         fields = line.split("#")[0].split()
         if fields:
-            out.append((int(fields[0]), fields[1] if len(fields) > 1 else None, fields[2] if len(fields) > 2 else None))
-    return out
+            tp = tuple(int(x) for x in fields[3].split(":")) if len(fields) > 3 else None
+            out.append((int(fields[0]), fields[1] if len(fields) > 1 else None, fields[2] if len(fields) > 2 else None,
+                        tp))
+    return out  # type: ignore[return-value]
 
 
 def test_seeds_with_faults_break_no_invariant() -> None:
@@ -44,18 +51,20 @@ def test_seeds_with_faults_break_no_invariant() -> None:
     assert not broken, "\n".join(f"seed {r.seed}: {r.violation}\n" + "\n".join(r.trace) for r in broken[:3])
     assert len(results) >= 80
     assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
+    assert {r.tp for r in results} == set(TP_PAIRS)   # every TP pair drawn
 
 
 def test_without_faults_every_request_is_done() -> None:
     for seed in range(3):
         result = run_seed(seed, SimConfig(faults=False))
         assert result.ok, result.violation
-        assert result.done == result.requests and result.failed == 0
+        assert result.done == result.requests * result.tp[1] and result.failed == 0   # DONE on every decode rank
 
 
-@pytest.mark.parametrize(("seed", "mutate", "invariant"), _regressions())
-def test_regression_seeds_replay(seed: int, mutate: str | None, invariant: str | None) -> None:
-    result = run_seed(seed, mutate=mutate)
+@pytest.mark.parametrize(("seed", "mutate", "invariant", "tp"), _regressions())
+def test_regression_seeds_replay(seed: int, mutate: str | None, invariant: str | None,
+                                 tp: tuple[int, int] | None) -> None:
+    result = run_seed(seed, SimConfig(tp=tp), mutate=mutate)
     if invariant is None:
         assert result.ok, f"{result.violation}\n" + "\n".join(result.trace)
     else:
@@ -66,7 +75,8 @@ def test_a_seed_replays_exactly() -> None:
     """The same seed gives the same run: events, outcomes, and for a failure the same violation and trace."""
     a, b = run_seed(7), run_seed(7)
     assert (a.events, a.done, a.failed, a.sim_time) == (b.events, b.done, b.failed, b.sim_time)
-    bad_a, bad_b = run_seed(0, mutate="planner_buffer0"), run_seed(0, mutate="planner_buffer0")
+    tp1 = SimConfig(tp=(1, 1))
+    bad_a, bad_b = run_seed(0, tp1, mutate="planner_buffer0"), run_seed(0, tp1, mutate="planner_buffer0")
     assert bad_a.violation is not None and bad_a.violation == bad_b.violation and bad_a.trace == bad_b.trace
 
 
@@ -86,6 +96,43 @@ def test_each_mutation_is_found_and_named(name: str) -> None:
     assert found is not None, f"{name}: not found in {seed} seeds"
     assert found.violation is not None and found.violation.invariant in EXPECTED[name], found.violation
     assert run_seed(found.seed).ok
+
+
+@pytest.mark.parametrize("tp", TP_PAIRS)
+def test_every_tp_pair_delivers_every_rank_its_heads(tp: tuple[int, int]) -> None:
+    """Without faults, every decode rank of every group verifies every request (its heads, checked byte
+    for byte by ``b_done_bytes``); with faults, no invariant breaks at that TP pair."""
+    clean = run_seed(0, SimConfig(tp=tp, faults=False, requests=16))
+    assert clean.ok, clean.violation
+    assert clean.tp == tp and clean.done == clean.requests * tp[1] and clean.failed == 0
+    faulty = run_seed(1, SimConfig(tp=tp, requests=24))
+    assert faulty.ok, f"{faulty.violation}\n" + "\n".join(faulty.trace)
+    assert "--tp" in faulty.replay_command()
+
+
+@pytest.mark.parametrize("tp", TP_PAIRS[1:])
+def test_rank_content_is_what_the_real_planner_moves(tp: tuple[int, int]) -> None:
+    """The simulator's content model agrees with ``plan_decode_rank``: prefill ranks filled with their
+    heads of a request, copied by the real TP plans, give each decode rank exactly ``page_content``, and a
+    slice shifted by one head would not."""
+    srcs = [KVMemory.allocate(rank_layout("prefill", tp, r)) for r in range(tp[0])]
+    pages = {"kv": (np.array([3, 1, 4]), np.array([7, 0, 2])), "c": (np.array([5]), np.array([9]))}
+    for mem in srcs:
+        for pool, (src, _) in pages.items():
+            fill_content(mem, "r9", pool, src, 2)
+    for d in range(tp[1]):
+        dst = KVMemory.allocate(rank_layout("decode", tp, d))
+        for plan in plan_decode_rank(srcs, dst, pages).values():
+            for (s, n, _), (t, _, _) in zip(plan.src_descs.tolist(), plan.dst_descs.tolist()):
+                ctypes.memmove(t, s, n)
+        for pool, (_, dst_pages) in pages.items():
+            for buf in dst.layout.pool(pool).buffers:
+                for i, page in enumerate(dst_pages.tolist()):
+                    want = page_content("r9", 2 + i, dst.buffer_index[buf.name], buf, d)
+                    assert np.array_equal(dst.array(buf.name)[page], want), (tp, d, buf.name, page)
+                    if buf.heads is not None and not buf.heads.replicated:
+                        other = page_content("r9", 2 + i, dst.buffer_index[buf.name], buf, d + 1)
+                        assert not np.array_equal(dst.array(buf.name)[page], other)
 
 
 def test_shrinking_keeps_the_invariant() -> None:

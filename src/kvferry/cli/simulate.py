@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
 from dataclasses import replace
 
 from kvferry.cli.args import positive_int
 from kvferry.simulation import MUTATIONS, RunResult, SimConfig, run_seed, shrink
 from kvferry.simulation.config import FAULT_KINDS
+from kvferry.simulation.tp import TP_PAIRS
 
 __all__ = ["add_parser", "run_simulate"]
 
@@ -34,6 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=positive_int, default=SimConfig().requests, metavar="R",
                    help=f"requests per seed (default {SimConfig().requests})")
     p.add_argument("--no-faults", action="store_true", help="no faults: the protocol's happy paths only")
+    p.add_argument("--tp", type=_tp_pair, default=None, metavar="P:D",
+                   help="every group at prefill TP P and decode TP D (default: drawn per seed among "
+                        f"{', '.join(f'{a}:{b}' for a, b in TP_PAIRS)})")
     p.add_argument("--mutate", choices=sorted(MUTATIONS), default=None,
                    help="switch on a known bug (docs/simulation.md): the run should find it")
     p.add_argument("--without", action="append", choices=FAULT_KINDS, default=[], metavar="KIND",
@@ -42,6 +47,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shrink", action="store_true", help="shrink a failure: fewer requests and faults, same invariant")
     p.add_argument("--trace", type=int, default=30, metavar="L", help="trace lines printed for a failure")
     p.set_defaults(handler=run_simulate)
+
+
+def _tp_pair(text: str) -> tuple[int, int]:
+    try:
+        pair = tuple(int(x) for x in text.split(":"))
+    except ValueError:
+        pair = ()
+    if pair not in TP_PAIRS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(f'{a}:{b}' for a, b in TP_PAIRS)}, got {text!r}")
+    return pair  # type: ignore[return-value]
 
 
 def _report(result: RunResult, trace: int) -> None:
@@ -55,18 +70,21 @@ def _report(result: RunResult, trace: int) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    cfg = replace(SimConfig(), requests=args.requests, max_events=max(0, args.steps), faults=not args.no_faults)
+    cfg = replace(SimConfig(), requests=args.requests, max_events=max(0, args.steps), faults=not args.no_faults,
+                  tp=args.tp)
     seeds = range(args.seed, args.seed + (args.seeds or 1))
     start = time.process_time()
     failures = 0
     requests = events = done = failed = disagree = 0
     sim_time = 0.0
+    pairs: Counter[tuple[int, int]] = Counter()
     for seed in seeds:
         result = run_seed(seed, cfg, mutate=args.mutate, trace=max(args.trace, 200), without=tuple(args.without))
         requests += result.requests
         events += result.events
         done, failed, disagree = done + result.done, failed + result.failed, disagree + result.disagreements
         sim_time += result.sim_time
+        pairs[result.tp] += 1
         if not result.ok:
             failures += 1
             if args.shrink:
@@ -81,4 +99,5 @@ def run_simulate(args: argparse.Namespace) -> int:
           f"{disagree} DONE on decode but FAILED on prefill), {events} events, {sim_time:.1f} s simulated in "
           f"{cpu:.2f} s CPU: "
           f"{requests / cpu * 60:,.0f} simulated requests per minute")
+    print("seeds per (prefill TP, decode TP): " + ", ".join(f"{a}:{b} {pairs[(a, b)]}" for a, b in TP_PAIRS))
     return 1 if failures else 0

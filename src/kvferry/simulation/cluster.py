@@ -9,6 +9,8 @@ workload from the seed, schedules the faults, runs the event loop, and checks af
   to the engine while a write of it is in flight, or while a read of it can still be accepted;
 * ``b_done_bytes`` / ``b_prefill_done_before_verdict`` (b): a request DONE on decode has every leased page
   last written by it and equal to its source; prefill reports DONE only after decode's verdict;
+* ``b_group_verdict`` (b, across TP): a prefill rank reports DONE only after every decode rank it writes the
+  request to (its request group) verified it;
 * ``c_done_and_failed`` (c): never DONE on prefill and FAILED on decode for the same request and generation
   (DONE on decode and FAILED on prefill is counted, not a violation: a verdict lost with its connection
   cannot be told apart from a late one; docs/simulation.md);
@@ -29,6 +31,7 @@ from typing import Any
 from kvferry.control.core.states import RequestState
 from kvferry.simulation.config import LAYERS, SimConfig, Swarm
 from kvferry.simulation.nodes import DEADLINE_SLACK, DecodeNode, Node, PrefillNode
+from kvferry.simulation.tp import DecodeGroup, draw_tp, needed_ranks, rank_name
 from kvferry.simulation.world import Net, Sim, Transport, copy_rows
 
 __all__ = ["Chunk", "Request", "World"]
@@ -124,19 +127,50 @@ class World:
         self.disagreements = 0
         self.done = self.failed = 0
         self.last_work = 0.0   # when the last engine command was scheduled for
-        self.prefills = [PrefillNode(self, f"prefill{i}", f"sim://prefill{i}") for i in range(cfg.prefills)]
+        # (prefill TP, decode TP): each group of ``cfg.prefills`` and ``cfg.decodes`` runs that many ranks, a
+        # node each (``simulation.tp``); a request goes to one prefill group and one decode group.
+        self.tp = cfg.tp or draw_tp(seed)
+        ptp, dtp = self.tp
+        self.prefill_groups = [[self._prefill(i, r) for r in range(ptp)] for i in range(cfg.prefills)]
+        self.prefills = [node for group in self.prefill_groups for node in group]
         modes = ["pull" if self.sim.rng_fault.random() < self.swarm.pull else "push" for _ in range(cfg.decodes)]
-        self.decodes = [DecodeNode(self, f"decode{i}", modes[i]) for i in range(cfg.decodes)]
+        if ptp != dtp:   # pull mode serves equal TP sizes only (prefill refuses it across TP)
+            modes = ["push"] * cfg.decodes
+        self.decode_groups = [[DecodeNode(self, rank_name("decode", i, r, dtp), modes[i], r) for r in range(dtp)]
+                              for i in range(cfg.decodes)]
+        self.decodes = [node for group in self.decode_groups for node in group]
+        self.engines = [DecodeGroup(group) for group in self.decode_groups if dtp > 1]
+        for engine in self.engines:
+            for node in engine.ranks:
+                node.group = engine
         self.requests = make_workload(self.sim, cfg, self.swarm)
         for req in self.requests:
-            self.decodes[req.decode].plan_announce(req, req.arrive)
-            prefill = self.prefills[req.prefill]
-            prefill.plan_send(req, req.send_at)
-            if req.prefill_abort is not None:
-                prefill.abort_at(req.send_at + req.prefill_abort, req.rid)
+            for node in self.decode_groups[req.decode]:
+                node.plan_announce(req, req.arrive)
+            for prefill in self.prefill_groups[req.prefill]:
+                prefill.plan_send(req, req.send_at)
+                if req.prefill_abort is not None:
+                    prefill.abort_at(req.send_at + req.prefill_abort, req.rid)
         if cfg.faults:
             self.schedule_faults()
         self.at_rest = False
+
+    def _prefill(self, group: int, rank: int) -> PrefillNode:
+        name = rank_name("prefill", group, rank, self.tp[0])
+        return PrefillNode(self, name, f"sim://{name}", rank)
+
+    def announce_peer(self, node: DecodeNode, req: Request) -> str | list[str]:
+        """What decode rank ``node`` announces ``req`` to (``connect_needed``'s answer): the prefill's address
+        at TP 1 on both sides, else the addresses of the prefill ranks holding its heads, in rank order."""
+        group = self.prefill_groups[req.prefill]
+        if self.tp == (1, 1):
+            return group[0].address
+        return [group[r].address for r in needed_ranks(node.rank, self.tp)]
+
+    @property
+    def split(self) -> int:
+        """Decode group attempts DONE on one rank and FAILED on another (the engine failed them)."""
+        return sum(engine.num_split() for engine in self.engines)
 
     # -- names -------------------------------------------------------------------------------------------
     def tag(self, decode: str, rid: str, gen: int) -> int:
@@ -270,6 +304,7 @@ class World:
         src_ok = True
         sd, dd = plan.src_descs, plan.dst_descs
         rows_ok = []
+        marks = []
         for (s, n, _), (d, _, _) in zip(sd.tolist(), dd.tolist()):
             where = dst.pages.locate(d, n)
             if where is None:
@@ -292,9 +327,12 @@ class World:
             if q1 > len(sown) or (sown[q0:q1] != rid_id).any():
                 src_ok = False
             rows_ok.append((buf, p0, p1))
+            marks.append((buf, d, n))
         copy_rows(sd, dd)
         for buf, p0, p1 in rows_ok:
             dst.pages.prov[buf][p0:p1] = tag
+        for buf, d, n in marks:
+            dst.slice_prov.mark(buf, d, n, tag)
         if kind == "write" and not src_ok:
             self.sim.fail("a_source_released_under_write", f"write of {rid!r} gen {gen} by {src.name} read source "
                           "pages its engine had been given back")
@@ -308,6 +346,8 @@ class World:
         for rec, state in ended:
             if isinstance(node, PrefillNode):
                 self.prefill_ended(rec, state)
+                if state is RequestState.DONE:
+                    self.check_group_verdict(node, rec)
             elif hasattr(rec, "generation"):
                 self.decode_ended(node, rec, state)   # type: ignore[arg-type]
         if now < node.stalled_until or node.crashed:
@@ -332,6 +372,24 @@ class World:
                               "FAILED on decode")
         elif self.outcome_d.get(key) is RequestState.DONE:
             self.disagreements += 1
+
+    def check_group_verdict(self, node: PrefillNode, rec: Any) -> None:
+        """(b) across TP: prefill rank ``node`` reports the request DONE (its group's leader) only after every
+        rank of the decode group that needs ``node``'s heads verified it (``prefill_requests.group_done``)."""
+        if rec.leader is not rec or rec.session is None:
+            return
+        ident = rec.session.identity.split(b"|")[0].decode()
+        decode = self.agents.get(f"agent:{ident}")
+        group = next((g for g in self.decode_groups if decode in g), None)
+        if group is None:
+            return
+        verified = {m.session.identity.split(b"|")[0].decode().rsplit(".", 1)[0] for m in rec.group
+                    if m.session is not None and (m.session.identity.split(b"|")[0].decode(), m.request_id,
+                                                  m.generation) in self.decode_done}
+        for d in group:
+            if node.rank in needed_ranks(d.rank, self.tp) and d.name not in verified:
+                self.sim.fail("b_group_verdict", f"{node.name} reports {rec.request_id!r} DONE; decode rank "
+                              f"{d.name} (which needs its heads) has not verified it")
 
     def decode_ended(self, node: DecodeNode, rec: Any, state: RequestState) -> None:
         key = (node.ident, rec.request_id, rec.generation)

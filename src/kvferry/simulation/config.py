@@ -55,6 +55,7 @@ class SimConfig:
     max_events: int = 0           # 0: no cap (a capped run skips the at-rest check)
     options: EndpointOptions = OPTIONS
     faults: bool = True
+    tp: tuple[int, int] | None = None   # (prefill TP, decode TP) of every group; None: drawn per seed
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,24 +13,35 @@ Part of ``simulation``, at its bottom. Each mutation is a bug class the protocol
 5. ``stale_generation``: decode accepts a completion of an earlier generation for a reused request id.
 6. ``pull_release_early``: prefill never holds a pull-mode source: its pages go back to the engine while
    decode's read of them is in flight.
+
+Two only a TP group of another size can show (``simulation.tp``):
+
+7. ``tp_slice_offset``: the TP planner puts a prefill rank's head slice at its offset in the *source* page
+   (its heads' place on prefill) instead of its place in decode's page: the slice lands on another rank's
+   heads, or past the page. Digests do not help: decode checks the slices the same planner derived.
+8. ``group_done_early``: a prefill rank reports a request DONE once its own decode rank verified it,
+   without waiting for the other decode ranks of the request's group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from kvferry.control.core import decode as core_decode
 from kvferry.control.core import prefill as core_prefill
+from kvferry.control.core import prefill_writer
 from kvferry.control.core.decode import DecodeCore
 from kvferry.control.core.decode_liveness import Liveness
 from kvferry.control.core.decode_messages import Messages
 from kvferry.control.core.holds import SourceHolds
 from kvferry.control.core.prefill_writer import Writer
 from kvferry.layout.memory import KVMemory
+from kvferry.plan import tp as plan_tp
 
 __all__ = ["EXPECTED", "MUTATIONS", "mutation"]
 
@@ -110,6 +121,19 @@ def _buffer0_planner(orig: Callable[..., Any]) -> Callable[..., Any]:
     return plan_pages
 
 
+def _slice_offset(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def slice_of(*args: Any) -> Any:
+        found = orig(*args)
+        if found is None or found.whole:
+            return found
+        return replace(found, dst_offset=found.src_offset)   # the bug: the source page's offset for both
+    return slice_of
+
+
+def _group_done_early(rec: Any) -> bool:
+    return True   # the bug: this decode rank's verdict stands for the group's
+
+
 # name -> (object, attribute, the replacement given the original)
 MUTATIONS: dict[str, tuple[Any, str, Callable[[Any], Any]]] = {
     "quarantine_timer": (Liveness, "check_quarantine", lambda orig: _quarantine_timer),
@@ -118,6 +142,8 @@ MUTATIONS: dict[str, tuple[Any, str, Callable[[Any], Any]]] = {
     "abort_frees_lease": (DecodeCore, "abort", _abort_frees_lease),
     "stale_generation": (Messages, "lookup", lambda orig: _stale_generation),
     "pull_release_early": (SourceHolds, "hold", lambda orig: _no_hold),
+    "tp_slice_offset": (plan_tp, "slice_of", _slice_offset),
+    "group_done_early": (prefill_writer, "group_done", lambda orig: _group_done_early),
 }
 
 # The invariants each mutation must be caught by (any one of them).
@@ -130,6 +156,9 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     # Fail ends the new generation's lease under its writes, or the old one is never settled.
     "stale_generation": ("b_done_bytes", "a_lease", "e_at_rest"),
     "pull_release_early": ("a_source_released_under_read",),
+    # Another rank's heads overwritten (or never written: a_lease when the slice runs past the page).
+    "tp_slice_offset": ("b_done_bytes", "a_lease"),
+    "group_done_early": ("b_group_verdict",),
 }
 
 assert core_decode is not None

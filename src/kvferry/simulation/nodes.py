@@ -37,8 +37,8 @@ from kvferry.control.stats import NullRecorder
 from kvferry.errors import InternalError, KVFerryError, LeaseError, PeerLost, TransportError
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
-from kvferry.simulation.config import sim_layout
-from kvferry.simulation.world import PageMap, fill_pattern, pattern
+from kvferry.simulation.tp import DecodeGroup, SliceProvenance, fill_content, needed_ranks, page_content, rank_layout
+from kvferry.simulation.world import PageMap
 
 if TYPE_CHECKING:
     from kvferry.simulation.cluster import Request, World
@@ -60,6 +60,7 @@ class Node:
 
     kind = "node"
     core: Any
+    rank = 0   # its place in its TP group (``simulation.tp``)
 
     def __init__(self, world: World, name: str) -> None:
         self.world = world
@@ -311,13 +312,14 @@ class PAttempt:
 class PrefillNode(Node):
     kind = "prefill"
 
-    def __init__(self, world: World, name: str, address: str) -> None:
+    def __init__(self, world: World, name: str, address: str, rank: int = 0) -> None:
         self.address = address
+        self.rank = rank
         super().__init__(world, name)
 
     def start(self) -> None:
         world = self.world
-        self.memory = KVMemory.allocate(sim_layout("prefill"))
+        self.memory = KVMemory.allocate(rank_layout("prefill", world.tp, self.rank))
         world.graveyard.append(self.memory)   # late copies never touch freed memory
         self.pages = PageMap(self.memory)
         self.src_owner = {p.name: np.full(p.min_pages, -1, dtype=np.int64) for p in self.memory.layout.pools}
@@ -458,7 +460,7 @@ class PrefillNode(Node):
         for pool, n in req.total.items():
             pages = np.array(sorted(self.free[pool])[:n], dtype=np.int64)
             self.free[pool] = [p for p in self.free[pool] if p not in set(pages.tolist())]
-            fill_pattern(self.memory, req.rid, pool, pages, 0)
+            fill_content(self.memory, req.rid, pool, pages, 0)
             self.src_owner[pool][pages] = rid_id
             att.src[pool] = pages
         return True
@@ -506,15 +508,18 @@ class DAttempt:
 class DecodeNode(Node):
     kind = "decode"
 
-    def __init__(self, world: World, name: str, mode: str) -> None:
+    def __init__(self, world: World, name: str, mode: str, rank: int = 0) -> None:
         self.mode = mode
+        self.rank = rank
+        self.group: DecodeGroup | None = None   # the engine over this rank's TP group (decode TP > 1)
         super().__init__(world, name)
 
     def start(self) -> None:
         world = self.world
-        self.memory = KVMemory.allocate(sim_layout("decode"))
+        self.memory = KVMemory.allocate(rank_layout("decode", world.tp, self.rank))
         world.graveyard.append(self.memory)
         self.pages = PageMap(self.memory)
+        self.slice_prov = SliceProvenance(self.memory)
         self.free = {p.name: list(range(p.min_pages)) for p in self.memory.layout.pools}
         setup = DecodeSetup("sim", self.agent.encode(), self.process, None)
         self.core = DecodeCore(self.memory, setup, world.options, DigestMode(world.swarm.digest),
@@ -618,12 +623,16 @@ class DecodeNode(Node):
 
     # -- the engine --------------------------------------------------------------------------------------------
     def connect(self, now: float) -> None:
-        """Keep a link to every prefill (as an engine's connect retries do)."""
-        for prefill in self.world.prefills:
-            link = self.core.links.get(prefill.address)
-            if link is None or link.state in (LinkState.DEAD, LinkState.FAILED):
-                self.guard(lambda a=prefill.address: self.core.start_link(now, a, self.world.options.handshake_timeout,
-                                                                          None, self.mode))
+        """Keep a link to every prefill rank this rank needs (as an engine's connect retries do); across TP
+        each must say it is the rank asked for (``connect_all``'s ``expect``)."""
+        tp = self.world.tp
+        for group in self.world.prefill_groups:
+            for r in needed_ranks(self.rank, tp):
+                link = self.core.links.get(group[r].address)
+                expect = None if tp == (1, 1) else (r, tp[0])
+                if link is None or link.state in (LinkState.DEAD, LinkState.FAILED):
+                    self.guard(lambda a=group[r].address, e=expect: self.core.start_link(
+                        now, a, self.world.options.handshake_timeout, e, self.mode))
         self.call_at(now + 0.25, self.connect, work=False)
 
     def plan_announce(self, req: Request, t: float, n: int = 0) -> None:
@@ -632,11 +641,14 @@ class DecodeNode(Node):
 
     def announce(self, now: float, att: DAttempt) -> None:
         req, core = att.req, self.core
+        if self.group is not None and self.group.is_stale(req.rid, att.n):
+            self.release(att)   # the engine failed this attempt on another rank meanwhile
+            return
         if att.pages is None and not self.allocate(att):
             self.later(now, att)
             return
         assert att.pages is not None
-        address = self.world.prefills[req.prefill].address
+        address = self.world.announce_peer(self, req)
         try:
             if req.cancel:
                 core.cancel(now, req.rid, "engine cancel", address)
@@ -665,6 +677,14 @@ class DecodeNode(Node):
     def abort(self, now: float, att: DAttempt) -> None:
         if att.rec is not None and att.rec.is_live:
             self.core.abort(now, att.req.rid, "engine abort")
+
+    def engine_abort(self, now: float, rid: str, n: int) -> None:
+        """The engine failed attempt ``n`` of ``rid`` on another rank of this group: abort it here too."""
+        def abort(t: float) -> None:
+            for att in list(self.attempts.values()):
+                if att.req.rid == rid and att.n == n:
+                    self.abort(t, att)
+        self.call_at(now, abort)
 
     def allocate(self, att: DAttempt) -> bool:
         req = att.req
@@ -696,13 +716,20 @@ class DecodeNode(Node):
             if not att.decided:
                 att.decided = True
                 req = att.req
-                if (att.rec.state is RequestState.FAILED and att.n < 2 and self.world.faults_on()
+                failed = att.rec.state is RequestState.FAILED
+                if self.group is not None:
+                    self.group.ended(self.rank, req.rid, att.n, att.rec.state)
+                    # One decision per attempt for the whole group: the first rank that saw it fail.
+                    failed = failed and self.group.failed(self, req.rid, att.n, now)
+                if (failed and att.n < 2 and self.world.faults_on()
                         and self.sim.rng_work.random() < self.world.swarm.retry):
                     t = now + self.sim.rng_work.random() * 0.05
                     self.sim.log(self.name, f"retry {req.rid} at {t:.4f}")
-                    self.plan_announce(req, t, att.n + 1)
-                    self.world.prefills[req.prefill].plan_send(req, t + self.sim.rng_work.random() * 0.05,
-                                                               retry=True)
+                    for node in self.group.ranks if self.group is not None else [self]:
+                        node.plan_announce(req, t, att.n + 1)
+                    t_send = t + self.sim.rng_work.random() * 0.05
+                    for prefill in self.world.prefill_groups[req.prefill]:
+                        prefill.plan_send(req, t_send, retry=True)
             if not leases.holds(gen):
                 del self.attempts[gen]
                 self.release(att)
@@ -725,9 +752,15 @@ class DecodeNode(Node):
                     self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE but "
                                   f"{buf.name} page {bad} was last written by "
                                   f"{self.world.tag_name(int(self.pages.prov[buf.name][bad]))}")
+                other = self.slice_prov.first_other(buf.name, pages, tag)
+                if other is not None:   # a slice of the page (one prefill rank's heads) not written by it
+                    page, byte, by = other
+                    self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE but "
+                                  f"{buf.name} page {page} byte {byte} was last written by {self.world.tag_name(by)}")
                 arr = self.pages.arrays[buf.name]
                 b = self.pages.layout_index[buf.name]
                 for i, page in enumerate(pages.tolist()):
-                    if not np.array_equal(arr[page], pattern(rec.request_id, first + i, b, buf.page_bytes)):
+                    if not np.array_equal(arr[page], page_content(rec.request_id, first + i, b, buf, self.rank)):
                         self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE "
-                                      f"but {buf.name} page {page} differs from its source")
+                                      f"but {buf.name} page {page} differs from its source (rank {self.rank}'s "
+                                      "heads of the request's page)")

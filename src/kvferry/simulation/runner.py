@@ -34,12 +34,16 @@ class RunResult:
     trace: tuple[str, ...]
     without: tuple[str, ...] = ()   # fault kinds switched off in this seed's draw (shrinking)
     mutate: str | None = None
+    tp: tuple[int, int] = (1, 1)     # (prefill TP, decode TP) the seed ran (``simulation.tp``)
+    split: int = 0                   # decode group attempts DONE on one rank, FAILED on another
 
     def replay_command(self) -> str:
         """The command line that runs exactly this again."""
         parts = [f"kvferry simulate --seed {self.seed}"]
         if self.config.requests != SimConfig().requests:
             parts.append(f"--requests {self.config.requests}")
+        if self.config.tp is not None:
+            parts.append(f"--tp {self.config.tp[0]}:{self.config.tp[1]}")
         parts += [f"--without {kind}" for kind in self.without]
         if self.mutate:
             parts.append(f"--mutate {self.mutate}")
@@ -69,7 +73,8 @@ def run_seed(seed: int, config: SimConfig | None = None, swarm: Swarm | None = N
             violation = found.violation
     return RunResult(seed, violation, len(world.requests), world.done, world.failed, world.disagreements,
                      world.sim.events, world.sim.now, time.process_time() - start, world.swarm, cfg,
-                     format_trace(world.sim, trace) if violation is not None else (), tuple(without), mutate)
+                     format_trace(world.sim, trace) if violation is not None else (), tuple(without), mutate,
+                     world.tp, world.split)
 
 
 def run_many(seeds: Iterable[int], config: SimConfig | None = None, mutate: str | None = None,

@@ -1,0 +1,190 @@
+"""Tensor-parallel groups in the simulator: each seed's (prefill TP, decode TP), the ranks' layouts, the
+content of every rank's head slice, byte-exact provenance, and the decode group's engine.
+
+Part of ``simulation``, below ``nodes`` and ``cluster``, above ``world``. A deployment is ``SimConfig.prefills``
+prefill groups and ``SimConfig.decodes`` decode groups; each group runs ``tp`` ranks, and each rank is a node
+of its own (own core, memory, transport agent, process identity: a real deployment's ranks are separate
+processes, so faults hit them one at a time). A decode rank connects to the prefill ranks it needs
+(``plan.ranks.source_ranks``) and announces each request to exactly those; across TP sizes the prefill
+cores plan through the real ``TPPlanner`` (their sessions' planners).
+
+Content: a request's page ``pos`` of buffer ``b`` is one array of bytes of the *whole* model (every head),
+``(index + start) % 251 + 1`` with ``index`` the byte's place in the canonical ``[head][token][bytes]`` order
+and ``start`` a function of the request id, the position and the buffer. A rank holds its heads' bytes in its
+own order (``[head][token][bytes]`` or ``[token][head][bytes]``), so a slice of the wrong head, the wrong rank
+or at the wrong offset differs from what decode's rank must hold (two heads' bytes differ by a constant that
+is never a multiple of 251). Without head geometry (TP 1 on both sides) the index is the page's own byte
+order, the content ``world.pattern`` always gave.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvferry.layout.memory import KVMemory
+from kvferry.layout.spec import Buffer, HeadGeometry, Layout, Pool
+from kvferry.plan.ranks import shard_layout, source_ranks
+from kvferry.simulation.config import sim_layout
+
+if TYPE_CHECKING:
+    from kvferry.simulation.nodes import DecodeNode
+
+__all__ = ["TP_PAIRS", "DecodeGroup", "SliceProvenance", "draw_tp", "fill_content", "needed_ranks", "page_content",
+           "rank_layout", "rank_name"]
+
+# The (prefill TP, decode TP) pairs a seed may run: equal sizes (rank to rank, whole pages, pull allowed),
+# decode wider (a prefill rank writes one request to two decode ranks: a request group) and prefill wider
+# (a decode rank receives one request from two prefill ranks: two parts).
+TP_PAIRS: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1), (2, 2))
+
+
+def draw_tp(seed: int) -> tuple[int, int]:
+    """Seed ``seed``'s TP pair, from a stream of its own: every other draw of the seed is what it was."""
+    return random.Random(seed * 4 + (2 << 40)).choice(TP_PAIRS)
+
+
+def head_layout(side: str) -> Layout:
+    """``config.sim_layout`` with head geometry (TP 1: every head), the same page sizes and capacities:
+    head-major and token-major sharded buffers, and replicated ones (an indexer's keys, an MLA-like latent)."""
+    pools = []
+    for pool in sim_layout(side).pools:
+        pools.append(Pool(pool.name, [_with_heads(b) for b in pool.buffers], pool.tokens_per_page))
+    return Layout(pools)
+
+
+# buffer -> (heads, major) of the whole model; None: replicated (every rank holds the whole page)
+_HEADS: dict[str, tuple[int, str] | None] = {"kv.L0": (4, "head"), "idx.L0": None, "kv.L1": (4, "token"),
+                                              "c.L0": None, "c.L1": (2, "head")}
+_TOKENS = 16   # token rows of a page in every sharded buffer (head_bytes 1)
+
+
+def _with_heads(buf: Buffer) -> Buffer:
+    spec = _HEADS[buf.name]
+    if spec is None:
+        heads = HeadGeometry.whole_page(buf.page_bytes)
+    else:
+        heads = HeadGeometry(spec[0], buf.page_bytes // (spec[0] * _TOKENS), _TOKENS, spec[1])
+    return Buffer(buf.name, buf.page_bytes, buf.num_pages, buf.dtype, buf.kind, buf.layer, heads)
+
+
+def rank_layout(side: str, tp: tuple[int, int], rank: int) -> Layout:
+    """Rank ``rank``'s layout on ``side`` of a deployment at ``tp`` (prefill TP, decode TP). At (1, 1) the
+    simulator's original layout (no head geometry), so those seeds run exactly as they always did."""
+    if tp == (1, 1):
+        return sim_layout(side)
+    size = tp[0] if side == "prefill" else tp[1]
+    return shard_layout(head_layout(side), size, rank)
+
+
+def rank_name(kind: str, group: int, rank: int, size: int) -> str:
+    """A rank node's name: ``prefill0`` at TP 1 (the names single-rank runs always had), ``prefill0-r1``."""
+    return f"{kind}{group}" if size == 1 else f"{kind}{group}-r{rank}"
+
+
+def needed_ranks(decode_rank: int, tp: tuple[int, int]) -> range:
+    """The prefill ranks decode rank ``decode_rank`` needs (``source_ranks``)."""
+    return source_ranks(decode_rank, tp[0], tp[1])
+
+
+# -- content ------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=512)
+def _canonical_index(page_bytes: int, heads: HeadGeometry | None, tp_rank: int) -> np.ndarray:
+    """Each byte of a rank's page: its index in the whole model's ``[head][token][bytes]`` page."""
+    if heads is None or heads.replicated:
+        return np.arange(page_bytes, dtype=np.int64)
+    nh, t, hb = heads.num_heads, heads.tokens_per_page, heads.head_bytes
+    glob = np.arange(tp_rank * nh, (tp_rank + 1) * nh, dtype=np.int64)
+    tok, byte = np.arange(t, dtype=np.int64), np.arange(hb, dtype=np.int64)
+    if heads.major == "head":   # [head][token][bytes]
+        index = glob[:, None, None] * (t * hb) + tok[None, :, None] * hb + byte[None, None, :]
+    else:                       # [token][head][bytes]
+        index = glob[None, :, None] * (t * hb) + tok[:, None, None] * hb + byte[None, None, :]
+    out = index.reshape(-1)
+    out.flags.writeable = False
+    return out
+
+
+def _start(rid: str, pos: int, buffer_index: int) -> int:
+    import zlib
+    return (zlib.crc32(rid.encode()) * 7 + pos * 31 + buffer_index * 13) % 251
+
+
+def page_content(rid: str, pos: int, buffer_index: int, buf: Buffer, tp_rank: int) -> np.ndarray:
+    """The bytes rank ``tp_rank`` holds of the request's page ``pos`` in ``buf`` (its layout's buffer)."""
+    index = _canonical_index(buf.page_bytes, buf.heads, tp_rank)
+    return ((index + _start(rid, pos, buffer_index)) % 251 + 1).astype(np.uint8)
+
+
+def fill_content(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first_pos: int) -> None:
+    """Write the request's content (this rank's heads) into ``pages`` (positions ``first_pos`` on) of every
+    buffer of ``pool``: what the engine's prefill computed."""
+    index, rank = memory.buffer_index, memory.layout.tp_rank
+    for buf in memory.layout.pool(pool).buffers:
+        arr = memory.array(buf.name)
+        for i, page in enumerate(pages.tolist()):
+            arr[page] = page_content(rid, first_pos + i, index[buf.name], buf, rank)
+
+
+class SliceProvenance:
+    """Per buffer and byte, the tag (``World.tag``) of the (request, generation) whose row last wrote it; -1
+    never written. Page provenance cannot tell two prefill ranks' slices of one page apart; this can."""
+
+    def __init__(self, memory: KVMemory) -> None:
+        layout = memory.layout
+        self.base = {b.name: memory.address(b.name) for b in layout.buffers}
+        self.page_bytes = {b.name: b.page_bytes for b in layout.buffers}
+        self.tags = {b.name: np.full(b.num_pages * b.page_bytes, -1, dtype=np.int64) for b in layout.buffers}
+
+    def mark(self, buf: str, addr: int, nbytes: int, tag: int) -> None:
+        lo = addr - self.base[buf]
+        self.tags[buf][lo:lo + nbytes] = tag
+
+    def first_other(self, buf: str, pages: np.ndarray, tag: int) -> tuple[int, int, int] | None:
+        """(page, byte, tag found) of the first byte of ``pages`` not last written by ``tag``, or None."""
+        pb = self.page_bytes[buf]
+        rows = self.tags[buf].reshape(-1, pb)[pages]
+        bad = np.argwhere(rows != tag)
+        if not len(bad):
+            return None
+        i, byte = (int(x) for x in bad[0])
+        return int(pages[i]), byte, int(rows[i, byte])
+
+
+# -- the decode group's engine ------------------------------------------------------------------------------
+class DecodeGroup:
+    """One decode engine over its TP ranks: what it decides once for all of them. A request failed on one
+    rank failed for the engine: it aborts the request on the other ranks, and when it retries, announces it
+    again on every rank (the cores promise nothing across decode ranks; the engine aggregates them, as
+    vLLM's scheduler aggregates its workers' finished sets)."""
+
+    def __init__(self, ranks: Sequence[DecodeNode]) -> None:
+        self.ranks = list(ranks)
+        self.current: dict[str, int] = {}        # request id -> the attempt the engine is on
+        self.outcomes: dict[tuple[str, int], dict[int, Any]] = {}   # (rid, attempt) -> rank -> state
+
+    def is_stale(self, rid: str, attempt: int) -> bool:
+        """An attempt the engine has moved past (a rank still waiting to announce it must not)."""
+        return attempt < self.current.get(rid, 0)
+
+    def failed(self, node: DecodeNode, rid: str, attempt: int, now: float) -> bool:
+        """``node``'s attempt failed: the engine fails it on every other rank. True for the first rank to
+        report it (the one that decides whether to announce it again), False after."""
+        if self.is_stale(rid, attempt):
+            return False
+        self.current[rid] = attempt + 1
+        for other in self.ranks:
+            if other is not node:
+                other.engine_abort(now, rid, attempt)
+        return True
+
+    def ended(self, rank: int, rid: str, attempt: int, state: Any) -> None:
+        self.outcomes.setdefault((rid, attempt), {})[rank] = state
+
+    def num_split(self) -> int:
+        """Attempts DONE on some rank and FAILED on another (the engine failed them: counted, not a bug)."""
+        return sum(len({s.value for s in by_rank.values()}) > 1 for by_rank in self.outcomes.values())
