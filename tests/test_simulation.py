@@ -49,7 +49,7 @@ def test_seeds_with_faults_break_no_invariant() -> None:
     results = run_many(range(FRESH_FROM, FRESH_FROM + 100_000), budget_s=SEEDS_BUDGET_S)
     broken = [r for r in results if not r.ok]
     assert not broken, "\n".join(f"seed {r.seed}: {r.violation}\n" + "\n".join(r.trace) for r in broken[:3])
-    assert len(results) >= 80
+    assert len(results) >= 40   # about 100 here: a seed at TP 2 runs up to 8 nodes, twice a TP 1 seed's CPU
     assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
     assert {r.tp for r in results} == set(TP_PAIRS)   # every TP pair drawn
 

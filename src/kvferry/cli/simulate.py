@@ -78,6 +78,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     requests = events = done = failed = disagree = 0
     sim_time = 0.0
     pairs: Counter[tuple[int, int]] = Counter()
+    split = 0
     for seed in seeds:
         result = run_seed(seed, cfg, mutate=args.mutate, trace=max(args.trace, 200), without=tuple(args.without))
         requests += result.requests
@@ -85,6 +86,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         done, failed, disagree = done + result.done, failed + result.failed, disagree + result.disagreements
         sim_time += result.sim_time
         pairs[result.tp] += 1
+        split += result.split
         if not result.ok:
             failures += 1
             if args.shrink:
@@ -99,5 +101,6 @@ def run_simulate(args: argparse.Namespace) -> int:
           f"{disagree} DONE on decode but FAILED on prefill), {events} events, {sim_time:.1f} s simulated in "
           f"{cpu:.2f} s CPU: "
           f"{requests / cpu * 60:,.0f} simulated requests per minute")
-    print("seeds per (prefill TP, decode TP): " + ", ".join(f"{a}:{b} {pairs[(a, b)]}" for a, b in TP_PAIRS))
+    print("seeds per (prefill TP, decode TP): " + ", ".join(f"{a}:{b} {pairs[(a, b)]}" for a, b in TP_PAIRS)
+          + f"; {split} decode group attempts DONE on one rank and FAILED on another (counted, not a violation)")
     return 1 if failures else 0

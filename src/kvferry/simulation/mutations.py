@@ -153,8 +153,9 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "done_before_verdict": ("b_prefill_done_before_verdict",),
     "abort_frees_lease": ("a_lease",),
     # A stale completion counted for the new generation makes it DONE without its bytes; a stale settled
-    # Fail ends the new generation's lease under its writes, or the old one is never settled.
-    "stale_generation": ("b_done_bytes", "a_lease", "e_at_rest"),
+    # Fail ends the new generation's lease under its writes, or the old one is never settled; in pull mode
+    # an earlier generation's chunk offer makes decode read source pages prefill had given back.
+    "stale_generation": ("b_done_bytes", "a_lease", "e_at_rest", "a_source_released_under_read"),
     "pull_release_early": ("a_source_released_under_read",),
     # Another rank's heads overwritten (or never written: a_lease when the slice runs past the page).
     "tp_slice_offset": ("b_done_bytes", "a_lease"),
