@@ -52,8 +52,8 @@ class Request:
     """One request of the workload, as both engines will handle it."""
 
     rid: str
-    decode: int
-    prefill: int
+    decode: int                  # the decode group (every rank of it announces the request)
+    prefill: int                 # the prefill group (every rank of it sends its heads)
     arrive: float
     total: Mapping[str, int]     # pages per pool of the whole request
     prefix: Mapping[str, int]    # leading pages decode already holds

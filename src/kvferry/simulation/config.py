@@ -43,8 +43,9 @@ LAYERS = (("kv.L0", "idx.L0", "c.L0"), ("kv.L1", "c.L1"))
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
-    """A run's size. ``fault_until``: faults stop then (partitions heal, stalled and crashed nodes come back),
-    and the run goes on until everything is at rest (``rest_after`` more seconds at most)."""
+    """A run's size. ``prefills``/``decodes``: engines, each a TP group of ``tp`` ranks (``simulation.tp``).
+    ``fault_until``: faults stop then (partitions heal, stalled and crashed nodes come back), and the run goes
+    on until everything is at rest (``rest_after`` more seconds at most)."""
 
     requests: int = 48
     prefills: int = 2

@@ -20,6 +20,7 @@ order, the content ``world.pattern`` always gave.
 from __future__ import annotations
 
 import random
+import zlib
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -74,7 +75,7 @@ def _with_heads(buf: Buffer) -> Buffer:
 
 def rank_layout(side: str, tp: tuple[int, int], rank: int) -> Layout:
     """Rank ``rank``'s layout on ``side`` of a deployment at ``tp`` (prefill TP, decode TP). At (1, 1) the
-    simulator's original layout (no head geometry), so those seeds run exactly as they always did."""
+    simulator's original layout (no head geometry): those seeds run as they did before TP groups."""
     if tp == (1, 1):
         return sim_layout(side)
     size = tp[0] if side == "prefill" else tp[1]
@@ -110,7 +111,6 @@ def _canonical_index(page_bytes: int, heads: HeadGeometry | None, tp_rank: int) 
 
 
 def _start(rid: str, pos: int, buffer_index: int) -> int:
-    import zlib
     return (zlib.crc32(rid.encode()) * 7 + pos * 31 + buffer_index * 13) % 251
 
 
