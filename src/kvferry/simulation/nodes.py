@@ -680,11 +680,11 @@ class DecodeNode(Node):
 
     def engine_abort(self, now: float, rid: str, n: int) -> None:
         """The engine failed attempt ``n`` of ``rid`` on another rank of this group: abort it here too."""
-        def abort(t: float) -> None:
+        def abort_here(t: float) -> None:
             for att in list(self.attempts.values()):
                 if att.req.rid == rid and att.n == n:
                     self.abort(t, att)
-        self.call_at(now, abort)
+        self.call_at(now, abort_here)
 
     def allocate(self, att: DAttempt) -> bool:
         req = att.req
