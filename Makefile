@@ -18,7 +18,7 @@ test-core: setup
 test-fast: setup
 	.venv/bin/python -m pytest -q -m "not slow" tests
 
-# The simulator's long run: 2,000 seeds with faults (~400 s with TP groups; make test runs ~100 in 20 s of CPU).
+# The simulator's long run: 2,000 seeds with faults (~300 s with TP groups; make test runs ~100 in 20 s of CPU).
 test-sim-long: setup
 	KVFERRY_SIM_LONG=1 .venv/bin/python -m pytest -q tests/test_simulation.py -k long_run
 
