@@ -42,6 +42,7 @@ from kvferry.control.core.decode_requests import DecodeRequest, Part
 from kvferry.control.core.leases import LeaseTable
 from kvferry.control.core.links import Link, pick_links
 from kvferry.control.core.options import EndpointOptions
+from kvferry.control.core.ordered import OrderedSet
 from kvferry.control.core.process import ProcessIdentity
 from kvferry.control.core.pull_reads import Read, ReadJob, note_send
 from kvferry.control.core.quarantine import Quarantine
@@ -98,7 +99,7 @@ class DecodeCore(CoreBase):
         self.next_deadline_check = 0.0
         self.num_live = 0   # live records, kept by announce and set_state: the busy test is O(1)
         self.num_stray_notifications = 0
-        self.reading: set[DecodeRequest] = set()   # pull mode: requests with reads in flight
+        self.reading: OrderedSet[DecodeRequest] = OrderedSet()   # pull mode: requests with reads in flight
         self.reads: dict[Any, list[tuple[DecodeRequest, Part, Read]]] = {}   # a posted read's ticket -> its parts
         self.to_settle: list[tuple[DecodeRequest, Part]] = []   # settled Fails waiting for the notifications
         # Links welcomed whose transport peer the shell is adding (AddPeer): the messages that came after

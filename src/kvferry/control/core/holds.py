@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from kvferry.control.core.ordered import OrderedSet
 from kvferry.control.core.prefill_requests import PrefillRequest
 from kvferry.control.core.process import ProcessIdentity
 from kvferry.control.core.sessions import Session
@@ -33,7 +34,7 @@ class SourceHolds:
     def __init__(self, peer_timeout: float, lease_grace: float) -> None:
         self.peer_timeout = peer_timeout
         self.lease_grace = lease_grace
-        self.held: set[PrefillRequest] = set()
+        self.held: OrderedSet[PrefillRequest] = OrderedSet()
         self.next_gone_check = 0.0
 
     def __len__(self) -> int:

@@ -35,6 +35,7 @@ from kvferry.control import wire
 from kvferry.control.core.base import CheckProcess, CoreBase, FlushNow, Transfer
 from kvferry.control.core.holds import SourceHolds
 from kvferry.control.core.options import EndpointOptions
+from kvferry.control.core.ordered import OrderedSet
 from kvferry.control.core.prefill_announces import Announces
 from kvferry.control.core.prefill_handshake import Handshake
 from kvferry.control.core.prefill_liveness import Liveness
@@ -106,15 +107,15 @@ class PrefillCore(CoreBase):
         self.sessions: dict[bytes, Session] = {}
         # Records (by identity: an id may have an old incarnation still settling) that are live, hold
         # writes, or owe decode a Fail; ``dirty`` is the subset the loop must look at now.
-        self.active: set[PrefillRequest] = set()
-        self.dirty: set[PrefillRequest] = set()
+        self.active: OrderedSet[PrefillRequest] = OrderedSet()
+        self.dirty: OrderedSet[PrefillRequest] = OrderedSet()
         self.holds = SourceHolds(options.peer_timeout, options.lease_grace)
-        self.cold: set[Session] = set()   # pull sessions offered a chunk, with no verdict yet (num_waiting)
+        self.cold: OrderedSet[Session] = OrderedSet()   # pull sessions offered a chunk, no verdict yet (num_waiting)
         self.writes: dict[Any, list[PrefillRequest]] = {}   # a posted write's ticket -> its records
         self.next_deadline_check = 0.0
         # What close() fails live requests with; decode hears of it as PeerLost (see send_fail).
         self.close_error = KVFerryError("prefill endpoint closing")
-        self.unpeer: set[str] = set()    # decode agents to forget once no write to them is in flight
+        self.unpeer: OrderedSet[str] = OrderedSet()    # decode agents to forget once no write to them is in flight
         self.hash_in_send = True         # whether send() hashes source pages (see note_sessions)
         # Ids issued before their send (``issue``), newest last, for ``options.refuse_unissued``; bounded: an
         # id older than MAX_ISSUED issues without its announce has long timed out on decode.
