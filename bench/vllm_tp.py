@@ -49,13 +49,18 @@ from vllm_connectors import (  # a sibling script, not a package
     write_model,
 )
 
+PEER_TIMEOUT: float | None = None   # --peer-timeout: kvferry's, heartbeats at a fifth of it
+
 
 def config_of(name: str, role: str) -> dict[str, Any]:
-    if name == "kvferry-silence":
-        config = connector_config("kvferry", role)
-        config["kv_connector_extra_config"]["transport_liveness"] = False
-        return config
-    return connector_config(name, role)
+    config = connector_config("kvferry" if name == "kvferry-silence" else name, role)
+    extra = config.get("kv_connector_extra_config")
+    if extra is not None:
+        if name == "kvferry-silence":
+            extra["transport_liveness"] = False
+        if PEER_TIMEOUT is not None:
+            extra.update(peer_timeout=PEER_TIMEOUT, heartbeat_interval=PEER_TIMEOUT / 5)
+    return config
 
 
 @contextlib.contextmanager
@@ -116,7 +121,11 @@ def main() -> None:
     parser.add_argument("--connectors", default="kvferry,nixl")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--hogs", type=int, default=0, help="busy-loop processes beside each measurement")
+    parser.add_argument("--peer-timeout", type=float, default=None,
+                        help="kvferry's peer_timeout (heartbeats at a fifth): less starvation trips a shorter one")
     args = parser.parse_args()
+    global PEER_TIMEOUT
+    PEER_TIMEOUT = args.peer_timeout
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
     pairs = [tuple(int(x) for x in pair.split("-")) for pair in args.pairs.split(",")]
