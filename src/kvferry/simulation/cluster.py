@@ -277,11 +277,10 @@ class World:
                 self.decode_ended(node, rec, state)   # type: ignore[arg-type]
         if now < node.stalled_until or node.crashed:
             return
-        records = node.core.active if isinstance(node, PrefillNode) else node.core.by_gen.values()
-        for rec in records:
-            if rec.is_live and now > max(rec.deadline, node.resumed_at) + DEADLINE_SLACK:
-                self.sim.fail("d_deadline", f"{node.name}: {rec.request_id!r} still {rec.state.value} at "
-                              f"{now:.4f}, its deadline was {rec.deadline:.4f}")
+        rec = node.deadlines.earliest(node.holds_record)   # the live record the core holds due first
+        if rec is not None and now > max(rec.deadline, node.resumed_at) + DEADLINE_SLACK:
+            self.sim.fail("d_deadline", f"{node.name}: {rec.request_id!r} still {rec.state.value} at "
+                          f"{now:.4f}, its deadline was {rec.deadline:.4f}")
 
     def prefill_ended(self, rec: Any, state: RequestState) -> None:
         if rec.session is None or rec.generation < 0:

@@ -17,6 +17,7 @@ same id, and reuses pages once the lease ends.
 
 from __future__ import annotations
 
+import heapq
 import math
 import zlib
 from collections import deque
@@ -55,11 +56,64 @@ class Stalled(BaseException):  # control flow: no `except Exception` in the code
     pass
 
 
+class Deadlines:
+    """The records a core holds, earliest deadline first, so that the deadline invariant (d) looks at one
+    record per step rather than at all of them. A record's deadline never changes once made; a record is
+    pushed as the core adds it to its container (``TrackedSet``/``TrackedDict`` below) and dropped lazily
+    once it ended or left the container (a record added again is pushed again)."""
+
+    __slots__ = ("heap", "seq")
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int, Any]] = []
+        self.seq = 0
+
+    def push(self, rec: Any) -> None:
+        heapq.heappush(self.heap, (rec.deadline, self.seq, rec))
+        self.seq += 1
+
+    def earliest(self, holds: Callable[[Any], bool]) -> Any:
+        """The live record held (``holds``) with the earliest deadline, or None."""
+        heap = self.heap
+        while heap:
+            rec = heap[0][2]
+            if rec.is_live and holds(rec):
+                return rec
+            heapq.heappop(heap)
+        return None
+
+
+class TrackedSet(set):  # type: ignore[type-arg]
+    """Prefill's ``active`` set, telling ``Deadlines`` of each record added."""
+
+    def __init__(self, deadlines: Deadlines) -> None:
+        super().__init__()
+        self.deadlines = deadlines
+
+    def add(self, rec: Any) -> None:
+        if rec not in self:
+            self.deadlines.push(rec)
+        super().add(rec)
+
+
+class TrackedDict(dict):  # type: ignore[type-arg]
+    """Decode's ``by_gen`` dict, telling ``Deadlines`` of each record set."""
+
+    def __init__(self, deadlines: Deadlines) -> None:
+        super().__init__()
+        self.deadlines = deadlines
+
+    def __setitem__(self, key: Any, rec: Any) -> None:
+        self.deadlines.push(rec)
+        super().__setitem__(key, rec)
+
+
 class Node:
     """What both simulated processes share: the event plumbing, stalls, crashes, the action loop."""
 
     kind = "node"
     core: Any
+    deadlines: Deadlines
 
     def __init__(self, world: World, name: str) -> None:
         self.world = world
@@ -104,7 +158,11 @@ class Node:
             orig(rec, state)
             if state in TERMINAL:
                 self.ended.append((rec, state))
+                self.record_ended(rec)
         core.set_state = set_state
+
+    def record_ended(self, rec: Any) -> None:
+        """A record of the core ended (as it happened, inside the core's call)."""
 
     # -- scheduling ----------------------------------------------------------------------------------------
     def kick(self) -> None:
@@ -165,6 +223,10 @@ class Node:
 
     def has_news(self) -> bool:
         return False
+
+    def holds_record(self, rec: Any) -> bool:
+        """Whether ``rec`` is among the records the core still holds (those the deadline invariant reads)."""
+        raise NotImplementedError
 
     # -- faults --------------------------------------------------------------------------------------------
     def stall(self, seconds: float) -> None:
@@ -317,6 +379,8 @@ class PrefillNode(Node):
                              frozenset({"push", "pull"}))
         self.core = PrefillCore(self.memory, setup, world.options, DigestMode(world.swarm.digest),
                                 NullRecorder("prefill", self.memory.layout), self.entropy)
+        self.deadlines = Deadlines()
+        self.core.active = TrackedSet(self.deadlines)
         self.watch(self.core)
         self.settled: deque[tuple[int, str | None]] = deque()
         self.attempts: list[PAttempt] = []
@@ -335,6 +399,9 @@ class PrefillNode(Node):
 
     def has_news(self) -> bool:
         return bool(self.settled)
+
+    def holds_record(self, rec: Any) -> bool:
+        return rec in self.core.active
 
     def pump(self, now: float) -> None:
         core = self.core
@@ -447,8 +514,10 @@ class PrefillNode(Node):
         att.src = {}
         rid_id = self.world.rid_id(req.rid)
         for pool, n in req.total.items():
-            pages = np.array(sorted(self.free[pool])[:n], dtype=np.int64)
-            self.free[pool] = [p for p in self.free[pool] if p not in set(pages.tolist())]
+            taken = sorted(self.free[pool])[:n]
+            pages = np.array(taken, dtype=np.int64)
+            gone = set(taken)
+            self.free[pool] = [p for p in self.free[pool] if p not in gone]
             fill_pattern(self.memory, req.rid, pool, pages, 0)
             self.src_owner[pool][pages] = rid_id
             att.src[pool] = pages
@@ -510,10 +579,14 @@ class DecodeNode(Node):
         setup = DecodeSetup("sim", self.agent.encode(), self.process, None)
         self.core = DecodeCore(self.memory, setup, world.options, DigestMode(world.swarm.digest),
                                NullRecorder("decode", self.memory.layout), self.entropy)
+        self.deadlines = Deadlines()
+        self.core.by_gen = TrackedDict(self.deadlines)
         self.watch(self.core)
         self.reads_done: deque[tuple[int, str | None, list[Any]]] = deque()
         self.notifs: deque[tuple[str, bytes]] = deque()
         self.attempts: dict[int, DAttempt] = {}    # generation -> attempt, until its lease ends
+        self.ending: set[int] = set()              # generations of those attempts whose record ended
+        self.ended_gens: list[int] = []            # records that ended since the engine last looked
         world.agents[self.agent] = self
         self.call_at(self.sim.now, self.connect, work=False)
 
@@ -532,6 +605,14 @@ class DecodeNode(Node):
 
     def has_news(self) -> bool:
         return bool(self.reads_done or self.notifs)
+
+    def holds_record(self, rec: Any) -> bool:
+        return self.core.by_gen.get(rec.generation) is rec
+
+    def record_ended(self, rec: Any) -> None:
+        gen = getattr(rec, "generation", None)
+        if gen is not None:
+            self.ended_gens.append(gen)
 
     def pump(self, now: float) -> None:
         core = self.core
@@ -642,6 +723,8 @@ class DecodeNode(Node):
         rec = core.records[req.rid]
         att.rec, att.gen = rec, rec.generation
         self.attempts[att.gen] = att
+        if not rec.is_live:
+            self.ending.add(att.gen)
         pages = {p: a.tolist() for p, a in att.pages.items()}   # lists: numpy's repr costs more than the step
         self.sim.log(self.name, f"announce {req.rid} gen {att.gen} pages {pages} prefix {dict(req.prefix)}")
         if req.decode_abort is not None and att.n == 0:
@@ -681,9 +764,12 @@ class DecodeNode(Node):
         """Announce a failed request again (same id, new pages: the old ones may be quarantined) as soon as
         it failed; take pages back once their lease ended."""
         leases = self.core.leases
-        for gen, att in list(self.attempts.items()):
-            if att.rec.is_live:
-                continue
+        if self.ended_gens:
+            self.ending.update(gen for gen in self.ended_gens if gen in self.attempts)
+            self.ended_gens.clear()
+        # Only the attempts whose record ended, in the order they were announced (generations count up).
+        for gen in sorted(self.ending):
+            att = self.attempts[gen]
             if not att.decided:
                 att.decided = True
                 req = att.req
@@ -696,6 +782,7 @@ class DecodeNode(Node):
                                                                retry=True)
             if not leases.holds(gen):
                 del self.attempts[gen]
+                self.ending.discard(gen)
                 self.release(att)
 
     # -- what the invariants read --------------------------------------------------------------------------
