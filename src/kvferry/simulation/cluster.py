@@ -332,6 +332,8 @@ class World:
                 out.append(f"{node.name}: reads in flight")
             if node.attempts:
                 out.append(f"{node.name}: engine still holds {len(node.attempts)} requests' pages")
+            if node.waiting:
+                out.append(f"{node.name}: engine waits to announce {len(node.waiting)} requests")
             total = sum(p.min_pages for p in node.memory.layout.pools)
             if sum(len(v) for v in node.free.values()) != total:
                 out.append(f"{node.name}: engine pages not all free")
@@ -349,6 +351,8 @@ class World:
                 out.append(f"{node.name}: {len(core.writes)} writes in flight")
             if node.attempts:
                 out.append(f"{node.name}: engine still waits on {len(node.attempts)} requests' source pages")
+            if node.waiting:
+                out.append(f"{node.name}: engine waits to send {len(node.waiting)} requests")
         if self.transport.pending:
             out.append(f"{len(self.transport.pending)} transfers in flight")
         return out

@@ -39,7 +39,7 @@ from kvferry.errors import InternalError, KVFerryError, LeaseError, PeerLost, Tr
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
 from kvferry.simulation.config import sim_layout
-from kvferry.simulation.world import PageMap, fill_pattern, pattern
+from kvferry.simulation.world import PageMap, fill_pattern, patterns
 
 if TYPE_CHECKING:
     from kvferry.simulation.cluster import Request, World
@@ -49,7 +49,6 @@ __all__ = ["DecodeNode", "Node", "PrefillNode"]
 # A request must have ended this long after its deadline (or after its node resumed from a stall): the
 # cores look at deadlines every 10 ms.
 DEADLINE_SLACK = 0.05
-RETRY_S = 0.05
 
 
 class Stalled(BaseException):  # control flow: no `except Exception` in the code under test may swallow it
@@ -129,6 +128,9 @@ class Node:
         self.resume_post: Callable[[float], None] | None = None   # stalled inside a post: finish it first
         self.frames: deque[tuple[str, Any, bytes]] = deque()
         self.ended: list[tuple[Any, RequestState]] = []   # records that ended in the last step
+        self.waiting: list[Any] = []   # engine commands waiting for pages, a link or a record's end
+        self.changes = 0               # records ended, pages freed: news for the waiting commands
+        self.seen: tuple[Any, ...] = ()
         self.start()
 
     # -- identity ------------------------------------------------------------------------------------------
@@ -163,6 +165,60 @@ class Node:
 
     def record_ended(self, rec: Any) -> None:
         """A record of the core ended (as it happened, inside the core's call)."""
+        self.changes += 1
+
+    # -- the engine's waits ----------------------------------------------------------------------------------
+    # An engine command that cannot go on yet (no free pages, no link, the last generation not ended) waits
+    # for what it needs rather than polling: it is tried again right after the first step that changed
+    # something it may need (``retry_waiting``), and given up at its ``give_up`` time.
+    def wait(self, now: float, att: Any) -> None:
+        if now >= att.give_up:
+            self.give_up(att)
+            return
+        self.waiting.append(att)
+        if not att.expires:
+            att.expires = True
+            self.sim.at(att.give_up, self._expire, self.inc, att)
+
+    def _expire(self, inc: int, att: Any) -> None:
+        if self.crashed or inc != self.inc or att not in self.waiting:
+            return
+        if self.sim.now < self.stalled_until:   # a stopped engine gives up nothing
+            self.sim.at(self.stalled_until, self._expire, inc, att)
+            return
+        self.waiting.remove(att)
+        self.give_up(att)
+        self.changes += 1
+        if self.waiting:
+            self.kick()
+
+    def retry_waiting(self, now: float) -> None:
+        """Run the waiting commands that may go on now, in the order they began to wait."""
+        if not self.waiting:
+            return
+        seen = self.changed_since()
+        if seen == self.seen:
+            return
+        self.seen = seen
+        ready = [att for att in self.waiting if self.can_go(att)]
+        if ready:
+            self.waiting = [att for att in self.waiting if not any(att is r for r in ready)]
+            for att in ready:
+                self.go(now, att)
+            self.kick()   # what they queued leaves with the next iteration
+
+    def changed_since(self) -> tuple[Any, ...]:
+        """What a waiting command may need, summed up: equal while nothing it needs changed."""
+        return (self.changes, self.deadlines.seq)
+
+    def can_go(self, att: Any) -> bool:
+        raise NotImplementedError
+
+    def go(self, now: float, att: Any) -> None:
+        raise NotImplementedError
+
+    def give_up(self, att: Any) -> None:
+        raise NotImplementedError
 
     # -- scheduling ----------------------------------------------------------------------------------------
     def kick(self) -> None:
@@ -220,6 +276,7 @@ class Node:
     def after(self, now: float) -> None:
         self.world.after_step(self, now)   # first: the engine takes back the pages of what ended
         self.engine(now)
+        self.retry_waiting(now)
 
     def has_news(self) -> bool:
         return False
@@ -257,6 +314,8 @@ class Node:
         self.resume_post = None
         self.frames.clear()
         self.ended.clear()
+        self.waiting.clear()
+        self.seen = ()
         self.start()
         self.sim.log(self.name, f"restarted as {self.ident}")
         self.kick()
@@ -357,6 +416,7 @@ class PAttempt:
     rec: Any = None
     sent: int = 0         # chunks sent so far
     give_up: float = 0.0
+    expires: bool = False  # its give-up is scheduled (once it first waited)
     done: bool = False
     prev: Any = None      # a retry: the record of the try before, which decode's new announce replaces
 
@@ -468,17 +528,10 @@ class PrefillNode(Node):
         if att.sent == 0:
             rec = core.records.get(req.rid)
             if att.retry and (rec is att.prev or (rec is not None and not rec.is_live)):
-                # A retry waits for decode's new announce to replace the ended record.
-                if now < att.give_up:
-                    self.call_at(now + RETRY_S, lambda t: self.send_next(t, att))
-                else:
-                    att.done = True
+                self.wait(now, att)   # a retry waits for decode's new announce to replace the ended record
                 return
             if att.src is None and not self.allocate(att):
-                if now < att.give_up:
-                    self.call_at(now + RETRY_S, lambda t: self.send_next(t, att))
-                else:
-                    att.done = True
+                self.wait(now, att)
                 return
         elif core.records.get(req.rid) is not att.rec:
             att.done = True   # decode announced it again meanwhile: the rest belongs to the retry's send
@@ -533,6 +586,19 @@ class PrefillNode(Node):
                 self.memory.array(buf.name)[pages] = 0   # reused at once: what a late read gets is not the KV
             self.free[pool].extend(pages.tolist())
         att.src = None
+        self.changes += 1
+
+    def can_go(self, att: PAttempt) -> bool:
+        rec = self.core.records.get(att.req.rid)
+        if att.retry and (rec is att.prev or (rec is not None and not rec.is_live)):
+            return False
+        return att.src is not None or all(len(self.free[pool]) >= n for pool, n in att.req.total.items())
+
+    def go(self, now: float, att: PAttempt) -> None:
+        self.send_next(now, att)
+
+    def give_up(self, att: PAttempt) -> None:
+        att.done = True
 
     def abort_at(self, t: float, rid: str) -> None:
         self.call_at(t, lambda now: self.core.abort(now, rid, "engine abort"))
@@ -560,6 +626,7 @@ class DAttempt:
     gen: int = -1
     rec: Any = None
     give_up: float = 0.0
+    expires: bool = False        # its give-up is scheduled (once it first waited)
     decided: bool = False        # whether to announce it again was decided (once it ended)
 
 
@@ -705,7 +772,7 @@ class DecodeNode(Node):
     def announce(self, now: float, att: DAttempt) -> None:
         req, core = att.req, self.core
         if att.pages is None and not self.allocate(att):
-            self.later(now, att)
+            self.wait(now, att)
             return
         assert att.pages is not None
         address = self.world.prefills[req.prefill].address
@@ -718,7 +785,7 @@ class DecodeNode(Node):
             core.announce(now, req.rid, att.pages, address, dict(req.prefix), ([], ""))
         except (PeerLost, LeaseError) as exc:
             self.sim.log(self.name, f"announce {req.rid} not yet: {exc}")
-            self.later(now, att)
+            self.wait(now, att)
             return
         rec = core.records[req.rid]
         att.rec, att.gen = rec, rec.generation
@@ -730,11 +797,22 @@ class DecodeNode(Node):
         if req.decode_abort is not None and att.n == 0:
             self.call_at(now + req.decode_abort, lambda t: self.abort(t, att))
 
-    def later(self, now: float, att: DAttempt) -> None:
-        if now + RETRY_S < att.give_up:
-            self.call_at(now + RETRY_S, lambda t: self.announce(t, att))
-        else:
-            self.release(att)
+    def changed_since(self) -> tuple[Any, ...]:
+        return (self.changes, self.deadlines.seq, *(link.state for link in self.core.links.values()))
+
+    def can_go(self, att: DAttempt) -> bool:
+        req, core = att.req, self.core
+        if att.pages is None and any(len(self.free[pool]) < n for pool, n in req.leased.items()):
+            return False
+        link = core.links.get(self.world.prefills[req.prefill].address)
+        old = core.records.get(req.rid)
+        return link is not None and link.established and (old is None or not old.is_live)
+
+    def go(self, now: float, att: DAttempt) -> None:
+        self.announce(now, att)
+
+    def give_up(self, att: DAttempt) -> None:
+        self.release(att)
 
     def abort(self, now: float, att: DAttempt) -> None:
         if att.rec is not None and att.rec.is_live:
@@ -759,6 +837,7 @@ class DecodeNode(Node):
             for pool, pages in att.pages.items():
                 self.free[pool].extend(pages.tolist())
             att.pages = None
+            self.changes += 1
 
     def engine(self, now: float) -> None:
         """Announce a failed request again (same id, new pages: the old ones may be quarantined) as soon as
@@ -803,9 +882,9 @@ class DecodeNode(Node):
                     self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE but "
                                   f"{buf.name} page {bad} was last written by "
                                   f"{self.world.tag_name(int(self.pages.prov[buf.name][bad]))}")
-                arr = self.pages.arrays[buf.name]
-                b = self.pages.layout_index[buf.name]
-                for i, page in enumerate(pages.tolist()):
-                    if not np.array_equal(arr[page], pattern(rec.request_id, first + i, b, buf.page_bytes)):
-                        self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE "
-                                      f"but {buf.name} page {page} differs from its source")
+                want = patterns(rec.request_id, first, len(pages), self.pages.layout_index[buf.name], buf.page_bytes)
+                differ = (self.pages.arrays[buf.name][pages] != want).any(axis=1)
+                if differ.any():
+                    page = int(pages[np.flatnonzero(differ)[0]])
+                    self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE "
+                                  f"but {buf.name} page {page} differs from its source")

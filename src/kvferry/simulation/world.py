@@ -34,7 +34,7 @@ from kvferry.layout.memory import KVMemory
 if TYPE_CHECKING:
     from kvferry.simulation.nodes import DecodeNode, PrefillNode
 
-__all__ = ["Conn", "Net", "PageMap", "Sim", "Transport", "Violation", "fill_pattern", "pattern"]
+__all__ = ["Conn", "Net", "PageMap", "Sim", "Transport", "Violation", "fill_pattern", "pattern", "patterns"]
 
 TRACE_LEN = 400
 
@@ -95,20 +95,24 @@ class Sim:
 
 
 # -- page content ------------------------------------------------------------------------------------------
+def patterns(rid: str, first_pos: int, num: int, buffer_index: int, page_bytes: int) -> np.ndarray:
+    """The bytes of a request's pages ``first_pos .. first_pos + num - 1`` in one buffer (one row each): a
+    function of the request id alone, so that any page written by another request (or not at all) differs."""
+    pos = np.arange(first_pos, first_pos + num, dtype=np.int64)
+    starts = (zlib.crc32(rid.encode()) * 7 + pos * 31 + buffer_index * 13) % 251
+    return ((starts[:, None] + np.arange(page_bytes, dtype=np.int64)) % 251 + 1).astype(np.uint8)
+
+
 def pattern(rid: str, pos: int, buffer_index: int, page_bytes: int) -> np.ndarray:
-    """The bytes of a request's page ``pos`` in one buffer: a function of the request id alone, so that any
-    page written by another request (or not at all) differs from it."""
-    start = (zlib.crc32(rid.encode()) * 7 + pos * 31 + buffer_index * 13) % 251
-    return ((np.arange(page_bytes, dtype=np.int64) + start) % 251 + 1).astype(np.uint8)
+    """The bytes of a request's page ``pos`` in one buffer (``patterns`` for one page)."""
+    return patterns(rid, pos, 1, buffer_index, page_bytes)[0]
 
 
 def fill_pattern(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first_pos: int) -> None:
     """Write the request's content into ``pages`` (positions ``first_pos`` on) of every buffer of ``pool``."""
     index = memory.buffer_index
     for buf in memory.layout.pool(pool).buffers:
-        arr = memory.array(buf.name)
-        for i, page in enumerate(pages.tolist()):
-            arr[page] = pattern(rid, first_pos + i, index[buf.name], buf.page_bytes)
+        memory.array(buf.name)[pages] = patterns(rid, first_pos, len(pages), index[buf.name], buf.page_bytes)
 
 
 class PageMap:
