@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.control.core.states import RequestState
@@ -59,10 +59,11 @@ class Request:
     prefill_abort: float | None  # seconds after its send, or None
     decode_abort: float | None   # seconds after its announce, or None
     cancel: bool                 # decode never announces it, and says so
+    leased: Mapping[str, int] = field(init=False)   # pages per pool decode leases: the total less the prefix
 
-    @property
-    def leased(self) -> dict[str, int]:
-        return {p: n - self.prefix.get(p, 0) for p, n in self.total.items() if n - self.prefix.get(p, 0) > 0}
+    def __post_init__(self) -> None:
+        leased = {p: n - self.prefix.get(p, 0) for p, n in self.total.items() if n - self.prefix.get(p, 0) > 0}
+        object.__setattr__(self, "leased", leased)
 
 
 def make_workload(sim: Sim, cfg: SimConfig, swarm: Swarm) -> list[Request]:

@@ -430,7 +430,7 @@ class PrefillNode(Node):
 
     def start(self) -> None:
         world = self.world
-        self.memory = KVMemory.allocate(sim_layout("prefill"))
+        self.memory = KVMemory.allocate(sim_layout("prefill", world.cfg.pages))
         world.graveyard.append(self.memory)   # late copies never touch freed memory
         self.pages = PageMap(self.memory)
         self.src_owner = {p.name: np.full(p.min_pages, -1, dtype=np.int64) for p in self.memory.layout.pools}
@@ -443,7 +443,10 @@ class PrefillNode(Node):
         self.core.active = TrackedSet(self.deadlines)
         self.watch(self.core)
         self.settled: deque[tuple[int, str | None]] = deque()
-        self.attempts: list[PAttempt] = []
+        self.attempts: dict[int, PAttempt] = {}       # id -> attempt, from its first send until its pages are back
+        self.live: dict[int, list[PAttempt]] = {}     # id of a live record -> the attempts it holds
+        self.finished: list[PAttempt] = []            # attempts whose record ended: pages back once may_free
+        self.ended_recs: list[Any] = []               # records that ended since the engine last looked
         world.agents[self.agent] = self
 
     # -- the shell ---------------------------------------------------------------------------------------
@@ -462,6 +465,10 @@ class PrefillNode(Node):
 
     def holds_record(self, rec: Any) -> bool:
         return rec in self.core.active
+
+    def record_ended(self, rec: Any) -> None:
+        super().record_ended(rec)
+        self.ended_recs.append(rec)
 
     def pump(self, now: float) -> None:
         core = self.core
@@ -551,8 +558,12 @@ class PrefillNode(Node):
                 self.release(att)
             return
         if att.rec is None:
-            att.rec = core.records[req.rid]
-            self.attempts.append(att)
+            att.rec = rec = core.records[req.rid]
+            self.attempts[id(att)] = att
+            if rec.is_live:
+                self.live.setdefault(id(rec), []).append(att)
+            else:
+                self.finished.append(att)
         att.sent += 1
         self.sim.log(self.name, f"send {req.rid} chunk {att.sent}/{len(req.chunks)}")
         if att.sent < len(req.chunks):
@@ -606,15 +617,19 @@ class PrefillNode(Node):
     def engine(self, now: float) -> None:
         """Reuse the source pages of every request the core says may be freed (``prefill_requests.may_free``,
         what ``PrefillEndpoint.may_free`` answers)."""
+        if self.ended_recs:   # only an ended record's pages may be freed: the others are not looked at
+            for rec in self.ended_recs:
+                self.finished.extend(self.live.pop(id(rec), ()))
+            self.ended_recs.clear()
         keep = []
-        for att in self.attempts:
-            rec = att.rec
-            if may_free(rec):
+        for att in self.finished:
+            if may_free(att.rec):
                 att.done = True   # ended: a chunk not sent yet never will be
+                del self.attempts[id(att)]
                 self.release(att)
             else:
                 keep.append(att)
-        self.attempts = keep
+        self.finished = keep
 
 
 # -- decode ------------------------------------------------------------------------------------------------
@@ -639,7 +654,7 @@ class DecodeNode(Node):
 
     def start(self) -> None:
         world = self.world
-        self.memory = KVMemory.allocate(sim_layout("decode"))
+        self.memory = KVMemory.allocate(sim_layout("decode", world.cfg.pages))
         world.graveyard.append(self.memory)
         self.pages = PageMap(self.memory)
         self.free = {p.name: list(range(p.min_pages)) for p in self.memory.layout.pools}
@@ -677,6 +692,7 @@ class DecodeNode(Node):
         return self.core.by_gen.get(rec.generation) is rec
 
     def record_ended(self, rec: Any) -> None:
+        super().record_ended(rec)
         gen = getattr(rec, "generation", None)
         if gen is not None:
             self.ended_gens.append(gen)
