@@ -107,6 +107,30 @@ class TrackedDict(dict):  # type: ignore[type-arg]
         super().__setitem__(key, rec)
 
 
+class FreePages:
+    """An engine's free pages of one pool; it hands out the lowest first. ``len``: pages given back less pages
+    taken (a page given back twice counts twice, so that the at-rest check sees it)."""
+
+    __slots__ = ("count", "mask")
+
+    def __init__(self, num_pages: int) -> None:
+        self.mask = np.ones(num_pages, dtype=bool)
+        self.count = num_pages
+
+    def __len__(self) -> int:
+        return self.count
+
+    def take(self, n: int) -> np.ndarray:
+        pages = np.flatnonzero(self.mask)[:n]
+        self.mask[pages] = False
+        self.count -= n
+        return pages
+
+    def give(self, pages: np.ndarray) -> None:
+        self.mask[pages] = True
+        self.count += len(pages)
+
+
 class Node:
     """What both simulated processes share: the event plumbing, stalls, crashes, the action loop."""
 
@@ -434,7 +458,7 @@ class PrefillNode(Node):
         world.graveyard.append(self.memory)   # late copies never touch freed memory
         self.pages = PageMap(self.memory)
         self.src_owner = {p.name: np.full(p.min_pages, -1, dtype=np.int64) for p in self.memory.layout.pools}
-        self.free = {p.name: list(range(p.min_pages)) for p in self.memory.layout.pools}
+        self.free = {p.name: FreePages(p.min_pages) for p in self.memory.layout.pools}
         setup = PrefillSetup(self.address, "sim", "dlist", self.agent.encode(), self.process, None,
                              frozenset({"push", "pull"}))
         self.core = PrefillCore(self.memory, setup, world.options, DigestMode(world.swarm.digest),
@@ -578,10 +602,7 @@ class PrefillNode(Node):
         att.src = {}
         rid_id = self.world.rid_id(req.rid)
         for pool, n in req.total.items():
-            taken = sorted(self.free[pool])[:n]
-            pages = np.array(taken, dtype=np.int64)
-            gone = set(taken)
-            self.free[pool] = [p for p in self.free[pool] if p not in gone]
+            pages = self.free[pool].take(n)
             fill_pattern(self.memory, req.rid, pool, pages, 0)
             self.src_owner[pool][pages] = rid_id
             att.src[pool] = pages
@@ -594,8 +615,8 @@ class PrefillNode(Node):
         for pool, pages in att.src.items():
             self.src_owner[pool][pages] = -1
             for buf in self.memory.layout.pool(pool).buffers:
-                self.memory.array(buf.name)[pages] = 0   # reused at once: what a late read gets is not the KV
-            self.free[pool].extend(pages.tolist())
+                self.pages.arrays[buf.name][pages] = 0   # reused at once: what a late read gets is not the KV
+            self.free[pool].give(pages)
         att.src = None
         self.changes += 1
 
@@ -657,7 +678,7 @@ class DecodeNode(Node):
         self.memory = KVMemory.allocate(sim_layout("decode", world.cfg.pages))
         world.graveyard.append(self.memory)
         self.pages = PageMap(self.memory)
-        self.free = {p.name: list(range(p.min_pages)) for p in self.memory.layout.pools}
+        self.free = {p.name: FreePages(p.min_pages) for p in self.memory.layout.pools}
         setup = DecodeSetup("sim", self.agent.encode(), self.process, None)
         self.core = DecodeCore(self.memory, setup, world.options, DigestMode(world.swarm.digest),
                                NullRecorder("decode", self.memory.layout), self.entropy)
@@ -840,9 +861,7 @@ class DecodeNode(Node):
             return False
         att.pages = {}
         for pool, n in req.leased.items():
-            pages = sorted(self.free[pool])[:n]
-            taken = set(pages)
-            self.free[pool] = [p for p in self.free[pool] if p not in taken]
+            pages = self.free[pool].take(n).tolist()
             # Announce order differs from page order: the lease maps positions to any pages.
             self.sim.rng_work.shuffle(pages)
             att.pages[pool] = np.array(pages, dtype=np.int64)
@@ -851,7 +870,7 @@ class DecodeNode(Node):
     def release(self, att: DAttempt) -> None:
         if att.pages is not None:
             for pool, pages in att.pages.items():
-                self.free[pool].extend(pages.tolist())
+                self.free[pool].give(pages)
             att.pages = None
             self.changes += 1
 
