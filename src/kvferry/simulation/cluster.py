@@ -236,6 +236,7 @@ class World:
         src_ok = True
         sd, dd = plan.src_descs, plan.dst_descs
         rows_ok = []
+        owners = {pool: leases.owners(pool) for pool in dst.pages.pool_names}
         for (s, n, _), (d, _, _) in zip(sd.tolist(), dd.tolist()):
             where = dst.pages.locate(d, n)
             if where is None:
@@ -243,8 +244,8 @@ class World:
                               "lies outside every registered buffer")
             assert where is not None
             buf, p0, p1 = where
-            owner = leases.owners(dst.pages.pools[buf])
-            if p1 > len(owner) or (owner[p0:p1] != gen).any():
+            owner = owners[dst.pages.pools[buf]]
+            if p1 > len(owner) or (owner[p0] != gen if p1 - p0 == 1 else (owner[p0:p1] != gen).any()):
                 held = [int(x) for x in owner[p0:min(p1, len(owner))]]
                 self.sim.fail("a_lease", f"{kind} of {rid!r} gen {gen} landed in {dst.name} {buf} pages "
                               f"{p0}..{p1 - 1}, leased to generations {held} (-1: free; pages past {len(owner)} "
@@ -255,7 +256,7 @@ class World:
             assert origin is not None
             sbuf, q0, q1 = origin
             sown = src.src_owner[src.pages.pools[sbuf]]
-            if q1 > len(sown) or (sown[q0:q1] != rid_id).any():
+            if q1 > len(sown) or (sown[q0] != rid_id if q1 - q0 == 1 else (sown[q0:q1] != rid_id).any()):
                 src_ok = False
             rows_ok.append((buf, p0, p1))
         copy_rows(sd, dd)

@@ -17,6 +17,7 @@ sequence): nothing here reads a wall clock or an unseeded random source, so a se
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import heapq
 import math
@@ -128,8 +129,10 @@ class PageMap:
         self.ends = np.array([memory.address(bufs[i].name) + bufs[i].page_bytes * bufs[i].num_pages
                               for i in order], dtype=np.int64)
         self.page_bytes = [bufs[i].page_bytes for i in order]
+        self.base_list, self.end_list = self.bases.tolist(), self.ends.tolist()   # plain ints: one row is cheaper
         self.names = [bufs[i].name for i in order]
         self.pools = {b.name: p.name for p in memory.layout.pools for b in p.buffers}
+        self.pool_names = [p.name for p in memory.layout.pools]
         self.layout_index = {b.name: i for i, b in enumerate(bufs)}
         # Provenance: per buffer and page, the tag (``World.tags``) of the (request, generation) that last
         # wrote it; -1 never written.
@@ -138,10 +141,10 @@ class PageMap:
 
     def locate(self, addr: int, nbytes: int) -> tuple[str, int, int] | None:
         """(buffer, first page, last page + 1) of the row, or None when it is not inside one buffer."""
-        k = int(np.searchsorted(self.bases, addr, side="right")) - 1
-        if k < 0 or addr + nbytes > self.ends[k] or nbytes <= 0:
+        k = bisect.bisect_right(self.base_list, addr) - 1
+        if k < 0 or addr + nbytes > self.end_list[k] or nbytes <= 0:
             return None
-        base, pb = int(self.bases[k]), self.page_bytes[k]
+        base, pb = self.base_list[k], self.page_bytes[k]
         return self.names[k], (addr - base) // pb, (addr + nbytes - 1 - base) // pb + 1
 
 
