@@ -108,27 +108,23 @@ class TrackedDict(dict):  # type: ignore[type-arg]
 
 
 class FreePages:
-    """An engine's free pages of one pool; it hands out the lowest first. ``len``: pages given back less pages
-    taken (a page given back twice counts twice, so that the at-rest check sees it)."""
+    """An engine's free pages of one pool, a heap: it hands out the lowest first. A page given back twice is
+    there twice (and counted twice, so that the at-rest check sees it)."""
 
-    __slots__ = ("count", "mask")
+    __slots__ = ("heap",)
 
     def __init__(self, num_pages: int) -> None:
-        self.mask = np.ones(num_pages, dtype=bool)
-        self.count = num_pages
+        self.heap = list(range(num_pages))
 
     def __len__(self) -> int:
-        return self.count
+        return len(self.heap)
 
     def take(self, n: int) -> np.ndarray:
-        pages = np.flatnonzero(self.mask)[:n]
-        self.mask[pages] = False
-        self.count -= n
-        return pages
+        return np.array([heapq.heappop(self.heap) for _ in range(n)], dtype=np.int64)
 
     def give(self, pages: np.ndarray) -> None:
-        self.mask[pages] = True
-        self.count += len(pages)
+        for page in pages.tolist():
+            heapq.heappush(self.heap, page)
 
 
 class Node:
@@ -603,7 +599,7 @@ class PrefillNode(Node):
         rid_id = self.world.rid_id(req.rid)
         for pool, n in req.total.items():
             pages = self.free[pool].take(n)
-            fill_pattern(self.memory, req.rid, pool, pages, 0)
+            fill_pattern(self.memory, self.pages.arrays, req.rid, pool, pages, 0)
             self.src_owner[pool][pages] = rid_id
             att.src[pool] = pages
         return True

@@ -24,7 +24,7 @@ import math
 import random
 import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -99,9 +99,19 @@ class Sim:
 def patterns(rid: str, first_pos: int, num: int, buffer_index: int, page_bytes: int) -> np.ndarray:
     """The bytes of a request's pages ``first_pos .. first_pos + num - 1`` in one buffer (one row each): a
     function of the request id alone, so that any page written by another request (or not at all) differs."""
-    pos = np.arange(first_pos, first_pos + num, dtype=np.int64)
-    starts = (zlib.crc32(rid.encode()) * 7 + pos * 31 + buffer_index * 13) % 251
-    return ((starts[:, None] + np.arange(page_bytes, dtype=np.int64)) % 251 + 1).astype(np.uint8)
+    base = zlib.crc32(rid.encode()) * 7 + buffer_index * 13
+    return _rows(page_bytes)[[(base + pos * 31) % 251 for pos in range(first_pos, first_pos + num)]]
+
+
+_ROWS: dict[int, np.ndarray] = {}
+
+
+def _rows(page_bytes: int) -> np.ndarray:
+    """Every page pattern of that size, by its start (0..250): row s is ``(s + i) % 251 + 1`` for each byte i."""
+    rows = _ROWS.get(page_bytes)
+    if rows is None:
+        rows = _ROWS[page_bytes] = ((np.arange(251)[:, None] + np.arange(page_bytes)) % 251 + 1).astype(np.uint8)
+    return rows
 
 
 def pattern(rid: str, pos: int, buffer_index: int, page_bytes: int) -> np.ndarray:
@@ -109,11 +119,13 @@ def pattern(rid: str, pos: int, buffer_index: int, page_bytes: int) -> np.ndarra
     return patterns(rid, pos, 1, buffer_index, page_bytes)[0]
 
 
-def fill_pattern(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first_pos: int) -> None:
-    """Write the request's content into ``pages`` (positions ``first_pos`` on) of every buffer of ``pool``."""
+def fill_pattern(memory: KVMemory, arrays: Mapping[str, np.ndarray], rid: str, pool: str, pages: np.ndarray,
+                 first_pos: int) -> None:
+    """Write the request's content into ``pages`` (positions ``first_pos`` on) of every buffer of ``pool``
+    (``arrays``: the memory's buffers by name, ``PageMap.arrays``)."""
     index = memory.buffer_index
     for buf in memory.layout.pool(pool).buffers:
-        memory.array(buf.name)[pages] = patterns(rid, first_pos, len(pages), index[buf.name], buf.page_bytes)
+        arrays[buf.name][pages] = patterns(rid, first_pos, len(pages), index[buf.name], buf.page_bytes)
 
 
 class PageMap:
