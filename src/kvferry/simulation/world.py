@@ -72,7 +72,8 @@ class Sim:
         self.events = 0
 
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
-        heapq.heappush(self._heap, (max(t, self.now), self._seq, fn, args))
+        now = self.now
+        heapq.heappush(self._heap, (t if t > now else now, self._seq, fn, args))
         self._seq += 1
 
     def step(self) -> bool:
