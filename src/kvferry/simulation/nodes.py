@@ -268,13 +268,15 @@ class Node:
             self.sim.at(self.stalled_until, self._run_call, inc, fn)
             return
         fn(self.sim.now)
-        self.after(self.sim.now)
-        self.kick()
+        self.step(self.sim.now)   # the progress loop takes it at once (as a wake now would, one event sooner)
 
     def wake(self, token: int) -> None:
         if self.crashed or token != self.wake_token or self.sim.now < self.stalled_until:
             return
-        now = self.sim.now
+        self.step(self.sim.now)
+
+    def step(self, now: float) -> None:
+        """One iteration of the shell's loop, the invariants after it, and the next wake."""
         self.pending_wake = math.inf
         try:
             if self.resume_post is not None:
