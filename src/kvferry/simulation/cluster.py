@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvferry.control.core.states import RequestState
@@ -59,11 +59,7 @@ class Request:
     prefill_abort: float | None  # seconds after its send, or None
     decode_abort: float | None   # seconds after its announce, or None
     cancel: bool                 # decode never announces it, and says so
-    leased: Mapping[str, int] = field(init=False)   # pages per pool decode leases: the total less the prefix
-
-    def __post_init__(self) -> None:
-        leased = {p: n - self.prefix.get(p, 0) for p, n in self.total.items() if n - self.prefix.get(p, 0) > 0}
-        object.__setattr__(self, "leased", leased)
+    leased: Mapping[str, int]    # pages per pool decode leases: the total less the prefix
 
 
 def make_workload(sim: Sim, cfg: SimConfig, swarm: Swarm) -> list[Request]:
@@ -87,12 +83,13 @@ def make_workload(sim: Sim, cfg: SimConfig, swarm: Swarm) -> list[Request]:
             chunks = (Chunk({p: (0, n) for p, n in total.items()}),)
         arrive = rng.random() * cfg.arrival_span
         faults = cfg.faults
+        leased = {p: n - prefix.get(p, 0) for p, n in total.items() if n > prefix.get(p, 0)}
         out.append(Request(
             f"r{i}", rng.randrange(cfg.decodes), rng.randrange(cfg.prefills), arrive, total, prefix, chunks,
             max(0.0, arrive + rng.uniform(-0.05, 0.3)),
             _abort_after(rng) if faults and rng.random() < swarm.prefill_abort else None,
             _abort_after(rng) if faults and rng.random() < swarm.decode_abort else None,
-            faults and rng.random() < swarm.cancel))
+            faults and rng.random() < swarm.cancel, leased))
     return out
 
 
