@@ -403,6 +403,8 @@ class Node:
 
     def flush(self, now: float, only: Any = None) -> None:
         core = self.core
+        if only is None and not core.outbox:
+            return
         for peer in [only] if only is not None else list(core.outbox):
             for frame in wire.batches(core.take_out(peer)):
                 self.send_frame(now, peer, frame)
