@@ -690,6 +690,8 @@ class DecodeNode(Node):
         self.attempts: dict[int, DAttempt] = {}    # generation -> attempt, until its lease ends
         self.ending: set[int] = set()              # generations of those attempts whose record ended
         self.ended_gens: list[int] = []            # records that ended since the engine last looked
+        self.released: list[int] = []              # leases that ended since the engine last looked
+        self.watch_leases(self.core.leases)
         world.agents[self.agent] = self
         self.call_at(self.sim.now, self.connect, work=False)
 
@@ -711,6 +713,15 @@ class DecodeNode(Node):
 
     def holds_record(self, rec: Any) -> bool:
         return self.core.by_gen.get(rec.generation) is rec
+
+    def watch_leases(self, leases: Any) -> None:
+        """Hear every lease that ends (the engine takes its pages back then)."""
+        orig = leases.release
+
+        def release(lease_id: int) -> None:
+            orig(lease_id)
+            self.released.append(lease_id)
+        leases.release = release
 
     def record_ended(self, rec: Any) -> None:
         super().record_ended(rec)
@@ -828,7 +839,7 @@ class DecodeNode(Node):
         att.rec, att.gen = rec, rec.generation
         self.attempts[att.gen] = att
         if not rec.is_live:
-            self.ending.add(att.gen)
+            self.ended_gens.append(att.gen)
         pages = {p: a.tolist() for p, a in att.pages.items()}   # lists: numpy's repr costs more than the step
         self.sim.log(self.name, f"announce {req.rid} gen {att.gen} pages {pages} prefix {dict(req.prefix)}")
         if req.decode_abort is not None and att.n == 0:
@@ -878,11 +889,14 @@ class DecodeNode(Node):
         """Announce a failed request again (same id, new pages: the old ones may be quarantined) as soon as
         it failed; take pages back once their lease ended."""
         leases = self.core.leases
-        if self.ended_gens:
-            self.ending.update(gen for gen in self.ended_gens if gen in self.attempts)
-            self.ended_gens.clear()
-        # Only the attempts whose record ended, in the order they were announced (generations count up).
-        for gen in sorted(self.ending):
+        # Only the attempts whose record just ended, or whose lease just ended after their record: in the
+        # order they were announced (generations count up).
+        look = {gen for gen in self.ended_gens if gen in self.attempts}
+        self.ending |= look
+        look.update(gen for gen in self.released if gen in self.ending)
+        self.ended_gens.clear()
+        self.released.clear()
+        for gen in sorted(look):
             att = self.attempts[gen]
             if not att.decided:
                 att.decided = True
