@@ -21,7 +21,6 @@ workload from the seed, schedules the faults, runs the event loop, and checks af
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -363,20 +362,14 @@ class World:
         # reached, or fails (e) when it is not by ``end``.
         next_check = max(cfg.fault_until, cfg.arrival_span)
         while True:
-            t = sim.next_time()
-            if t >= next_check:
-                if not self.leftovers():
-                    self.at_rest = True
-                    return
-                next_check += REST_CHECK_S
-                if next_check > end:
-                    sim.now = end
-                    sim.fail("e_at_rest", "; ".join(self.leftovers()))
-                continue
-            if cfg.max_events and sim.events >= cfg.max_events:
+            sim.run_until(next_check, cfg.max_events)
+            if sim.next_time() < next_check:
+                return   # capped
+            if not self.leftovers():
+                self.at_rest = True
                 return
-            if t == math.inf:
-                sim.now = next_check
-                continue
-            sim.step()
+            next_check += REST_CHECK_S
+            if next_check > end:
+                sim.now = end
+                sim.fail("e_at_rest", "; ".join(self.leftovers()))
 

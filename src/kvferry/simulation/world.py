@@ -85,6 +85,17 @@ class Sim:
         fn(*args)
         return True
 
+    def run_until(self, stop: float, max_events: int = 0) -> None:
+        """Handle the events due before ``stop``, in order; at most until ``max_events`` were handled in all
+        (0: no cap). ``step`` in a loop, without a call per event."""
+        heap, pop = self._heap, heapq.heappop
+        cap = max_events or math.inf
+        while heap and heap[0][0] < stop and self.events < cap:
+            t, _, fn, args = pop(heap)
+            self.now = t
+            self.events += 1
+            fn(*args)
+
     def next_time(self) -> float:
         return self._heap[0][0] if self._heap else math.inf
 
