@@ -42,7 +42,7 @@ def test_seeds_with_faults_break_no_invariant() -> None:
     results = run_many(range(FRESH_FROM, FRESH_FROM + 100_000), budget_s=SEEDS_BUDGET_S)
     broken = [r for r in results if not r.ok]
     assert not broken, "\n".join(f"seed {r.seed}: {r.violation}\n" + "\n".join(r.trace) for r in broken[:3])
-    assert len(results) >= 80
+    assert len(results) >= 40   # 192 requests each (SimConfig): twice the requests 80 seeds of 48 were
     assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
 
 

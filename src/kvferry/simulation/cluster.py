@@ -236,8 +236,8 @@ class World:
         for (s, n, _), (d, _, _) in zip(sd.tolist(), dd.tolist()):
             where = dst.pages.locate(d, n)
             if where is None:
-                self.sim.fail("a_lease", f"{kind} of {rid!r} gen {gen} to {dst.name}: a row at {d:#x} ({n} bytes) "
-                              "lies outside every registered buffer")
+                self.sim.fail("a_lease", f"{kind} of {rid!r} gen {gen} to {dst.name}: a row at "
+                              f"{dst.pages.describe(d)}, {n} bytes, lies outside every registered buffer")
             assert where is not None
             buf, p0, p1 = where
             owner = owners[dst.pages.pools[buf]]

@@ -127,8 +127,10 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "done_before_verdict": ("b_prefill_done_before_verdict",),
     "abort_frees_lease": ("a_lease",),
     # A stale completion counted for the new generation makes it DONE without its bytes; a stale settled
-    # Fail ends the new generation's lease under its writes, or the old one is never settled.
-    "stale_generation": ("b_done_bytes", "a_lease", "e_at_rest"),
+    # Fail ends the new generation's lease under its writes, or the old one is never settled; in pull mode
+    # the old generation's read offer is taken for the new one, and decode reads (and accepts) source pages
+    # prefill had already given back.
+    "stale_generation": ("b_done_bytes", "a_lease", "e_at_rest", "a_source_released_under_read"),
     "pull_release_early": ("a_source_released_under_read",),
 }
 

@@ -163,6 +163,13 @@ class PageMap:
         self.prov = {b.name: np.full(b.num_pages, -1, dtype=np.int64) for b in bufs}
         self.arrays = {b.name: memory.array(b.name) for b in bufs}
 
+    def describe(self, addr: int) -> str:
+        """Where ``addr`` is, relative to the buffers (not the address itself: a replay allocates elsewhere)."""
+        k = bisect.bisect_right(self.base_list, addr) - 1
+        if k < 0:
+            return f"{self.base_list[0] - addr} bytes before {self.names[0]}"
+        return f"{self.names[k]} byte {addr - self.base_list[k]} (it has {self.end_list[k] - self.base_list[k]})"
+
     def locate(self, addr: int, nbytes: int) -> tuple[str, int, int] | None:
         """(buffer, first page, last page + 1) of the row, or None when it is not inside one buffer."""
         k = bisect.bisect_right(self.base_list, addr) - 1
