@@ -18,7 +18,7 @@ test-core: setup
 test-fast: setup
 	.venv/bin/python -m pytest -q -m "not slow" tests
 
-# The simulator's long run: 2,000 seeds with faults (~150 s; make test runs ~250 in 20 s of CPU).
+# The simulator's long run: 2,000 seeds of 192 requests with faults (~6 min; make test runs ~100 in 20 s of CPU).
 test-sim-long: setup
 	KVFERRY_SIM_LONG=1 .venv/bin/python -m pytest -q tests/test_simulation.py -k long_run
 
