@@ -314,6 +314,8 @@ class World:
     def leftovers(self) -> list[str]:
         """What remains although nothing should: (e)'s list, empty at rest."""
         out = []
+        untracked = [node.name for node in self.nodes if not node.crashed and not node.tracks_records()]
+        assert not untracked, f"{untracked}: the core replaced its record container; the simulator tracks the old one"
         if self.sim.now <= self.last_work:
             out.append(f"engine commands still due (until {self.last_work:.4f})")
         for node in self.decodes:

@@ -307,6 +307,11 @@ class Node:
         """Whether ``rec`` is among the records the core still holds (those the deadline invariant reads)."""
         raise NotImplementedError
 
+    def tracks_records(self) -> bool:
+        """Whether the core's record container is still the tracked one (a core that made itself a new one
+        would hide its records from the deadline invariant)."""
+        raise NotImplementedError
+
     # -- faults --------------------------------------------------------------------------------------------
     def stall(self, seconds: float) -> None:
         if self.crashed:
@@ -489,6 +494,9 @@ class PrefillNode(Node):
 
     def holds_record(self, rec: Any) -> bool:
         return rec in self.core.active
+
+    def tracks_records(self) -> bool:
+        return isinstance(self.core.active, TrackedSet)
 
     def record_ended(self, rec: Any) -> None:
         super().record_ended(rec)
@@ -713,6 +721,9 @@ class DecodeNode(Node):
 
     def holds_record(self, rec: Any) -> bool:
         return self.core.by_gen.get(rec.generation) is rec
+
+    def tracks_records(self) -> bool:
+        return isinstance(self.core.by_gen, TrackedDict)
 
     def watch_leases(self, leases: Any) -> None:
         """Hear every lease that ends (the engine takes its pages back then)."""
