@@ -126,6 +126,48 @@ def test_a_gil_starved_decode_process_is_ridden_out(transport_liveness: bool) ->
 
 
 @pytest.mark.nixl
+@pytest.mark.parametrize("transport_liveness", [True, False])
+def test_a_gil_starved_prefill_process_is_ridden_out(transport_liveness: bool) -> None:
+    """Prefill in a child process; after decode's announces, one of its threads holds the GIL for ~4 s
+    (4 x peer_timeout) before its engine sends. On resuming, prefill finds it sent decode nothing for that
+    long: it probes the session and writes nothing until decode echoes. With ``transport_liveness`` decode
+    kept the link (libzmq still answered), echoes, and every request completes, byte for byte; without it
+    decode declared prefill lost at peer_timeout, no echo comes, and the requests fail (the control)."""
+    pytest.importorskip("nixl")
+    pytest.importorskip("kvferry.transport.nixl")
+    from kvferry import KVMemory
+    from kvferry.control import DecodeEndpoint, EndpointOptions
+
+    from .control_peer import announce, fill, make_layout, verify, wait_all, workload
+    from .test_control_nixl import SEED, TIMEOUTS, Peer
+
+    timeouts = {**TIMEOUTS, "transport_liveness": transport_liveness}
+    dst = KVMemory.allocate(make_layout("decode"))
+    fill(dst, 999)
+    before = {b.name: dst.array(b.name).copy() for b in dst.layout.buffers}
+    decode = DecodeEndpoint(dst, "nixl", options=EndpointOptions(**timeouts))
+    prefill = Peer("prefill", options=timeouts)
+    try:
+        decode.connect(prefill.address)
+        reqs = workload(4, seed=21)
+        announce(decode, reqs)
+        prefill("hog", seconds=4 * timeouts["peer_timeout"])
+        try:
+            prefill("serve", n=4, seed=21, timeout=60)   # handled once the hog lets go of the GIL
+        except AssertionError:   # the control: its engine's send of a request the lost session failed raises
+            assert not transport_liveness
+        results = wait_all(decode, [r.rid for r in reqs], 30)
+        if transport_liveness:
+            assert set(results.values()) == {"done"}, results
+            verify(dst, SEED, reqs, before)
+        else:
+            assert all(v != "done" for v in results.values()), results
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.nixl
 def test_a_stopped_prefill_process_is_lost_within_its_bound() -> None:
     """The other half: a prefill process under SIGSTOP answers not even libzmq's heartbeats, so with
     ``transport_liveness`` decode's connection drops and the link is lost, well before the request's own

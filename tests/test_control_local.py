@@ -384,7 +384,7 @@ def test_under_load_calls_do_not_wake_the_loop_yet_leave_within_its_sleep(
     round within its busy sleep); below it, it does. Either way every request completes, bytes checked."""
     import os
 
-    from kvferry.control import endpoints
+    from kvferry.control import pacing
 
     src, dst = _memories()
     before = snapshot(dst)
@@ -396,17 +396,17 @@ def test_under_load_calls_do_not_wake_the_loop_yet_leave_within_its_sleep(
         write = os.write
 
         def counting_write(fd: int, data: bytes) -> int:
-            if fd == decode._wake_w:
+            if fd == decode._pacer.wake_w:
                 wakes.append(fd)
             return write(fd, data)
 
-        monkeypatch.setattr(endpoints.os, "write", counting_write)
-        n = endpoints.LAZY_WAKE_MIN
+        monkeypatch.setattr(pacing.os, "write", counting_write)
+        n = pacing.LAZY_WAKE_MIN
         reqs = workload(n + 4, seed=11)
         for req in reqs[:n - 1]:
             decode.announce(req.rid, req.dst)          # each one wakes: fewer than n are in flight with it
             deadline = time.monotonic() + 5
-            while decode._wake_pending and time.monotonic() < deadline:
+            while decode._pacer.pending and time.monotonic() < deadline:
                 time.sleep(0.001)                      # the loop drains the byte; the next call writes again
         assert len(wakes) == n - 1
         time.sleep(0.05)                               # spinning now

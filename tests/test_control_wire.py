@@ -22,7 +22,9 @@ from kvferry.errors import InternalError, RequestFailed
 
 from .control_peer import fill, make_layout, run_prefill, workload
 
-OPTS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, lease_grace=0.5)
+# Silence decides here: these tests stall a thread, not a process (the default transport_liveness would
+# keep a peer whose libzmq still answers).
+OPTS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, lease_grace=0.5, transport_liveness=False)
 
 
 # -- pure units ----------------------------------------------------------------------------------------------

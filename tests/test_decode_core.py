@@ -38,8 +38,10 @@ from kvferry.integrity import DigestMode
 from .control_peer import make_layout
 from .core_shell import between_events
 
+# The silence rule, exact (with transport_liveness, the default, silence alone never ends a link whose
+# connection stands: test_control_liveness).
 OPTS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, lease_grace=0.4, request_timeout=20.0,
-                       handshake_timeout=2.0)
+                       handshake_timeout=2.0, transport_liveness=False)
 PREFILL = ProcessIdentity("host-a", 1, 1)
 ADDRESS = "tcp://prefill"
 PAGES = {"main": np.array([3, 4]), "c4": np.array([1])}
@@ -209,6 +211,43 @@ def test_a_silent_prefill_is_lost_exactly_after_peer_timeout() -> None:
     assert link.state is LinkState.DEAD and link in side.closed and side.removed == [link.agent]
     assert side.rec().state is RequestState.FAILED and isinstance(side.rec().error, PeerLost)
     assert side.core.quarantine.num_pages == 3 and side.core.leases.num_leases == 1
+
+
+def test_a_probe_is_echoed_on_a_link_still_held_and_not_on_one_declared_dead() -> None:
+    """Prefill, back from a stall, asks whether decode still holds the session: decode echoes the number on
+    a link it holds. A link it declared dead is closed; what arrives on it is never answered."""
+    side = Side()
+    link = side.connect()
+    side.inbox.pop(ADDRESS, None)
+    side.frame(link, wire.Heartbeat(probe=7))
+    assert [m.echo for m in side.inbox.pop(ADDRESS, []) if isinstance(m, wire.Heartbeat)] == [7]
+    side.tick(_after(link.clock.last_seen + OPTS.peer_timeout))   # prefill silent: the link dies
+    assert link.state is LinkState.DEAD and link in side.closed
+    side.inbox.pop(ADDRESS, None)
+    side.frame(link, wire.Heartbeat(probe=8))
+    assert not [m for m in side.inbox.get(ADDRESS, []) if isinstance(m, wire.Heartbeat) and m.echo]
+
+
+@pytest.mark.parametrize("silence", [0.61, 5.0, 3600.0])
+def test_a_starved_prefill_whose_connection_stands_is_ridden_out(silence: float) -> None:
+    """With transport_liveness (the default) prefill's silence alone, however long, never ends the link
+    while its connection stands: the lease waits, and the chunk that lands after the silence completes the
+    request. The connection dropping (its libzmq stopped answering) ends the link at once, pages quarantined."""
+    side = Side(EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, request_timeout=7200.0,
+                                handshake_timeout=2.0))
+    link = side.connect()
+    side.announce()
+    side.run_until(side.t + silence)                  # prefill's Python starved: not a frame from it
+    assert link.established and side.rec().is_live
+    side.notify(link)
+    assert side.rec().state is RequestState.DONE and side.core.leases.num_leases == 0
+
+    side.announce("s")
+    side.run_until(side.t + 1.0)
+    side.core.dropped(side.t, link, "ZMTP heartbeats unanswered")
+    side.carry_out()
+    assert link.state is LinkState.DEAD and side.rec("s").state is RequestState.FAILED
+    assert side.core.quarantine.num_pages == 3
 
 
 def test_the_handshake_deadline_is_exact() -> None:

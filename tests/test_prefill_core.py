@@ -30,8 +30,10 @@ from kvferry.integrity import DigestMode
 from .control_peer import make_layout
 from .core_shell import between_events
 
+# The silence rule, exact (with transport_liveness, the default, silence alone never ends a session whose
+# connection stands: test_control_liveness).
 OPTS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, lease_grace=0.4, request_timeout=20.0,
-                       handshake_timeout=2.0)
+                       handshake_timeout=2.0, transport_liveness=False)
 DECODE = ProcessIdentity("host-a", 4242, 7)
 PAGES = {"main": np.array([3, 4]), "c4": np.array([1])}
 SRC = {"main": np.array([10, 11]), "c4": np.array([5])}
@@ -183,11 +185,14 @@ def test_a_silent_decode_is_lost_exactly_after_peer_timeout() -> None:
     assert any(isinstance(m, wire.Bye) for m in peer.received())
 
 
-@pytest.mark.parametrize("stall", [0.0, 0.2, 0.5, 0.6, 0.61, 5.0, 3600.0])
-def test_a_stall_of_any_length_writes_nothing_once_decode_gave_up(stall: float) -> None:
-    """The prefill-stall case, exact: the write is decided, then the process stalls ``stall`` seconds before
-    posting it. It is posted only if decode cannot have given up on us by then (our last frame left at most
-    peer_timeout before); otherwise nothing is written, the request fails with PeerLost, the session ends."""
+def _probe_sent(peer: Peer, identity: bytes = b"d1") -> int:
+    """The newest probe number decode received (0: none), from its inbox (left in place)."""
+    probes = [m.probe for m in peer.inbox.get(identity, []) if isinstance(m, wire.Heartbeat) and m.probe]
+    return probes[-1] if probes else 0
+
+
+def _stalled_with_a_decided_write(stall: float) -> tuple[Peer, float]:
+    """A write decided (not posted), then the process stops ``stall`` seconds before its shell posts it."""
     peer = Peer()
     peer.connect()
     peer.run_until(1.0)
@@ -196,30 +201,110 @@ def test_a_stall_of_any_length_writes_nothing_once_decode_gave_up(stall: float) 
     assert len(peer.core.transfers) == 1 and not peer.in_flight   # decided, not yet posted
     last_sent = peer.core.sessions[b"d1"].clock.last_sent
     peer.t += stall
+    return peer, last_sent
+
+
+@pytest.mark.parametrize("stall", [0.0, 0.2, 0.5, 0.6, 0.61, 5.0, 3600.0])
+def test_a_stall_of_any_length_writes_nothing_once_decode_gave_up(stall: float) -> None:
+    """The prefill-stall case, exact: the write is decided, then the process stalls ``stall`` seconds before
+    posting it. It is posted at once only if decode cannot have given up on us by then (our last frame left
+    at most peer_timeout before). Otherwise it is held and decode is asked (a probe). A decode that gave up
+    closed its connection: nothing of it queued during the stall, nothing answers, so nothing is ever
+    written, and the session ends (decode silent, or the probe unanswered) within peer_timeout."""
+    peer, last_sent = _stalled_with_a_decided_write(stall)
     posted = peer.carry_out()
     if peer.t - last_sent <= OPTS.peer_timeout:
         assert len(posted) == 1 and peer.state() is RequestState.TRANSFERRING
         return
-    assert posted == [] and not peer.in_flight
+    assert posted == [] and not peer.in_flight and _probe_sent(peer)
     rec = peer.core.records["r"]
-    assert rec.state is RequestState.FAILED and "declared it dead" in str(rec.error)
-    assert not rec.handles and not rec.posting
-    peer.tick(peer.t)                    # the loop's next iteration ends the session: decode dropped us
+    assert rec.state is RequestState.TRANSFERRING and rec.posting   # held: it may yet be posted
+    peer.run_until(peer.t + OPTS.peer_timeout, heard=False)   # decode silent, or the probe unanswered
+    assert rec.state is RequestState.FAILED and isinstance(rec.error, PeerLost)
+    assert not rec.handles and not rec.posting and not peer.in_flight
     assert b"d1" not in peer.core.sessions and peer.removed == ["agent-d1"]
+
+
+def test_a_probe_unanswered_for_peer_timeout_ends_the_session() -> None:
+    """Decode's heartbeats still come (they queued during the stall), but no echo: a decode of an older
+    protocol, or one too starved to answer in time. The session ends exactly peer_timeout after the probe."""
+    peer, _ = _stalled_with_a_decided_write(5.0)
+    peer.frame(b"d1", wire.Heartbeat())   # queued during the stall, read right after it
+    peer.carry_out()
+    probe_deadline = peer.t + OPTS.peer_timeout
+    peer.run_until(probe_deadline)
+    assert b"d1" in peer.core.sessions and not peer.in_flight
+    assert peer.core.next_deadline() == _after(probe_deadline)
+    peer.tick(_after(probe_deadline))
+    rec = peer.core.records["r"]
+    assert rec.state is RequestState.FAILED and "did not answer" in str(rec.error)
+    assert not rec.posting and not peer.in_flight and b"d1" not in peer.core.sessions
+
+
+@pytest.mark.parametrize("stall", [0.61, 5.0, 3600.0])
+def test_a_starved_prefill_writes_once_decode_answers_that_it_still_holds_the_session(stall: float) -> None:
+    """Slow is not dead: decode kept the session through prefill's stall (its transport saw the connection
+    stand), so it echoes the probe; only then is the held write posted, and the request completes."""
+    peer, _ = _stalled_with_a_decided_write(stall)
+    assert peer.carry_out() == []
+    probe = _probe_sent(peer)
+    peer.t += 0.05
+    peer.frame(b"d1", wire.Heartbeat(echo=probe + 1))   # not the probe asked: changes nothing
+    assert not peer.in_flight
+    peer.frame(b"d1", wire.Heartbeat(echo=probe))
+    [ticket] = list(peer.in_flight)
+    peer.settle(ticket)
+    peer.frame(b"d1", wire.Result("r", 1, True, ""))
+    peer.core.settle_dirty(peer.t)
+    assert peer.state() is RequestState.DONE and b"d1" in peer.core.sessions
+    assert peer.core.num_probes == 1
+
+
+def test_what_decode_said_before_its_echo_is_read_first() -> None:
+    """Decode failed the request during the stall (its deadline, an abort): that Abort left before the echo
+    on the same connection, so it is read first and the held write is never posted."""
+    peer, _ = _stalled_with_a_decided_write(2.0)
+    peer.carry_out()
+    probe = _probe_sent(peer)
+    peer.frame(b"d1", wire.Abort("r", 1, "decode deadline passed"))
+    peer.frame(b"d1", wire.Heartbeat(echo=probe))
+    peer.core.settle_dirty(peer.t)
+    peer.carry_out()
+    assert not peer.in_flight and peer.state() is RequestState.FAILED
+    assert not peer.core.records["r"].posting
+    assert any(isinstance(m, wire.Fail) and m.settled for m in peer.received())
+
+
+def test_an_echo_of_an_earlier_probe_does_not_clear_a_later_stall() -> None:
+    """Each stall asks anew: decode's answer to the first probe says nothing of what it decided during the
+    second stall."""
+    peer, _ = _stalled_with_a_decided_write(2.0)
+    peer.carry_out()
+    first = _probe_sent(peer)
+    peer.t += 3.0                        # stalled again, before the answer was read
+    peer.core.check_silence(peer.t)
+    peer.carry_out()
+    second = _probe_sent(peer)
+    assert second != first
+    peer.frame(b"d1", wire.Heartbeat(echo=first))
+    assert not peer.in_flight
+    peer.frame(b"d1", wire.Heartbeat(echo=second))
+    assert len(peer.in_flight) == 1
 
 
 def test_a_stall_before_reading_makes_queued_frames_harmless() -> None:
     """Frames that queued while prefill stalled past peer_timeout do not revive the session: it is judged
-    before they are read, and an announce among them posts nothing."""
+    before they are read, and an announce among them posts nothing until decode answers the probe; without
+    an answer the session ends."""
     peer = Peer()
     peer.connect()
     peer.send()
     peer.t = 0.0 + OPTS.peer_timeout + 0.5
     peer.core.check_silence(peer.t)
     peer.announce()
-    assert not peer.in_flight and peer.state() is RequestState.FAILED
-    peer.tick(peer.t)
-    assert b"d1" not in peer.core.sessions
+    assert not peer.in_flight and peer.state() is not RequestState.FAILED
+    peer.tick(_after(peer.t + OPTS.peer_timeout))
+    assert b"d1" not in peer.core.sessions and peer.state() is RequestState.FAILED
 
 
 def test_a_dead_sessions_write_in_flight_keeps_the_agent_until_it_settles() -> None:
@@ -258,6 +343,31 @@ def test_abort_with_a_write_in_flight_tells_decode_twice() -> None:
     peer.settle(ticket)
     assert [m.settled for m in peer.received() if isinstance(m, wire.Fail)] == [True]
     assert not peer.core.active
+
+
+@pytest.mark.parametrize("silence", [0.61, 5.0, 3600.0])
+def test_a_starved_decode_whose_connection_stands_is_ridden_out(silence: float) -> None:
+    """With transport_liveness (the default) decode's silence alone, however long, never ends the session
+    while its connection stands: the write goes on, and decode's verdict after the silence completes the
+    request. A connection drop, with decode unheard since, ends it at once."""
+    opts = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.6, request_timeout=7200.0)
+    peer = Peer(opts)
+    peer.connect()
+    peer.send()
+    peer.announce()
+    [ticket] = list(peer.in_flight)
+    peer.settle(ticket)
+    peer.run_until(peer.t + silence, heard=False)     # decode's Python starved: not a frame from it
+    assert b"d1" in peer.core.sessions and peer.state() is RequestState.TRANSFERRING
+    peer.frame(b"d1", wire.Result("r", 1, True, ""))
+    peer.core.settle_dirty(peer.t)
+    assert peer.state() is RequestState.DONE
+
+    peer.connect(b"d2")
+    peer.run_until(peer.t + 1.0, heard=False)
+    peer.core.connection_dropped(peer.t)             # d2's libzmq stopped answering (SIGSTOP, a crash)
+    peer.tick(peer.t)
+    assert b"d2" not in peer.core.sessions
 
 
 def test_the_request_deadline_is_exact_to_the_deadline_check() -> None:

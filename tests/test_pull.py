@@ -234,7 +234,8 @@ def test_stalled_prefill_writes_nothing_into_reused_pages() -> None:
     """Issue 11's defect in pull mode: prefill 1 stalls (its progress thread holds its lock) with decode's
     pages X offered; decode declares it dead, frees X at once (no writer but itself), serves a second
     prefill's requests on X, verified. Prefill 1 resumes: nothing it does can change decode's memory."""
-    opts = EndpointOptions(heartbeat_interval=0.2, peer_timeout=1.0, lease_grace=0.2, request_timeout=30.0)
+    opts = EndpointOptions(heartbeat_interval=0.2, peer_timeout=1.0, lease_grace=0.2, request_timeout=30.0,
+                           transport_liveness=False)   # a thread's stall standing for a process's: silence decides
     src1, src2, dst = _memory("prefill", 7), _memory("prefill", 8), _memory("decode", 999)
     writer = NoWrites()
     with PrefillEndpoint(src1, writer, options=opts, mode="pull") as p1, \
@@ -344,7 +345,8 @@ def test_stalled_reader_accepts_nothing_prefill_released() -> None:
     """The late reader: decode stalls between its check and its read for longer than prefill's source hold
     after the session's death. Prefill releases, its engine reuses the source pages, decode then copies the
     new bytes, and its fence (not digests: they are off here) refuses them; the request is never DONE."""
-    opts = EndpointOptions(heartbeat_interval=0.2, peer_timeout=1.0, lease_grace=0.2, request_timeout=30.0)
+    opts = EndpointOptions(heartbeat_interval=0.2, peer_timeout=1.0, lease_grace=0.2, request_timeout=30.0,
+                           transport_liveness=False)   # a thread's stall standing for a process's: silence decides
     src, dst = _memory("prefill", 7), _memory("decode", 999)
     reader = StallingReader(stall=1.0 + 2 * 1.0 + 0.2 + 1.5)   # death (1 s) + hold (2.2 s) + a margin
     with PrefillEndpoint(src, "local", options=opts, mode="pull", digest_mode="off") as prefill, \

@@ -5,7 +5,8 @@ DEALER per prefill), announces each request with its destination pages (a lease)
 after every chunk's transport notification arrived and its digests verified; a failed request's pages stay
 quarantined until no write to them can land (docs/fencing.md). What to do about each of those is
 ``DecodeCore``'s decision (the protocol, in ``control.core``); this module does what the core cannot: it
-owns the sockets and their monitors, the progress thread, the clock, the transport and the read handles.
+owns the sockets and their monitors (``dealers.DealerPorts``), the progress thread, the clock, the transport
+and the read handles (``inflight.InFlight``).
 It feeds the core events (the caller's commands, frames, dropped connections, transport notifications,
 reads posted and settled, a transport peer added, a writer found gone or not, ticks) and carries out the
 actions the core queues (messages, pull-mode reads, ``OpenLink``, ``CloseLink``, ``AddPeer``,
@@ -19,9 +20,6 @@ import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
-
-import zmq
-import zmq.utils.monitor
 
 from kvferry.control import wire
 from kvferry.control.core.admission import as_secret
@@ -37,17 +35,18 @@ from kvferry.control.core.decode import (
 )
 from kvferry.control.core.decode_requests import DecodeRequest
 from kvferry.control.core.links import Link
-from kvferry.control.core.states import LinkState
-from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions
+from kvferry.control.dealers import DealerPorts
+from kvferry.control.endpoints import EndpointBase, EndpointOptions, entropy
+from kvferry.control.inflight import InFlight
 from kvferry.control.liveness import this_process
 from kvferry.control.pull import DEFAULT_MODE, check_mode, check_pull_options
 from kvferry.control.quarantine import writer_gone
-from kvferry.errors import HandshakeError, KVFerryError, PeerLost, ProtocolError, TransportError, UsageError
+from kvferry.errors import HandshakeError, KVFerryError, PeerLost, TransportError, UsageError
 from kvferry.integrity.binding import as_binding
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.prefix import prefix_pages
 from kvferry.plan.tp import source_ranks
-from kvferry.transport import TransferHandle, Transport
+from kvferry.transport import Transport
 
 __all__ = ["RETRY_AFTER", "RETRY_MAX", "DecodeEndpoint"]
 
@@ -70,6 +69,7 @@ class DecodeEndpoint(EndpointBase):
 
     _role = "decode"
     core: DecodeCore
+    _port: DealerPorts
 
     def __init__(self, memory: KVMemory, transport: str | Transport = "nixl", *,
                  secret: str | bytes | None = None, digest_mode: Any = "sampled",
@@ -80,16 +80,15 @@ class DecodeEndpoint(EndpointBase):
         self._secret = as_secret(secret)
         super().__init__(memory, transport, digest_mode=digest_mode, options=options)
         self.mode = mode
-        # The shell's own: each link's socket and monitor, and the reads posted (the handle is the ticket).
-        self._socks: dict[Link, tuple[Any, Any]] = {}
-        self._by_sock: dict[Any, Link] = {}
-        self._monitors: dict[Any, Link] = {}
-        self._reads: dict[TransferHandle, None] = {}
+        self._reads = InFlight()   # pull-mode reads posted (the handle is the core's ticket)
         self._thread.start()
 
     def _make_core(self) -> DecodeCore:
         setup = DecodeSetup(self.transport.name, self.transport_metadata, this_process(), self._secret)
-        return DecodeCore(self.memory, setup, self.options, self.digest_mode, self._stats, self._entropy)
+        return DecodeCore(self.memory, setup, self.options, self.digest_mode, self._stats, entropy)
+
+    def _make_port(self) -> DealerPorts:
+        return DealerPorts(self._sockets, self.core)
 
     @property
     def num_stray_notifications(self) -> int:
@@ -309,7 +308,7 @@ class DecodeEndpoint(EndpointBase):
     def _await_links(self, links: list[Link], deadline: float) -> None:
         """Wait until every handshake ended, or until ``deadline`` whatever the progress thread does (a
         short grace first lets its own deadline, with its own reason, win); raise the first failure."""
-        if not self._wait_for(lambda: all(not x.connecting for x in links), deadline + 0.05):
+        if not self._waiters.wait_for(lambda: all(not x.connecting for x in links), deadline + 0.05):
             self._give_up(links)
         for link in links:
             if not link.established:
@@ -331,9 +330,9 @@ class DecodeEndpoint(EndpointBase):
     def _apply(self, effect: Effect) -> None:
         core = self.core
         if isinstance(effect, OpenLink):
-            self._open_link(effect.link, effect.hello)
+            self._port.open(effect.link, effect.hello)
         elif isinstance(effect, CloseLink):
-            self._close_link(effect.link)
+            self._port.close_link(effect.link)
         elif isinstance(effect, AddPeer):
             try:
                 agent = self.transport.add_peer(effect.meta)
@@ -354,22 +353,23 @@ class DecodeEndpoint(EndpointBase):
 
     def _carry_out(self, transfer: Transfer) -> None:
         """Post one pull-mode read the core decided (decode's only transfers), between events, with the
-        endpoint's lock let go (``_unlocked``): on one host (cma) the copy runs inside this call, with the
-        GIL released, and callers (``announce`` above all) proceed alongside it rather than queue behind the
-        whole iteration. The core checks each part again first (``start_read``: the request still live,
-        the fence still holding). Only this thread posts and settles reads; an ``abort`` meanwhile fails the
-        request, but its lease cannot end under the read (``posting`` counts as a read in flight). A read
-        that fails to post fails every request in it."""
+        endpoint's lock let go (``ActionRunner.unlocked``): on one host (cma) the copy runs inside this
+        call, with the GIL released, and callers (``announce`` above all) proceed alongside it rather than
+        queue behind the whole iteration. The core checks each part again first (``start_read``: the
+        request still live, the fence still holding). Only this thread posts and settles reads; an
+        ``abort`` meanwhile fails the request, but its lease cannot end under the read (``posting`` counts
+        as a read in flight). A read that fails to post fails every request in it."""
         job = self.core.start_read(time.monotonic(), transfer)
         if job is None:
             return
         try:
-            handle = self._unlocked(job.parts, lambda: self.transport.read(job.plan, job.agent, label=job.label))
+            handle = self._actions.unlocked(job.parts,
+                                            lambda: self.transport.read(job.plan, job.agent, label=job.label))
         except KVFerryError as exc:
             self.core.read_failed(time.monotonic(), job, exc)
             return
         handle = self._stats.posted(job.plan, handle)
-        self._reads[handle] = None
+        self._reads.add(handle)
         self.core.read_posted(job, handle)
         if time.monotonic() - self._published_at >= PUBLISH_S:
             # A long run of reads (one frame can carry dozens of Readys): conclude the finished ones now
@@ -384,7 +384,7 @@ class DecodeEndpoint(EndpointBase):
 
     def _pump_reads(self) -> bool:
         """Poll every read in flight; feed each that ended to the core. True when one did."""
-        return self._settle_handles(self._reads, self.core.read_settled)
+        return self._reads.settle(time.monotonic(), self.core.read_settled)
 
     def _take_notifications(self) -> bool:
         """Feed the transport's notifications to the core; True when there was one."""
@@ -399,87 +399,3 @@ class DecodeEndpoint(EndpointBase):
             for agent, data in notifications:
                 self.core.on_notification(now, agent, data)
         return bool(notifications)
-
-    # -- sockets (progress thread) ---------------------------------------------------------------------
-    def _open_link(self, link: Link, hello: bytes) -> None:
-        sock = self._new_socket(zmq.DEALER)
-        # libzmq drops a connection that sends more than max_message_bytes without telling the socket;
-        # its monitor does tell, so a dropped connection fails the link now rather than at a deadline.
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(link.address)
-        self._poller.register(sock, zmq.POLLIN)
-        self._poller.register(monitor, zmq.POLLIN)
-        self._socks[link] = (sock, monitor)
-        self._by_sock[sock] = link
-        self._monitors[monitor] = link
-        self._send_frame(link, hello)
-
-    def _close_link(self, link: Link) -> None:
-        self.core.take_out(link)   # closed with linger 0: what it had not sent is dropped
-        socks = self._socks.pop(link, None)
-        if socks is None:
-            return
-        sock, monitor = socks
-        self._poller.unregister(monitor)
-        self._monitors.pop(monitor, None)
-        with contextlib.suppress(zmq.ZMQError):
-            sock.disable_monitor()
-            monitor.close(0)
-        self._poller.unregister(sock)
-        self._by_sock.pop(sock, None)
-        sock.close(0)
-
-    def _on_frames(self, sock: Any, frames: list[bytes]) -> None:
-        link = self._monitors.get(sock)
-        if link is not None:
-            self._on_monitor(link, frames)
-            return
-        link = self._by_sock.get(sock)
-        if link is None:
-            return
-        if len(frames) != 1:
-            raise ProtocolError(f"expected one frame, got {len(frames)}")
-        self.core.on_frame(self._recv_time, link, frames[0])
-
-    def _on_monitor(self, link: Link, frames: list[bytes]) -> None:
-        try:
-            event = zmq.utils.monitor.parse_monitor_message(frames)["event"]
-        except Exception as exc:  # a malformed event frame: pyzmq's own format, so a bug; name it
-            raise ProtocolError(f"unreadable socket event for prefill {link.address}: {exc!r}") from exc
-        if event == zmq.EVENT_DISCONNECTED and link.state in (LinkState.CONNECTING, LinkState.ESTABLISHED):
-            self.core.dropped(self._recv_time, link, "libzmq reported the disconnect")
-
-    def _socket_failed(self, sock: Any, exc: zmq.ZMQError) -> None:
-        link = self._by_sock.get(sock) or self._monitors.get(sock)
-        if link is not None:
-            self.core.dropped(time.monotonic(), link, f"receive failed: {exc}")
-
-    def _send_frame(self, link: Link, frame: bytes) -> None:
-        """Send without blocking; the core hears that it left (``frame_sent``: pull mode's fence is judged
-        first). A failed send (``zmq.Again``: the connection is gone and no message can queue; any other
-        ZMQ error) fails this link, never the loop."""
-        socks = self._socks.get(link)
-        if socks is None:
-            return
-        now = time.monotonic()
-        try:
-            socks[0].send(frame, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            self.core.dropped(now, link, f"send failed: {exc}")
-            return
-        self.core.frame_sent(now, link)
-
-    def _send_raw_frame(self, link: Link, data: bytes) -> None:
-        self._send_frame(link, data)
-
-    def _flush(self) -> None:
-        super()._flush()
-        core = self.core
-        while core.effects:   # a send that failed ended its link: close it now
-            self._apply(core.effects.popleft())
-
-    def _close_sockets(self) -> None:
-        for sock, monitor in self._socks.values():
-            monitor.close(0)
-            sock.close(FLUSH_MS)  # let the last Result and Bye leave; bounded if the peer is gone
-        self._socks.clear()

@@ -3,10 +3,11 @@
 The top of the control plane (with ``decode``). Prefill binds a ZMQ ROUTER; each decode connects,
 handshakes and announces requests with destination pages; the engine calls ``send`` as KV becomes ready.
 What to do about each of those is ``PrefillCore``'s decision (the protocol, in ``control.core``); this
-module does what the core cannot: it owns the socket, the progress thread, the clock, the transport and
-the transfer handles. It feeds the core events (frames, commands, writes posted and settled, a transport
-peer added, a process found gone, a dropped connection, ticks) and carries out the actions the core
-queues (messages, writes, ``AddPeer``, ``RemovePeer``, ``CheckProcess``, ``FlushNow``).
+module does what the core cannot: it owns the socket (``router.RouterPort``), the progress thread, the
+clock, the transport and the transfer handles (``inflight.InFlight``). It feeds the core events (frames,
+commands, writes posted and settled, a transport peer added, a process found gone, a dropped connection,
+ticks) and carries out the actions the core queues (messages, writes, ``AddPeer``, ``RemovePeer``,
+``CheckProcess``, ``FlushNow``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
-
-import zmq
 
 from kvferry.control import wire
 from kvferry.control.core.admission import as_secret
@@ -34,14 +33,16 @@ from kvferry.control.core.prefill_requests import (
     may_free,
     source_in_use,
 )
-from kvferry.control.endpoints import FLUSH_MS, EndpointBase, EndpointOptions
+from kvferry.control.endpoints import EndpointBase, EndpointOptions, entropy
+from kvferry.control.inflight import InFlight
 from kvferry.control.liveness import is_gone, this_process
 from kvferry.control.pull import DEFAULT_MODE, accepted_modes
-from kvferry.errors import EndpointClosed, KVFerryError, ProtocolError, TransportError, UsageError
+from kvferry.control.router import RouterPort
+from kvferry.errors import KVFerryError, TransportError, UsageError
 from kvferry.integrity.binding import as_binding
 from kvferry.integrity.sampling import PageSampler
 from kvferry.layout.memory import KVMemory
-from kvferry.transport import TransferHandle, Transport
+from kvferry.transport import Transport
 
 __all__ = ["PrefillEndpoint"]
 
@@ -60,41 +61,29 @@ class PrefillEndpoint(EndpointBase):
 
     _role = "prefill"
     core: PrefillCore
+    _port: RouterPort
 
     def __init__(self, memory: KVMemory, transport: str | Transport = "nixl", *, host: str = "127.0.0.1",
                  port: int = 0, secret: str | bytes | None = None, digest_mode: Any = "sampled",
                  options: EndpointOptions | None = None, mode: str | Iterable[str] = DEFAULT_MODE) -> None:
         self.modes = accepted_modes(mode)
         self._secret = as_secret(secret)
+        self._listen = (host, port)   # bound by _make_port, before the thread starts
         super().__init__(memory, transport, digest_mode=digest_mode, options=options)
-        self._writes: dict[TransferHandle, None] = {}   # posted writes, in order (the handle is the core's ticket)
-        self._monitor: Any = None
-        try:
-            self._sock = self._new_socket(zmq.ROUTER)
-            try:
-                self._sock.bind(f"tcp://{host}:{port}")
-            except zmq.ZMQError as exc:
-                self._sock.close(0)
-                raise EndpointClosed(f"prefill: cannot listen on tcp://{host}:{port}: {exc}") from exc
-        except BaseException:
-            self._release_resources()   # the thread never started: nothing else would close them
-            raise
-        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.address: str = self._port.address
         self.core.setup = dataclasses.replace(self.core.setup, address=self.address)   # known once bound
-        self._poller.register(self._sock, zmq.POLLIN)
-        # transport_liveness: libzmq's monitor says a connection dropped (a reset, or ZMTP heartbeats
-        # unanswered for peer_timeout), not whose: ROUTER_NOTIFY, which would, is a draft API. So every
-        # session not heard from since the last drop falls back to the silence rule (core.connected_for).
-        if self.options.transport_liveness:
-            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            self._poller.register(self._monitor, zmq.POLLIN)
+        self._writes = InFlight()   # posted writes, in order (the handle is the core's ticket)
         self._sampler = PageSampler()  # sampling for send()'s digests
         self._thread.start()
 
     def _make_core(self) -> PrefillCore:
         setup = PrefillSetup("", self.transport.name, getattr(self.transport, "descriptors", "dlist"),
                              self.transport_metadata, this_process(), self._secret, self.modes)
-        return PrefillCore(self.memory, setup, self.options, self.digest_mode, self._stats, self._entropy)
+        return PrefillCore(self.memory, setup, self.options, self.digest_mode, self._stats, entropy)
+
+    def _make_port(self) -> RouterPort:
+        host, port = self._listen
+        return RouterPort(self._sockets, self.core, host, port)
 
     # -- public API: any thread ------------------------------------------------------------------------
     def send(self, request_id: str, pages: Mapping[str, Any], *, offset: int | Mapping[str, int] = 0,
@@ -226,12 +215,12 @@ class PrefillEndpoint(EndpointBase):
 
     # -- carrying out the core's actions (progress thread, under the lock) ------------------------------
     def _carry_out(self, transfer: Transfer) -> None:
-        """Post one write the core decided, between events, with the endpoint's lock let go (``_unlocked``):
-        on one host (cma) the copy runs inside this call, hundreds of microseconds with the GIL released,
-        and callers' ``send`` (hashing, queueing the next chunk) and ``wait`` then proceed alongside it
-        rather than queue behind the whole iteration. The core checks each record again first
-        (``start_write``: the lock was free since the decision); a write that fails to post fails every
-        record in it.
+        """Post one write the core decided, between events, with the endpoint's lock let go
+        (``ActionRunner.unlocked``): on one host (cma) the copy runs inside this call, hundreds of
+        microseconds with the GIL released, and callers' ``send`` (hashing, queueing the next chunk) and
+        ``wait`` then proceed alongside it rather than queue behind the whole iteration. The core checks
+        each record again first (``start_write``: the lock was free since the decision); a write that
+        fails to post fails every record in it.
 
         Only this thread touches the transport and posts or settles writes, so what a caller may do in
         the meantime cannot race the write: ``send`` queues, ``abort`` fails the record (its settled
@@ -240,13 +229,13 @@ class PrefillEndpoint(EndpointBase):
         if write is None:
             return
         try:
-            handle = self._unlocked(write.records, lambda: self.transport.write(
+            handle = self._actions.unlocked(write.records, lambda: self.transport.write(
                 write.plan, write.agent, write.notification, label=write.label))
         except KVFerryError as exc:
             self.core.write_failed(time.monotonic(), write, exc)
             return
         handle = self._stats.posted(write.plan, handle)
-        self._writes[handle] = None
+        self._writes.add(handle)
         self.core.write_posted(write, handle)
 
     def _apply(self, effect: Effect) -> None:
@@ -272,39 +261,9 @@ class PrefillEndpoint(EndpointBase):
             self.transport.get_notifications()  # prefill expects none; the call drives the backend's progress
         except KVFerryError as exc:  # handles report their own failures; the loop goes on
             log.warning("prefill: driving the transport failed: %s", exc)
-        self._settle_handles(self._writes, self.core.write_settled)
+        self._writes.settle(time.monotonic(), self.core.write_settled)
         return self.core.settle_dirty(time.monotonic())
-
-    # -- sockets (progress thread) ---------------------------------------------------------------------
-    def _on_frames(self, sock: Any, frames: list[bytes]) -> None:
-        if sock is self._monitor:
-            self.core.connection_dropped(self._recv_time)
-            return
-        if len(frames) != 2:
-            raise ProtocolError(f"expected identity and one frame, got {len(frames)} frames")
-        identity, data = frames
-        self.core.on_frame(self._recv_time, identity, data)
-
-    def _send_frame(self, identity: bytes, frame: bytes) -> None:
-        self._send_raw_frame(identity, frame)
-        self.core.frame_sent(time.monotonic(), identity)
-
-    def _send_raw_frame(self, identity: bytes, data: bytes) -> None:
-        with contextlib.suppress(zmq.ZMQError):  # a vanished peer: heartbeats will notice
-            self._sock.send_multipart([identity, data], zmq.NOBLOCK)
-
-    def _socket_failed(self, sock: Any, exc: zmq.ZMQError) -> None:
-        # The one ROUTER serves every decode: without it this endpoint cannot go on. Stop the loop, which
-        # fails every request and session with the cause.
-        raise EndpointClosed(f"prefill: receiving on {self.address} failed: {exc}") from exc
 
     def _shutdown_step(self) -> bool:
         self._pump()
         return super()._shutdown_step()
-
-    def _close_sockets(self) -> None:
-        if self._monitor is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.disable_monitor()
-            self._monitor.close(0)
-        self._sock.close(FLUSH_MS)  # let the last Fail and Bye leave; bounded if the peer is gone

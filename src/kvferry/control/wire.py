@@ -21,6 +21,7 @@ Flow (decode D, prefill P)::
     P -> D  Cancel (request): P failed it before any decode announced it   D keeps it FAILED (refuses nothing)
     D -> P  Result (ok or not, after digests verified)       either  Abort / Fail (settled: no write can land)
     either  Heartbeat, Bye
+    P -> D  Heartbeat (probe n), after prefill's own stall   D -> P  Heartbeat (echo n), if D still holds the link
     either  Batch (several of the messages above, once established: see below)
 
 Batching: under load one progress-loop iteration often has several messages for one peer (decode's Results
@@ -89,7 +90,13 @@ __all__ = ["BATCH_BYTES", "KINDS", "MAX_BATCH", "PROTOCOL_VERSION", "Abort", "Ac
 #    request), which prefill compares with its own before any byte moves: a hand-off of another prompt's KV
 #    is refused on both sides (Fail kind "binding"). Fail kind "unknown": an announce for an id prefill never
 #    issued (EndpointOptions.refuse_unissued). A v6 peer would ignore the binding, so the version changes.
-PROTOCOL_VERSION = 7
+# 8: Heartbeat carries a probe number (prefill -> decode) and its echo (decode -> prefill). A prefill whose
+#    own frames paused past peer_timeout (a stall, or a starved progress thread) no longer ends its sessions
+#    blind: it defers every post for the session and asks; decode echoes on a link it still holds, and the
+#    echo (read after every message decode sent before it: one connection is ordered) lets the posts go on.
+#    A v7 decode would ignore the probe and every stalled session would end a peer_timeout later than
+#    before, so the version changes.
+PROTOCOL_VERSION = 8
 
 # Caps on untrusted input, far above real use and far below what exhausts memory.
 MAX_ID_LEN = 256
@@ -98,6 +105,7 @@ MAX_BLOB = 48 << 20          # manifests and transport metadata of the largest l
 MAX_POOLS = 1024
 MAX_PAGES_BYTES = 8 << 20    # one million int64 pages per pool per request
 MAX_BATCH = 256              # messages in one Batch (a receiver refuses more)
+MAX_PROBE = (1 << 63) - 1    # a probe number (an int64 on the wire)
 BATCH_BYTES = 1 << 20        # a sender's budget per Batch; a larger message goes alone
 
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN)]
@@ -260,7 +268,11 @@ class Ready(_ChunkHead):
 
 
 class Heartbeat(_Msg):
-    pass
+    """Liveness. ``probe`` (prefill, after its own stall): "do you still hold this session?"; decode answers
+    with ``echo`` set to the same number on a link it still holds (docs/protocol.md, "Slow is not dead")."""
+
+    probe: Annotated[int, msgspec.Meta(ge=0, le=MAX_PROBE)] = 0
+    echo: Annotated[int, msgspec.Meta(ge=0, le=MAX_PROBE)] = 0
 
 
 class Batch(_Msg):

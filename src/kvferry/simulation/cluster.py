@@ -22,7 +22,7 @@ workload from the seed, schedules the faults, runs the event loop, and checks af
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvferry.control.core.states import RequestState
@@ -101,9 +101,11 @@ class World:
     def __init__(self, seed: int, cfg: SimConfig, swarm: Swarm | None = None, without: tuple[str, ...] = ()) -> None:
         self.sim = Sim(seed)
         self.cfg = cfg
-        self.options = cfg.options
         drawn = Swarm.draw(self.sim.rng_fault, cfg.faults)   # always drawn: the fault stream stays the same
+        if cfg.faults:
+            drawn = drawn.with_liveness(self.sim.rng_live)
         self.swarm = (swarm if swarm is not None else drawn).without(*without)
+        self.options = replace(cfg.options, transport_liveness=self.swarm.zmtp)
         self.net = Net(self)
         self.transport = Transport(self)
         self.agents: dict[str, Node] = {}
@@ -175,6 +177,12 @@ class World:
                 if t >= self.cfg.fault_until:
                     break
                 self.sim.at(t, fn)
+        t = 0.0
+        while s.starve_rate > 0:   # its own stream: switching it off (shrinking) moves no other fault
+            t += self.sim.rng_live.expovariate(s.starve_rate)
+            if t >= self.cfg.fault_until:
+                break
+            self.sim.at(t, self.starve_one)
 
     def partition(self) -> None:
         rng = self.sim.rng_fault
@@ -183,6 +191,33 @@ class World:
         key = (d.name, p.name)
         self.net.partitions[key] = max(self.net.partitions.get(key, 0.0), heal)
         self.sim.log("net", f"partition {d.name}|{p.name} until {heal:.4f}")
+        if self.swarm.zmtp:   # neither end's heartbeats get through: libzmq drops the connection
+            self.sim.at(self.zmtp_deadline(), self.zmtp_partition, d, p)
+
+    def zmtp_deadline(self) -> float:
+        """When libzmq drops a connection whose far end went quiet now: ``peer_timeout`` after the first
+        heartbeat that goes unanswered, which leaves within ``heartbeat_interval``."""
+        return self.sim.now + self.options.peer_timeout + self.sim.rng_live.random() * self.options.heartbeat_interval
+
+    def zmtp_partition(self, d: DecodeNode, p: PrefillNode) -> None:
+        if self.net.partitions.get((d.name, p.name), 0.0) > self.sim.now:
+            self.net.cut_pair(d, p, "partitioned past peer_timeout")
+
+    def stopped(self, node: Node) -> None:
+        """``node`` was stopped (SIGSTOP): with ZMTP heartbeats its peers' libzmq drop their connections to it
+        if it is still stopped ``peer_timeout`` later (its own libzmq is stopped too: it answers none)."""
+        if self.swarm.zmtp:
+            self.sim.at(self.zmtp_deadline(), self.zmtp_stopped, node, node.inc)
+
+    def zmtp_stopped(self, node: Node, inc: int) -> None:
+        if node.inc == inc and not node.crashed and self.sim.now < node.stalled_until and not node.starving:
+            self.net.cut_node(node, "stopped past peer_timeout")
+
+    def starve_one(self) -> None:
+        """CPU starvation: the node's Python does not run; its libzmq answers heartbeats, so no connection
+        drops, however long (its peers find it slow, not dead)."""
+        node = self.sim.rng_live.choice(self.nodes)
+        node.stall(self.sim.rng_live.random() * self.swarm.starve_max, starving=True)
 
     def stall_one(self) -> None:
         node = self.sim.rng_fault.choice(self.nodes)

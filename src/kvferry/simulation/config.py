@@ -16,8 +16,9 @@ from kvferry.layout.spec import Buffer, Layout, Pool
 __all__ = ["OPTIONS", "SimConfig", "Swarm", "sim_layout"]
 
 # Short timers: a run covers many peer timeouts, deadlines and grace periods in a few simulated seconds.
+# ``transport_liveness`` is each seed's (``Swarm.zmtp``): the world copies these with it set.
 OPTIONS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.5, request_timeout=3.0, lease_grace=0.3,
-                          handshake_timeout=1.0, batch_chunks=8)
+                          handshake_timeout=1.0, batch_chunks=8, transport_liveness=False)
 
 
 def sim_layout(side: str, pages: int = 128) -> Layout:
@@ -85,6 +86,13 @@ class Swarm:
     layered: float = 0.2
     prefix: float = 0.3
     digest: str = "off"
+    # Liveness (issue 29): with ``zmtp`` the cores run with ``transport_liveness`` and the network keeps
+    # libzmq's ZMTP heartbeats: a connection whose far end is stopped (SIGSTOP) or partitioned away for
+    # ``peer_timeout`` drops, as libzmq drops it. ``starve``: a node's Python does not run for up to
+    # ``starve_max`` while its libzmq goes on answering (CPU starvation): its connections stand.
+    zmtp: bool = False
+    starve_rate: float = 0.0
+    starve_max: float = 0.0
 
     @classmethod
     def draw(cls, rng: random.Random, faults: bool = True) -> Swarm:
@@ -118,6 +126,14 @@ class Swarm:
         profile = rng.choice([None, None, None, *PROFILES])
         return drawn if profile is None else replace(drawn, **PROFILES[profile])
 
+    def with_liveness(self, rng: random.Random) -> Swarm:
+        """Half the seeds judge liveness by ZMTP heartbeats (the default since protocol 8), and half of those
+        starve nodes. From a stream of its own (``Sim.rng_live``), so that adding it moved no other draw."""
+        if rng.random() >= 0.5:
+            return self
+        starve = rng.uniform(0.1, 1.0) if rng.random() < 0.5 else 0.0
+        return replace(self, zmtp=True, starve_rate=starve, starve_max=rng.choice([0.7, 2.0, 5.0]))
+
     def describe(self) -> str:
         return " ".join(f"{f.name}={getattr(self, f.name):.3g}" if isinstance(getattr(self, f.name), float)
                         else f"{f.name}={getattr(self, f.name)}" for f in fields(self)
@@ -140,4 +156,4 @@ PROFILES: dict[str, dict[str, float | str]] = {
 }
 
 FAULT_KINDS = ("spike", "cut_rate", "partition_rate", "stall_rate", "stall_post", "crash_rate", "transfer_fail",
-               "slow_transfer", "prefill_abort", "decode_abort", "cancel", "retry")
+               "slow_transfer", "prefill_abort", "decode_abort", "cancel", "retry", "starve_rate")

@@ -141,6 +141,7 @@ class Node:
         self.inc = 0
         self.crashed = False
         self.stalled_until = 0.0
+        self.starving = False
         self.resumed_at = 0.0
         self.pending_wake = math.inf
         self.wake_token = 0
@@ -313,14 +314,22 @@ class Node:
         raise NotImplementedError
 
     # -- faults --------------------------------------------------------------------------------------------
-    def stall(self, seconds: float) -> None:
+    def stall(self, seconds: float, *, starving: bool = False) -> None:
+        """Handle nothing for ``seconds``: stopped (SIGSTOP: libzmq stopped too), or only ``starving`` (its
+        Python gets no CPU; libzmq's I/O thread still answers heartbeats). A stop within a starvation stops."""
         if self.crashed:
             return
+        if self.sim.now >= self.stalled_until:
+            self.starving = starving
+        elif not starving:
+            self.starving = False
         self.stalled_until = max(self.stalled_until, self.sim.now + seconds)
         self.resumed_at = self.stalled_until
         self.pending_wake = math.inf
         self.schedule(self.stalled_until)
-        self.sim.log(self.name, f"stalled until {self.stalled_until:.4f}")
+        self.sim.log(self.name, f"{'starved' if starving else 'stalled'} until {self.stalled_until:.4f}")
+        if not starving:
+            self.world.stopped(self)
 
     def crash(self) -> None:
         if self.crashed:
@@ -349,7 +358,7 @@ class Node:
 
     # -- the shell's loop ------------------------------------------------------------------------------------
     def between(self, now: float) -> None:
-        """Carry out what the last event decided: effects, then transfers (``endpoints._between_events``)."""
+        """Carry out what the last event decided: effects, then transfers (``actions.ActionRunner.run``)."""
         core = self.core
         while core.effects or core.transfers:
             while core.effects:

@@ -68,6 +68,7 @@ class Sim:
         self.rng_work = random.Random(seed * 4 + 1)
         self.rng_fault = random.Random(seed * 4 + 2)
         self.rng_lat = random.Random(seed * 4 + 3)
+        self.rng_live = random.Random(seed * 4 + 4 + (1 << 40))   # liveness mode, starvation, ZMTP timing
         self.trace: deque[tuple[float, str, str]] = deque(maxlen=TRACE_LEN)
         self.events = 0
 
@@ -259,6 +260,17 @@ class Net:
         if conn.prefill is not None and not conn.prefill.crashed:
             conn.prefill.frames.append(("dropped", b"", b""))
             conn.prefill.kick()
+
+    def cut_node(self, node: Any, why: str) -> None:
+        """Every open connection of ``node`` drops (libzmq's heartbeats went unanswered: both ends see it)."""
+        for conn in [c for c in self.by_link.values() if c.open and (c.decode is node or c.prefill is node)]:
+            self.sim.log("net", f"zmtp drop {conn.decode.name}->{conn.prefill.name if conn.prefill else '?'}: {why}")
+            self.close(conn.link, tell_decode=True)
+
+    def cut_pair(self, decode: Any, prefill: Any, why: str) -> None:
+        for conn in [c for c in self.by_link.values() if c.open and c.decode is decode and c.prefill is prefill]:
+            self.sim.log("net", f"zmtp drop {decode.name}->{prefill.name}: {why}")
+            self.close(conn.link, tell_decode=True)
 
     def cut_random(self) -> None:
         conns = [c for c in self.by_link.values() if c.open]

@@ -52,6 +52,8 @@ class Messages:
     def on_message(self, link: Link, msg: Any) -> None:
         core = self.core
         if isinstance(msg, wire.Heartbeat):
+            if msg.probe:   # prefill stalled and asks whether we still hold this link: we do
+                core.send(link, wire.Heartbeat(echo=msg.probe))
             return
         if isinstance(msg, wire.Ack):
             rec = self.lookup(link, msg.request_id, msg.generation)

@@ -51,8 +51,9 @@ class EndpointOptions:
       GIL-starved peer still does, while a stopped, hung-in-the-kernel or dead one does not. A dropped
       connection (that, a reset, a refusal) ends the peer at once; application-level silence past
       ``peer_timeout`` only makes it *suspect* (requests ride it out, bounded by ``request_timeout``).
-      Prefill's check of its own stall is unchanged (docs/protocol.md, "Slow is not dead"). Both sides
-      of a pair should agree. Off by default for now (see that section).
+      A prefill back from its own stall asks decode before writing again (a probe, protocol 8;
+      docs/protocol.md, "Slow is not dead"). On by default; off, silence past ``peer_timeout`` is loss
+      (the rule before issue 29). Both sides of a pair should agree.
     """
 
     heartbeat_interval: float = 0.5
@@ -67,7 +68,7 @@ class EndpointOptions:
     batch_bytes: int = 8 << 20
     stats: bool = True
     refuse_unissued: bool = False
-    transport_liveness: bool = False
+    transport_liveness: bool = True
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "peer_timeout", "request_timeout", "lease_grace",

@@ -121,6 +121,8 @@ class PrefillCore(CoreBase):
         self.issued: OrderedDict[str, None] = OrderedDict()
         # transport_liveness: when a connection last dropped (the shell's monitor says that one did, not whose).
         self.last_drop = -math.inf
+        self.probes = 0       # the last probe number sent (liveness.probe)
+        self.num_probes = 0   # probes sent: how often this prefill found itself stalled past peer_timeout
         # The decisions, by concern; each part reads and changes this core's state.
         self.handshake = Handshake(self)
         self.announces = Announces(self)
@@ -202,6 +204,13 @@ class PrefillCore(CoreBase):
         decision: one that failed or lost its session is not written) and say what to post, or None."""
         self.now = now
         session: Session = transfer.peer
+        if session.established and (session.probe or session.clock.we_were_silent(now)):
+            # A stall between the decision and now: decode may have given up on us. Posted once it
+            # answers (checked again then), never before; failed with the session if it does not.
+            if not session.probe:
+                self.liveness.probe(session, now)
+            session.parked.append(transfer)
+            return None
         group = [q for q in transfer.group if self.writer.still_current(q.rec, session)]
         if not group:
             return None
@@ -329,16 +338,17 @@ class PrefillCore(CoreBase):
 
     def check_silence(self, now: float) -> None:
         # Before reading: a session we sent nothing to for longer than peer_timeout (this process stalled)
-        # has been declared dead by its decode, whatever frames queued meanwhile say. It posts nothing
-        # more; what those frames report (a verdict, an abort) is still read, then tick ends the session.
+        # may have been declared dead by its decode, whatever frames queued meanwhile say. It posts nothing
+        # until decode answers a probe; what the queued frames report (a verdict, an abort) is still read.
         self.now = now
         for session in self.sessions.values():
             if session.established and session.clock.we_were_silent(now):
-                session.suspect = True
+                self.liveness.probe(session, now)
 
     def next_deadline(self) -> float:
         """The earliest ``now`` at which ``tick`` may decide something with no other event in between."""
         times = [s.clock.next_deadline(self.now) if s.established else s.deadline for s in self.sessions.values()]
+        times += [math.nextafter(s.probe_deadline, math.inf) for s in self.sessions.values() if s.probe]
         times.append(self.holds.next_deadline())
         live = [rec.deadline for rec in self.active if rec.is_live]
         if live:

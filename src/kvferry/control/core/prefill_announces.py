@@ -53,7 +53,10 @@ class Announces:
             self.on_cancel(session, msg)
         elif isinstance(msg, wire.Bye):
             self.core.liveness.session_dead(session, PeerLost(f"{session.label} left: {msg.reason}"))
-        elif not isinstance(msg, wire.Heartbeat):
+        elif isinstance(msg, wire.Heartbeat):
+            if msg.echo:
+                self.core.liveness.answered(session, msg.echo)
+        else:
             raise ProtocolError(f"unexpected {type(msg).__name__} from {session.label}")
 
     def on_announce(self, session: Session, msg: wire.Announce) -> None:

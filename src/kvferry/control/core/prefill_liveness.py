@@ -1,9 +1,11 @@
 """Prefill's judgement of its decode peers over time: heartbeats, silence, and a session's end.
 
 Part of ``core.prefill`` (no I/O), above ``timers`` and ``sessions``. A session is lost when decode is silent
-past ``peer_timeout`` (or, with ``transport_liveness``, when its connection dropped), or when this process
-was silent that long (a stall: decode has declared us dead). A dead session's requests fail, its writes in
-flight finish (never cancelled blind), and its transport peer is forgotten only once none is in flight.
+past ``peer_timeout`` (or, with ``transport_liveness``, when its connection dropped). When *this* process was
+silent that long (stopped, or only starved of CPU), decode may have declared us dead, or may not: the session
+is probed (``Heartbeat(probe=n)``), nothing is posted for it until decode echoes ``n`` on the same connection,
+and it ends if no echo comes within ``peer_timeout``. A dead session's requests fail, its writes in flight
+finish (never cancelled blind), and its transport peer is forgotten only once none is in flight.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvferry.control import wire
-from kvferry.control.core.base import RemovePeer
+from kvferry.control.core.base import FlushNow, RemovePeer, log
 from kvferry.control.core.sessions import Session
 from kvferry.control.core.states import RequestState, SessionState
 from kvferry.errors import KVFerryError, PeerLost
@@ -34,15 +36,46 @@ class Liveness:
             core.sessions.pop(session.identity, None)
         elif not session.established:
             return
-        elif session.suspect:
-            self.session_dead(session, PeerLost(f"{session.label} heard nothing from this prefill for more than "
-                                                f"peer_timeout {core.options.peer_timeout} s (this process "
-                                                "stalled): it has declared us dead"))
+        elif session.probe and now > session.probe_deadline:
+            self.session_dead(session, PeerLost(
+                f"{session.label} did not answer within peer_timeout {core.options.peer_timeout} s after this "
+                "prefill was silent that long (stopped or starved): it has declared us dead"))
         elif session.clock.peer_lost(now, self.connected_for(session)):
             self.session_dead(session, PeerLost(f"{session.label} silent for {session.clock.silent_for(now):.2f} s "
                                                 f"(peer_timeout {core.options.peer_timeout} s)"))
         elif session.clock.heartbeat_due(now):
-            core.send_msg(session, wire.Heartbeat())
+            core.send_msg(session, wire.Heartbeat(probe=session.probe))
+
+    def probe(self, session: Session, now: float) -> None:
+        """This process sent ``session`` nothing for longer than peer_timeout: decode may have declared us
+        dead, or (its connection's ZMTP heartbeats answered by libzmq while our Python was starved) may not.
+        Ask, and post nothing for the session until it answers this probe (``answered``). Every stall asks
+        anew: an echo of an older probe says nothing about what decode decided during the last stall."""
+        core = self.core
+        core.probes += 1
+        session.probe = core.probes
+        session.probe_deadline = now + core.options.peer_timeout
+        core.num_probes += 1
+        log.info("prefill: nothing sent to %s for %.2f s (peer_timeout %s s: this process stalled or was "
+                 "starved); its writes wait for an answer to probe %d", session.label,
+                 session.clock.unheard_for(now), core.options.peer_timeout, session.probe)
+        core.send_msg(session, wire.Heartbeat(probe=session.probe))
+        core.effects.append(FlushNow(session.identity))
+
+    def answered(self, session: Session, echo: int) -> None:
+        """Decode echoed ``echo``. The echo of the current probe proves decode held the session when it
+        answered, after our probe left, and every message it sent before (a Fail, an Abort) has been read:
+        the connection is ordered. The deferred posts go on, each checked again as it is posted."""
+        if not session.probe or echo != session.probe:
+            return   # an older probe's echo, or one we never asked for
+        core = self.core
+        session.probe = 0
+        core.transfers.extend(session.parked)
+        session.parked.clear()
+        for rec in list(core.active):
+            if rec.session is session and rec.pending:
+                core.writer.post_ready(rec)
+        core.changed = True
 
     def connected_for(self, session: Session) -> bool | None:
         """With ``transport_liveness``: True while no connection dropped since we last heard ``session`` (its
@@ -60,6 +93,10 @@ class Liveness:
         # Best effort: a decode that still hears us learns it was dropped, and quarantines its leases.
         core.send_msg(session, wire.Bye(str(error)[:wire.MAX_REASON_LEN]))
         session.move(SessionState.DEAD)
+        for transfer in session.parked:   # decided before a stall, never posted: nothing of them is in flight
+            for queued in transfer.group:
+                queued.rec.posting = False
+        session.parked.clear()
         core.cold.discard(session)
         core.holds.after_death(session, core.now)
         for rec in list(core.active):

@@ -36,7 +36,13 @@ class Writer:
         self.core = core
 
     def post_ready(self, rec: PrefillRequest) -> None:
-        if rec.session is None or not rec.session.established:
+        session = rec.session
+        if session is None or not session.established:
+            return
+        if session.probe or session.clock.we_were_silent(self.core.now):
+            # Decode may have given up on us during a stall: the chunks wait for its answer (liveness).
+            if not session.probe:
+                self.core.liveness.probe(session, self.core.now)
             return
         while rec.pending and rec.is_live:
             spec = rec.pending.popleft()
@@ -109,7 +115,7 @@ class Writer:
         core = self.core
         now = core.now
         unheard = session.clock.unheard_for(now)
-        if not session.established or session.suspect or session.clock.we_were_silent(now):
+        if not session.established or session.probe or session.clock.we_were_silent(now):
             raise PeerLost(f"{session.label} heard nothing from this prefill for {unheard:.2f} s (peer_timeout "
                            f"{core.options.peer_timeout} s) and has declared it dead: not writing request "
                            f"{rec.request_id!r}")

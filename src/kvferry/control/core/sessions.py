@@ -7,6 +7,8 @@ and goes challenged -> established -> dead. What a session must show to be estab
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from kvferry.control import wire
@@ -17,6 +19,9 @@ from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Pool
 from kvferry.plan.tp import TPPlanner
+
+if TYPE_CHECKING:
+    from kvferry.control.core.base import Transfer
 
 __all__ = ["MAX_HALF_OPEN", "Session", "drop_half_open"]
 
@@ -42,9 +47,13 @@ class Session:
         self.planner: TPPlanner | None = None
         self._writes: dict[str, np.ndarray] = {}
         self.clock = clock   # when we last heard from this decode, and it from us (core.timers)
-        # Set when this process sent it nothing for longer than peer_timeout (a stall): decode has declared
-        # us dead, so nothing more is posted, and the session ends once the frames already queued are read.
-        self.suspect = False
+        # Set when this process sent it nothing for longer than peer_timeout (a stall, or a starved thread):
+        # decode may have declared us dead. ``probe`` is the number we asked decode to echo (0: not asking);
+        # until the echo, nothing is posted for the session (``parked``: transfers decided before the
+        # stall, posted once it comes), and at ``probe_deadline`` without one the session ends.
+        self.probe = 0
+        self.probe_deadline = 0.0
+        self.parked: list[Transfer] = []
         # The transfer mode agreed at the handshake, decode's peer_timeout and process (pull mode's
         # source hold ends early once that process is certainly gone).
         self.mode = hello.mode

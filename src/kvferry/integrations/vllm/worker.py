@@ -50,8 +50,9 @@ class WorkerConfig:
     consumer asks its prefills for, ``"push"`` (prefill writes into decode's blocks) or ``"pull"`` (decode
     reads prefill's blocks, see docs/fencing.md); a producer accepts either, so the consumer chooses.
     ``batch_chunks``: ``EndpointOptions.batch_chunks`` (1: every request's blocks a transfer of their own).
-    ``peer_timeout``, ``heartbeat_interval``, ``lease_grace``: ``EndpointOptions``' (how soon a dead or
-    stalled peer fails its requests; docs/vllm.md, "Faults"). ``unbound_for_tests``: tests only (a
+    ``peer_timeout``, ``heartbeat_interval``, ``lease_grace``, ``transport_liveness``: ``EndpointOptions``'
+    (how soon a dead or stalled peer fails its requests, and whether silence alone may decide it; docs/vllm.md,
+    "Faults"). ``unbound_for_tests``: tests only (a
     request whose transfer params carry ``scheduler.UNBOUND_KEY`` is announced without its token binding).
     """
 
@@ -68,6 +69,7 @@ class WorkerConfig:
     peer_timeout: float = EndpointOptions().peer_timeout
     heartbeat_interval: float = EndpointOptions().heartbeat_interval
     lease_grace: float = EndpointOptions().lease_grace
+    transport_liveness: bool = EndpointOptions().transport_liveness
     unbound_for_tests: bool = False   # tests only: honour scheduler.UNBOUND_KEY (an unbound announce)
 
     def __post_init__(self) -> None:
@@ -95,6 +97,7 @@ class WorkerConfig:
         return EndpointOptions(request_timeout=self.request_timeout, handshake_timeout=self.handshake_timeout,
                                batch_chunks=self.batch_chunks, peer_timeout=self.peer_timeout,
                                heartbeat_interval=self.heartbeat_interval, lease_grace=self.lease_grace,
+                               transport_liveness=self.transport_liveness,
                                refuse_unissued=True)   # the scheduler issues every id first (after_alloc)
 
     def make_transport(self, side: str) -> Transport:

@@ -1,0 +1,76 @@
+"""Prefill's sockets: one ZMQ ROUTER that every decode connects to, and (``transport_liveness``) its monitor.
+
+Part of the control plane's shell, above ``sockets`` and ``core.prefill``, below ``prefill``. Bound in
+``PrefillEndpoint``'s constructor, before its progress thread starts; read, sent on and closed only by that
+thread from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import zmq
+
+from kvferry.control.core.prefill import PrefillCore
+from kvferry.control.sockets import FLUSH_MS, Port, Sockets
+from kvferry.errors import EndpointClosed, ProtocolError
+
+__all__ = ["RouterPort"]
+
+
+class RouterPort(Port):
+    """The ROUTER bound at ``tcp://host:port`` (port 0: ephemeral; ``address`` says which), registered with
+    the loop's poller. ``EndpointClosed`` when it cannot bind (nothing is left open then)."""
+
+    def __init__(self, sockets: Sockets, core: PrefillCore, host: str, port: int) -> None:
+        self._core = core
+        self._sock = sockets.new(zmq.ROUTER)
+        try:
+            self._sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as exc:
+            self._sock.close(0)
+            raise EndpointClosed(f"prefill: cannot listen on tcp://{host}:{port}: {exc}") from exc
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        sockets.poller.register(self._sock, zmq.POLLIN)
+        # transport_liveness: libzmq's monitor says a connection dropped (a reset, or ZMTP heartbeats
+        # unanswered for peer_timeout), not whose: ROUTER_NOTIFY, which would, is a draft API. So every
+        # session not heard from since the last drop falls back to the silence rule (core.connected_for).
+        self._monitor: Any = None
+        if core.options.transport_liveness:
+            try:
+                self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            except BaseException:
+                self._sock.close(0)   # else the constructor's cleanup would wait on it to end the context
+                raise
+            sockets.poller.register(self._monitor, zmq.POLLIN)
+
+    def on_frames(self, sock: Any, frames: list[bytes], now: float) -> None:
+        if sock is self._monitor:
+            self._core.connection_dropped(now)
+            return
+        if len(frames) != 2:
+            raise ProtocolError(f"expected identity and one frame, got {len(frames)} frames")
+        identity, data = frames
+        self._core.on_frame(now, identity, data)
+
+    def failed(self, sock: Any, exc: zmq.ZMQError) -> None:
+        # The one ROUTER serves every decode: without it this endpoint cannot go on. Stop the loop, which
+        # fails every request and session with the cause.
+        raise EndpointClosed(f"prefill: receiving on {self.address} failed: {exc}") from exc
+
+    def send(self, identity: bytes, frame: bytes) -> None:
+        self.send_raw(identity, frame)
+        self._core.frame_sent(time.monotonic(), identity)
+
+    def send_raw(self, identity: bytes, data: bytes) -> None:
+        with contextlib.suppress(zmq.ZMQError):  # a vanished peer: heartbeats will notice
+            self._sock.send_multipart([identity, data], zmq.NOBLOCK)
+
+    def close(self) -> None:
+        if self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            self._monitor.close(0)
+        self._sock.close(FLUSH_MS)  # let the last Fail and Bye leave; bounded if the peer is gone
