@@ -58,7 +58,7 @@ class Stalled(BaseException):  # control flow: no `except Exception` in the code
 class Deadlines:
     """The records a core holds, earliest deadline first, so that the deadline invariant (d) looks at one
     record per step rather than at all of them. A record's deadline never changes once made; a record is
-    pushed as the core adds it to its container (``TrackedSet``/``TrackedDict`` below) and dropped lazily
+    pushed as the core adds it to its container (``tracked_set``/``TrackedDict`` below) and dropped lazily
     once it ended or left the container (a record added again is pushed again)."""
 
     __slots__ = ("heap", "seq")
@@ -82,17 +82,24 @@ class Deadlines:
         return None
 
 
-class TrackedSet(set):  # type: ignore[type-arg]
-    """Prefill's ``active`` set, telling ``Deadlines`` of each record added."""
+_TRACKED: dict[type, type] = {}
 
-    def __init__(self, deadlines: Deadlines) -> None:
-        super().__init__()
-        self.deadlines = deadlines
 
-    def add(self, rec: Any) -> None:
-        if rec not in self:
-            self.deadlines.push(rec)
-        super().add(rec)
+def tracked_set(container: Any, deadlines: Deadlines) -> Any:
+    """For prefill's empty ``active``: an empty set of the core's own type (its iteration order stays the
+    core's) whose ``add`` also tells ``deadlines`` of each record added."""
+    base = type(container)
+    cls = _TRACKED.get(base)
+    if cls is None:
+        def add(self: Any, rec: Any) -> None:
+            if rec not in self:
+                self.deadlines.push(rec)
+            base.add(self, rec)
+        cls = _TRACKED[base] = type(f"Tracked{base.__name__}", (base,), {"add": add, "__slots__": ("deadlines",)})
+    assert not container, "the core's records must be tracked from its start"
+    out = cls()
+    out.deadlines = deadlines
+    return out
 
 
 class TrackedDict(dict):  # type: ignore[type-arg]
@@ -478,7 +485,7 @@ class PrefillNode(Node):
         self.core = PrefillCore(self.memory, setup, world.options, DigestMode(world.swarm.digest),
                                 NullRecorder("prefill", self.memory.layout), self.entropy)
         self.deadlines = Deadlines()
-        self.core.active = TrackedSet(self.deadlines)
+        self.core.active = tracked_set(self.core.active, self.deadlines)
         self.watch(self.core)
         self.settled: deque[tuple[int, str | None]] = deque()
         self.attempts: dict[int, PAttempt] = {}       # id -> attempt, from its first send until its pages are back
@@ -505,7 +512,7 @@ class PrefillNode(Node):
         return rec in self.core.active
 
     def tracks_records(self) -> bool:
-        return isinstance(self.core.active, TrackedSet)
+        return getattr(self.core.active, "deadlines", None) is self.deadlines
 
     def record_ended(self, rec: Any) -> None:
         super().record_ended(rec)
@@ -732,7 +739,7 @@ class DecodeNode(Node):
         return self.core.by_gen.get(rec.generation) is rec
 
     def tracks_records(self) -> bool:
-        return isinstance(self.core.by_gen, TrackedDict)
+        return getattr(self.core.by_gen, "deadlines", None) is self.deadlines
 
     def watch_leases(self, leases: Any) -> None:
         """Hear every lease that ends (the engine takes its pages back then)."""
