@@ -18,7 +18,8 @@ test-core: setup
 test-fast: setup
 	.venv/bin/python -m pytest -q -m "not slow" tests
 
-# The simulator's long run: 2,000 seeds with faults (~300 s with TP groups; make test runs ~100 in 20 s of CPU).
+# The simulator's long run: 2,000 seeds of 192 requests with faults, TP groups drawn (several minutes; make test
+# runs about 40 in 20 s of CPU).
 test-sim-long: setup
 	KVFERRY_SIM_LONG=1 .venv/bin/python -m pytest -q tests/test_simulation.py -k long_run
 

@@ -21,10 +21,12 @@ OPTIONS = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.5, request_time
                           handshake_timeout=1.0, batch_chunks=8, transport_liveness=False)
 
 
-def sim_layout(side: str) -> Layout:
+def sim_layout(side: str, pages: int = 128) -> Layout:
     """Small pages, and buffers of one pool that differ in page size and capacity (the heterogeneity the
-    planner and the lease table must respect: buffer 0's slot count is wrong for the others)."""
-    kv, c = (40, 20) if side == "prefill" else (32, 16)
+    planner and the lease table must respect: buffer 0's slot count is wrong for the others). ``pages``:
+    decode's main pool size (prefill's is a quarter larger; the other pool half of it)."""
+    kv = pages * 5 // 4 if side == "prefill" else pages
+    c = kv // 2
     return Layout([
         Pool("kv", [
             Buffer("kv.L0", 64, kv, "fp8_e4m3", "kv", 0),
@@ -47,7 +49,8 @@ class SimConfig:
     ``fault_until``: faults stop then (partitions heal, stalled and crashed nodes come back), and the run goes
     on until everything is at rest (``rest_after`` more seconds at most)."""
 
-    requests: int = 48
+    requests: int = 192
+    pages: int = 128              # decode's main pool, as many per request as 32 were for 48 (sim_layout)
     prefills: int = 2
     decodes: int = 2
     arrival_span: float = 4.0

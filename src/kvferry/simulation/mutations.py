@@ -154,7 +154,8 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "abort_frees_lease": ("a_lease",),
     # A stale completion counted for the new generation makes it DONE without its bytes; a stale settled
     # Fail ends the new generation's lease under its writes, or the old one is never settled; in pull mode
-    # an earlier generation's chunk offer makes decode read source pages prefill had given back.
+    # the old generation's read offer is taken for the new one, and decode reads (and accepts) source pages
+    # prefill had already given back.
     "stale_generation": ("b_done_bytes", "a_lease", "e_at_rest", "a_source_released_under_read"),
     "pull_release_early": ("a_source_released_under_read",),
     # Another rank's heads overwritten (or never written: a_lease when the slice runs past the page).

@@ -17,6 +17,7 @@ same id, and reuses pages once the lease ends.
 
 from __future__ import annotations
 
+import heapq
 import math
 import zlib
 from collections import deque
@@ -48,11 +49,89 @@ __all__ = ["DecodeNode", "Node", "PrefillNode"]
 # A request must have ended this long after its deadline (or after its node resumed from a stall): the
 # cores look at deadlines every 10 ms.
 DEADLINE_SLACK = 0.05
-RETRY_S = 0.05
 
 
 class Stalled(BaseException):  # control flow: no `except Exception` in the code under test may swallow it
     pass
+
+
+class Deadlines:
+    """The records a core holds, earliest deadline first, so that the deadline invariant (d) looks at one
+    record per step rather than at all of them. A record's deadline never changes once made; a record is
+    pushed as the core adds it to its container (``tracked_set``/``TrackedDict`` below) and dropped lazily
+    once it ended or left the container (a record added again is pushed again)."""
+
+    __slots__ = ("heap", "seq")
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, int, Any]] = []
+        self.seq = 0
+
+    def push(self, rec: Any) -> None:
+        heapq.heappush(self.heap, (rec.deadline, self.seq, rec))
+        self.seq += 1
+
+    def earliest(self, holds: Callable[[Any], bool]) -> Any:
+        """The live record held (``holds``) with the earliest deadline, or None."""
+        heap = self.heap
+        while heap:
+            rec = heap[0][2]
+            if rec.is_live and holds(rec):
+                return rec
+            heapq.heappop(heap)
+        return None
+
+
+_TRACKED: dict[type, type] = {}
+
+
+def tracked_set(container: Any, deadlines: Deadlines) -> Any:
+    """For prefill's empty ``active``: an empty set of the core's own type (its iteration order stays the
+    core's) whose ``add`` also tells ``deadlines`` of each record added."""
+    base = type(container)
+    cls = _TRACKED.get(base)
+    if cls is None:
+        def add(self: Any, rec: Any) -> None:
+            if rec not in self:
+                self.deadlines.push(rec)
+            base.add(self, rec)
+        cls = _TRACKED[base] = type(f"Tracked{base.__name__}", (base,), {"add": add, "__slots__": ("deadlines",)})
+    assert not container, "the core's records must be tracked from its start"
+    out = cls()
+    out.deadlines = deadlines
+    return out
+
+
+class TrackedDict(dict):  # type: ignore[type-arg]
+    """Decode's ``by_gen`` dict, telling ``Deadlines`` of each record set."""
+
+    def __init__(self, deadlines: Deadlines) -> None:
+        super().__init__()
+        self.deadlines = deadlines
+
+    def __setitem__(self, key: Any, rec: Any) -> None:
+        self.deadlines.push(rec)
+        super().__setitem__(key, rec)
+
+
+class FreePages:
+    """An engine's free pages of one pool, a heap: it hands out the lowest first. A page given back twice is
+    there twice (and counted twice, so that the at-rest check sees it)."""
+
+    __slots__ = ("heap",)
+
+    def __init__(self, num_pages: int) -> None:
+        self.heap = list(range(num_pages))
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+    def take(self, n: int) -> np.ndarray:
+        return np.array([heapq.heappop(self.heap) for _ in range(n)], dtype=np.int64)
+
+    def give(self, pages: np.ndarray) -> None:
+        for page in pages.tolist():
+            heapq.heappush(self.heap, page)
 
 
 class Node:
@@ -61,6 +140,7 @@ class Node:
     kind = "node"
     core: Any
     rank = 0   # its place in its TP group (``simulation.tp``)
+    deadlines: Deadlines
 
     def __init__(self, world: World, name: str) -> None:
         self.world = world
@@ -77,6 +157,9 @@ class Node:
         self.resume_post: Callable[[float], None] | None = None   # stalled inside a post: finish it first
         self.frames: deque[tuple[str, Any, bytes]] = deque()
         self.ended: list[tuple[Any, RequestState]] = []   # records that ended in the last step
+        self.waiting: list[Any] = []   # engine commands waiting for pages, a link or a record's end
+        self.changes = 0               # records ended, pages freed: news for the waiting commands
+        self.seen: tuple[Any, ...] = ()
         self.start()
 
     # -- identity ------------------------------------------------------------------------------------------
@@ -106,7 +189,65 @@ class Node:
             orig(rec, state)
             if state in TERMINAL:
                 self.ended.append((rec, state))
+                self.record_ended(rec)
         core.set_state = set_state
+
+    def record_ended(self, rec: Any) -> None:
+        """A record of the core ended (as it happened, inside the core's call)."""
+        self.changes += 1
+
+    # -- the engine's waits ----------------------------------------------------------------------------------
+    # An engine command that cannot go on yet (no free pages, no link, the last generation not ended) waits
+    # for what it needs rather than polling: it is tried again right after the first step that changed
+    # something it may need (``retry_waiting``), and given up at its ``give_up`` time.
+    def wait(self, now: float, att: Any) -> None:
+        if now >= att.give_up:
+            self.give_up(att)
+            return
+        self.waiting.append(att)
+        if not att.expires:
+            att.expires = True
+            self.sim.at(att.give_up, self._expire, self.inc, att)
+
+    def _expire(self, inc: int, att: Any) -> None:
+        if self.crashed or inc != self.inc or att not in self.waiting:
+            return
+        if self.sim.now < self.stalled_until:   # a stopped engine gives up nothing
+            self.sim.at(self.stalled_until, self._expire, inc, att)
+            return
+        self.waiting.remove(att)
+        self.give_up(att)
+        self.changes += 1
+        if self.waiting:
+            self.kick()
+
+    def retry_waiting(self, now: float) -> None:
+        """Run the waiting commands that may go on now, in the order they began to wait."""
+        if not self.waiting:
+            return
+        seen = self.changed_since()
+        if seen == self.seen:
+            return
+        self.seen = seen
+        ready = [att for att in self.waiting if self.can_go(att)]
+        if ready:
+            self.waiting = [att for att in self.waiting if not any(att is r for r in ready)]
+            for att in ready:
+                self.go(now, att)
+            self.kick()   # what they queued leaves with the next iteration
+
+    def changed_since(self) -> tuple[Any, ...]:
+        """What a waiting command may need, summed up: equal while nothing it needs changed."""
+        return (self.changes, self.deadlines.seq)
+
+    def can_go(self, att: Any) -> bool:
+        raise NotImplementedError
+
+    def go(self, now: float, att: Any) -> None:
+        raise NotImplementedError
+
+    def give_up(self, att: Any) -> None:
+        raise NotImplementedError
 
     # -- scheduling ----------------------------------------------------------------------------------------
     def kick(self) -> None:
@@ -136,13 +277,15 @@ class Node:
             self.sim.at(self.stalled_until, self._run_call, inc, fn)
             return
         fn(self.sim.now)
-        self.after(self.sim.now)
-        self.kick()
+        self.step(self.sim.now)   # the progress loop takes it at once (as a wake now would, one event sooner)
 
     def wake(self, token: int) -> None:
         if self.crashed or token != self.wake_token or self.sim.now < self.stalled_until:
             return
-        now = self.sim.now
+        self.step(self.sim.now)
+
+    def step(self, now: float) -> None:
+        """One iteration of the shell's loop, the invariants after it, and the next wake."""
         self.pending_wake = math.inf
         try:
             if self.resume_post is not None:
@@ -164,9 +307,19 @@ class Node:
     def after(self, now: float) -> None:
         self.world.after_step(self, now)   # first: the engine takes back the pages of what ended
         self.engine(now)
+        self.retry_waiting(now)
 
     def has_news(self) -> bool:
         return False
+
+    def holds_record(self, rec: Any) -> bool:
+        """Whether ``rec`` is among the records the core still holds (those the deadline invariant reads)."""
+        raise NotImplementedError
+
+    def tracks_records(self) -> bool:
+        """Whether the core's record container is still the tracked one (a core that made itself a new one
+        would hide its records from the deadline invariant)."""
+        raise NotImplementedError
 
     # -- faults --------------------------------------------------------------------------------------------
     def stall(self, seconds: float, *, starving: bool = False) -> None:
@@ -205,6 +358,8 @@ class Node:
         self.resume_post = None
         self.frames.clear()
         self.ended.clear()
+        self.waiting.clear()
+        self.seen = ()
         self.start()
         self.sim.log(self.name, f"restarted as {self.ident}")
         self.kick()
@@ -270,6 +425,8 @@ class Node:
 
     def flush(self, now: float, only: Any = None) -> None:
         core = self.core
+        if only is None and not core.outbox:
+            return
         for peer in [only] if only is not None else list(core.outbox):
             for frame in wire.batches(core.take_out(peer)):
                 self.send_frame(now, peer, frame)
@@ -305,6 +462,7 @@ class PAttempt:
     rec: Any = None
     sent: int = 0         # chunks sent so far
     give_up: float = 0.0
+    expires: bool = False  # its give-up is scheduled (once it first waited)
     done: bool = False
     prev: Any = None      # a retry: the record of the try before, which decode's new announce replaces
 
@@ -319,18 +477,23 @@ class PrefillNode(Node):
 
     def start(self) -> None:
         world = self.world
-        self.memory = KVMemory.allocate(rank_layout("prefill", world.tp, self.rank))
+        self.memory = KVMemory.allocate(rank_layout("prefill", world.tp, self.rank, world.cfg.pages))
         world.graveyard.append(self.memory)   # late copies never touch freed memory
         self.pages = PageMap(self.memory)
         self.src_owner = {p.name: np.full(p.min_pages, -1, dtype=np.int64) for p in self.memory.layout.pools}
-        self.free = {p.name: list(range(p.min_pages)) for p in self.memory.layout.pools}
+        self.free = {p.name: FreePages(p.min_pages) for p in self.memory.layout.pools}
         setup = PrefillSetup(self.address, "sim", "dlist", self.agent.encode(), self.process, None,
                              frozenset({"push", "pull"}))
         self.core = PrefillCore(self.memory, setup, world.options, DigestMode(world.swarm.digest),
                                 NullRecorder("prefill", self.memory.layout), self.entropy)
+        self.deadlines = Deadlines()
+        self.core.active = tracked_set(self.core.active, self.deadlines)
         self.watch(self.core)
         self.settled: deque[tuple[int, str | None]] = deque()
-        self.attempts: list[PAttempt] = []
+        self.attempts: dict[int, PAttempt] = {}       # id -> attempt, from its first send until its pages are back
+        self.live: dict[int, list[PAttempt]] = {}     # id of a live record -> the attempts it holds
+        self.finished: list[PAttempt] = []            # attempts whose record ended: pages back once may_free
+        self.ended_recs: list[Any] = []               # records that ended since the engine last looked
         world.agents[self.agent] = self
 
     # -- the shell ---------------------------------------------------------------------------------------
@@ -346,6 +509,16 @@ class PrefillNode(Node):
 
     def has_news(self) -> bool:
         return bool(self.settled)
+
+    def holds_record(self, rec: Any) -> bool:
+        return rec in self.core.active
+
+    def tracks_records(self) -> bool:
+        return getattr(self.core.active, "deadlines", None) is self.deadlines
+
+    def record_ended(self, rec: Any) -> None:
+        super().record_ended(rec)
+        self.ended_recs.append(rec)
 
     def pump(self, now: float) -> None:
         core = self.core
@@ -412,17 +585,10 @@ class PrefillNode(Node):
         if att.sent == 0:
             rec = core.records.get(req.rid)
             if att.retry and (rec is att.prev or (rec is not None and not rec.is_live)):
-                # A retry waits for decode's new announce to replace the ended record.
-                if now < att.give_up:
-                    self.call_at(now + RETRY_S, lambda t: self.send_next(t, att))
-                else:
-                    att.done = True
+                self.wait(now, att)   # a retry waits for decode's new announce to replace the ended record
                 return
             if att.src is None and not self.allocate(att):
-                if now < att.give_up:
-                    self.call_at(now + RETRY_S, lambda t: self.send_next(t, att))
-                else:
-                    att.done = True
+                self.wait(now, att)
                 return
         elif core.records.get(req.rid) is not att.rec:
             att.done = True   # decode announced it again meanwhile: the rest belongs to the retry's send
@@ -442,8 +608,12 @@ class PrefillNode(Node):
                 self.release(att)
             return
         if att.rec is None:
-            att.rec = core.records[req.rid]
-            self.attempts.append(att)
+            att.rec = rec = core.records[req.rid]
+            self.attempts[id(att)] = att
+            if rec.is_live:
+                self.live.setdefault(id(rec), []).append(att)
+            else:
+                self.finished.append(att)
         att.sent += 1
         self.sim.log(self.name, f"send {req.rid} chunk {att.sent}/{len(req.chunks)}")
         if att.sent < len(req.chunks):
@@ -458,8 +628,7 @@ class PrefillNode(Node):
         att.src = {}
         rid_id = self.world.rid_id(req.rid)
         for pool, n in req.total.items():
-            pages = np.array(sorted(self.free[pool])[:n], dtype=np.int64)
-            self.free[pool] = [p for p in self.free[pool] if p not in set(pages.tolist())]
+            pages = self.free[pool].take(n)
             fill_content(self.memory, req.rid, pool, pages, 0)
             self.src_owner[pool][pages] = rid_id
             att.src[pool] = pages
@@ -472,9 +641,22 @@ class PrefillNode(Node):
         for pool, pages in att.src.items():
             self.src_owner[pool][pages] = -1
             for buf in self.memory.layout.pool(pool).buffers:
-                self.memory.array(buf.name)[pages] = 0   # reused at once: what a late read gets is not the KV
-            self.free[pool].extend(pages.tolist())
+                self.pages.arrays[buf.name][pages] = 0   # reused at once: what a late read gets is not the KV
+            self.free[pool].give(pages)
         att.src = None
+        self.changes += 1
+
+    def can_go(self, att: PAttempt) -> bool:
+        rec = self.core.records.get(att.req.rid)
+        if att.retry and (rec is att.prev or (rec is not None and not rec.is_live)):
+            return False
+        return att.src is not None or all(len(self.free[pool]) >= n for pool, n in att.req.total.items())
+
+    def go(self, now: float, att: PAttempt) -> None:
+        self.send_next(now, att)
+
+    def give_up(self, att: PAttempt) -> None:
+        att.done = True
 
     def abort_at(self, t: float, rid: str) -> None:
         self.call_at(t, lambda now: self.core.abort(now, rid, "engine abort"))
@@ -482,15 +664,19 @@ class PrefillNode(Node):
     def engine(self, now: float) -> None:
         """Reuse the source pages of every request the core says may be freed (``prefill_requests.may_free``,
         what ``PrefillEndpoint.may_free`` answers)."""
+        if self.ended_recs:   # only an ended record's pages may be freed: the others are not looked at
+            for rec in self.ended_recs:
+                self.finished.extend(self.live.pop(id(rec), ()))
+            self.ended_recs.clear()
         keep = []
-        for att in self.attempts:
-            rec = att.rec
-            if may_free(rec):
+        for att in self.finished:
+            if may_free(att.rec):
                 att.done = True   # ended: a chunk not sent yet never will be
+                del self.attempts[id(att)]
                 self.release(att)
             else:
                 keep.append(att)
-        self.attempts = keep
+        self.finished = keep
 
 
 # -- decode ------------------------------------------------------------------------------------------------
@@ -502,6 +688,7 @@ class DAttempt:
     gen: int = -1
     rec: Any = None
     give_up: float = 0.0
+    expires: bool = False        # its give-up is scheduled (once it first waited)
     decided: bool = False        # whether to announce it again was decided (once it ended)
 
 
@@ -516,18 +703,24 @@ class DecodeNode(Node):
 
     def start(self) -> None:
         world = self.world
-        self.memory = KVMemory.allocate(rank_layout("decode", world.tp, self.rank))
+        self.memory = KVMemory.allocate(rank_layout("decode", world.tp, self.rank, world.cfg.pages))
         world.graveyard.append(self.memory)
         self.pages = PageMap(self.memory)
         self.slice_prov = SliceProvenance(self.memory)
-        self.free = {p.name: list(range(p.min_pages)) for p in self.memory.layout.pools}
+        self.free = {p.name: FreePages(p.min_pages) for p in self.memory.layout.pools}
         setup = DecodeSetup("sim", self.agent.encode(), self.process, None)
         self.core = DecodeCore(self.memory, setup, world.options, DigestMode(world.swarm.digest),
                                NullRecorder("decode", self.memory.layout), self.entropy)
+        self.deadlines = Deadlines()
+        self.core.by_gen = TrackedDict(self.deadlines)
         self.watch(self.core)
         self.reads_done: deque[tuple[int, str | None, list[Any]]] = deque()
         self.notifs: deque[tuple[str, bytes]] = deque()
         self.attempts: dict[int, DAttempt] = {}    # generation -> attempt, until its lease ends
+        self.ending: set[int] = set()              # generations of those attempts whose record ended
+        self.ended_gens: list[int] = []            # records that ended since the engine last looked
+        self.released: list[int] = []              # leases that ended since the engine last looked
+        self.watch_leases(self.core.leases)
         world.agents[self.agent] = self
         self.call_at(self.sim.now, self.connect, work=False)
 
@@ -546,6 +739,27 @@ class DecodeNode(Node):
 
     def has_news(self) -> bool:
         return bool(self.reads_done or self.notifs)
+
+    def holds_record(self, rec: Any) -> bool:
+        return self.core.by_gen.get(rec.generation) is rec
+
+    def tracks_records(self) -> bool:
+        return getattr(self.core.by_gen, "deadlines", None) is self.deadlines
+
+    def watch_leases(self, leases: Any) -> None:
+        """Hear every lease that ends (the engine takes its pages back then)."""
+        orig = leases.release
+
+        def release(lease_id: int) -> None:
+            orig(lease_id)
+            self.released.append(lease_id)
+        leases.release = release
+
+    def record_ended(self, rec: Any) -> None:
+        super().record_ended(rec)
+        gen = getattr(rec, "generation", None)
+        if gen is not None:
+            self.ended_gens.append(gen)
 
     def pump(self, now: float) -> None:
         core = self.core
@@ -645,7 +859,7 @@ class DecodeNode(Node):
             self.release(att)   # the engine failed this attempt on another rank meanwhile
             return
         if att.pages is None and not self.allocate(att):
-            self.later(now, att)
+            self.wait(now, att)
             return
         assert att.pages is not None
         address = self.world.announce_peer(self, req)
@@ -658,21 +872,35 @@ class DecodeNode(Node):
             core.announce(now, req.rid, att.pages, address, dict(req.prefix), ([], ""))
         except (PeerLost, LeaseError) as exc:
             self.sim.log(self.name, f"announce {req.rid} not yet: {exc}")
-            self.later(now, att)
+            self.wait(now, att)
             return
         rec = core.records[req.rid]
         att.rec, att.gen = rec, rec.generation
         self.attempts[att.gen] = att
+        if not rec.is_live:
+            self.ended_gens.append(att.gen)
         pages = {p: a.tolist() for p, a in att.pages.items()}   # lists: numpy's repr costs more than the step
         self.sim.log(self.name, f"announce {req.rid} gen {att.gen} pages {pages} prefix {dict(req.prefix)}")
         if req.decode_abort is not None and att.n == 0:
             self.call_at(now + req.decode_abort, lambda t: self.abort(t, att))
 
-    def later(self, now: float, att: DAttempt) -> None:
-        if now + RETRY_S < att.give_up:
-            self.call_at(now + RETRY_S, lambda t: self.announce(t, att))
-        else:
-            self.release(att)
+    def changed_since(self) -> tuple[Any, ...]:
+        return (self.changes, self.deadlines.seq, *(link.state for link in self.core.links.values()))
+
+    def can_go(self, att: DAttempt) -> bool:
+        req, core = att.req, self.core
+        if att.pages is None and any(len(self.free[pool]) < n for pool, n in req.leased.items()):
+            return False
+        peer = self.world.announce_peer(self, req)
+        links = [core.links.get(a) for a in ([peer] if isinstance(peer, str) else peer)]
+        old = core.records.get(req.rid)
+        return all(link is not None and link.established for link in links) and (old is None or not old.is_live)
+
+    def go(self, now: float, att: DAttempt) -> None:
+        self.announce(now, att)
+
+    def give_up(self, att: DAttempt) -> None:
+        self.release(att)
 
     def abort(self, now: float, att: DAttempt) -> None:
         if att.rec is not None and att.rec.is_live:
@@ -692,9 +920,7 @@ class DecodeNode(Node):
             return False
         att.pages = {}
         for pool, n in req.leased.items():
-            pages = sorted(self.free[pool])[:n]
-            taken = set(pages)
-            self.free[pool] = [p for p in self.free[pool] if p not in taken]
+            pages = self.free[pool].take(n).tolist()
             # Announce order differs from page order: the lease maps positions to any pages.
             self.sim.rng_work.shuffle(pages)
             att.pages[pool] = np.array(pages, dtype=np.int64)
@@ -703,16 +929,23 @@ class DecodeNode(Node):
     def release(self, att: DAttempt) -> None:
         if att.pages is not None:
             for pool, pages in att.pages.items():
-                self.free[pool].extend(pages.tolist())
+                self.free[pool].give(pages)
             att.pages = None
+            self.changes += 1
 
     def engine(self, now: float) -> None:
         """Announce a failed request again (same id, new pages: the old ones may be quarantined) as soon as
         it failed; take pages back once their lease ended."""
         leases = self.core.leases
-        for gen, att in list(self.attempts.items()):
-            if att.rec.is_live:
-                continue
+        # Only the attempts whose record just ended, or whose lease just ended after their record: in the
+        # order they were announced (generations count up).
+        look = {gen for gen in self.ended_gens if gen in self.attempts}
+        self.ending |= look
+        look.update(gen for gen in self.released if gen in self.ending)
+        self.ended_gens.clear()
+        self.released.clear()
+        for gen in sorted(look):
+            att = self.attempts[gen]
             if not att.decided:
                 att.decided = True
                 req = att.req
@@ -732,6 +965,7 @@ class DecodeNode(Node):
                         prefill.plan_send(req, t_send, retry=True)
             if not leases.holds(gen):
                 del self.attempts[gen]
+                self.ending.discard(gen)
                 self.release(att)
 
     # -- what the invariants read --------------------------------------------------------------------------

@@ -49,11 +49,11 @@ def draw_tp(seed: int) -> tuple[int, int]:
     return random.Random(seed * 4 + (2 << 40)).choice(TP_PAIRS)
 
 
-def head_layout(side: str) -> Layout:
+def head_layout(side: str, pages: int) -> Layout:
     """``config.sim_layout`` with head geometry (TP 1: every head), the same page sizes and capacities:
     head-major and token-major sharded buffers, and replicated ones (an indexer's keys, an MLA-like latent)."""
     pools = []
-    for pool in sim_layout(side).pools:
+    for pool in sim_layout(side, pages).pools:
         pools.append(Pool(pool.name, [_with_heads(b) for b in pool.buffers], pool.tokens_per_page))
     return Layout(pools)
 
@@ -73,13 +73,13 @@ def _with_heads(buf: Buffer) -> Buffer:
     return Buffer(buf.name, buf.page_bytes, buf.num_pages, buf.dtype, buf.kind, buf.layer, heads)
 
 
-def rank_layout(side: str, tp: tuple[int, int], rank: int) -> Layout:
+def rank_layout(side: str, tp: tuple[int, int], rank: int, pages: int) -> Layout:
     """Rank ``rank``'s layout on ``side`` of a deployment at ``tp`` (prefill TP, decode TP). At (1, 1) the
     simulator's original layout (no head geometry): those seeds run as they did before TP groups."""
     if tp == (1, 1):
-        return sim_layout(side)
+        return sim_layout(side, pages)
     size = tp[0] if side == "prefill" else tp[1]
-    return shard_layout(head_layout(side), size, rank)
+    return shard_layout(head_layout(side, pages), size, rank)
 
 
 def rank_name(kind: str, group: int, rank: int, size: int) -> str:

@@ -17,13 +17,14 @@ sequence): nothing here reads a wall clock or an unseeded random source, so a se
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import heapq
 import math
 import random
 import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,7 @@ from kvferry.layout.memory import KVMemory
 if TYPE_CHECKING:
     from kvferry.simulation.nodes import DecodeNode, PrefillNode
 
-__all__ = ["Conn", "Net", "PageMap", "Sim", "Transport", "Violation", "fill_pattern", "pattern"]
+__all__ = ["Conn", "Net", "PageMap", "Sim", "Transport", "Violation", "fill_pattern", "pattern", "patterns"]
 
 TRACE_LEN = 400
 
@@ -72,7 +73,8 @@ class Sim:
         self.events = 0
 
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
-        heapq.heappush(self._heap, (max(t, self.now), self._seq, fn, args))
+        now = self.now
+        heapq.heappush(self._heap, (t if t > now else now, self._seq, fn, args))
         self._seq += 1
 
     def step(self) -> bool:
@@ -83,6 +85,17 @@ class Sim:
         self.events += 1
         fn(*args)
         return True
+
+    def run_until(self, stop: float, max_events: int = 0) -> None:
+        """Handle the events due before ``stop``, in order; at most until ``max_events`` were handled in all
+        (0: no cap). ``step`` in a loop, without a call per event."""
+        heap, pop = self._heap, heapq.heappop
+        cap = max_events or math.inf
+        while heap and heap[0][0] < stop and self.events < cap:
+            t, _, fn, args = pop(heap)
+            self.now = t
+            self.events += 1
+            fn(*args)
 
     def next_time(self) -> float:
         return self._heap[0][0] if self._heap else math.inf
@@ -96,20 +109,36 @@ class Sim:
 
 
 # -- page content ------------------------------------------------------------------------------------------
+def patterns(rid: str, first_pos: int, num: int, buffer_index: int, page_bytes: int) -> np.ndarray:
+    """The bytes of a request's pages ``first_pos .. first_pos + num - 1`` in one buffer (one row each): a
+    function of the request id alone, so that any page written by another request (or not at all) differs."""
+    base = zlib.crc32(rid.encode()) * 7 + buffer_index * 13
+    return _rows(page_bytes)[[(base + pos * 31) % 251 for pos in range(first_pos, first_pos + num)]]
+
+
+_ROWS: dict[int, np.ndarray] = {}
+
+
+def _rows(page_bytes: int) -> np.ndarray:
+    """Every page pattern of that size, by its start (0..250): row s is ``(s + i) % 251 + 1`` for each byte i."""
+    rows = _ROWS.get(page_bytes)
+    if rows is None:
+        rows = _ROWS[page_bytes] = ((np.arange(251)[:, None] + np.arange(page_bytes)) % 251 + 1).astype(np.uint8)
+    return rows
+
+
 def pattern(rid: str, pos: int, buffer_index: int, page_bytes: int) -> np.ndarray:
-    """The bytes of a request's page ``pos`` in one buffer: a function of the request id alone, so that any
-    page written by another request (or not at all) differs from it."""
-    start = (zlib.crc32(rid.encode()) * 7 + pos * 31 + buffer_index * 13) % 251
-    return ((np.arange(page_bytes, dtype=np.int64) + start) % 251 + 1).astype(np.uint8)
+    """The bytes of a request's page ``pos`` in one buffer (``patterns`` for one page)."""
+    return patterns(rid, pos, 1, buffer_index, page_bytes)[0]
 
 
-def fill_pattern(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first_pos: int) -> None:
-    """Write the request's content into ``pages`` (positions ``first_pos`` on) of every buffer of ``pool``."""
+def fill_pattern(memory: KVMemory, arrays: Mapping[str, np.ndarray], rid: str, pool: str, pages: np.ndarray,
+                 first_pos: int) -> None:
+    """Write the request's content into ``pages`` (positions ``first_pos`` on) of every buffer of ``pool``
+    (``arrays``: the memory's buffers by name, ``PageMap.arrays``)."""
     index = memory.buffer_index
     for buf in memory.layout.pool(pool).buffers:
-        arr = memory.array(buf.name)
-        for i, page in enumerate(pages.tolist()):
-            arr[page] = pattern(rid, first_pos + i, index[buf.name], buf.page_bytes)
+        arrays[buf.name][pages] = patterns(rid, first_pos, len(pages), index[buf.name], buf.page_bytes)
 
 
 class PageMap:
@@ -125,20 +154,29 @@ class PageMap:
         self.ends = np.array([memory.address(bufs[i].name) + bufs[i].page_bytes * bufs[i].num_pages
                               for i in order], dtype=np.int64)
         self.page_bytes = [bufs[i].page_bytes for i in order]
+        self.base_list, self.end_list = self.bases.tolist(), self.ends.tolist()   # plain ints: one row is cheaper
         self.names = [bufs[i].name for i in order]
         self.pools = {b.name: p.name for p in memory.layout.pools for b in p.buffers}
+        self.pool_names = [p.name for p in memory.layout.pools]
         self.layout_index = {b.name: i for i, b in enumerate(bufs)}
         # Provenance: per buffer and page, the tag (``World.tags``) of the (request, generation) that last
         # wrote it; -1 never written.
         self.prov = {b.name: np.full(b.num_pages, -1, dtype=np.int64) for b in bufs}
         self.arrays = {b.name: memory.array(b.name) for b in bufs}
 
+    def describe(self, addr: int) -> str:
+        """Where ``addr`` is, relative to the buffers (not the address itself: a replay allocates elsewhere)."""
+        k = bisect.bisect_right(self.base_list, addr) - 1
+        if k < 0:
+            return f"{self.base_list[0] - addr} bytes before {self.names[0]}"
+        return f"{self.names[k]} byte {addr - self.base_list[k]} (it has {self.end_list[k] - self.base_list[k]})"
+
     def locate(self, addr: int, nbytes: int) -> tuple[str, int, int] | None:
         """(buffer, first page, last page + 1) of the row, or None when it is not inside one buffer."""
-        k = int(np.searchsorted(self.bases, addr, side="right")) - 1
-        if k < 0 or addr + nbytes > self.ends[k] or nbytes <= 0:
+        k = bisect.bisect_right(self.base_list, addr) - 1
+        if k < 0 or addr + nbytes > self.end_list[k] or nbytes <= 0:
             return None
-        base, pb = int(self.bases[k]), self.page_bytes[k]
+        base, pb = self.base_list[k], self.page_bytes[k]
         return self.names[k], (addr - base) // pb, (addr + nbytes - 1 - base) // pb + 1
 
 

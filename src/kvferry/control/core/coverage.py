@@ -61,7 +61,7 @@ def _buffer_mask(layout: Layout, pool_name: str, buffers: tuple[str, ...] | None
     names = [b.name for b in layout.pool(pool_name).buffers]
     if buffers is None:
         return np.ones(len(names), dtype=bool)
-    return np.isin(names, buffers)
+    return np.array([name in buffers for name in names], dtype=bool)   # np.isin sorts strings: 10x slower
 
 
 def _check_covered(layout: Layout, rec: PrefillRequest) -> None:
