@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from kvferry.simulation.nodes import DecodeNode
 
 __all__ = ["TP_PAIRS", "DecodeGroup", "SliceProvenance", "draw_tp", "fill_content", "needed_ranks", "page_content",
-           "rank_layout", "rank_name"]
+           "page_rows", "rank_layout", "rank_name"]
 
 # The (prefill TP, decode TP) pairs a seed may run: equal sizes (rank to rank, whole pages, pull allowed),
 # decode wider (a prefill rank writes one request to two decode ranks: a request group) and prefill wider
@@ -110,14 +110,29 @@ def _canonical_index(page_bytes: int, heads: HeadGeometry | None, tp_rank: int) 
     return out
 
 
-def _start(rid: str, pos: int, buffer_index: int) -> int:
+@lru_cache(maxsize=512)
+def _table(page_bytes: int, heads: HeadGeometry | None, tp_rank: int) -> np.ndarray:
+    """Row ``s``: a page's bytes when its start is ``s`` (one of 251), so a page is a row, not arithmetic."""
+    index = _canonical_index(page_bytes, heads, tp_rank)
+    out = ((index[None, :] + np.arange(251, dtype=np.int64)[:, None]) % 251 + 1).astype(np.uint8)
+    out.flags.writeable = False
+    return out
+
+
+def _starts(rid: str, first_pos: int, n: int, buffer_index: int) -> np.ndarray:
+    pos = np.arange(first_pos, first_pos + n, dtype=np.int64)
     return (zlib.crc32(rid.encode()) * 7 + pos * 31 + buffer_index * 13) % 251
+
+
+def page_rows(rid: str, first_pos: int, n: int, buffer_index: int, buf: Buffer, tp_rank: int) -> np.ndarray:
+    """The bytes rank ``tp_rank`` holds of the request's pages ``first_pos .. first_pos + n - 1`` in ``buf``
+    (its layout's buffer), one row each."""
+    return _table(buf.page_bytes, buf.heads, tp_rank)[_starts(rid, first_pos, n, buffer_index)]
 
 
 def page_content(rid: str, pos: int, buffer_index: int, buf: Buffer, tp_rank: int) -> np.ndarray:
     """The bytes rank ``tp_rank`` holds of the request's page ``pos`` in ``buf`` (its layout's buffer)."""
-    index = _canonical_index(buf.page_bytes, buf.heads, tp_rank)
-    return ((index + _start(rid, pos, buffer_index)) % 251 + 1).astype(np.uint8)
+    return page_rows(rid, pos, 1, buffer_index, buf, tp_rank)[0]
 
 
 def fill_content(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first_pos: int) -> None:
@@ -125,9 +140,7 @@ def fill_content(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first
     buffer of ``pool``: what the engine's prefill computed."""
     index, rank = memory.buffer_index, memory.layout.tp_rank
     for buf in memory.layout.pool(pool).buffers:
-        arr = memory.array(buf.name)
-        for i, page in enumerate(pages.tolist()):
-            arr[page] = page_content(rid, first_pos + i, index[buf.name], buf, rank)
+        memory.array(buf.name)[pages] = page_rows(rid, first_pos, len(pages), index[buf.name], buf, rank)
 
 
 class SliceProvenance:
