@@ -235,7 +235,7 @@ class World:
 
     def zmtp_partition(self, d: DecodeNode, p: PrefillNode) -> None:
         if self.net.partitions.get((d.name, p.name), 0.0) > self.sim.now:
-            self.net.cut_pair(d, p, "partitioned past peer_timeout")
+            self.net.zmtp_drop(d, p, "partitioned past peer_timeout")
 
     def stopped(self, node: Node) -> None:
         """``node`` was stopped (SIGSTOP): with ZMTP heartbeats its peers' libzmq drop their connections to it
@@ -245,7 +245,10 @@ class World:
 
     def zmtp_stopped(self, node: Node, inc: int) -> None:
         if node.inc == inc and not node.crashed and self.sim.now < node.stalled_until and not node.starving:
-            self.net.cut_node(node, "stopped past peer_timeout")
+            if isinstance(node, DecodeNode):
+                self.net.zmtp_drop(node, None, "stopped past peer_timeout")
+            else:
+                self.net.zmtp_drop(None, node, "stopped past peer_timeout")
 
     def starve_one(self) -> None:
         """CPU starvation: the node's Python does not run; its libzmq answers heartbeats, so no connection

@@ -14,7 +14,7 @@ and ``start`` a function of the request id, the position and the buffer. A rank 
 own order (``[head][token][bytes]`` or ``[token][head][bytes]``), so a slice of the wrong head, the wrong rank
 or at the wrong offset differs from what decode's rank must hold (two heads' bytes differ by a constant that
 is never a multiple of 251). Without head geometry (TP 1 on both sides) the index is the page's own byte
-order, the content ``world.pattern`` always gave.
+order (the content the simulator gave before TP groups).
 """
 
 from __future__ import annotations

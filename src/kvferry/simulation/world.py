@@ -22,9 +22,8 @@ import ctypes
 import heapq
 import math
 import random
-import zlib
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +34,7 @@ from kvferry.layout.memory import KVMemory
 if TYPE_CHECKING:
     from kvferry.simulation.nodes import DecodeNode, PrefillNode
 
-__all__ = ["Conn", "Net", "PageMap", "Sim", "Transport", "Violation", "fill_pattern", "pattern", "patterns"]
+__all__ = ["Conn", "Net", "PageMap", "Sim", "Transport", "Violation"]
 
 TRACE_LEN = 400
 
@@ -106,39 +105,6 @@ class Sim:
     def fail(self, invariant: str, detail: str) -> None:
         self.log("INVARIANT", f"{invariant}: {detail}")
         raise ViolationFound(Violation(invariant, self.now, detail))
-
-
-# -- page content ------------------------------------------------------------------------------------------
-def patterns(rid: str, first_pos: int, num: int, buffer_index: int, page_bytes: int) -> np.ndarray:
-    """The bytes of a request's pages ``first_pos .. first_pos + num - 1`` in one buffer (one row each): a
-    function of the request id alone, so that any page written by another request (or not at all) differs."""
-    base = zlib.crc32(rid.encode()) * 7 + buffer_index * 13
-    return _rows(page_bytes)[[(base + pos * 31) % 251 for pos in range(first_pos, first_pos + num)]]
-
-
-_ROWS: dict[int, np.ndarray] = {}
-
-
-def _rows(page_bytes: int) -> np.ndarray:
-    """Every page pattern of that size, by its start (0..250): row s is ``(s + i) % 251 + 1`` for each byte i."""
-    rows = _ROWS.get(page_bytes)
-    if rows is None:
-        rows = _ROWS[page_bytes] = ((np.arange(251)[:, None] + np.arange(page_bytes)) % 251 + 1).astype(np.uint8)
-    return rows
-
-
-def pattern(rid: str, pos: int, buffer_index: int, page_bytes: int) -> np.ndarray:
-    """The bytes of a request's page ``pos`` in one buffer (``patterns`` for one page)."""
-    return patterns(rid, pos, 1, buffer_index, page_bytes)[0]
-
-
-def fill_pattern(memory: KVMemory, arrays: Mapping[str, np.ndarray], rid: str, pool: str, pages: np.ndarray,
-                 first_pos: int) -> None:
-    """Write the request's content into ``pages`` (positions ``first_pos`` on) of every buffer of ``pool``
-    (``arrays``: the memory's buffers by name, ``PageMap.arrays``)."""
-    index = memory.buffer_index
-    for buf in memory.layout.pool(pool).buffers:
-        arrays[buf.name][pages] = patterns(rid, first_pos, len(pages), index[buf.name], buf.page_bytes)
 
 
 class PageMap:
@@ -261,15 +227,12 @@ class Net:
             conn.prefill.frames.append(("dropped", b"", b""))
             conn.prefill.kick()
 
-    def cut_node(self, node: Any, why: str) -> None:
-        """Every open connection of ``node`` drops (libzmq's heartbeats went unanswered: both ends see it)."""
-        for conn in [c for c in self.by_link.values() if c.open and (c.decode is node or c.prefill is node)]:
+    def zmtp_drop(self, decode: Any, prefill: Any, why: str) -> None:
+        """The open connections between ``decode`` and ``prefill`` (None: any) drop, as libzmq drops one whose
+        heartbeats went unanswered: both ends see it."""
+        for conn in [c for c in self.by_link.values() if c.open and (decode is None or c.decode is decode)
+                     and (prefill is None or c.prefill is prefill)]:
             self.sim.log("net", f"zmtp drop {conn.decode.name}->{conn.prefill.name if conn.prefill else '?'}: {why}")
-            self.close(conn.link, tell_decode=True)
-
-    def cut_pair(self, decode: Any, prefill: Any, why: str) -> None:
-        for conn in [c for c in self.by_link.values() if c.open and c.decode is decode and c.prefill is prefill]:
-            self.sim.log("net", f"zmtp drop {decode.name}->{prefill.name}: {why}")
             self.close(conn.link, tell_decode=True)
 
     def cut_random(self) -> None:

@@ -122,8 +122,9 @@ class PrefillCore(CoreBase):
         self.issued: OrderedDict[str, None] = OrderedDict()
         # transport_liveness: when a connection last dropped (the shell's monitor says that one did, not whose).
         self.last_drop = -math.inf
-        self.probes = 0       # the last probe number sent (liveness.probe)
-        self.num_probes = 0   # probes sent: how often this prefill found itself stalled past peer_timeout
+        # Probes sent (liveness.probe): how often this prefill found itself stalled past peer_timeout; the
+        # latest is also the number the newest probe carries.
+        self.num_probes = 0
         # The decisions, by concern; each part reads and changes this core's state.
         self.handshake = Handshake(self)
         self.announces = Announces(self)
@@ -205,11 +206,9 @@ class PrefillCore(CoreBase):
         decision: one that failed or lost its session is not written) and say what to post, or None."""
         self.now = now
         session: Session = transfer.peer
-        if session.established and (session.probe or session.clock.we_were_silent(now)):
+        if session.established and self.liveness.held(session, now):
             # A stall between the decision and now: decode may have given up on us. Posted once it
             # answers (checked again then), never before; failed with the session if it does not.
-            if not session.probe:
-                self.liveness.probe(session, now)
             session.parked.append(transfer)
             return None
         group = [q for q in transfer.group if self.writer.still_current(q.rec, session)]

@@ -52,15 +52,24 @@ class Liveness:
         Ask, and post nothing for the session until it answers this probe (``answered``). Every stall asks
         anew: an echo of an older probe says nothing about what decode decided during the last stall."""
         core = self.core
-        core.probes += 1
-        session.probe = core.probes
-        session.probe_deadline = now + core.options.peer_timeout
         core.num_probes += 1
+        session.probe = core.num_probes
+        session.probe_deadline = now + core.options.peer_timeout
         log.info("prefill: nothing sent to %s for %.2f s (peer_timeout %s s: this process stalled or was "
                  "starved); its writes wait for an answer to probe %d", session.label,
                  session.clock.unheard_for(now), core.options.peer_timeout, session.probe)
         core.send_msg(session, wire.Heartbeat(probe=session.probe))
         core.effects.append(FlushNow(session.identity))
+
+    def held(self, session: Session, now: float) -> bool:
+        """Whether posting for ``session`` must wait for decode's answer to a probe: one is out, or this
+        process sent the session nothing for longer than peer_timeout (then the probe goes out now)."""
+        if session.probe:
+            return True
+        if not session.clock.we_were_silent(now):
+            return False
+        self.probe(session, now)
+        return True
 
     def answered(self, session: Session, echo: int) -> None:
         """Decode echoed ``echo``. The echo of the current probe proves decode held the session when it

@@ -39,11 +39,8 @@ class Writer:
         session = rec.session
         if session is None or not session.established:
             return
-        if session.probe or session.clock.we_were_silent(self.core.now):
-            # Decode may have given up on us during a stall: the chunks wait for its answer (liveness).
-            if not session.probe:
-                self.core.liveness.probe(session, self.core.now)
-            return
+        if self.core.liveness.held(session, self.core.now):
+            return   # decode may have given up on us during a stall: the chunks wait for its answer
         while rec.pending and rec.is_live:
             spec = rec.pending.popleft()
             try:
