@@ -49,17 +49,16 @@ from vllm_connectors import (  # a sibling script, not a package
     write_model,
 )
 
-PEER_TIMEOUT: float | None = None   # --peer-timeout: kvferry's, heartbeats at a fifth of it
 
-
-def config_of(name: str, role: str) -> dict[str, Any]:
+def config_of(name: str, role: str, peer_timeout: float | None) -> dict[str, Any]:
+    """``connector_config``, plus kvferry-silence and ``--peer-timeout`` (heartbeats at a fifth of it)."""
     config = connector_config("kvferry" if name == "kvferry-silence" else name, role)
     extra = config.get("kv_connector_extra_config")
     if extra is not None:
         if name == "kvferry-silence":
             extra["transport_liveness"] = False
-        if PEER_TIMEOUT is not None:
-            extra.update(peer_timeout=PEER_TIMEOUT, heartbeat_interval=PEER_TIMEOUT / 5)
+        if peer_timeout is not None:
+            extra.update(peer_timeout=peer_timeout, heartbeat_interval=peer_timeout / 5)
     return config
 
 
@@ -89,12 +88,12 @@ def supported(name: str, prefill_tp: int, decode_tp: int) -> bool:
 
 
 def measure(name: str, model: Path, prompts: list[Any], expected: list[list[int]], prefill_tp: int,
-            decode_tp: int, num_hogs: int = 0) -> dict[str, Any]:
+            decode_tp: int, num_hogs: int = 0, peer_timeout: float | None = None) -> dict[str, Any]:
     nixl = name == "nixl"
     with hogs(num_hogs):
         load = os.getloadavg()[0]
-        prefill = start(model, config_of(name, "kv_producer"), prefill_tp, 5701 if nixl else None)
-        decode = start(model, config_of(name, "kv_consumer"), decode_tp, 5721 if nixl else None)
+        prefill = start(model, config_of(name, "kv_producer", peer_timeout), prefill_tp, 5701 if nixl else None)
+        decode = start(model, config_of(name, "kv_consumer", peer_timeout), decode_tp, 5721 if nixl else None)
         try:
             pd_round(prefill, decode, make_prompts(WARMUP, seed=1))
             rows = pd_round(prefill, decode, prompts)
@@ -124,8 +123,6 @@ def main() -> None:
     parser.add_argument("--peer-timeout", type=float, default=None,
                         help="kvferry's peer_timeout (heartbeats at a fifth): less starvation trips a shorter one")
     args = parser.parse_args()
-    global PEER_TIMEOUT
-    PEER_TIMEOUT = args.peer_timeout
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
     pairs = [tuple(int(x) for x in pair.split("-")) for pair in args.pairs.split(",")]
@@ -142,7 +139,8 @@ def main() -> None:
                     continue
                 started = time.perf_counter()
                 key = f"{name} {prefill_tp}->{decode_tp}"
-                results[key] = measure(name, model, prompts, expected, prefill_tp, decode_tp, args.hogs)
+                results[key] = measure(name, model, prompts, expected, prefill_tp, decode_tp, args.hogs,
+                                       args.peer_timeout)
                 print(f"{key} ({time.perf_counter() - started:.0f} s): {json.dumps(results[key])}", flush=True)
     print("| connector | TP prefill -> decode | tokens equal | failed / other tokens | TTFT p50 / p99 ms | "
           "KV arrival p50 / p99 ms | load |")

@@ -106,10 +106,15 @@ def expected_memory(dst_layout: Layout, src: KVMemory, plans: list[TransferPlan]
     return out
 
 
+def pages_of(dump: dict[str, bytes | np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """One buffer of a peer's ``dump``, as pages (it comes as bytes or as an array)."""
+    data = dump[name]
+    return np.frombuffer(data, dtype=np.uint8).reshape(shape) if isinstance(data, bytes) else data
+
+
 def assert_memory(actual: dict[str, bytes | np.ndarray], expected: dict[str, np.ndarray]) -> None:
     for name, want in expected.items():
-        got = np.frombuffer(actual[name], dtype=np.uint8).reshape(want.shape) \
-            if isinstance(actual[name], bytes) else actual[name]
+        got = pages_of(actual, name, want.shape)
         if not np.array_equal(got, want):
             pages = np.flatnonzero((got != want).any(axis=1))
             raise AssertionError(f"buffer {name!r}: {len(pages)} pages differ, first {pages[:8].tolist()}")
@@ -345,8 +350,7 @@ def _landed(dump: dict[str, bytes | np.ndarray], dst_layout: Layout, src: KVMemo
     for pp in plan.pools:
         for gid in pp.buffer_ids:
             buf = dst_layout.buffers[int(gid)]
-            got = np.frombuffer(dump[buf.name], dtype=np.uint8).reshape(buf.num_pages, buf.page_bytes) \
-                if isinstance(dump[buf.name], bytes) else dump[buf.name]
+            got = pages_of(dump, buf.name, (buf.num_pages, buf.page_bytes))
             if not np.array_equal(got[pp.dst_pages], src.array(buf.name)[pp.src_pages]):
                 return False
     return True
