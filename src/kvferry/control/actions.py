@@ -57,11 +57,8 @@ class ActionRunner:
         carry out the effects the sends queued (decode: a send that failed ended its link, which closes
         now)."""
         core = self._core
-        outbox = core.outbox
-        if outbox:
-            for peer in list(outbox):
-                for frame in wire.batches(core.take_out(peer)):
-                    self._port.send(peer, frame)
+        for peer in list(core.outbox):
+            self._flush_peer(peer, b"")
         while core.effects:
             self.apply(core.effects.popleft())
 
