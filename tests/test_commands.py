@@ -104,3 +104,7 @@ def test_simulate_exits_0_clean_and_1_on_a_violation() -> None:
     assert broken.returncode == 1, explain(broken)
     assert "b_prefill_done_before_verdict" in broken.stdout + broken.stderr, explain(broken)
     assert "kvferry simulate --seed" in broken.stdout + broken.stderr, explain(broken)
+    # --tp forces every group's TP sizes; the replay line carries it (a bug only TP shows).
+    tp = kvferry("simulate", "--seed", "0", "--tp", "2:1", "--mutate", "tp_slice_offset")
+    assert tp.returncode == 1, explain(tp)
+    assert "b_done_bytes" in tp.stdout and "replay: kvferry simulate --seed 0 --tp 2:1" in tp.stdout, explain(tp)
