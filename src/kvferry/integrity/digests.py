@@ -355,8 +355,21 @@ def _digest_cells(memory: KVMemory, cells: _Cells, mode: DigestMode | str, seed:
                   ) -> SourceDigests:
     """Choose the pages to hash (every one, or ``k`` per buffer), then hash them all in one pass: whole
     pages, or each buffer's ``slices`` entry of them. ``shape``: the layout the digests are checked on."""
-    frame = _frame(memory, [(pool, ids, len(pages)) for pool, ids, pages in cells], DigestMode.parse(mode), k,
-                   slices, shape)
+    mode = DigestMode.parse(mode)
+    counts = [(pool, ids, len(pages)) for pool, ids, pages in cells]
+    # Chunks of one request shape share a frame: per plan, building it (the repeats, the fixed draw) cost
+    # more than hashing a small chunk's pages. Slices are part of the key (a TP pair's own geometry).
+    key = ("plan", mode, k, tuple([(pool, ids.tobytes(), n) for pool, ids, n in counts]),
+           None if slices is None else tuple(slices.items()), shape)
+    frames = _FRAMES.get(memory)
+    if frames is None:
+        frames = _FRAMES[memory] = {}
+    frame = frames.get(key)
+    if frame is None:
+        frame = _frame(memory, counts, mode, k, slices, shape)
+        if len(frames) >= _MAX_FRAMES:
+            frames.clear()
+        frames[key] = frame
     return _digest_frame(memory, frame, [pages for _, _, pages in cells], seed)
 
 

@@ -33,6 +33,7 @@ from typing import Any, cast
 from kvferry.control import wire
 from kvferry.control.core.backoff import ConnectBackoff
 from kvferry.control.core.base import CoreBase, RemovePeer, RequestRecord, Transfer
+from kvferry.control.core.deadlines import DeadlineHeap
 from kvferry.control.core.decode_effects import CheckWriter, CloseLink, OpenLink, TakeNotifications
 from kvferry.control.core.decode_handshake import Handshake
 from kvferry.control.core.decode_liveness import Liveness
@@ -93,6 +94,7 @@ class DecodeCore(CoreBase):
         self.links: dict[str, Link] = {}
         self.by_agent: dict[str, Link] = {}
         self.by_gen: dict[int, DecodeRequest] = {}
+        self.deadlines = DeadlineHeap()   # by_gen's records by deadline (next_deadline)
         self.quarantine = Quarantine()
         self.next_quarantine_check = 0.0
         self.generations = itertools.count(1)
@@ -156,6 +158,7 @@ class DecodeCore(CoreBase):
         rec = DecodeRequest(request_id, now + self.options.request_timeout, gen, links, self.options.lease_grace, now)
         self.remember(rec)
         self.by_gen[gen] = rec
+        self.deadlines.push(rec)
         self.num_live += 1
         # Sent by the progress thread at the end of its next iteration (with the others of that iteration).
         data = wire.encode(wire.Announce(request_id, gen, wire.encode_pages(leased), held, *bound))
@@ -387,9 +390,10 @@ class DecodeCore(CoreBase):
                 times.append(math.nextafter(link.deadline, math.inf))
             elif link.established:
                 times.append(link.clock.next_deadline(self.now))
-        live = [rec.deadline for rec in self.by_gen.values() if rec.is_live]
-        if live:
-            times.append(max(min(live), self.next_deadline_check))
+        by_gen = self.by_gen
+        first = self.deadlines.earliest(lambda rec: rec.is_live and by_gen.get(rec.generation) is rec, len(by_gen))
+        if first is not None:
+            times.append(max(first, self.next_deadline_check))
         if self.quarantine.num_leases:   # looked at with the request deadlines (tick_requests)
             times.append(max(self.next_quarantine_check, self.next_deadline_check))
         return min(times, default=math.inf)

@@ -10,9 +10,11 @@ standard library has no ordered set and a PyPI one is a dependency for twenty li
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, MutableSet
-from typing import TypeVar
+from typing import Any, TypeVar
 
-__all__ = ["OrderedSet"]
+from kvferry.control.core.deadlines import DeadlineHeap
+
+__all__ = ["OrderedSet", "RecordSet"]
 
 T = TypeVar("T")
 
@@ -42,3 +44,23 @@ class OrderedSet(MutableSet[T]):
 
     def __repr__(self) -> str:
         return f"OrderedSet({list(self._items)!r})"
+
+
+class RecordSet(OrderedSet[Any]):
+    """An ``OrderedSet`` of request records that also keeps them by deadline (``earliest_live``)."""
+
+    __slots__ = ("_by_deadline",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._by_deadline = DeadlineHeap()
+
+    def add(self, item: Any) -> None:
+        if item not in self._items:
+            self._by_deadline.push(item)
+        self._items[item] = None
+
+    def earliest_live(self) -> float | None:
+        """The least deadline among the live members (None: none is live)."""
+        items = self._items
+        return self._by_deadline.earliest(lambda rec: rec.is_live and rec in items, len(items))

@@ -35,7 +35,7 @@ from kvferry.control import wire
 from kvferry.control.core.base import CheckProcess, CoreBase, FlushNow, Transfer
 from kvferry.control.core.holds import SourceHolds
 from kvferry.control.core.options import EndpointOptions
-from kvferry.control.core.ordered import OrderedSet
+from kvferry.control.core.ordered import OrderedSet, RecordSet
 from kvferry.control.core.prefill_announces import Announces
 from kvferry.control.core.prefill_handshake import Handshake
 from kvferry.control.core.prefill_liveness import Liveness
@@ -107,7 +107,7 @@ class PrefillCore(CoreBase):
         self.sessions: dict[bytes, Session] = {}
         # Records (by identity: an id may have an old incarnation still settling) that are live, hold
         # writes, or owe decode a Fail; ``dirty`` is the subset the loop must look at now.
-        self.active: OrderedSet[PrefillRequest] = OrderedSet()
+        self.active: RecordSet = RecordSet()   # of PrefillRequest
         self.dirty: OrderedSet[PrefillRequest] = OrderedSet()
         self.holds = SourceHolds(options.peer_timeout, options.lease_grace)
         self.cold: OrderedSet[Session] = OrderedSet()   # pull sessions offered a chunk, no verdict yet (num_waiting)
@@ -350,9 +350,9 @@ class PrefillCore(CoreBase):
         times = [s.clock.next_deadline(self.now) if s.established else s.deadline for s in self.sessions.values()]
         times += [math.nextafter(s.probe_deadline, math.inf) for s in self.sessions.values() if s.probe]
         times.append(self.holds.next_deadline())
-        live = [rec.deadline for rec in self.active if rec.is_live]
-        if live:
-            times.append(max(min(live), self.next_deadline_check))
+        first = self.active.earliest_live()
+        if first is not None:
+            times.append(max(first, self.next_deadline_check))
         return min(times, default=math.inf)
 
     def frame_sent(self, now: float, identity: bytes) -> None:
