@@ -355,8 +355,9 @@ class DecodeCore(CoreBase):
 
     def tick(self, now: float) -> None:
         self.now = now
+        tick_link = self.liveness.tick_link
         for link in list(self.links.values()):
-            self.liveness.tick_link(link, now)
+            tick_link(link, now)
         if now >= self.next_deadline_check:
             self.next_deadline_check = now + DEADLINE_CHECK_S
             self.liveness.tick_requests(now)
@@ -382,21 +383,31 @@ class DecodeCore(CoreBase):
             if part is not None and not part.settled and not link.established:
                 part.grace.writer_gone(now)
 
+    def earliest_live(self) -> float | None:
+        """The least deadline among the live requests (None: none is live)."""
+        by_gen = self.by_gen
+        return self.deadlines.earliest(lambda rec: rec.is_live and by_gen.get(rec.generation) is rec, len(by_gen))
+
     def next_deadline(self) -> float:
         """The earliest ``now`` at which ``tick`` may decide something with no other event in between."""
-        times = []
+        # One pass over the links: the loop asks this once per iteration.
+        now, earliest = self.now, math.inf
         for link in self.links.values():
-            if link.connecting:
-                times.append(math.nextafter(link.deadline, math.inf))
-            elif link.established:
-                times.append(link.clock.next_deadline(self.now))
-        by_gen = self.by_gen
-        first = self.deadlines.earliest(lambda rec: rec.is_live and by_gen.get(rec.generation) is rec, len(by_gen))
+            state = link.state
+            if state is LinkState.ESTABLISHED:
+                t = link.clock.next_deadline(now)
+            elif state is LinkState.CONNECTING:
+                t = math.nextafter(link.deadline, math.inf)
+            else:
+                continue
+            if t < earliest:
+                earliest = t
+        first = self.earliest_live()
         if first is not None:
-            times.append(max(first, self.next_deadline_check))
+            earliest = min(earliest, max(first, self.next_deadline_check))
         if self.quarantine.num_leases:   # looked at with the request deadlines (tick_requests)
-            times.append(max(self.next_quarantine_check, self.next_deadline_check))
-        return min(times, default=math.inf)
+            earliest = min(earliest, max(self.next_quarantine_check, self.next_deadline_check))
+        return earliest
 
     def shutdown_step(self, now: float, give_up: bool) -> bool:
         self.now = now

@@ -42,21 +42,25 @@ class Liveness:
 
     def tick_link(self, link: Link, now: float) -> None:
         core = self.core
-        if link.connecting and now > link.deadline:
-            core.handshake.link_failed(link, HandshakeError(
-                f"no handshake answer from prefill {link.address} within the deadline (if something answers "
-                f"at that address, its answer may exceed max_message_bytes={core.options.max_message_bytes})"))
-        elif not link.established:
+        state = link.state
+        if state is not LinkState.ESTABLISHED:
+            if state is LinkState.CONNECTING and now > link.deadline:
+                core.handshake.link_failed(link, HandshakeError(
+                    f"no handshake answer from prefill {link.address} within the deadline (if something answers "
+                    f"at that address, its answer may exceed max_message_bytes={core.options.max_message_bytes})"))
             return
-        elif link.clock.peer_lost(now, self.connected()):
-            self.link_dead(link, PeerLost(f"prefill {link.address} silent for {link.clock.silent_for(now):.2f} s "
+        # PeerClock's tests, the cheap time comparison first: every loop iteration asks for every link.
+        clock = link.clock
+        if clock.peer_silent(now) and clock.peer_lost(now, self.connected()):
+            self.link_dead(link, PeerLost(f"prefill {link.address} silent for {clock.silent_for(now):.2f} s "
                                           f"(peer_timeout {core.options.peer_timeout} s)"))
-        elif link.clock.heartbeat_due(now):
+        elif now >= clock.last_sent + clock.heartbeat_interval:   # clock.heartbeat_due(now)
             core.send(link, wire.Heartbeat())
 
     def tick_requests(self, now: float) -> None:
         core = self.core
-        for rec in list(core.by_gen.values()):
+        first = core.earliest_live()
+        for rec in list(core.by_gen.values()) if first is not None and now > first else ():   # none is due: skip
             if rec.is_live and now > rec.deadline:
                 core.fail_req(rec, TransferTimeout(f"request {rec.request_id!r} not done within "
                                                    f"{core.options.request_timeout} s"), "decode deadline passed")

@@ -94,5 +94,9 @@ class SourceHolds:
 
     def next_deadline(self) -> float:
         """When the earliest timed hold ends (``math.inf``: none runs)."""
-        times = [rec.release_at for rec in self.held if rec.release_at is not None]
-        return min(times, default=math.inf)
+        earliest = math.inf
+        for rec in self.held:
+            t = rec.release_at
+            if t is not None and t < earliest:
+                earliest = t
+        return earliest

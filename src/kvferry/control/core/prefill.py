@@ -243,6 +243,8 @@ class PrefillCore(CoreBase):
         """Settle every record that may have changed; True when one did (the loop found work)."""
         self.now = now
         settled = False
+        if not self.dirty:
+            return False
         for rec in list(self.dirty):
             self.writer.settle(rec)
             if not rec.handles or rec not in self.active:
@@ -312,8 +314,9 @@ class PrefillCore(CoreBase):
 
     def tick(self, now: float) -> None:
         self.now = now
+        tick_session = self.liveness.tick_session
         for session in list(self.sessions.values()):
-            self.liveness.tick_session(session, now)
+            tick_session(session, now)
         if self.holds.held:
             ended, ask = self.holds.due(now)
             for rec in ended:
@@ -321,7 +324,8 @@ class PrefillCore(CoreBase):
             self.effects.extend(CheckProcess(process) for process in ask)
         if now >= self.next_deadline_check:
             self.next_deadline_check = now + DEADLINE_CHECK_S
-            for rec in list(self.active):
+            first = self.active.earliest_live()
+            for rec in list(self.active) if first is not None and now > first else ():   # none is due: skip
                 if rec.is_live and now > rec.deadline:
                     self.fail_req(rec, TransferTimeout(f"request {rec.request_id!r} not done within "
                                                        f"{self.options.request_timeout} s"))
@@ -342,18 +346,26 @@ class PrefillCore(CoreBase):
         # until decode answers a probe; what the queued frames report (a verdict, an abort) is still read.
         self.now = now
         for session in self.sessions.values():
-            if session.established and session.clock.we_were_silent(now):
+            # we_were_silent, inlined (every loop iteration asks, for every session)
+            if session.state is SessionState.ESTABLISHED and now > session.clock.last_sent + session.clock.peer_timeout:
                 self.liveness.probe(session, now)
 
     def next_deadline(self) -> float:
         """The earliest ``now`` at which ``tick`` may decide something with no other event in between."""
-        times = [s.clock.next_deadline(self.now) if s.established else s.deadline for s in self.sessions.values()]
-        times += [math.nextafter(s.probe_deadline, math.inf) for s in self.sessions.values() if s.probe]
-        times.append(self.holds.next_deadline())
+        # One pass, no lists: the loop asks this once per iteration.
+        now, earliest = self.now, self.holds.next_deadline()
+        for s in self.sessions.values():
+            t = s.clock.next_deadline(now) if s.state is SessionState.ESTABLISHED else s.deadline
+            if t < earliest:
+                earliest = t
+            if s.probe:
+                t = math.nextafter(s.probe_deadline, math.inf)
+                if t < earliest:
+                    earliest = t
         first = self.active.earliest_live()
         if first is not None:
-            times.append(max(first, self.next_deadline_check))
-        return min(times, default=math.inf)
+            return min(earliest, max(first, self.next_deadline_check))
+        return earliest
 
     def frame_sent(self, now: float, identity: bytes) -> None:
         """A frame of ours left for ``identity`` (what decode heard from us: heartbeats, check_current)."""

@@ -32,18 +32,21 @@ class Liveness:
 
     def tick_session(self, session: Session, now: float) -> None:
         core = self.core
-        if session.state is SessionState.CHALLENGED and now > session.deadline:
-            core.sessions.pop(session.identity, None)
-        elif not session.established:
+        state = session.state
+        if state is not SessionState.ESTABLISHED:
+            if state is SessionState.CHALLENGED and now > session.deadline:
+                core.sessions.pop(session.identity, None)
             return
-        elif session.probe and now > session.probe_deadline:
+        # PeerClock's tests, the cheap time comparison first: every loop iteration asks for every session.
+        clock = session.clock
+        if session.probe and now > session.probe_deadline:
             self.session_dead(session, PeerLost(
                 f"{session.label} did not answer within peer_timeout {core.options.peer_timeout} s after this "
                 "prefill was silent that long (stopped or starved): it has declared us dead"))
-        elif session.clock.peer_lost(now, self.connected_for(session)):
-            self.session_dead(session, PeerLost(f"{session.label} silent for {session.clock.silent_for(now):.2f} s "
+        elif clock.peer_silent(now) and clock.peer_lost(now, self.connected_for(session)):
+            self.session_dead(session, PeerLost(f"{session.label} silent for {clock.silent_for(now):.2f} s "
                                                 f"(peer_timeout {core.options.peer_timeout} s)"))
-        elif session.clock.heartbeat_due(now):
+        elif now >= clock.last_sent + clock.heartbeat_interval:   # clock.heartbeat_due(now)
             core.send_msg(session, wire.Heartbeat(probe=session.probe))
 
     def probe(self, session: Session, now: float) -> None:
