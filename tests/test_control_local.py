@@ -211,6 +211,31 @@ def test_chunk_beyond_the_lease_fails_the_request(pair: tuple[PrefillEndpoint, D
     _until(lambda: decode.num_live_leases == 0)
 
 
+def test_a_chunk_that_rewrites_written_cells_fails_the_request(pair: tuple[PrefillEndpoint, DecodeEndpoint]) -> None:
+    prefill, decode = pair
+    decode.announce("r", {"main": [1, 2, 3]})
+    prefill.send("r", {"main": [5, 6]}, last=False, buffers=["main.kv.L0", "main.idx.L0"])
+    prefill.send("r", {"main": [6]}, offset=1, last=False, buffers=["main.kv.L1"])        # new cells: fine
+    prefill.send("r", {"main": [6, 7]}, offset=1, buffers=["main.idx.L0", "main.idx.L1"])   # main.idx.L0, 1 again
+    with pytest.raises(RequestFailed, match=r"pool 'main': a chunk rewrites destination pages an earlier chunk"):
+        decode.wait("r", 5)
+    _until(lambda: decode.num_live_leases == 0)
+
+
+def test_a_last_chunk_that_leaves_cells_unwritten_fails_the_request_naming_the_first(
+        pair: tuple[PrefillEndpoint, DecodeEndpoint]) -> None:
+    prefill, decode = pair
+    decode.announce("r", {"main": [1, 2, 3], "c4": [4]})
+    prefill.send("r", {"main": [5, 6, 7], "c4": [8]}, last=False, buffers=["main.kv.L0", "main.idx.L0", "c4.kv.L0"])
+    prefill.send("r", {"main": [5]}, buffers=["main.kv.L1", "main.idx.L1"])   # positions 1, 2 of L1 never
+    # The first missing cell, buffer by buffer then position: main.kv.L1 at position 1 (decode page 2); 4 cells
+    # of main (kv.L1 and idx.L1, positions 1 and 2) are missing, c4 is checked after.
+    with pytest.raises(RequestFailed, match=r"pool 'main', buffer 'main.kv.L1', destination page 2 was never "
+                                            r"written \(4 cells missing\)"):
+        decode.wait("r", 5)
+    _until(lambda: decode.num_live_leases == 0)
+
+
 # -- aborts while writes are in flight -----------------------------------------------------------------------
 class GatedTransport(LocalTransport):
     """A local transport whose writes stay in flight (nothing copied, no notification) until ``gate`` opens."""

@@ -77,7 +77,7 @@ class PrefillRequest(RequestRecord):
         # request's pages per pool as far as prefill has sent them (to refuse a prefix past the request).
         self.prefix: dict[str, int] = {}
         self.request_pages: dict[str, int] = {}
-        self.coverage: dict[str, np.ndarray] = {}     # pool -> bool [buffers of pool, destination pages]
+        self.coverage: dict[str, list[int]] = {}      # pool -> per buffer, destination positions written (bits)
         self.pending: deque[ChunkSpec] = deque()
         self.handles: list[Any] = []   # tickets of writes in flight (the shell holds the transfer handles)
         # True from the decision to write a chunk of this record until the write is posted (between events,
