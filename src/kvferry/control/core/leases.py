@@ -76,9 +76,9 @@ class LeaseTable:
             raise LeaseError(f"lease {lease_id} already exists")
         checked = self._validate(request_id, pages)
         for pool_name, arr in checked.items():
-            owners = self._owner[pool_name][arr]
-            busy = np.flatnonzero(owners != FREE)
-            if len(busy):
+            taken = self._owner[pool_name][arr] != FREE
+            if np.logical_or.reduce(taken):   # the ufunc: flatnonzero and .any() add Python wrappers per call
+                owners, busy = self._owner[pool_name][arr], taken.nonzero()[0]
                 page, holder = int(arr[busy[0]]), int(owners[busy[0]])
                 raise LeaseError(f"request {request_id!r}: pool {pool_name!r} page {page} is leased to live "
                                  f"request {self._leases[holder][0]!r} (a write to it may still land)")
