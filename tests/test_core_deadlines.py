@@ -8,8 +8,6 @@ from hypothesis import strategies as st
 from kvferry.control.core.base import RequestRecord
 from kvferry.control.core.ordered import RecordSet
 from kvferry.control.core.states import RequestState
-from kvferry.layout.memory import KVMemory
-from kvferry.layout.spec import Buffer, Layout, Pool
 
 # (op, index, deadline): 0 add a new record, 1 end record i, 2 discard record i, 3 re-add record i
 OPS = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40), st.integers(0, 20)), max_size=120)
@@ -38,11 +36,3 @@ def test_record_set_earliest_live_equals_a_scan(ops: list[tuple[int, int, int]])
     # Ended records do not pile up: the heap stays within a bound of the set's size.
     assert len(active._by_deadline) <= 2 * len(active) + 64 + 1
 
-
-def test_the_same_manifest_gives_the_same_remote_binding_and_another_a_new_one() -> None:
-    layout = Layout([Pool("kv", [Buffer("k", 64, 8, "fp8_e4m3", "kv", 0)])])
-    one, two = KVMemory.allocate(layout), KVMemory.allocate(layout)
-    remote = KVMemory.from_manifest(one.manifest())
-    assert remote.remote and KVMemory.from_manifest(one.manifest()) is remote
-    other = KVMemory.from_manifest(two.manifest())
-    assert other is not remote and other.address("k") == two.address("k") != remote.address("k")

@@ -17,7 +17,6 @@ import ctypes
 import hashlib
 import itertools
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -79,13 +78,6 @@ class PoolArrays:
 # The vectors of PoolArrays that have one entry per buffer (restricted together by ``KVMemory.pool_subset``).
 PER_BUFFER = ("buffer_ids", "base", "page_bytes", "num_pages", "device_id", "flat_start", "kind", "row_basis")
 _MAX_SUBSETS = 256  # distinct buffer selections remembered per binding (layer-by-layer sends reuse a few)
-# Peers' bindings by their manifest's exact bytes, most recent last: a peer that reconnects (every session of
-# a TP group, every recovery after a fault) sends the same manifest, and decoding, checking and building its
-# planning vectors anew cost more than the rest of a handshake. A remote binding is never mutated (only its
-# caches fill), so sessions may share one. A restarted peer has new addresses, hence new bytes.
-_REMOTES: OrderedDict[bytes, KVMemory] = OrderedDict()
-_MAX_REMOTES = 32
-_REMOTES_LOCK = threading.Lock()
 
 
 class KVMemory:
@@ -153,23 +145,7 @@ class KVMemory:
 
     @classmethod
     def from_manifest(cls, data: bytes) -> KVMemory:
-        """A remote binding from untrusted bytes: shapes, sizes and address ranges all re-checked (once per
-        distinct manifest: the same bytes again give the same binding)."""
-        key = bytes(data)
-        with _REMOTES_LOCK:
-            memory = _REMOTES.get(key)
-            if memory is not None:
-                _REMOTES.move_to_end(key)
-                return memory
-        memory = cls._decode_manifest(key)
-        with _REMOTES_LOCK:
-            _REMOTES[key] = memory
-            if len(_REMOTES) > _MAX_REMOTES:
-                _REMOTES.popitem(last=False)
-        return memory
-
-    @classmethod
-    def _decode_manifest(cls, data: bytes) -> KVMemory:
+        """A remote binding from untrusted bytes: shapes, sizes and address ranges all re-checked."""
         msg = decode_versioned(data, MemoryMsg, version=MANIFEST_VERSION, what="manifest", error=LayoutError)
         layout = Layout.from_wire(msg.pools, msg.tp_size, msg.tp_rank)
         if len(msg.regions) != len(layout.buffers):
