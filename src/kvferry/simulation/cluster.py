@@ -297,16 +297,50 @@ class World:
     # -- the transport's bytes -----------------------------------------------------------------------------
     def apply(self, part: tuple[int, str, int, Any], src: PrefillNode, dst: DecodeNode, kind: str) -> bool:
         """Copy one chunk's rows from ``src``'s memory into ``dst``'s as they land, checking each row against
-        decode's lease table (a). False when a source page was no longer the request's (released)."""
+        decode's lease table (a). False when a source page was no longer the request's (released).
+
+        The tables are read as lists (a page's owner a plain int); when a row fails, ``bad_row`` goes through
+        the rows again and reports the first as it is."""
         tag, rid, gen, plan = part
         rid_id = self.rid_id(rid)
-        leases = dst.core.leases   # the lease table's own view (pool -> lease id per page)
-        src_ok = True
         sd, dd = plan.src_descs, plan.dst_descs
-        rows_ok = []
+        dpages, spages = dst.pages, src.pages
+        leases = dst.core.leases   # the lease table's own view (pool -> lease id per page)
+        owners = [leases.owners(pool).tolist() for pool in dpages.pool_names]
+        sowners = [src.src_owner[pool].tolist() for pool in spages.pool_names]
+        dpool, spool = dpages.pool_of, spages.pool_of
+        src_ok = True
         marks = []
+        for s, sn, d, n in zip(sd[:, 0].tolist(), sd[:, 1].tolist(), dd[:, 0].tolist(), dd[:, 1].tolist()):
+            where, origin = dpages.find(d, n), spages.find(s, sn)
+            if where is None or origin is None:
+                self.bad_row(part, src, dst, kind)
+            assert where is not None and origin is not None
+            k, p0, p1 = where
+            owner = owners[dpool[k]]
+            if p1 > len(owner) or owner[p0:p1].count(gen) != p1 - p0:
+                self.bad_row(part, src, dst, kind)
+            j, q0, q1 = origin
+            sown = sowners[spool[j]]
+            if q1 > len(sown) or sown[q0:q1].count(rid_id) != q1 - q0:
+                src_ok = False
+            marks.append((k, p0, p1, d - dpages.base_list[k], n))
+        copy_rows(sd, dd)
+        prov, tags = dpages.prov_sorted, dst.slice_tags
+        for k, p0, p1, lo, n in marks:
+            prov[k][p0:p1] = tag
+            tags[k][lo:lo + n] = tag
+        if kind == "write" and not src_ok:
+            self.sim.fail("a_source_released_under_write", f"write of {rid!r} gen {gen} by {src.name} read source "
+                          "pages its engine had been given back")
+        return src_ok
+
+    def bad_row(self, part: tuple[int, str, int, Any], src: PrefillNode, dst: DecodeNode, kind: str) -> None:
+        """Fail (a) at the first row of ``part`` outside every buffer or landing in pages not leased to it."""
+        _, rid, gen, plan = part
+        leases = dst.core.leases
         owners = {pool: leases.owners(pool) for pool in dst.pages.pool_names}
-        for (s, n, _), (d, _, _) in zip(sd.tolist(), dd.tolist()):
+        for (s, n, _), (d, _, _) in zip(plan.src_descs.tolist(), plan.dst_descs.tolist()):
             where = dst.pages.locate(d, n)
             if where is None:
                 self.sim.fail("a_lease", f"{kind} of {rid!r} gen {gen} to {dst.name}: a row at "
@@ -314,30 +348,14 @@ class World:
             assert where is not None
             buf, p0, p1 = where
             owner = owners[dst.pages.pools[buf]]
-            if p1 > len(owner) or (owner[p0] != gen if p1 - p0 == 1 else (owner[p0:p1] != gen).any()):
+            if p1 > len(owner) or (owner[p0:p1] != gen).any():
                 held = [int(x) for x in owner[p0:min(p1, len(owner))]]
                 self.sim.fail("a_lease", f"{kind} of {rid!r} gen {gen} landed in {dst.name} {buf} pages "
                               f"{p0}..{p1 - 1}, leased to generations {held} (-1: free; pages past {len(owner)} "
                               "are never leased)")
-            origin = src.pages.locate(s, n)
-            if origin is None:
+            if src.pages.locate(s, n) is None:
                 self.sim.fail("a_lease", f"{kind} of {rid!r}: a source row lies outside {src.name}'s buffers")
-            assert origin is not None
-            sbuf, q0, q1 = origin
-            sown = src.src_owner[src.pages.pools[sbuf]]
-            if q1 > len(sown) or (sown[q0] != rid_id if q1 - q0 == 1 else (sown[q0:q1] != rid_id).any()):
-                src_ok = False
-            rows_ok.append((buf, p0, p1))
-            marks.append((buf, d, n))
-        copy_rows(sd, dd)
-        for buf, p0, p1 in rows_ok:
-            dst.pages.prov[buf][p0:p1] = tag
-        for buf, d, n in marks:
-            dst.slice_prov.mark(buf, d, n, tag)
-        if kind == "write" and not src_ok:
-            self.sim.fail("a_source_released_under_write", f"write of {rid!r} gen {gen} by {src.name} read source "
-                          "pages its engine had been given back")
-        return src_ok
+        raise AssertionError("bad_row: every row of the part is fine")
 
     # -- invariants after each step --------------------------------------------------------------------------
     def after_step(self, node: Node, now: float) -> None:

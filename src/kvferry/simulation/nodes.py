@@ -629,7 +629,7 @@ class PrefillNode(Node):
         rid_id = self.world.rid_id(req.rid)
         for pool, n in req.total.items():
             pages = self.free[pool].take(n)
-            fill_content(self.memory, req.rid, pool, pages, 0)
+            fill_content(self.memory, req.rid, pool, pages, 0, self.pages.arrays)
             self.src_owner[pool][pages] = rid_id
             att.src[pool] = pages
         return True
@@ -707,6 +707,7 @@ class DecodeNode(Node):
         world.graveyard.append(self.memory)
         self.pages = PageMap(self.memory)
         self.slice_prov = SliceProvenance(self.memory)
+        self.slice_tags = [self.slice_prov.tags[name] for name in self.pages.names]   # ``locate_all``'s order
         self.free = {p.name: FreePages(p.min_pages) for p in self.memory.layout.pools}
         setup = DecodeSetup("sim", self.agent.encode(), self.process, None)
         self.core = DecodeCore(self.memory, setup, world.options, DigestMode(world.swarm.digest),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -119,15 +119,21 @@ def _table(page_bytes: int, heads: HeadGeometry | None, tp_rank: int) -> np.ndar
     return out
 
 
-def _starts(rid: str, first_pos: int, n: int, buffer_index: int) -> np.ndarray:
-    pos = np.arange(first_pos, first_pos + n, dtype=np.int64)
-    return (zlib.crc32(rid.encode()) * 7 + pos * 31 + buffer_index * 13) % 251
+@lru_cache(maxsize=4096)
+def _rid_start(rid: str) -> int:
+    return zlib.crc32(rid.encode()) * 7
+
+
+def _starts(rid: str, first_pos: int, n: int, buffer_index: int) -> list[int]:
+    # Plain ints: a few pages' starts cost less than the numpy calls that would compute them.
+    c = _rid_start(rid) + buffer_index * 13
+    return [(c + pos * 31) % 251 for pos in range(first_pos, first_pos + n)]
 
 
 def page_rows(rid: str, first_pos: int, n: int, buffer_index: int, buf: Buffer, tp_rank: int) -> np.ndarray:
     """The bytes rank ``tp_rank`` holds of the request's pages ``first_pos .. first_pos + n - 1`` in ``buf``
     (its layout's buffer), one row each."""
-    return _table(buf.page_bytes, buf.heads, tp_rank)[_starts(rid, first_pos, n, buffer_index)]
+    return _table(buf.page_bytes, buf.heads, tp_rank).take(_starts(rid, first_pos, n, buffer_index), axis=0)
 
 
 def page_content(rid: str, pos: int, buffer_index: int, buf: Buffer, tp_rank: int) -> np.ndarray:
@@ -135,12 +141,15 @@ def page_content(rid: str, pos: int, buffer_index: int, buf: Buffer, tp_rank: in
     return page_rows(rid, pos, 1, buffer_index, buf, tp_rank)[0]
 
 
-def fill_content(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first_pos: int) -> None:
+def fill_content(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first_pos: int,
+                 arrays: Mapping[str, np.ndarray] | None = None) -> None:
     """Write the request's content (this rank's heads) into ``pages`` (positions ``first_pos`` on) of every
-    buffer of ``pool``: what the engine's prefill computed."""
+    buffer of ``pool``: what the engine's prefill computed. ``arrays``: the memory's buffer views, when the
+    caller holds them (``memory.array`` makes a view per call)."""
     index, rank = memory.buffer_index, memory.layout.tp_rank
     for buf in memory.layout.pool(pool).buffers:
-        memory.array(buf.name)[pages] = page_rows(rid, first_pos, len(pages), index[buf.name], buf, rank)
+        view = memory.array(buf.name) if arrays is None else arrays[buf.name]
+        view[pages] = page_rows(rid, first_pos, len(pages), index[buf.name], buf, rank)
 
 
 class SliceProvenance:

@@ -124,10 +124,12 @@ class PageMap:
         self.names = [bufs[i].name for i in order]
         self.pools = {b.name: p.name for p in memory.layout.pools for b in p.buffers}
         self.pool_names = [p.name for p in memory.layout.pools]
+        self.pool_of = [self.pool_names.index(self.pools[name]) for name in self.names]   # by ``find``'s number
         self.layout_index = {b.name: i for i, b in enumerate(bufs)}
         # Provenance: per buffer and page, the tag (``World.tags``) of the (request, generation) that last
         # wrote it; -1 never written.
         self.prov = {b.name: np.full(b.num_pages, -1, dtype=np.int64) for b in bufs}
+        self.prov_sorted = [self.prov[name] for name in self.names]   # by ``find``'s number
         self.arrays = {b.name: memory.array(b.name) for b in bufs}
 
     def describe(self, addr: int) -> str:
@@ -139,11 +141,16 @@ class PageMap:
 
     def locate(self, addr: int, nbytes: int) -> tuple[str, int, int] | None:
         """(buffer, first page, last page + 1) of the row, or None when it is not inside one buffer."""
+        found = self.find(addr, nbytes)
+        return None if found is None else (self.names[found[0]], found[1], found[2])
+
+    def find(self, addr: int, nbytes: int) -> tuple[int, int, int] | None:
+        """``locate`` with the buffer's number in ``names`` (what the per-buffer lists are indexed by)."""
         k = bisect.bisect_right(self.base_list, addr) - 1
         if k < 0 or addr + nbytes > self.end_list[k] or nbytes <= 0:
             return None
         base, pb = self.base_list[k], self.page_bytes[k]
-        return self.names[k], (addr - base) // pb, (addr + nbytes - 1 - base) // pb + 1
+        return k, (addr - base) // pb, (addr + nbytes - 1 - base) // pb + 1
 
 
 # -- network ----------------------------------------------------------------------------------------------
@@ -345,5 +352,6 @@ class Transport:
 
 def copy_rows(src: np.ndarray, dst: np.ndarray) -> None:
     """memmove each (src, dst) row pair; the caller checked every row lies inside registered memory."""
-    for (s, n, _), (d, _, _) in zip(src.tolist(), dst.tolist()):
-        ctypes.memmove(d, s, n)
+    memmove = ctypes.memmove
+    for s, n, d in zip(src[:, 0].tolist(), src[:, 1].tolist(), dst[:, 0].tolist()):
+        memmove(d, s, n)
