@@ -390,33 +390,42 @@ class Node:
         post(self.sim.now)
 
     def iterate(self, now: float) -> None:
+        # ``between`` is called only when there is something to carry out (most events decide nothing): the
+        # same order, without a call per event.
         core = self.core
         core.check_silence(now)
-        self.between(now)
+        if core.effects or core.transfers:
+            self.between(now)
         for fn in core.run_calls(now):
             self.guard(fn)
-            self.between(now)
+            if core.effects or core.transfers:
+                self.between(now)
         core.post_queued()
-        self.between(now)
+        if core.effects or core.transfers:
+            self.between(now)
         self.flush(now)
-        while self.frames:
-            kind, peer, data = self.frames.popleft()
-            self.guard(lambda k=kind, p=peer, d=data: self.on_frame(now, k, p, d))
-            self.between(now)
+        frames, on_frame = self.frames, self.on_frame
+        while frames:
+            self.guard(on_frame, now, *frames.popleft())
+            if core.effects or core.transfers:
+                self.between(now)
         core.post_queued()
-        self.between(now)
+        if core.effects or core.transfers:
+            self.between(now)
         self.flush(now)
         self.pump(now)
-        self.between(now)
+        if core.effects or core.transfers:
+            self.between(now)
         core.batches.next_iteration()
         core.tick(now)
-        self.between(now)
+        if core.effects or core.transfers:
+            self.between(now)
         self.flush(now)
 
-    def guard(self, fn: Callable[[], None]) -> None:
+    def guard(self, fn: Callable[..., None], *args: Any) -> None:
         """An event handled as the shell handles it: a peer's bad message is counted, a bug is loud."""
         try:
-            fn()
+            fn(*args)
         except InternalError as exc:
             self.core.log_internal(exc)
             self.world.internal(self, exc)
@@ -707,7 +716,8 @@ class DecodeNode(Node):
         world.graveyard.append(self.memory)
         self.pages = PageMap(self.memory)
         self.slice_prov = SliceProvenance(self.memory)
-        self.slice_tags = [self.slice_prov.tags[name] for name in self.pages.names]   # ``locate_all``'s order
+        self.slice_tags = [self.slice_prov.tags[name] for name in self.pages.names]   # ``World.apply`` marks by
+        # ``PageMap.find``'s buffer number
         self.free = {p.name: FreePages(p.min_pages) for p in self.memory.layout.pools}
         setup = DecodeSetup("sim", self.agent.encode(), self.process, None)
         self.core = DecodeCore(self.memory, setup, world.options, DigestMode(world.swarm.digest),
@@ -780,7 +790,7 @@ class DecodeNode(Node):
     def take_notifications(self, now: float) -> None:
         while self.notifs:
             agent, data = self.notifs.popleft()
-            self.guard(lambda a=agent, d=data: self.core.on_notification(now, a, d))
+            self.guard(self.core.on_notification, now, agent, data)
 
     def notified(self, target: str, agent: str, data: bytes) -> None:
         if not self.crashed and target == self.agent:
@@ -937,6 +947,8 @@ class DecodeNode(Node):
     def engine(self, now: float) -> None:
         """Announce a failed request again (same id, new pages: the old ones may be quarantined) as soon as
         it failed; take pages back once their lease ended."""
+        if not self.ended_gens and not self.released:
+            return   # no record and no lease ended since the last look: nothing to decide or take back
         leases = self.core.leases
         # Only the attempts whose record just ended, or whose lease just ended after their record: in the
         # order they were announced (generations count up).
@@ -981,7 +993,7 @@ class DecodeNode(Node):
         for pool, pages in att.pages.items():
             first = att.req.prefix.get(pool, 0)
             for buf in layout.pool(pool).buffers:
-                prov = self.pages.prov[buf.name][pages]
+                prov = self.pages.prov[buf.name].take(pages)
                 if (prov != tag).any():
                     bad = int(pages[np.flatnonzero(prov != tag)[0]])
                     self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE but "
@@ -992,7 +1004,7 @@ class DecodeNode(Node):
                     page, byte, by = other
                     self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE but "
                                   f"{buf.name} page {page} byte {byte} was last written by {self.world.tag_name(by)}")
-                got = self.pages.arrays[buf.name][pages]
+                got = self.pages.arrays[buf.name].take(pages, axis=0)
                 want = page_rows(rec.request_id, first, len(pages), self.pages.layout_index[buf.name], buf, self.rank)
                 if got.tobytes() != want.tobytes():   # cheaper than numpy's comparison on a few small rows
                     page = int(pages[np.flatnonzero((got != want).any(axis=1))[0]])

@@ -87,6 +87,7 @@ def rank_name(kind: str, group: int, rank: int, size: int) -> str:
     return f"{kind}{group}" if size == 1 else f"{kind}{group}-r{rank}"
 
 
+@lru_cache(maxsize=64)
 def needed_ranks(decode_rank: int, tp: tuple[int, int]) -> range:
     """The prefill ranks decode rank ``decode_rank`` needs (``source_ranks``)."""
     return source_ranks(decode_rank, tp[0], tp[1])
@@ -158,21 +159,16 @@ class SliceProvenance:
 
     def __init__(self, memory: KVMemory) -> None:
         layout = memory.layout
-        self.base = {b.name: memory.address(b.name) for b in layout.buffers}
-        self.page_bytes = {b.name: b.page_bytes for b in layout.buffers}
         self.tags = {b.name: np.full(b.num_pages * b.page_bytes, -1, dtype=np.int64) for b in layout.buffers}
-
-    def mark(self, buf: str, addr: int, nbytes: int, tag: int) -> None:
-        lo = addr - self.base[buf]
-        self.tags[buf][lo:lo + nbytes] = tag
+        self.rows = {b.name: self.tags[b.name].reshape(-1, b.page_bytes) for b in layout.buffers}   # per page
 
     def first_other(self, buf: str, pages: np.ndarray, tag: int) -> tuple[int, int, int] | None:
         """(page, byte, tag found) of the first byte of ``pages`` not last written by ``tag``, or None."""
-        pb = self.page_bytes[buf]
-        rows = self.tags[buf].reshape(-1, pb)[pages]
-        bad = np.argwhere(rows != tag)
-        if not len(bad):
+        rows = self.rows[buf].take(pages, axis=0)
+        other = rows != tag
+        if not other.any():
             return None
+        bad = np.argwhere(other)
         i, byte = (int(x) for x in bad[0])
         return int(pages[i]), byte, int(rows[i, byte])
 
