@@ -304,31 +304,28 @@ class World:
         tag, rid, gen, plan = part
         rid_id = self.rid_id(rid)
         sd, dd = plan.src_descs, plan.dst_descs
+        s_addr, s_len, d_addr, d_len = sd[:, 0].tolist(), sd[:, 1].tolist(), dd[:, 0].tolist(), dd[:, 1].tolist()
         dpages, spages = dst.pages, src.pages
+        wheres, origins = dpages.find_all(d_addr, d_len), spages.find_all(s_addr, s_len)
+        if None in wheres or None in origins:
+            self.bad_row(part, src, dst, kind)
         leases = dst.core.leases   # the lease table's own view (pool -> lease id per page)
         owners = [leases.owners(pool).tolist() for pool in dpages.pool_names]
         sowners = [src.src_owner[pool].tolist() for pool in spages.pool_names]
         dpool, spool = dpages.pool_of, spages.pool_of
         src_ok = True
-        marks = []
-        for s, sn, d, n in zip(sd[:, 0].tolist(), sd[:, 1].tolist(), dd[:, 0].tolist(), dd[:, 1].tolist()):
-            where, origin = dpages.find(d, n), spages.find(s, sn)
-            if where is None or origin is None:
-                self.bad_row(part, src, dst, kind)
-            assert where is not None and origin is not None
-            k, p0, p1 = where
+        for (k, p0, p1), (j, q0, q1) in zip(wheres, origins):   # type: ignore[misc]
             owner = owners[dpool[k]]
             if p1 > len(owner) or owner[p0:p1].count(gen) != p1 - p0:
                 self.bad_row(part, src, dst, kind)
-            j, q0, q1 = origin
             sown = sowners[spool[j]]
             if q1 > len(sown) or sown[q0:q1].count(rid_id) != q1 - q0:
                 src_ok = False
-            marks.append((k, p0, p1, d - dpages.base_list[k], n))
-        copy_rows(sd, dd)
-        prov, tags = dpages.prov_sorted, dst.slice_tags
-        for k, p0, p1, lo, n in marks:
+        copy_rows(s_addr, s_len, d_addr)
+        prov, tags, bases = dpages.prov_sorted, dst.slice_tags, dpages.base_list
+        for (k, p0, p1), d, n in zip(wheres, d_addr, d_len):   # type: ignore[misc]
             prov[k][p0:p1] = tag
+            lo = d - bases[k]
             tags[k][lo:lo + n] = tag
         if kind == "write" and not src_ok:
             self.sim.fail("a_source_released_under_write", f"write of {rid!r} gen {gen} by {src.name} read source "

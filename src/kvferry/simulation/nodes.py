@@ -717,7 +717,7 @@ class DecodeNode(Node):
         self.pages = PageMap(self.memory)
         self.slice_prov = SliceProvenance(self.memory)
         self.slice_tags = [self.slice_prov.tags[name] for name in self.pages.names]   # ``World.apply`` marks by
-        # ``PageMap.find``'s buffer number
+        # ``PageMap.find_all``'s buffer number
         self.free = {p.name: FreePages(p.min_pages) for p in self.memory.layout.pools}
         setup = DecodeSetup("sim", self.agent.encode(), self.process, None)
         self.core = DecodeCore(self.memory, setup, world.options, DigestMode(world.swarm.digest),
