@@ -38,7 +38,15 @@ from kvferry.control.stats import NullRecorder
 from kvferry.errors import InternalError, KVFerryError, LeaseError, PeerLost, TransportError
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
-from kvferry.simulation.tp import DecodeGroup, SliceProvenance, fill_content, needed_ranks, page_rows, rank_layout
+from kvferry.simulation.tp import (
+    DecodeGroup,
+    SliceProvenance,
+    all_are,
+    fill_content,
+    needed_ranks,
+    page_rows,
+    rank_layout,
+)
 from kvferry.simulation.world import PageMap
 
 if TYPE_CHECKING:
@@ -390,8 +398,8 @@ class Node:
         post(self.sim.now)
 
     def iterate(self, now: float) -> None:
-        # ``between`` is called only when there is something to carry out (most events decide nothing): the
-        # same order, without a call per event.
+        # ``between`` and ``flush`` are called only when there is something to carry out or send (most events
+        # decide nothing): the same order, without the calls.
         core = self.core
         core.check_silence(now)
         if core.effects or core.transfers:
@@ -403,7 +411,8 @@ class Node:
         core.post_queued()
         if core.effects or core.transfers:
             self.between(now)
-        self.flush(now)
+        if core.outbox:
+            self.flush(now)
         frames, on_frame = self.frames, self.on_frame
         while frames:
             self.guard(on_frame, now, *frames.popleft())
@@ -412,7 +421,8 @@ class Node:
         core.post_queued()
         if core.effects or core.transfers:
             self.between(now)
-        self.flush(now)
+        if core.outbox:
+            self.flush(now)
         self.pump(now)
         if core.effects or core.transfers:
             self.between(now)
@@ -420,7 +430,8 @@ class Node:
         core.tick(now)
         if core.effects or core.transfers:
             self.between(now)
-        self.flush(now)
+        if core.outbox:
+            self.flush(now)
 
     def guard(self, fn: Callable[..., None], *args: Any) -> None:
         """An event handled as the shell handles it: a peer's bad message is counted, a bug is loud."""
@@ -994,7 +1005,7 @@ class DecodeNode(Node):
             first = att.req.prefix.get(pool, 0)
             for buf in layout.pool(pool).buffers:
                 prov = self.pages.prov[buf.name].take(pages)
-                if (prov != tag).any():
+                if not all_are(prov, tag):
                     bad = int(pages[np.flatnonzero(prov != tag)[0]])
                     self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE but "
                                   f"{buf.name} page {bad} was last written by "
