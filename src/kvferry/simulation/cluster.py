@@ -358,16 +358,20 @@ class World:
     def after_step(self, node: Node, now: float) -> None:
         if node.core.num_internal_errors:
             self.sim.fail("internal", f"{node.name}: the core caught a bug of its own (InternalError)")
-        ended, node.ended = node.ended, []
-        for rec, state in ended:
-            if isinstance(node, PrefillNode):
-                self.prefill_ended(rec, state)
-                if state is RequestState.DONE:
-                    self.check_group_verdict(node, rec)
-            elif hasattr(rec, "generation"):
-                self.decode_ended(node, rec, state)   # type: ignore[arg-type]
+        if node.ended:
+            ended, node.ended = node.ended, []
+            for rec, state in ended:
+                if isinstance(node, PrefillNode):
+                    self.prefill_ended(rec, state)
+                    if state is RequestState.DONE:
+                        self.check_group_verdict(node, rec)
+                elif hasattr(rec, "generation"):
+                    self.decode_ended(node, rec, state)   # type: ignore[arg-type]
         if now < node.stalled_until or node.crashed:
             return
+        heap = node.deadlines.heap
+        if not heap or now <= heap[0][0] + DEADLINE_SLACK:
+            return   # no record is late: the first deadline of the heap is the earliest of every record's
         rec = node.deadlines.earliest(node.holds_record)   # the live record the core holds due first
         if rec is not None and now > max(rec.deadline, node.resumed_at) + DEADLINE_SLACK:
             self.sim.fail("d_deadline", f"{node.name}: {rec.request_id!r} still {rec.state.value} at "
