@@ -660,8 +660,11 @@ class PrefillNode(Node):
             return
         for pool, pages in att.src.items():
             self.src_owner[pool][pages] = -1
+            page_list = pages.tolist()
             for buf in self.memory.layout.pool(pool).buffers:
-                self.pages.arrays[buf.name][pages] = 0   # reused at once: what a late read gets is not the KV
+                view = self.pages.arrays[buf.name]
+                for page in page_list:   # a few pages: one at a time costs less than numpy's fancy indexing
+                    view[page] = 0       # reused at once: what a late read gets is not the KV
             self.free[pool].give(pages)
         att.src = None
         self.changes += 1

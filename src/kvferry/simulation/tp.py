@@ -148,9 +148,13 @@ def fill_content(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first
     buffer of ``pool``: what the engine's prefill computed. ``arrays``: the memory's buffer views, when the
     caller holds them (``memory.array`` makes a view per call)."""
     index, rank = memory.buffer_index, memory.layout.tp_rank
+    page_list = pages.tolist()
     for buf in memory.layout.pool(pool).buffers:
         view = memory.array(buf.name) if arrays is None else arrays[buf.name]
-        view[pages] = page_rows(rid, first_pos, len(pages), index[buf.name], buf, rank)
+        table = _table(buf.page_bytes, buf.heads, rank)
+        # ``page_rows``, a page at a time: a request has a few pages, which numpy's fancy indexing costs more
+        for page, start in zip(page_list, _starts(rid, first_pos, len(page_list), index[buf.name])):
+            view[page] = table[start]
 
 
 def all_are(values: np.ndarray, value: int) -> bool:
