@@ -166,7 +166,8 @@ def all_are(values: np.ndarray, value: int) -> bool:
 
 class SliceProvenance:
     """Per buffer and byte, the tag (``World.tag``) of the (request, generation) whose row last wrote it; -1
-    never written. Page provenance cannot tell two prefill ranks' slices of one page apart; this can."""
+    never written. Page provenance cannot tell two prefill ranks' slices of one page apart; this can.
+    ``World.apply`` marks the rows as they land, through the node's ``slice_tags`` (these arrays)."""
 
     def __init__(self, memory: KVMemory) -> None:
         layout = memory.layout
