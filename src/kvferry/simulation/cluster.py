@@ -297,16 +297,47 @@ class World:
     # -- the transport's bytes -----------------------------------------------------------------------------
     def apply(self, part: tuple[int, str, int, Any], src: PrefillNode, dst: DecodeNode, kind: str) -> bool:
         """Copy one chunk's rows from ``src``'s memory into ``dst``'s as they land, checking each row against
-        decode's lease table (a). False when a source page was no longer the request's (released)."""
+        decode's lease table (a). False when a source page was no longer the request's (released).
+
+        The tables are read as lists (a page's owner a plain int); when a row fails, ``bad_row`` goes through
+        the rows again and reports the first as it is."""
         tag, rid, gen, plan = part
         rid_id = self.rid_id(rid)
-        leases = dst.core.leases   # the lease table's own view (pool -> lease id per page)
-        src_ok = True
         sd, dd = plan.src_descs, plan.dst_descs
-        rows_ok = []
-        marks = []
+        s_addr, s_len, d_addr, d_len = sd[:, 0].tolist(), sd[:, 1].tolist(), dd[:, 0].tolist(), dd[:, 1].tolist()
+        dpages, spages = dst.pages, src.pages
+        wheres, origins = dpages.find_all(d_addr, d_len), spages.find_all(s_addr, s_len)
+        if None in wheres or None in origins:
+            self.bad_row(part, src, dst, kind)
+        leases = dst.core.leases   # the lease table's own view (pool -> lease id per page)
+        owners = [leases.owners(pool).tolist() for pool in dpages.pool_names]
+        sowners = [src.src_owner[pool].tolist() for pool in spages.pool_names]
+        dpool, spool = dpages.pool_of, spages.pool_of
+        src_ok = True
+        for (k, p0, p1), (j, q0, q1) in zip(wheres, origins):   # type: ignore[misc]
+            owner = owners[dpool[k]]
+            if p1 > len(owner) or owner[p0:p1].count(gen) != p1 - p0:
+                self.bad_row(part, src, dst, kind)
+            sown = sowners[spool[j]]
+            if q1 > len(sown) or sown[q0:q1].count(rid_id) != q1 - q0:
+                src_ok = False
+        copy_rows(s_addr, s_len, d_addr)
+        prov, tags, bases = dpages.prov_sorted, dst.slice_tags, dpages.base_list
+        for (k, p0, p1), d, n in zip(wheres, d_addr, d_len):   # type: ignore[misc]
+            prov[k][p0:p1] = tag
+            lo = d - bases[k]
+            tags[k][lo:lo + n] = tag
+        if kind == "write" and not src_ok:
+            self.sim.fail("a_source_released_under_write", f"write of {rid!r} gen {gen} by {src.name} read source "
+                          "pages its engine had been given back")
+        return src_ok
+
+    def bad_row(self, part: tuple[int, str, int, Any], src: PrefillNode, dst: DecodeNode, kind: str) -> None:
+        """Fail (a) at the first row of ``part`` outside every buffer or landing in pages not leased to it."""
+        _, rid, gen, plan = part
+        leases = dst.core.leases
         owners = {pool: leases.owners(pool) for pool in dst.pages.pool_names}
-        for (s, n, _), (d, _, _) in zip(sd.tolist(), dd.tolist()):
+        for (s, n, _), (d, _, _) in zip(plan.src_descs.tolist(), plan.dst_descs.tolist()):
             where = dst.pages.locate(d, n)
             if where is None:
                 self.sim.fail("a_lease", f"{kind} of {rid!r} gen {gen} to {dst.name}: a row at "
@@ -314,45 +345,33 @@ class World:
             assert where is not None
             buf, p0, p1 = where
             owner = owners[dst.pages.pools[buf]]
-            if p1 > len(owner) or (owner[p0] != gen if p1 - p0 == 1 else (owner[p0:p1] != gen).any()):
+            if p1 > len(owner) or (owner[p0:p1] != gen).any():
                 held = [int(x) for x in owner[p0:min(p1, len(owner))]]
                 self.sim.fail("a_lease", f"{kind} of {rid!r} gen {gen} landed in {dst.name} {buf} pages "
                               f"{p0}..{p1 - 1}, leased to generations {held} (-1: free; pages past {len(owner)} "
                               "are never leased)")
-            origin = src.pages.locate(s, n)
-            if origin is None:
+            if src.pages.locate(s, n) is None:
                 self.sim.fail("a_lease", f"{kind} of {rid!r}: a source row lies outside {src.name}'s buffers")
-            assert origin is not None
-            sbuf, q0, q1 = origin
-            sown = src.src_owner[src.pages.pools[sbuf]]
-            if q1 > len(sown) or (sown[q0] != rid_id if q1 - q0 == 1 else (sown[q0:q1] != rid_id).any()):
-                src_ok = False
-            rows_ok.append((buf, p0, p1))
-            marks.append((buf, d, n))
-        copy_rows(sd, dd)
-        for buf, p0, p1 in rows_ok:
-            dst.pages.prov[buf][p0:p1] = tag
-        for buf, d, n in marks:
-            dst.slice_prov.mark(buf, d, n, tag)
-        if kind == "write" and not src_ok:
-            self.sim.fail("a_source_released_under_write", f"write of {rid!r} gen {gen} by {src.name} read source "
-                          "pages its engine had been given back")
-        return src_ok
+        raise AssertionError("bad_row: every row of the part is fine")
 
     # -- invariants after each step --------------------------------------------------------------------------
     def after_step(self, node: Node, now: float) -> None:
         if node.core.num_internal_errors:
             self.sim.fail("internal", f"{node.name}: the core caught a bug of its own (InternalError)")
-        ended, node.ended = node.ended, []
-        for rec, state in ended:
-            if isinstance(node, PrefillNode):
-                self.prefill_ended(rec, state)
-                if state is RequestState.DONE:
-                    self.check_group_verdict(node, rec)
-            elif hasattr(rec, "generation"):
-                self.decode_ended(node, rec, state)   # type: ignore[arg-type]
+        if node.ended:
+            ended, node.ended = node.ended, []
+            for rec, state in ended:
+                if isinstance(node, PrefillNode):
+                    self.prefill_ended(rec, state)
+                    if state is RequestState.DONE:
+                        self.check_group_verdict(node, rec)
+                elif hasattr(rec, "generation"):
+                    self.decode_ended(node, rec, state)   # type: ignore[arg-type]
         if now < node.stalled_until or node.crashed:
             return
+        heap = node.deadlines.heap
+        if not heap or now <= heap[0][0] + DEADLINE_SLACK:
+            return   # no record is late: the first deadline of the heap is the earliest of every record's
         rec = node.deadlines.earliest(node.holds_record)   # the live record the core holds due first
         if rec is not None and now > max(rec.deadline, node.resumed_at) + DEADLINE_SLACK:
             self.sim.fail("d_deadline", f"{node.name}: {rec.request_id!r} still {rec.state.value} at "

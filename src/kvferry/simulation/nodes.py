@@ -38,7 +38,15 @@ from kvferry.control.stats import NullRecorder
 from kvferry.errors import InternalError, KVFerryError, LeaseError, PeerLost, TransportError
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
-from kvferry.simulation.tp import DecodeGroup, SliceProvenance, fill_content, needed_ranks, page_rows, rank_layout
+from kvferry.simulation.tp import (
+    DecodeGroup,
+    SliceProvenance,
+    all_are,
+    fill_content,
+    needed_ranks,
+    page_rows,
+    rank_layout,
+)
 from kvferry.simulation.world import PageMap
 
 if TYPE_CHECKING:
@@ -390,33 +398,45 @@ class Node:
         post(self.sim.now)
 
     def iterate(self, now: float) -> None:
+        # ``between`` and ``flush`` are called only when there is something to carry out or send (most events
+        # decide nothing): the same order, without the calls.
         core = self.core
         core.check_silence(now)
-        self.between(now)
+        if core.effects or core.transfers:
+            self.between(now)
         for fn in core.run_calls(now):
             self.guard(fn)
-            self.between(now)
+            if core.effects or core.transfers:
+                self.between(now)
         core.post_queued()
-        self.between(now)
-        self.flush(now)
-        while self.frames:
-            kind, peer, data = self.frames.popleft()
-            self.guard(lambda k=kind, p=peer, d=data: self.on_frame(now, k, p, d))
+        if core.effects or core.transfers:
             self.between(now)
+        if core.outbox:
+            self.flush(now)
+        frames, on_frame = self.frames, self.on_frame
+        while frames:
+            self.guard(on_frame, now, *frames.popleft())
+            if core.effects or core.transfers:
+                self.between(now)
         core.post_queued()
-        self.between(now)
-        self.flush(now)
+        if core.effects or core.transfers:
+            self.between(now)
+        if core.outbox:
+            self.flush(now)
         self.pump(now)
-        self.between(now)
+        if core.effects or core.transfers:
+            self.between(now)
         core.batches.next_iteration()
         core.tick(now)
-        self.between(now)
-        self.flush(now)
+        if core.effects or core.transfers:
+            self.between(now)
+        if core.outbox:
+            self.flush(now)
 
-    def guard(self, fn: Callable[[], None]) -> None:
+    def guard(self, fn: Callable[..., None], *args: Any) -> None:
         """An event handled as the shell handles it: a peer's bad message is counted, a bug is loud."""
         try:
-            fn()
+            fn(*args)
         except InternalError as exc:
             self.core.log_internal(exc)
             self.world.internal(self, exc)
@@ -629,7 +649,7 @@ class PrefillNode(Node):
         rid_id = self.world.rid_id(req.rid)
         for pool, n in req.total.items():
             pages = self.free[pool].take(n)
-            fill_content(self.memory, req.rid, pool, pages, 0)
+            fill_content(self.memory, req.rid, pool, pages, 0, self.pages.arrays)
             self.src_owner[pool][pages] = rid_id
             att.src[pool] = pages
         return True
@@ -640,8 +660,11 @@ class PrefillNode(Node):
             return
         for pool, pages in att.src.items():
             self.src_owner[pool][pages] = -1
+            page_list = pages.tolist()
             for buf in self.memory.layout.pool(pool).buffers:
-                self.pages.arrays[buf.name][pages] = 0   # reused at once: what a late read gets is not the KV
+                view = self.pages.arrays[buf.name]
+                for page in page_list:   # a few pages: one at a time costs less than numpy's fancy indexing
+                    view[page] = 0       # reused at once: what a late read gets is not the KV
             self.free[pool].give(pages)
         att.src = None
         self.changes += 1
@@ -707,6 +730,8 @@ class DecodeNode(Node):
         world.graveyard.append(self.memory)
         self.pages = PageMap(self.memory)
         self.slice_prov = SliceProvenance(self.memory)
+        self.slice_tags = [self.slice_prov.tags[name] for name in self.pages.names]   # ``World.apply`` marks by
+        # ``PageMap.find_all``'s buffer number
         self.free = {p.name: FreePages(p.min_pages) for p in self.memory.layout.pools}
         setup = DecodeSetup("sim", self.agent.encode(), self.process, None)
         self.core = DecodeCore(self.memory, setup, world.options, DigestMode(world.swarm.digest),
@@ -779,7 +804,7 @@ class DecodeNode(Node):
     def take_notifications(self, now: float) -> None:
         while self.notifs:
             agent, data = self.notifs.popleft()
-            self.guard(lambda a=agent, d=data: self.core.on_notification(now, a, d))
+            self.guard(self.core.on_notification, now, agent, data)
 
     def notified(self, target: str, agent: str, data: bytes) -> None:
         if not self.crashed and target == self.agent:
@@ -936,6 +961,8 @@ class DecodeNode(Node):
     def engine(self, now: float) -> None:
         """Announce a failed request again (same id, new pages: the old ones may be quarantined) as soon as
         it failed; take pages back once their lease ended."""
+        if not self.ended_gens and not self.released:
+            return   # no record and no lease ended since the last look: nothing to decide or take back
         leases = self.core.leases
         # Only the attempts whose record just ended, or whose lease just ended after their record: in the
         # order they were announced (generations count up).
@@ -980,8 +1007,8 @@ class DecodeNode(Node):
         for pool, pages in att.pages.items():
             first = att.req.prefix.get(pool, 0)
             for buf in layout.pool(pool).buffers:
-                prov = self.pages.prov[buf.name][pages]
-                if (prov != tag).any():
+                prov = self.pages.prov[buf.name].take(pages)
+                if not all_are(prov, tag):
                     bad = int(pages[np.flatnonzero(prov != tag)[0]])
                     self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE but "
                                   f"{buf.name} page {bad} was last written by "
@@ -991,7 +1018,7 @@ class DecodeNode(Node):
                     page, byte, by = other
                     self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE but "
                                   f"{buf.name} page {page} byte {byte} was last written by {self.world.tag_name(by)}")
-                got = self.pages.arrays[buf.name][pages]
+                got = self.pages.arrays[buf.name].take(pages, axis=0)
                 want = page_rows(rec.request_id, first, len(pages), self.pages.layout_index[buf.name], buf, self.rank)
                 if got.tobytes() != want.tobytes():   # cheaper than numpy's comparison on a few small rows
                     page = int(pages[np.flatnonzero((got != want).any(axis=1))[0]])

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +35,8 @@ from kvferry.simulation.config import sim_layout
 if TYPE_CHECKING:
     from kvferry.simulation.nodes import DecodeNode
 
-__all__ = ["TP_PAIRS", "DecodeGroup", "SliceProvenance", "draw_tp", "fill_content", "needed_ranks", "page_content",
-           "page_rows", "rank_layout", "rank_name"]
+__all__ = ["TP_PAIRS", "DecodeGroup", "SliceProvenance", "all_are", "draw_tp", "fill_content", "needed_ranks",
+           "page_content", "page_rows", "rank_layout", "rank_name"]
 
 # The (prefill TP, decode TP) pairs a seed may run: equal sizes (rank to rank, whole pages, pull allowed),
 # decode wider (a prefill rank writes one request to two decode ranks: a request group) and prefill wider
@@ -87,6 +87,7 @@ def rank_name(kind: str, group: int, rank: int, size: int) -> str:
     return f"{kind}{group}" if size == 1 else f"{kind}{group}-r{rank}"
 
 
+@lru_cache(maxsize=64)
 def needed_ranks(decode_rank: int, tp: tuple[int, int]) -> range:
     """The prefill ranks decode rank ``decode_rank`` needs (``source_ranks``)."""
     return source_ranks(decode_rank, tp[0], tp[1])
@@ -119,15 +120,21 @@ def _table(page_bytes: int, heads: HeadGeometry | None, tp_rank: int) -> np.ndar
     return out
 
 
-def _starts(rid: str, first_pos: int, n: int, buffer_index: int) -> np.ndarray:
-    pos = np.arange(first_pos, first_pos + n, dtype=np.int64)
-    return (zlib.crc32(rid.encode()) * 7 + pos * 31 + buffer_index * 13) % 251
+@lru_cache(maxsize=4096)
+def _rid_start(rid: str) -> int:
+    return zlib.crc32(rid.encode()) * 7
+
+
+def _starts(rid: str, first_pos: int, n: int, buffer_index: int) -> list[int]:
+    # Plain ints: a few pages' starts cost less than the numpy calls that would compute them.
+    c = _rid_start(rid) + buffer_index * 13
+    return [(c + pos * 31) % 251 for pos in range(first_pos, first_pos + n)]
 
 
 def page_rows(rid: str, first_pos: int, n: int, buffer_index: int, buf: Buffer, tp_rank: int) -> np.ndarray:
     """The bytes rank ``tp_rank`` holds of the request's pages ``first_pos .. first_pos + n - 1`` in ``buf``
     (its layout's buffer), one row each."""
-    return _table(buf.page_bytes, buf.heads, tp_rank)[_starts(rid, first_pos, n, buffer_index)]
+    return _table(buf.page_bytes, buf.heads, tp_rank).take(_starts(rid, first_pos, n, buffer_index), axis=0)
 
 
 def page_content(rid: str, pos: int, buffer_index: int, buf: Buffer, tp_rank: int) -> np.ndarray:
@@ -135,35 +142,44 @@ def page_content(rid: str, pos: int, buffer_index: int, buf: Buffer, tp_rank: in
     return page_rows(rid, pos, 1, buffer_index, buf, tp_rank)[0]
 
 
-def fill_content(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first_pos: int) -> None:
+def fill_content(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first_pos: int,
+                 arrays: Mapping[str, np.ndarray] | None = None) -> None:
     """Write the request's content (this rank's heads) into ``pages`` (positions ``first_pos`` on) of every
-    buffer of ``pool``: what the engine's prefill computed."""
+    buffer of ``pool``: what the engine's prefill computed. ``arrays``: the memory's buffer views, when the
+    caller holds them (``memory.array`` makes a view per call)."""
     index, rank = memory.buffer_index, memory.layout.tp_rank
+    page_list = pages.tolist()
     for buf in memory.layout.pool(pool).buffers:
-        memory.array(buf.name)[pages] = page_rows(rid, first_pos, len(pages), index[buf.name], buf, rank)
+        view = memory.array(buf.name) if arrays is None else arrays[buf.name]
+        table = _table(buf.page_bytes, buf.heads, rank)
+        # ``page_rows``, a page at a time: a request has a few pages, which numpy's fancy indexing costs more
+        for page, start in zip(page_list, _starts(rid, first_pos, len(page_list), index[buf.name])):
+            view[page] = table[start]
+
+
+def all_are(values: np.ndarray, value: int) -> bool:
+    """Whether every element of the int64 array ``values`` is ``value``: its bytes against the value's bytes
+    repeated (a few hundred elements: several times cheaper than numpy's comparison and ``any``)."""
+    assert values.dtype == np.int64
+    return values.tobytes() == np.int64(value).tobytes() * values.size
 
 
 class SliceProvenance:
     """Per buffer and byte, the tag (``World.tag``) of the (request, generation) whose row last wrote it; -1
-    never written. Page provenance cannot tell two prefill ranks' slices of one page apart; this can."""
+    never written. Page provenance cannot tell two prefill ranks' slices of one page apart; this can.
+    ``World.apply`` marks the rows as they land, through the node's ``slice_tags`` (these arrays)."""
 
     def __init__(self, memory: KVMemory) -> None:
         layout = memory.layout
-        self.base = {b.name: memory.address(b.name) for b in layout.buffers}
-        self.page_bytes = {b.name: b.page_bytes for b in layout.buffers}
         self.tags = {b.name: np.full(b.num_pages * b.page_bytes, -1, dtype=np.int64) for b in layout.buffers}
-
-    def mark(self, buf: str, addr: int, nbytes: int, tag: int) -> None:
-        lo = addr - self.base[buf]
-        self.tags[buf][lo:lo + nbytes] = tag
+        self.rows = {b.name: self.tags[b.name].reshape(-1, b.page_bytes) for b in layout.buffers}   # per page
 
     def first_other(self, buf: str, pages: np.ndarray, tag: int) -> tuple[int, int, int] | None:
         """(page, byte, tag found) of the first byte of ``pages`` not last written by ``tag``, or None."""
-        pb = self.page_bytes[buf]
-        rows = self.tags[buf].reshape(-1, pb)[pages]
-        bad = np.argwhere(rows != tag)
-        if not len(bad):
+        rows = self.rows[buf].take(pages, axis=0)
+        if all_are(rows, tag):
             return None
+        bad = np.argwhere(rows != tag)
         i, byte = (int(x) for x in bad[0])
         return int(pages[i]), byte, int(rows[i, byte])
 

@@ -124,10 +124,12 @@ class PageMap:
         self.names = [bufs[i].name for i in order]
         self.pools = {b.name: p.name for p in memory.layout.pools for b in p.buffers}
         self.pool_names = [p.name for p in memory.layout.pools]
+        self.pool_of = [self.pool_names.index(self.pools[name]) for name in self.names]   # by ``find_all``'s number
         self.layout_index = {b.name: i for i, b in enumerate(bufs)}
         # Provenance: per buffer and page, the tag (``World.tags``) of the (request, generation) that last
         # wrote it; -1 never written.
         self.prov = {b.name: np.full(b.num_pages, -1, dtype=np.int64) for b in bufs}
+        self.prov_sorted = [self.prov[name] for name in self.names]   # by ``find_all``'s number
         self.arrays = {b.name: memory.array(b.name) for b in bufs}
 
     def describe(self, addr: int) -> str:
@@ -139,11 +141,22 @@ class PageMap:
 
     def locate(self, addr: int, nbytes: int) -> tuple[str, int, int] | None:
         """(buffer, first page, last page + 1) of the row, or None when it is not inside one buffer."""
-        k = bisect.bisect_right(self.base_list, addr) - 1
-        if k < 0 or addr + nbytes > self.end_list[k] or nbytes <= 0:
-            return None
-        base, pb = self.base_list[k], self.page_bytes[k]
-        return self.names[k], (addr - base) // pb, (addr + nbytes - 1 - base) // pb + 1
+        found = self.find_all([addr], [nbytes])[0]
+        return None if found is None else (self.names[found[0]], found[1], found[2])
+
+    def find_all(self, addrs: list[int], nbytes: list[int]) -> list[tuple[int, int, int] | None]:
+        """``locate`` for each row of a plan (one call for all: a plan has tens of rows), with the buffer's
+        number in ``names`` (what the per-buffer lists are indexed by)."""
+        bases, ends, page_bytes, bisect_right = self.base_list, self.end_list, self.page_bytes, bisect.bisect_right
+        out: list[tuple[int, int, int] | None] = []
+        for addr, n in zip(addrs, nbytes):
+            k = bisect_right(bases, addr) - 1
+            if k < 0 or addr + n > ends[k] or n <= 0:
+                out.append(None)
+            else:
+                base, pb = bases[k], page_bytes[k]
+                out.append((k, (addr - base) // pb, (addr + n - 1 - base) // pb + 1))
+        return out
 
 
 # -- network ----------------------------------------------------------------------------------------------
@@ -343,7 +356,8 @@ class Transport:
                     self.pending.pop(pend.ticket, None)
 
 
-def copy_rows(src: np.ndarray, dst: np.ndarray) -> None:
+def copy_rows(src: list[int], nbytes: list[int], dst: list[int]) -> None:
     """memmove each (src, dst) row pair; the caller checked every row lies inside registered memory."""
-    for (s, n, _), (d, _, _) in zip(src.tolist(), dst.tolist()):
-        ctypes.memmove(d, s, n)
+    memmove = ctypes.memmove
+    for s, n, d in zip(src, nbytes, dst):
+        memmove(d, s, n)
