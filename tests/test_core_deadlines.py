@@ -35,4 +35,3 @@ def test_record_set_earliest_live_equals_a_scan(ops: list[tuple[int, int, int]])
         assert active.earliest_live() == (min(live) if live else None)
     # Ended records do not pile up: the heap stays within a bound of the set's size.
     assert len(active._by_deadline) <= 2 * len(active) + 64 + 1
-

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, cast
@@ -242,11 +242,8 @@ def digest_pages(memory: KVMemory, pages: Mapping[str, np.ndarray], mode: Digest
     mode = DigestMode.parse(mode)
     names = None if buffers is None else tuple(buffers)
     key = (mode, samples_per_buffer, names, tuple([(pool, len(src)) for pool, src in pages.items()]))
-    frames = _FRAMES.get(memory)
-    if frames is None:
-        frames = _FRAMES[memory] = {}
-    frame = frames.get(key)
-    if frame is None:
+
+    def build() -> _Frame:
         keep = None if names is None else [memory.buffer_index[n] for n in names]
         cells = []
         for pool, src in pages.items():
@@ -254,17 +251,31 @@ def digest_pages(memory: KVMemory, pages: Mapping[str, np.ndarray], mode: Digest
             ids = ids if keep is None else ids[np.isin(ids, keep)]
             if len(src) and len(ids):  # the planner leaves such pools out of the plan too
                 cells.append((pool, ids, len(src)))
-        frame = _frame(memory, cells, mode, samples_per_buffer, None, None)
-        if len(frames) >= _MAX_FRAMES:
-            frames.clear()
-        frames[key] = frame
+        return _frame(memory, cells, mode, samples_per_buffer, None, None)
+
+    frame = _cached_frame(memory, key, build)
     return _digest_frame(memory, frame, [np.asarray(pages[pool], dtype=np.int64) for pool in frame.pool_names],
                          seed)
 
 
-# Per memory: digest_pages' frames by (mode, samples, buffers, page count per pool); bounded.
+# Per memory: frames by what they are built from (``digest_pages``: mode, samples, buffers, page count per
+# pool; ``digest_plan``: the plan's buffer ids and page counts per pool, its slices and shape); bounded.
 _FRAMES: weakref.WeakKeyDictionary[KVMemory, dict[object, _Frame]] = weakref.WeakKeyDictionary()
 _MAX_FRAMES = 256
+
+
+def _cached_frame(memory: KVMemory, key: object, build: Callable[[], _Frame]) -> _Frame:
+    """``memory``'s frame for ``key``, built on first use (a race builds it twice, harmlessly)."""
+    frames = _FRAMES.get(memory)
+    if frames is None:
+        frames = _FRAMES[memory] = {}
+    frame = frames.get(key)
+    if frame is None:
+        frame = build()
+        if len(frames) >= _MAX_FRAMES:
+            frames.clear()
+        frames[key] = frame
+    return frame
 
 
 @dataclass(frozen=True, eq=False)
@@ -361,15 +372,7 @@ def _digest_cells(memory: KVMemory, cells: _Cells, mode: DigestMode | str, seed:
     # more than hashing a small chunk's pages. Slices are part of the key (a TP pair's own geometry).
     key = ("plan", mode, k, tuple([(pool, ids.tobytes(), n) for pool, ids, n in counts]),
            None if slices is None else tuple(slices.items()), shape)
-    frames = _FRAMES.get(memory)
-    if frames is None:
-        frames = _FRAMES[memory] = {}
-    frame = frames.get(key)
-    if frame is None:
-        frame = _frame(memory, counts, mode, k, slices, shape)
-        if len(frames) >= _MAX_FRAMES:
-            frames.clear()
-        frames[key] = frame
+    frame = _cached_frame(memory, key, lambda: _frame(memory, counts, mode, k, slices, shape))
     return _digest_frame(memory, frame, [pages for _, _, pages in cells], seed)
 
 

@@ -67,7 +67,9 @@ class Deadlines:
     """The records a core holds, earliest deadline first, so that the deadline invariant (d) looks at one
     record per step rather than at all of them. A record's deadline never changes once made; a record is
     pushed as the core adds it to its container (``tracked_set``/``TrackedDict`` below) and dropped lazily
-    once it ended or left the container (a record added again is pushed again)."""
+    once it ended or left the container (a record added again is pushed again). The cores keep a heap of
+    their own (``control.core.deadlines``); this one is separate on purpose, so that invariant (d) does not
+    rest on the code it checks."""
 
     __slots__ = ("heap", "seq")
 

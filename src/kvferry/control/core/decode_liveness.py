@@ -49,21 +49,21 @@ class Liveness:
                     f"no handshake answer from prefill {link.address} within the deadline (if something answers "
                     f"at that address, its answer may exceed max_message_bytes={core.options.max_message_bytes})"))
             return
-        # PeerClock's tests, the cheap time comparison first: every loop iteration asks for every link.
         clock = link.clock
-        if clock.peer_silent(now) and clock.peer_lost(now, self.connected()):
+        if clock.peer_lost(now, self.connected()):
             self.link_dead(link, PeerLost(f"prefill {link.address} silent for {clock.silent_for(now):.2f} s "
                                           f"(peer_timeout {core.options.peer_timeout} s)"))
-        elif now >= clock.last_sent + clock.heartbeat_interval:   # clock.heartbeat_due(now)
+        elif clock.heartbeat_due(now):
             core.send(link, wire.Heartbeat())
 
     def tick_requests(self, now: float) -> None:
         core = self.core
         first = core.earliest_live()
-        for rec in list(core.by_gen.values()) if first is not None and now > first else ():   # none is due: skip
-            if rec.is_live and now > rec.deadline:
-                core.fail_req(rec, TransferTimeout(f"request {rec.request_id!r} not done within "
-                                                   f"{core.options.request_timeout} s"), "decode deadline passed")
+        if first is not None and now > first:   # else no live deadline passed: nothing to sweep
+            for rec in list(core.by_gen.values()):
+                if rec.is_live and now > rec.deadline:
+                    core.fail_req(rec, TransferTimeout(f"request {rec.request_id!r} not done within "
+                                                       f"{core.options.request_timeout} s"), "decode deadline passed")
         if core.quarantine.num_leases and now >= core.next_quarantine_check:
             core.next_quarantine_check = now + QUARANTINE_CHECK_S
             self.check_quarantine(now)

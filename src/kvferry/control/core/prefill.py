@@ -325,10 +325,11 @@ class PrefillCore(CoreBase):
         if now >= self.next_deadline_check:
             self.next_deadline_check = now + DEADLINE_CHECK_S
             first = self.active.earliest_live()
-            for rec in list(self.active) if first is not None and now > first else ():   # none is due: skip
-                if rec.is_live and now > rec.deadline:
-                    self.fail_req(rec, TransferTimeout(f"request {rec.request_id!r} not done within "
-                                                       f"{self.options.request_timeout} s"))
+            if first is not None and now > first:   # else no live deadline passed: nothing to sweep
+                for rec in list(self.active):
+                    if rec.is_live and now > rec.deadline:
+                        self.fail_req(rec, TransferTimeout(f"request {rec.request_id!r} not done within "
+                                                           f"{self.options.request_timeout} s"))
 
     def connection_dropped(self, now: float) -> None:
         """The shell's socket monitor saw a connection drop (a reset, or ZMTP heartbeats unanswered)."""
@@ -346,8 +347,7 @@ class PrefillCore(CoreBase):
         # until decode answers a probe; what the queued frames report (a verdict, an abort) is still read.
         self.now = now
         for session in self.sessions.values():
-            # we_were_silent, inlined (every loop iteration asks, for every session)
-            if session.state is SessionState.ESTABLISHED and now > session.clock.last_sent + session.clock.peer_timeout:
+            if session.state is SessionState.ESTABLISHED and session.clock.we_were_silent(now):
                 self.liveness.probe(session, now)
 
     def next_deadline(self) -> float:

@@ -37,16 +37,15 @@ class Liveness:
             if state is SessionState.CHALLENGED and now > session.deadline:
                 core.sessions.pop(session.identity, None)
             return
-        # PeerClock's tests, the cheap time comparison first: every loop iteration asks for every session.
         clock = session.clock
         if session.probe and now > session.probe_deadline:
             self.session_dead(session, PeerLost(
                 f"{session.label} did not answer within peer_timeout {core.options.peer_timeout} s after this "
                 "prefill was silent that long (stopped or starved): it has declared us dead"))
-        elif clock.peer_silent(now) and clock.peer_lost(now, self.connected_for(session)):
+        elif clock.peer_lost(now, self.connected_for(session)):
             self.session_dead(session, PeerLost(f"{session.label} silent for {clock.silent_for(now):.2f} s "
                                                 f"(peer_timeout {core.options.peer_timeout} s)"))
-        elif now >= clock.last_sent + clock.heartbeat_interval:   # clock.heartbeat_due(now)
+        elif clock.heartbeat_due(now):
             core.send_msg(session, wire.Heartbeat(probe=session.probe))
 
     def probe(self, session: Session, now: float) -> None:
