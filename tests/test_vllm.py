@@ -328,6 +328,7 @@ def test_without_digests_the_same_corruption_changes_tokens(model: Path, decode:
     assert differ >= len(prompts) // 2
 
 
+@pytest.mark.slow   # 24 s here; test_vllm_adapter's sibling checks the refusal and its message in make test
 def test_another_block_size_is_refused_at_the_handshake(model: Path, decode: Any, prompts: list[Any]) -> None:
     # The refusal names the first difference ("pool 'group0': tokens_per_page differs: local 64, remote 32"):
     # test_vllm_adapter checks the message; the engines' logs are not this process's to read.
