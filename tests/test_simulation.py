@@ -1,9 +1,9 @@
 """The deterministic simulator (kvferry.simulation, docs/simulation.md): the real protocol cores under faults.
 
-Within ``make test``'s budget: a fixed CPU budget of seeds with faults (no invariant may break), the seeds
-kept in tests/simulation_regressions.txt replayed, exact replay, and the mutation check: each bug class
-switched on by patching a core method is found within a few seconds of seeds and named by the invariant it
-breaks. The long run is marked slow.
+Within ``make test``'s budget: a fixed CPU budget of seeds with faults (no invariant may break; a smaller one
+of seeds at TP 4 and 8), the seeds kept in tests/simulation_regressions.txt replayed, exact replay, and the
+mutation check: each bug class switched on by patching a core method is found within a few seconds of seeds
+and named by the invariant it breaks. The long runs are marked slow.
 """
 
 from __future__ import annotations
