@@ -1,9 +1,9 @@
 """The deterministic simulator (kvferry.simulation, docs/simulation.md): the real protocol cores under faults.
 
-Within ``make test``'s budget: a fixed CPU budget of seeds with faults (no invariant may break), the seeds
-kept in tests/simulation_regressions.txt replayed, exact replay, and the mutation check: each bug class
-switched on by patching a core method is found within a few seconds of seeds and named by the invariant it
-breaks. The long run is marked slow.
+Within ``make test``'s budget: a fixed CPU budget of seeds with faults (no invariant may break; a smaller one
+of seeds at TP 4 and 8), the seeds kept in tests/simulation_regressions.txt replayed, exact replay, and the
+mutation check: each bug class switched on by patching a core method is found within a few seconds of seeds
+and named by the invariant it breaks. The long runs are marked slow.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from kvferry.layout.memory import KVMemory
 from kvferry.plan import plan_decode_rank
 from kvferry.simulation import MUTATIONS, SimConfig, run_many, run_seed, shrink
 from kvferry.simulation.mutations import EXPECTED
-from kvferry.simulation.tp import TP_PAIRS, fill_content, page_content, rank_layout
+from kvferry.simulation.tp import TP_PAIRS, WIDE_PAIRS, draw_tp, fill_content, page_content, rank_layout
 
 REGRESSIONS = Path(__file__).with_name("simulation_regressions.txt")
 SEEDS_BUDGET_S = 20.0       # CPU seconds of fresh seeds with faults per test run
+WIDE_BUDGET_S = 8.0         # and of fresh seeds at TP 4 and 8 (SimConfig.wide_tp), smaller ones
 MUTATION_BUDGET_S = 5.0     # CPU seconds each mutation may take to be found
 FRESH_FROM = 1000           # fresh seeds start here, past those the regression list and mutation check use
 
@@ -52,6 +53,33 @@ def test_seeds_with_faults_break_no_invariant() -> None:
     assert len(results) >= 20   # 192 requests each (SimConfig), TP groups of up to 8 nodes
     assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
     assert {r.tp for r in results} == set(TP_PAIRS)   # every TP pair drawn
+
+
+def test_wide_seeds_with_faults_break_no_invariant() -> None:
+    """Seeds at TP 4 and 8 (every seed wide, 48 requests each: a TP 8 seed runs up to 32 rank nodes): no
+    invariant breaks, and the faults bit."""
+    cfg = SimConfig(wide_tp=1.0, requests=48)
+    results = run_many(range(FRESH_FROM, FRESH_FROM + 100_000), cfg, budget_s=WIDE_BUDGET_S)
+    broken = [r for r in results if not r.ok]
+    assert not broken, "\n".join(f"{r.replay_command()}: {r.violation}\n" + "\n".join(r.trace) for r in broken[:3])
+    assert len(results) >= 5 and all(r.tp in WIDE_PAIRS for r in results)
+    assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
+
+
+def test_wide_pairs_leave_every_other_seed_as_it_was() -> None:
+    """A share of wide seeds changes only those seeds' pair: every other seed draws what it drew without
+    (the regression list and the figures name seeds), and a seed wide at one share is wide at a larger one."""
+    seeds = range(4000)
+    before = [draw_tp(s) for s in seeds]
+    quarter, half = [draw_tp(s, 0.25) for s in seeds], [draw_tp(s, 0.5) for s in seeds]
+    assert set(before) == set(TP_PAIRS) and set(quarter) == set(TP_PAIRS) | set(WIDE_PAIRS)
+    for old, q, h in zip(before, quarter, half):
+        assert q == old or q in WIDE_PAIRS
+        assert h == old or h in WIDE_PAIRS
+        assert q not in WIDE_PAIRS or h == q
+    assert 900 < sum(q in WIDE_PAIRS for q in quarter) < 1100
+    eights = sum(8 in pair for pair in half if pair in WIDE_PAIRS) / sum(pair in WIDE_PAIRS for pair in half)
+    assert 0.25 < eights < 0.42   # TP 8 pairs weighted half (5 of 15)
 
 
 def test_without_faults_every_request_is_done() -> None:
@@ -98,7 +126,7 @@ def test_each_mutation_is_found_and_named(name: str) -> None:
     assert run_seed(found.seed).ok
 
 
-@pytest.mark.parametrize("tp", TP_PAIRS)
+@pytest.mark.parametrize("tp", [*TP_PAIRS, (8, 4), (2, 8), (8, 8)])
 def test_every_tp_pair_delivers_every_rank_its_heads(tp: tuple[int, int]) -> None:
     """Without faults, every decode rank of every group verifies every request (its heads, checked byte
     for byte by ``b_done_bytes``); with faults, no invariant breaks at that TP pair."""
@@ -110,7 +138,17 @@ def test_every_tp_pair_delivers_every_rank_its_heads(tp: tuple[int, int]) -> Non
     assert "--tp" in faulty.replay_command()
 
 
-@pytest.mark.parametrize("tp", TP_PAIRS[1:])
+def test_a_wide_seed_replays_at_its_pair() -> None:
+    """A seed drawn wide (``wide_tp``) replays with ``--tp P:D``: the same run."""
+    drawn = run_seed(FRESH_FROM, SimConfig(wide_tp=1.0, requests=16))
+    pair = f"{drawn.tp[0]}:{drawn.tp[1]}"
+    assert drawn.tp in WIDE_PAIRS and f"--tp {pair}" in drawn.replay_command()
+    again = run_seed(FRESH_FROM, SimConfig(tp=drawn.tp, requests=16))
+    assert (again.events, again.done, again.failed, again.sim_time) == (drawn.events, drawn.done, drawn.failed,
+                                                                         drawn.sim_time)
+
+
+@pytest.mark.parametrize("tp", [*TP_PAIRS[1:], *WIDE_PAIRS, (1, 8), (8, 1)])
 def test_rank_content_is_what_the_real_planner_moves(tp: tuple[int, int]) -> None:
     """The simulator's content model agrees with ``plan_decode_rank``: prefill ranks filled with their
     heads of a request, copied by the real TP plans, give each decode rank exactly ``page_content``, and a
@@ -153,6 +191,14 @@ def test_the_command_reports_seeds_throughput_and_failures(capsys: pytest.Captur
     out = capsys.readouterr().out
     assert "seed 0: invariant b_prefill_done_before_verdict broken" in out
     assert "replay: kvferry simulate --seed 0" in out
+    assert main(["simulate", "--seeds", "2", "--seed", "3", "--tp", "8:4", "--requests", "8", "--no-faults"]) == 0
+    assert "2 seeds (3..4), 0 with a violation" in capsys.readouterr().out
+    assert main(["simulate", "--seeds", "3", "--seed", "3", "--wide-tp", "0.5", "--requests", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "3 seeds (3..5), 0 with a violation" in out and "1:1 1, 1:2 0, 2:1 0, 2:2 1, 8:8 1;" in out
+    for bad in (["--tp", "3:1"], ["--tp", "16:8"], ["--tp", "4"], ["--wide-tp", "2"]):
+        assert main(["simulate", *bad]) == 2
+    assert "expected P:D, each one of 1, 2, 4, 8, got '3:1'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -164,6 +210,17 @@ def test_a_long_run_breaks_no_invariant() -> None:
     results = run_many(range(10_000, 12_000))
     broken = [r for r in results if not r.ok]
     assert not broken, "\n".join(f"seed {r.seed}: {r.violation}\n" + "\n".join(r.trace) for r in broken[:3])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("KVFERRY_SIM_LONG"),
+                    reason="the long run at TP 4 and 8 (300 seeds of 96 requests, every seed wide) runs with "
+                           "KVFERRY_SIM_LONG=1 (make test-sim-long)")
+def test_a_long_run_at_tp_4_and_8_breaks_no_invariant() -> None:
+    results = run_many(range(20_000, 20_300), SimConfig(wide_tp=1.0, requests=96))
+    broken = [r for r in results if not r.ok]
+    assert not broken, "\n".join(f"{r.replay_command()}: {r.violation}\n" + "\n".join(r.trace) for r in broken[:3])
+    assert {r.tp for r in results} == set(WIDE_PAIRS)
 
 
 def test_a_seed_replays_exactly_in_another_process() -> None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import replace
 
 from kvferry.cli.args import positive_int
 from kvferry.simulation import MUTATIONS, RunResult, SimConfig, run_seed, shrink
 from kvferry.simulation.config import FAULT_KINDS
-from kvferry.simulation.tp import TP_PAIRS
+from kvferry.simulation.tp import TP_PAIRS, TP_SIZES, WIDE_PAIRS
 
 __all__ = ["add_parser", "run_simulate"]
 
@@ -37,8 +38,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help=f"requests per seed (default {SimConfig().requests})")
     p.add_argument("--no-faults", action="store_true", help="no faults: the protocol's happy paths only")
     p.add_argument("--tp", type=_tp_pair, default=None, metavar="P:D",
-                   help="every group at prefill TP P and decode TP D (default: drawn per seed among "
-                        f"{', '.join(f'{a}:{b}' for a, b in TP_PAIRS)})")
+                   help=f"every group at prefill TP P and decode TP D, each one of {', '.join(map(str, TP_SIZES))} "
+                        f"(default: drawn per seed among {_pairs(TP_PAIRS)}, or see --wide-tp)")
+    p.add_argument("--wide-tp", type=_share, default=SimConfig().wide_tp, metavar="SHARE",
+                   help=f"the share of seeds (0 to 1) drawing a pair with TP 4 or 8 instead, weighted to TP 4: "
+                        f"{_pairs(WIDE_PAIRS)} (default 0: every seed draws as it always did, and at any share "
+                        "the other seeds still do; a wide seed's replay line names its pair)")
     p.add_argument("--mutate", choices=sorted(MUTATIONS), default=None,
                    help="switch on a known bug (docs/simulation.md): the run should find it")
     p.add_argument("--without", action="append", choices=FAULT_KINDS, default=[], metavar="KIND",
@@ -49,14 +54,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_simulate)
 
 
+def _pairs(pairs: Iterable[tuple[int, int]]) -> str:
+    return ", ".join(f"{a}:{b}" for a, b in pairs)
+
+
 def _tp_pair(text: str) -> tuple[int, int]:
     try:
         pair = tuple(int(x) for x in text.split(":"))
     except ValueError:
         pair = ()
-    if pair not in TP_PAIRS:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(f'{a}:{b}' for a, b in TP_PAIRS)}, got {text!r}")
+    if len(pair) != 2 or not all(size in TP_SIZES for size in pair):
+        raise argparse.ArgumentTypeError(f"expected P:D, each one of {', '.join(map(str, TP_SIZES))}, got {text!r}")
     return pair  # type: ignore[return-value]
+
+
+def _share(text: str) -> float:
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a share from 0 to 1, got {text!r}")
+    return share
 
 
 def _report(result: RunResult, trace: int) -> None:
@@ -71,7 +90,7 @@ def _report(result: RunResult, trace: int) -> None:
 
 def run_simulate(args: argparse.Namespace) -> int:
     cfg = replace(SimConfig(), requests=args.requests, max_events=max(0, args.steps), faults=not args.no_faults,
-                  tp=args.tp)
+                  tp=args.tp, wide_tp=args.wide_tp)
     seeds = range(args.seed, args.seed + (args.seeds or 1))
     start = time.process_time()
     failures = 0
@@ -101,6 +120,8 @@ def run_simulate(args: argparse.Namespace) -> int:
           f"{disagree} DONE on decode but FAILED on prefill), {events} events, {sim_time:.1f} s simulated in "
           f"{cpu:.2f} s CPU: "
           f"{requests / cpu * 60:,.0f} simulated requests per minute")
-    print("seeds per (prefill TP, decode TP): " + ", ".join(f"{a}:{b} {pairs[(a, b)]}" for a, b in TP_PAIRS)
+    # The four pairs always (the line as it was), then any other pair that ran, in the order of TP_SIZES
+    shown = [*TP_PAIRS, *sorted(pair for pair in pairs if pair not in TP_PAIRS)]
+    print("seeds per (prefill TP, decode TP): " + ", ".join(f"{a}:{b} {pairs[(a, b)]}" for a, b in shown)
           + f"; {split} decode group attempts DONE on one rank and FAILED on another (counted, not a violation)")
     return 1 if failures else 0

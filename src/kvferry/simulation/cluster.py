@@ -126,7 +126,7 @@ class World:
         self.last_work = 0.0   # when the last engine command was scheduled for
         # (prefill TP, decode TP): each group of ``cfg.prefills`` and ``cfg.decodes`` runs that many ranks, a
         # node each (``simulation.tp``); a request goes to one prefill group and one decode group.
-        self.tp = cfg.tp or draw_tp(seed)
+        self.tp = cfg.tp or draw_tp(seed, cfg.wide_tp)
         ptp, dtp = self.tp
         self.prefill_groups = [[self._prefill(i, r) for r in range(ptp)] for i in range(cfg.prefills)]
         self.prefills = [node for group in self.prefill_groups for node in group]

@@ -60,6 +60,9 @@ class SimConfig:
     options: EndpointOptions = OPTIONS
     faults: bool = True
     tp: tuple[int, int] | None = None   # (prefill TP, decode TP) of every group; None: drawn per seed
+    # The share of seeds (when ``tp`` is None) that draw a pair with TP 4 or 8 (``tp.WIDE_PAIRS``) instead; 0:
+    # every seed runs the pair it always drew (``tp.TP_PAIRS``), and at any share the other seeds still do.
+    wide_tp: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from kvferry.simulation.cluster import World
 from kvferry.simulation.config import FAULT_KINDS, SimConfig, Swarm
 from kvferry.simulation.mutations import mutation
+from kvferry.simulation.tp import TP_PAIRS
 from kvferry.simulation.world import Sim, Violation, ViolationFound
 
 __all__ = ["RunResult", "format_trace", "run_many", "run_seed", "shrink"]
@@ -44,8 +45,10 @@ class RunResult:
         parts = [f"kvferry simulate --seed {self.seed}"]
         if self.config.requests != SimConfig().requests:
             parts.append(f"--requests {self.config.requests}")
-        if self.config.tp is not None:
-            parts.append(f"--tp {self.config.tp[0]}:{self.config.tp[1]}")
+        # A wide seed (``SimConfig.wide_tp``) replays at its pair: the pair is all the share changes of a run.
+        tp = self.config.tp or (self.tp if self.tp not in TP_PAIRS else None)
+        if tp is not None:
+            parts.append(f"--tp {tp[0]}:{tp[1]}")
         parts += [f"--without {kind}" for kind in self.without]
         if self.mutate:
             parts.append(f"--mutate {self.mutate}")

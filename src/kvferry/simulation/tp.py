@@ -35,17 +35,33 @@ from kvferry.simulation.config import sim_layout
 if TYPE_CHECKING:
     from kvferry.simulation.nodes import DecodeNode
 
-__all__ = ["TP_PAIRS", "DecodeGroup", "SliceProvenance", "all_are", "draw_tp", "fill_content", "needed_ranks",
-           "page_content", "page_rows", "rank_layout", "rank_name"]
+__all__ = ["TP_PAIRS", "TP_SIZES", "WIDE_PAIRS", "DecodeGroup", "SliceProvenance", "all_are", "draw_tp",
+           "fill_content", "needed_ranks", "page_content", "page_rows", "rank_layout", "rank_name"]
 
-# The (prefill TP, decode TP) pairs a seed may run: equal sizes (rank to rank, whole pages, pull allowed),
-# decode wider (a prefill rank writes one request to two decode ranks: a request group) and prefill wider
-# (a decode rank receives one request from two prefill ranks: two parts).
+# The (prefill TP, decode TP) pairs every seed draws among: equal sizes (rank to rank, whole pages, pull
+# allowed), decode wider (a prefill rank writes one request to two decode ranks: a request group) and prefill
+# wider (a decode rank receives one request from two prefill ranks: two parts).
 TP_PAIRS: tuple[tuple[int, int], ...] = ((1, 1), (1, 2), (2, 1), (2, 2))
+TP_SIZES: tuple[int, ...] = (1, 2, 4, 8)   # what ``SimConfig.tp`` (``--tp P:D``) may set on either side
+# The wide pairs a share of the seeds draws instead (``SimConfig.wide_tp``): real deployments' sizes, where a
+# decode rank receives one request from up to four prefill ranks (8 -> 2), a prefill rank writes it to up to
+# four decode ranks (2 -> 8, 1 -> 4), and the replicated buffers come from one prefill rank of several.
+# Weights: a seed with TP 8 on a side costs about twice one at TP 4 (bench/RESULTS.md), so it is drawn half
+# as often.
+WIDE_PAIRS: tuple[tuple[int, int], ...] = ((4, 4), (2, 4), (4, 2), (1, 4), (4, 1),
+                                           (8, 8), (8, 4), (4, 8), (2, 8), (8, 2))
+_WIDE_WEIGHTS = tuple(1 if 8 in pair else 2 for pair in WIDE_PAIRS)
 
 
-def draw_tp(seed: int) -> tuple[int, int]:
-    """Seed ``seed``'s TP pair, from a stream of its own: every other draw of the seed is what it was."""
+def draw_tp(seed: int, wide: float = 0.0) -> tuple[int, int]:
+    """Seed ``seed``'s TP pair, from streams of its own: every other draw of the seed is what it was. A share
+    ``wide`` of the seeds runs one of ``WIDE_PAIRS``, decided by a stream of its own, so that every other seed
+    draws the pair it drew before wide pairs existed (the regression list and the figures name seeds), and a
+    seed wide at one share is wide at every larger share."""
+    if wide > 0.0:
+        rng = random.Random(seed * 4 + (3 << 40))
+        if rng.random() < wide:
+            return rng.choices(WIDE_PAIRS, _WIDE_WEIGHTS)[0]
     return random.Random(seed * 4 + (2 << 40)).choice(TP_PAIRS)
 
 
@@ -58,10 +74,15 @@ def head_layout(side: str, pages: int) -> Layout:
     return Layout(pools)
 
 
-# buffer -> (heads, major) of the whole model; None: replicated (every rank holds the whole page)
-_HEADS: dict[str, tuple[int, str] | None] = {"kv.L0": (4, "head"), "idx.L0": None, "kv.L1": (4, "token"),
-                                              "c.L0": None, "c.L1": (2, "head")}
-_TOKENS = 16   # token rows of a page in every sharded buffer (head_bytes 1)
+# buffer -> (heads, major) of the whole model; None: replicated (every rank holds the whole page). 8 heads,
+# so that every size of TP_SIZES shards every buffer evenly (a rank at TP 8 holds one head). A head is
+# _HEAD_BYTES a token and a page keeps sim_layout's bytes, so its token rows are page_bytes / 8 (8 in the kv
+# pool's buffers, 4 in c.L1). With 4 heads of 16 rows (2 in c.L1) before TP 4 and 8, seeds at TP 1 and 2
+# ran the same events and verdicts as now (seeds 0..39 drawn, mutations on seeds 0..7): only the bytes of
+# token-major kv.L1 differ, and no draw depends on them.
+_HEADS: dict[str, tuple[int, str] | None] = {"kv.L0": (8, "head"), "idx.L0": None, "kv.L1": (8, "token"),
+                                              "c.L0": None, "c.L1": (8, "head")}
+_HEAD_BYTES = 1   # each head's bytes of a token row: the page's bytes are heads x tokens x 1
 
 
 def _with_heads(buf: Buffer) -> Buffer:
@@ -69,7 +90,7 @@ def _with_heads(buf: Buffer) -> Buffer:
     if spec is None:
         heads = HeadGeometry.whole_page(buf.page_bytes)
     else:
-        heads = HeadGeometry(spec[0], buf.page_bytes // (spec[0] * _TOKENS), _TOKENS, spec[1])
+        heads = HeadGeometry(spec[0], _HEAD_BYTES, buf.page_bytes // (spec[0] * _HEAD_BYTES), spec[1])
     return Buffer(buf.name, buf.page_bytes, buf.num_pages, buf.dtype, buf.kind, buf.layer, heads)
 
 
