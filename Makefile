@@ -18,8 +18,8 @@ test-core: setup
 test-fast: setup
 	.venv/bin/python -m pytest -q -m "not slow" tests
 
-# The simulator's long run: 2,000 seeds of 192 requests with faults, TP groups drawn (several minutes; make test
-# runs about 40 in 20 s of CPU).
+# The simulator's long runs: 2,000 seeds of 192 requests with faults, TP groups drawn, and 300 of 96 at TP 4 and 8
+# (several minutes each; make test runs about 40 in 20 s of CPU and a few wide ones in 8 s).
 test-sim-long: setup
 	KVFERRY_SIM_LONG=1 .venv/bin/python -m pytest -q tests/test_simulation.py -k long_run
 
