@@ -1,5 +1,5 @@
 # The two commands of the README. Each sets up .venv on first use (scripts/setup.sh), then runs.
-.PHONY: setup demo test test-core test-fast test-sim-long lint bench setup-vllm test-vllm test-vllm-slow setup-sglang test-sglang test-sglang-slow
+.PHONY: setup demo test test-core test-fast test-slow test-sim-long lint bench setup-vllm test-vllm test-vllm-slow setup-sglang test-sglang test-sglang-slow
 
 setup:
 	bash scripts/setup.sh
@@ -13,7 +13,12 @@ test: test-vllm
 
 test-core: setup
 	.venv/bin/ruff check src tests bench
-	.venv/bin/python -m pytest -q tests
+	.venv/bin/python -m pytest -q -m "not slow" tests
+
+# The core tests make test leaves out for its time (the 20 s chaos soaks, chaos over Mooncake, the quick bench,
+# the fencing stories at the issue's own timings, the GIL-starvation controls): about 2 minutes.
+test-slow: setup
+	.venv/bin/python -m pytest -q -m slow tests
 
 test-fast: setup
 	.venv/bin/python -m pytest -q -m "not slow" tests

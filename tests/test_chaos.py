@@ -241,7 +241,6 @@ def test_short_chaos_run_reports_and_cleans_up(mode: str) -> None:
 
 @needs_nixl
 @pytest.mark.nixl
-@pytest.mark.slow
 def test_the_oracle_counts_a_byte_changed_in_a_finished_requests_free_page() -> None:
     """0 bytes wrong must mean something: one byte flipped in a page a DONE request left behind (what a
     late write would do) is found at the page's reuse or in the final sweep, and fails the run."""

@@ -83,7 +83,7 @@ def test_the_verdict_table() -> None:
 
 # -- processes: a decode whose Python is starved while its libzmq answers ------------------------------------
 @pytest.mark.nixl
-@pytest.mark.parametrize("transport_liveness", [True, False])
+@pytest.mark.parametrize("transport_liveness", [True, pytest.param(False, marks=pytest.mark.slow)])   # control: slow
 def test_a_gil_starved_decode_process_is_ridden_out(transport_liveness: bool) -> None:
     """Decode in a child process; right after its announces, one of its threads holds the GIL for ~4 s
     (4 x peer_timeout): its progress loop sends nothing, reads nothing. Prefill (here) writes meanwhile and
@@ -126,7 +126,7 @@ def test_a_gil_starved_decode_process_is_ridden_out(transport_liveness: bool) ->
 
 
 @pytest.mark.nixl
-@pytest.mark.parametrize("transport_liveness", [True, False])
+@pytest.mark.parametrize("transport_liveness", [True, pytest.param(False, marks=pytest.mark.slow)])   # control: slow
 def test_a_gil_starved_prefill_process_is_ridden_out(transport_liveness: bool) -> None:
     """Prefill in a child process; after decode's announces, one of its threads holds the GIL for ~4 s
     (4 x peer_timeout) before its engine sends. On resuming, prefill finds it sent decode nothing for that

@@ -24,7 +24,6 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 @needs_nixl
 @pytest.mark.nixl
-@pytest.mark.slow
 def test_demo_json_two_processes_over_nixl_is_clean(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "demo", "--json", *SMALL)
     data = json.loads(out)  # exactly one JSON document on stdout, nothing else

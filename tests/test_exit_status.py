@@ -80,7 +80,6 @@ def test_control_without_the_default_crashes() -> None:
     assert proc.returncode in (-signal.SIGSEGV, 128 + signal.SIGSEGV), _explain(proc)
 
 
-@pytest.mark.slow
 def test_bench_control_quick_exits_0() -> None:
     proc = _run([sys.executable, "bench/control.py", "--quick"], timeout=240)
     assert proc.returncode == 0, _explain(proc)

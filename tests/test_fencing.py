@@ -327,7 +327,6 @@ def _stopped(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
-@pytest.mark.slow
 @pytest.mark.nixl
 # The Mooncake case failed 2 of 5 full runs on 2026-12-02 before protocol 8 (the recovered link was not among
 # decode's peers; likely prefill, back from its stop, ending its sessions blind, which protocol 8 replaced

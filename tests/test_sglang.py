@@ -140,7 +140,8 @@ def test_kvferry_backend_moves_every_byte(pool: str) -> None:
     RESULTS["kvferry", pool] = decode
 
 
-@pytest.mark.parametrize("pool", POOLS)
+# The seed's pool (V4) in make test, the other three in make test-sglang-slow.
+@pytest.mark.parametrize("pool", [p if p == "v4" else pytest.param(p, marks=pytest.mark.slow) for p in POOLS])
 def test_sglang_nixl_backend_same_cases(pool: str) -> None:
     """SGLang's own NIXL backend on the same pools and requests (a VRAM->DRAM shim in its process lets its
     state buffers register on a machine without a GPU; see tests/sglang_peer.py). As of 0.5.23 it moves
@@ -217,7 +218,7 @@ def test_kvferry_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: 
     _kvferry_ranks_all_exact(pool, prefill_tp, decode_tp)
 
 
-@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), _slow_but(HETERO_TP, [("dsa_bf16", 1, 2)]))
+@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), _slow_but(HETERO_TP, []))
 def test_sglang_nixl_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:
     """SGLang's own NIXL backend on the same cross-TP cases. For MLA it sends whole pages from the one
     real prefill rank (its equal-TP path), and decode's bytes come out exact. What it does not always do
@@ -245,7 +246,7 @@ def test_kvferry_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_
 
 
 @pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"),
-                         _slow_but([("mha", 2, 1), ("mha", 1, 2), ("mha", 4, 2)], [("mha", 1, 2)]))
+                         _slow_but([("mha", 2, 1), ("mha", 1, 2), ("mha", 4, 2)], []))
 def test_sglang_nixl_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:
     """SGLang's own NIXL backend on the MHA cases where K and V share a head dim: its hetero-TP slice path
     (``_init_hetero_tp_prep_handle``, ``send_kvcache_slice``) puts every head in place. It refuses hetero-TP
@@ -314,7 +315,8 @@ _HANDSHAKE = "kvferry handshake with prefill failed"
     pytest.param({"decode_config_heads": 2}, 2,
                  [_HANDSHAKE, "buffer 'kv.0'", "head_bytes differs: local 64, remote 128"],
                  marks=pytest.mark.slow),   # config-8-heads' sibling: make test-sglang-slow
-    ({"decode_model_config": False}, 1, [_HANDSHAKE, "buffer 'kv.0'", "heads differs", "KV heads unknown"]),
+    pytest.param({"decode_model_config": False}, 1, [_HANDSHAKE, "buffer 'kv.0'", "heads differs", "KV heads unknown"],
+                 marks=pytest.mark.slow),   # no-config-across-tp's sibling: make test-sglang-slow
     ({"decode_model_config": False}, 2, ["only when decode knows its KV heads", "KV heads unknown"])],
     ids=["config-8-heads", "config-2-heads", "no-config-equal-tp", "no-config-across-tp"])
 def test_mha_decode_heads_disagreeing_with_prefill_fail_the_request(decode_cfg: dict[str, Any], prefill_tp: int,

@@ -104,7 +104,6 @@ def test_deadline_ends_the_run_and_leaves_no_thread_behind() -> None:
 
 @needs_nixl
 @pytest.mark.nixl
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_nixl_two_process_run_is_clean_and_reaps_its_processes(mode: str) -> None:
     result = run_workload(small(transport="nixl", mode=mode))
@@ -115,7 +114,6 @@ def test_nixl_two_process_run_is_clean_and_reaps_its_processes(mode: str) -> Non
 
 @needs_nixl
 @pytest.mark.nixl
-@pytest.mark.slow
 def test_nixl_two_process_run_catches_the_buffer0_fault() -> None:
     result = run_workload(small(transport="nixl", inject="buffer0-slots"))
     assert result.corrupted_pages > 0 and result.silent_corruptions == 0
@@ -240,7 +238,6 @@ def test_stress_command_reports_moved_bytes_per_turn(capsys: pytest.CaptureFixtu
 
 @needs_nixl
 @pytest.mark.nixl
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["push", "pull"])
 def test_nixl_two_process_reuse_prefix_run_moves_what_decode_lacks(mode: str) -> None:
     config = reuse(transport="nixl", mode=mode)

@@ -401,7 +401,6 @@ def big_layout() -> Layout:
     return Layout([Pool("p", [Buffer("p.kv", 4096, 16384)])])  # 64 MiB of 4 KiB pages
 
 
-@pytest.mark.slow
 @KIND
 def test_peer_exits_mid_transfer(kind: str) -> None:
     """SIGKILL the peer while a 16k-descriptor write is in progress: PeerLost, then a new peer works."""
