@@ -26,18 +26,21 @@ pytestmark = [pytest.mark.sglang, pytest.mark.nixl]
 POOLS = ["mla", "dsa_fp8", "dsa_bf16", "v4"]
 # (pool, prefill attention TP, decode attention TP): every rank a process of its own.
 HETERO_TP = [("mla", 2, 1), ("v4", 2, 1), ("dsa_bf16", 1, 2)]
-
-
-def _slow_but(cases: list[Any], kept: list[Any]) -> list[Any]:
-    """``cases`` with all but ``kept`` marked slow: make test keeps one case per direction and pool kind (each
-    case starts a process per rank, 6-13 s here), make test-sglang-slow runs the rest."""
-    return [c if c in kept else pytest.param(*c, marks=pytest.mark.slow) for c in cases]
 # MHA (SGLang's MHATokenToKVPool, 4 KV heads; mha_v: V head dim 16 beside K's 32, mha_vw: V 32 beside K's
 # 16) between attention TP sizes.
 MHA_TP = [("mha", 2, 1), ("mha", 1, 2), ("mha_v", 2, 1), ("mha_v", 1, 2), ("mha_vw", 2, 1), ("mha_vw", 1, 2),
           ("mha", 4, 2)]
 N = 64
 RESULTS: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+def _slow_but(cases: list[Any], kept: list[Any]) -> list[Any]:
+    """``cases`` (values, or tuples of a test's arguments) with all but ``kept`` marked slow: each case starts
+    two SGLang processes or one per rank (4-14 s here), so make test keeps a few and make test-sglang-slow
+    runs the rest."""
+    def slow(c: Any) -> Any:
+        return pytest.param(*c if isinstance(c, tuple) else (c,), marks=pytest.mark.slow)
+    return [c if c in kept else slow(c) for c in cases]
 
 
 def _free_port() -> int:
@@ -141,7 +144,7 @@ def test_kvferry_backend_moves_every_byte(pool: str) -> None:
 
 
 # The seed's pool (V4) in make test, the other three in make test-sglang-slow.
-@pytest.mark.parametrize("pool", [p if p == "v4" else pytest.param(p, marks=pytest.mark.slow) for p in POOLS])
+@pytest.mark.parametrize("pool", _slow_but(POOLS, ["v4"]))
 def test_sglang_nixl_backend_same_cases(pool: str) -> None:
     """SGLang's own NIXL backend on the same pools and requests (a VRAM->DRAM shim in its process lets its
     state buffers register on a machine without a GPU; see tests/sglang_peer.py). As of 0.5.23 it moves
@@ -155,7 +158,7 @@ def test_sglang_nixl_backend_same_cases(pool: str) -> None:
 
 # The seed's pools (DeepSeek-V4) in make test; the other three in make test-sglang-slow (each case starts two
 # SGLang processes: 40-90 s on 2 cores).
-@pytest.mark.parametrize("pool", [p if p == "v4" else pytest.param(p, marks=pytest.mark.slow) for p in POOLS])
+@pytest.mark.parametrize("pool", _slow_but(POOLS, ["v4"]))
 def test_kvferry_backend_over_mooncake_moves_every_byte(pool: str) -> None:
     """Issue 33: the same cases with the backend on Mooncake's Transfer Engine (its TCP transport here),
     chosen by ``KVFERRY_SGLANG_TRANSPORT=mooncake`` on both sides: every request concludes, every slot exact."""
@@ -218,7 +221,8 @@ def test_kvferry_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: 
     _kvferry_ranks_all_exact(pool, prefill_tp, decode_tp)
 
 
-@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), _slow_but(HETERO_TP, []))
+@pytest.mark.slow   # make test keeps the wrong-bytes cases below (test_sglang_nixl_backend_mha_v_*)
+@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), HETERO_TP)
 def test_sglang_nixl_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:
     """SGLang's own NIXL backend on the same cross-TP cases. For MLA it sends whole pages from the one
     real prefill rank (its equal-TP path), and decode's bytes come out exact. What it does not always do
@@ -245,8 +249,8 @@ def test_kvferry_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_
     _kvferry_ranks_all_exact(pool, prefill_tp, decode_tp)
 
 
-@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"),
-                         _slow_but([("mha", 2, 1), ("mha", 1, 2), ("mha", 4, 2)], []))
+@pytest.mark.slow   # as above
+@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), [("mha", 2, 1), ("mha", 1, 2), ("mha", 4, 2)])
 def test_sglang_nixl_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:
     """SGLang's own NIXL backend on the MHA cases where K and V share a head dim: its hetero-TP slice path
     (``_init_hetero_tp_prep_handle``, ``send_kvcache_slice``) puts every head in place. It refuses hetero-TP
