@@ -21,8 +21,8 @@ TORCH=${KVFERRY_TORCH-torch==2.13.0}
 PIP="$VENV/bin/python -m pip"
 START=$SECONDS
 step() { echo "setup-sglang: $1 (at $((SECONDS - START)) s)"; }
-site_of() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
-version_of() { "$1/bin/python" -c 'import sys; print(sys.version_info[:2])'; }
+# shellcheck source=scripts/venv-layer.sh
+source scripts/venv-layer.sh   # site_of, layer_on
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
@@ -30,15 +30,11 @@ fi
 CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
 LAYERED=0
-if [ -n "$BASE" ] && [ -x "$BASE/bin/python" ] && [ "$(version_of "$BASE")" = "$(version_of "$VENV")" ] \
-        && "$BASE/bin/python" -c "import torch, nixl, kvferry" >/dev/null 2>&1; then
-    BASE_SITE=$(cd "$(site_of "$BASE")" && pwd -P)
-    echo "import site; site.addsitedir('$BASE_SITE')" >"$(site_of "$VENV")/_kvferry_core_venv.pth"
+if layer_on "$VENV" "$BASE" "import torch, nixl, kvferry"; then
     "$BASE/bin/python" -m pip freeze --exclude-editable 2>/dev/null | grep -v '^#' >"$CONSTRAINTS"
     LAYERED=1
     step "layered on $BASE (torch, nixl, kvferry from there)"
 else
-    rm -f "$(site_of "$VENV")/_kvferry_core_venv.pth"
     # The CPU build of torch (PyPI's default wheel for Linux is a CUDA build). Where the CPU wheel is not
     # already on a local index, point KVFERRY_TORCH_INDEX at https://download.pytorch.org/whl/cpu.
     if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then

@@ -32,20 +32,15 @@ fi
 # KVFERRY_VLLM_BASE="" builds a standalone venv instead.
 BASE=${KVFERRY_VLLM_BASE-.venv}
 PIN=()
-site_of() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
-version_of() { "$1/bin/python" -c 'import sys; print(sys.version_info[:2])'; }
-if [ -n "$TORCH" ] && [ -n "$BASE" ] && [ -x "$BASE/bin/python" ] \
-        && [ "$(version_of "$BASE")" = "$(version_of "$VENV")" ] \
-        && "$BASE/bin/python" -c "import torch, nixl; assert torch.__version__.endswith('+cpu')" >/dev/null 2>&1; then
-    BASE_SITE=$(cd "$(site_of "$BASE")" && pwd -P)
-    echo "import site; site.addsitedir('$BASE_SITE')" >"$(site_of "$VENV")/_kvferry_core_venv.pth"
+# shellcheck source=scripts/venv-layer.sh
+source scripts/venv-layer.sh   # layer_on
+if [ -n "$TORCH" ] && layer_on "$VENV" "$BASE" "import torch, nixl; assert torch.__version__.endswith('+cpu')"; then
     CONSTRAINTS=$(mktemp)
     trap 'rm -f "$CONSTRAINTS"' EXIT
     echo "torch==$("$BASE/bin/python" -c 'import torch; print(torch.__version__)')" >"$CONSTRAINTS"
     PIN=(-c "$CONSTRAINTS")
     echo "setup-vllm: layered on $BASE (torch, nixl from there)"
 elif [ -n "$TORCH" ]; then
-    rm -f "$(site_of "$VENV")/_kvferry_core_venv.pth"
     # Unquoted: it may carry pip options, e.g. "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
     "$VENV/bin/python" -m pip install -q $TORCH
 fi
