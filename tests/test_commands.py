@@ -108,3 +108,9 @@ def test_simulate_exits_0_clean_and_1_on_a_violation() -> None:
     tp = kvferry("simulate", "--seed", "0", "--tp", "2:1", "--mutate", "tp_slice_offset")
     assert tp.returncode == 1, explain(tp)
     assert "b_done_bytes" in tp.stdout and "replay: kvferry simulate --seed 0 --tp 2:1" in tp.stdout, explain(tp)
+    # --wide-tp: a share of the seeds at TP 4 and 8 (here all); a share outside 0..1 is a usage error.
+    wide = kvferry("simulate", "--seeds", "2", "--seed", "3", "--wide-tp", "1", "--requests", "16")
+    assert wide.returncode == 0, explain(wide)
+    assert "0 with a violation" in wide.stdout and "2:4 1, 8:8 1;" in wide.stdout, explain(wide)
+    bad = kvferry("simulate", "--wide-tp", "2")
+    assert bad.returncode == 2 and "expected a share from 0 to 1, got '2'" in bad.stderr, explain(bad)
