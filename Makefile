@@ -1,5 +1,5 @@
 # The two commands of the README. Each sets up .venv on first use (scripts/setup.sh), then runs.
-.PHONY: setup demo test test-core test-fast test-slow test-sim-long lint bench setup-vllm test-vllm test-vllm-slow setup-sglang test-sglang test-sglang-slow
+.PHONY: setup setup-engines demo test test-core test-fast test-slow test-sim-long lint bench setup-vllm test-vllm test-vllm-slow setup-sglang test-sglang test-sglang-slow
 
 setup:
 	bash scripts/setup.sh
@@ -7,7 +7,11 @@ setup:
 demo: setup
 	.venv/bin/kvferry demo
 
-# `make test`: ruff and the core suite, then each engine's tests in its own venv (one `test:` line each).
+# `make test`: both engine venvs set up side by side first (scripts/setup-engines.sh: about 2 minutes, against
+# 4 one after the other), then ruff and the core suite, then each engine's tests in its own venv (one `test:`
+# line each; their own set-up targets then find their venvs ready).
+test: setup-engines
+test: ENGINES_SET_UP = 1
 test: test-core
 test: test-vllm
 
@@ -45,8 +49,13 @@ VLLM_TESTS = tests/test_vllm.py tests/test_vllm_hybrid.py tests/test_vllm_adapte
 	tests/test_vllm_tp_engine.py tests/test_vllm_proxy.py tests/test_vllm_faults.py tests/test_vllm_commands.py \
 	tests/test_vllm_mooncake.py
 
+# Under `make test` (ENGINES_SET_UP, a target-specific variable its prerequisites inherit) setup-engines has
+# just set both venvs up, and checking each again would cost its import (~8 s).
 setup-vllm:
-	bash scripts/setup-vllm.sh
+	@[ -n "$(ENGINES_SET_UP)" ] || bash scripts/setup-vllm.sh
+
+setup-engines: setup
+	bash scripts/setup-engines.sh
 
 test-vllm: setup-vllm
 	$(VLLM_PYTEST) -m "not slow" $(VLLM_TESTS)
@@ -65,9 +74,9 @@ SGLANG_PYTEST = .venv-sglang/bin/python -m pytest -q
 SGLANG_TESTS = tests/test_sglang.py tests/test_sglang_prefix.py tests/test_sglang_server.py
 
 setup-sglang: setup
-	@[ -x .venv-sglang/bin/python ] \
+	@[ -n "$(ENGINES_SET_UP)" ] || { [ -x .venv-sglang/bin/python ] \
 		&& .venv-sglang/bin/python -c "import sglang, kvferry, sglang_router, sgl_kernel" 2>/dev/null \
-		|| bash scripts/setup-sglang.sh
+		|| bash scripts/setup-sglang.sh; }
 
 test-sglang: setup-sglang
 	$(SGLANG_PYTEST) -m "not slow" $(SGLANG_TESTS)
