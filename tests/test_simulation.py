@@ -14,7 +14,10 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,8 +26,10 @@ from kvferry.cli import main
 from kvferry.layout.memory import KVMemory
 from kvferry.plan import plan_decode_rank
 from kvferry.simulation import MUTATIONS, SimConfig, run_many, run_seed, shrink
+from kvferry.simulation.config import Swarm
 from kvferry.simulation.mutations import EXPECTED
 from kvferry.simulation.tp import TP_PAIRS, WIDE_PAIRS, draw_tp, fill_content, page_content, rank_layout
+from kvferry.simulation.world import Pending, Sim, Transport
 
 REGRESSIONS = Path(__file__).with_name("simulation_regressions.txt")
 SEEDS_BUDGET_S = 20.0       # CPU seconds of fresh seeds with faults per test run
@@ -171,6 +176,44 @@ def test_rank_content_is_what_the_real_planner_moves(tp: tuple[int, int]) -> Non
                     if buf.heads is not None and not buf.heads.replicated:
                         other = page_content("r9", 2 + i, dst.buffer_index[buf.name], buf, d + 1)
                         assert not np.array_equal(dst.array(buf.name)[page], other)
+
+
+def test_a_partitioned_data_path_holds_transfers_until_the_heal_or_the_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Partitions that hold the transport too (``Swarm.data_partition``): nothing lands while its data path is
+    partitioned; a held transfer lands after the heal or fails after DATA_TIMEOUT; no invariant breaks."""
+    cut: list[tuple[float, str, int]] = []
+
+    def checked(land: Callable[[Transport, Pending, Any], None]) -> Callable[[Transport, Pending, Any], None]:
+        def land_checked(self: Transport, pend: Pending, world: Any) -> None:
+            if self._cut_off(pend):
+                cut.append((self.sim.now, pend.kind, pend.ticket))
+            land(self, pend, world)
+        return land_checked
+
+    monkeypatch.setattr(Transport, "_land_write", checked(Transport._land_write))
+    monkeypatch.setattr(Transport, "_land_read", checked(Transport._land_read))
+    swarm = Swarm(partition_rate=3.0, partition_max=1.5, data_partition=1.0, pull=0.5)
+    cfg = SimConfig(tp=(1, 1), requests=96)
+    results = [run_seed(seed, cfg, swarm=swarm) for seed in range(FRESH_FROM, FRESH_FROM + 3)]
+    assert all(r.ok for r in results), [(r.seed, r.violation) for r in results]
+    held, timed_out = sum(r.held for r in results), sum(r.timed_out for r in results)
+    assert timed_out > 0 and held > timed_out   # some timed out, others went on after the heal
+    assert not cut, f"landed while the data path was partitioned: {cut[:5]}"
+    assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
+
+
+def test_the_data_path_draw_moves_no_other_draw() -> None:
+    """``Swarm.data_partition`` comes from a stream of its own, and only for seeds with partitions."""
+    drawn = []
+    for seed in range(400):
+        sim = Sim(seed)
+        base = Swarm.draw(sim.rng_fault).with_liveness(sim.rng_live)
+        swarm = base.with_data_path(sim.rng_data)
+        assert replace(swarm, data_partition=0.0) == base
+        assert base.partition_rate or not swarm.data_partition
+        drawn.append(swarm.data_partition)
+    assert {0.0, 0.5, 1.0} == set(drawn) and 60 < sum(x > 0 for x in drawn) < 140
 
 
 def test_shrinking_keeps_the_invariant() -> None:

@@ -97,7 +97,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     requests = events = done = failed = disagree = 0
     sim_time = 0.0
     pairs: Counter[tuple[int, int]] = Counter()
-    split = 0
+    split = held = timed_out = 0
     for seed in seeds:
         result = run_seed(seed, cfg, mutate=args.mutate, trace=max(args.trace, 200), without=tuple(args.without))
         requests += result.requests
@@ -106,6 +106,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         sim_time += result.sim_time
         pairs[result.tp] += 1
         split += result.split
+        held, timed_out = held + result.held, timed_out + result.timed_out
         if not result.ok:
             failures += 1
             if args.shrink:
@@ -124,4 +125,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     shown = [*TP_PAIRS, *sorted(pair for pair in pairs if pair not in TP_PAIRS)]
     print("seeds per (prefill TP, decode TP): " + ", ".join(f"{a}:{b} {pairs[(a, b)]}" for a, b in shown)
           + f"; {split} decode group attempts DONE on one rank and FAILED on another (counted, not a violation)")
+    if held:
+        print(f"transfers held by a partitioned data path: {held}, {timed_out} of them timed out (the rest went on "
+              "after the heal)")
     return 1 if failures else 0

@@ -106,7 +106,7 @@ class World:
         self.cfg = cfg
         drawn = Swarm.draw(self.sim.rng_fault, cfg.faults)   # always drawn: the fault stream stays the same
         if cfg.faults:
-            drawn = drawn.with_liveness(self.sim.rng_live)
+            drawn = drawn.with_liveness(self.sim.rng_live).with_data_path(self.sim.rng_data)
         self.swarm = (swarm if swarm is not None else drawn).without(*without)
         self.options = replace(cfg.options, transport_liveness=self.swarm.zmtp)
         self.net = Net(self)
@@ -224,7 +224,10 @@ class World:
         heal = self.sim.now + rng.uniform(0.05, self.swarm.partition_max)
         key = (d.name, p.name)
         self.net.partitions[key] = max(self.net.partitions.get(key, 0.0), heal)
-        self.sim.log("net", f"partition {d.name}|{p.name} until {heal:.4f}")
+        data = bool(self.swarm.data_partition) and self.sim.rng_data.random() < self.swarm.data_partition
+        if data:
+            self.net.data_partitions[key] = max(self.net.data_partitions.get(key, 0.0), heal)
+        self.sim.log("net", f"partition {d.name}|{p.name} until {heal:.4f}{' (the data path too)' if data else ''}")
         if self.swarm.zmtp:   # neither end's heartbeats get through: libzmq drops the connection
             self.sim.at(self.zmtp_deadline(), self.zmtp_partition, d, p)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields, replace
 from kvferry.control.core.options import EndpointOptions
 from kvferry.layout.spec import Buffer, Layout, Pool
 
-__all__ = ["OPTIONS", "SimConfig", "Swarm", "sim_layout"]
+__all__ = ["DATA_TIMEOUT", "OPTIONS", "SimConfig", "Swarm", "sim_layout"]
 
 # Short timers: a run covers many peer timeouts, deadlines and grace periods in a few simulated seconds.
 # ``transport_liveness`` is each seed's (``Swarm.zmtp``): the world copies these with it set.
@@ -98,6 +98,11 @@ class Swarm:
     zmtp: bool = False
     starve_rate: float = 0.0
     starve_max: float = 0.0
+    # The data path (issue 30's transport, partitioned): the share of partitions that hold the transport
+    # between the two nodes as well as their messages (one fabric, or a switch both paths cross). A write
+    # or read due to land meanwhile waits for the heal, or fails after ``DATA_TIMEOUT`` of waiting (RC
+    # retries exhausted: the queue pair errors, and nothing more of it lands).
+    data_partition: float = 0.0
 
     @classmethod
     def draw(cls, rng: random.Random, faults: bool = True) -> Swarm:
@@ -139,6 +144,14 @@ class Swarm:
         starve = rng.uniform(0.1, 1.0) if rng.random() < 0.5 else 0.0
         return replace(self, zmtp=True, starve_rate=starve, starve_max=rng.choice([0.7, 2.0, 5.0]))
 
+    def with_data_path(self, rng: random.Random) -> Swarm:
+        """Half the seeds partition the transport too, in a share of their partitions. From a stream of its
+        own (``Sim.rng_data``), so that adding it moved no other draw."""
+        on, share = rng.random() < 0.5, rng.choice([0.5, 1.0])   # both drawn whatever: the stream stays aligned
+        if not on or not self.partition_rate:
+            return self
+        return replace(self, data_partition=share)
+
     def describe(self) -> str:
         return " ".join(f"{f.name}={getattr(self, f.name):.3g}" if isinstance(getattr(self, f.name), float)
                         else f"{f.name}={getattr(self, f.name)}" for f in fields(self)
@@ -161,4 +174,8 @@ PROFILES: dict[str, dict[str, float | str]] = {
 }
 
 FAULT_KINDS = ("spike", "cut_rate", "partition_rate", "stall_rate", "stall_post", "crash_rate", "transfer_fail",
-               "slow_transfer", "prefill_abort", "decode_abort", "cancel", "retry", "starve_rate")
+               "slow_transfer", "prefill_abort", "decode_abort", "cancel", "retry", "starve_rate", "data_partition")
+
+# How long a transfer waits on a partitioned data path before it fails: the transport's own timeout (UCX's
+# RC retries; a few seconds by default, shorter here with the other timers: ``OPTIONS``).
+DATA_TIMEOUT = 1.0

@@ -39,6 +39,8 @@ class RunResult:
     mutate: str | None = None
     tp: tuple[int, int] = (1, 1)     # (prefill TP, decode TP) the seed ran (``simulation.tp``)
     split: int = 0                   # decode group attempts DONE on one rank, FAILED on another
+    held: int = 0                    # transfers held by a partitioned data path (``Swarm.data_partition``)
+    timed_out: int = 0               # of those, failed after DATA_TIMEOUT rather than landing late
 
     def replay_command(self) -> str:
         """The command line that runs exactly this again."""
@@ -79,7 +81,7 @@ def run_seed(seed: int, config: SimConfig | None = None, swarm: Swarm | None = N
     return RunResult(seed, violation, len(world.requests), world.done, world.failed, world.disagreements,
                      world.sim.events, world.sim.now, time.process_time() - start, world.swarm, cfg,
                      format_trace(world.sim, trace) if violation is not None else (), tuple(without), mutate,
-                     world.tp, world.split)
+                     world.tp, world.split, world.transport.held, world.transport.timed_out)
 
 
 @contextmanager

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvferry.layout.memory import KVMemory
+from kvferry.simulation.config import DATA_TIMEOUT
 
 if TYPE_CHECKING:
     from kvferry.simulation.nodes import DecodeNode, PrefillNode
@@ -68,6 +69,7 @@ class Sim:
         self.rng_fault = random.Random(seed * 4 + 2)
         self.rng_lat = random.Random(seed * 4 + 3)
         self.rng_live = random.Random(seed * 4 + 4 + (1 << 40))   # liveness mode, starvation, ZMTP timing
+        self.rng_data = random.Random(seed * 4 + 5 + (1 << 41))   # which partitions hold the data path too
         self.trace: deque[tuple[float, str, str]] = deque(maxlen=TRACE_LEN)
         self.events = 0
 
@@ -178,6 +180,7 @@ class Net:
         self.by_identity: dict[bytes, Conn] = {}
         self.by_link: dict[Any, Conn] = {}
         self.partitions: dict[tuple[str, str], float] = {}   # (decode, prefill) -> heals at
+        self.data_partitions: dict[tuple[str, str], float] = {}   # the same, for the transport between them
 
     def delay(self) -> float:
         swarm = self.world.swarm
@@ -261,12 +264,13 @@ class Pending:
     """A write or read in flight: who posted it, to or from whom, and its parts (one per chunk carried:
     the decode-side tag of its (request, generation), its plan, and the prefill record or decode entry)."""
 
-    __slots__ = ("dropped", "kind", "notif", "parts", "peer_agent", "poster", "ticket")
+    __slots__ = ("dropped", "held_since", "kind", "notif", "parts", "peer_agent", "poster", "ticket")
 
     def __init__(self, ticket: int, kind: str, poster: Any, peer_agent: str, parts: list[Any], notif: bytes) -> None:
         self.ticket, self.kind, self.poster, self.peer_agent = ticket, kind, poster, peer_agent
         self.parts, self.notif = parts, notif
         self.dropped = False
+        self.held_since: float | None = None   # when it first found its data path partitioned
 
 
 class Transport:
@@ -275,6 +279,7 @@ class Transport:
         self.sim: Sim = world.sim
         self.pending: dict[int, Pending] = {}
         self.next_ticket = 1
+        self.held = self.timed_out = 0   # transfers held by a partitioned data path; of those, timed out
 
     def latency(self) -> float:
         swarm = self.world.swarm
@@ -292,14 +297,62 @@ class Transport:
         return ticket
 
     def _land(self, pend: Pending) -> None:
-        self.pending.pop(pend.ticket, None)
         if pend.dropped:
+            self.pending.pop(pend.ticket, None)
             return
+        if self.world.net.data_partitions and self._held(pend):
+            return
+        self.pending.pop(pend.ticket, None)
         world = self.world
         if pend.kind == "write":
             self._land_write(pend, world)
         else:
             self._land_read(pend, world)
+
+    def _pair(self, pend: Pending) -> tuple[str, str] | None:
+        """(decode, prefill) names of the two ends, as partitions are keyed; None when the far end is gone."""
+        peer = self.world.agents.get(pend.peer_agent)
+        if peer is None:
+            return None
+        return (peer.name, pend.poster.name) if pend.kind == "write" else (pend.poster.name, peer.name)
+
+    def _cut_off(self, pend: Pending) -> float:
+        """When the data path of ``pend`` heals (0: it is not partitioned now)."""
+        pair = self._pair(pend)
+        heal = self.world.net.data_partitions.get(pair, 0.0) if pair is not None else 0.0
+        return heal if heal > self.sim.now else 0.0
+
+    def _held(self, pend: Pending) -> bool:
+        """A transfer due to land while its data path is partitioned waits for the heal (it lands late, the
+        writer perhaps declared dead meanwhile: the stalled writer's case, with a live writer), or fails once
+        it waited ``DATA_TIMEOUT`` (nothing more of it lands). True: it is still in flight."""
+        heal = self._cut_off(pend)
+        if not heal:
+            return False
+        now = self.sim.now
+        if pend.held_since is None:
+            pend.held_since = now
+            self.held += 1
+            self.sim.log(pend.poster.name, f"{pend.kind} {pend.ticket} held: data path partitioned until {heal:.4f}")
+        give_up = pend.held_since + DATA_TIMEOUT
+        if heal <= give_up:
+            self.sim.at(heal, self._land, pend)   # a later partition of the same pair holds it again then
+        else:
+            self.sim.at(give_up, self._time_out, pend)
+        return True
+
+    def _time_out(self, pend: Pending) -> None:
+        self.pending.pop(pend.ticket, None)
+        if pend.dropped:
+            return
+        self.timed_out += 1
+        error = "timed out: data path partitioned"
+        poster = pend.poster
+        self.sim.log(poster.name, f"{pend.kind} {pend.ticket} {error}")
+        if pend.kind == "write":
+            self.sim.at(self.sim.now + 1e-5, poster.completed, pend.ticket, error)
+        elif not poster.crashed:
+            self.sim.at(self.sim.now + 1e-5, poster.read_completed, poster.inc, pend.ticket, error, [])
 
     def _fails(self) -> bool:
         rate = self.world.swarm.transfer_fail
@@ -347,7 +400,8 @@ class Transport:
         """``node`` crashed: its posted writes either land now (the NIC finishes what it had) or never."""
         for pend in list(self.pending.values()):
             if pend.poster is node:
-                if pend.kind == "write" and self.sim.rng_fault.random() < 0.5:
+                # (the draw first, whatever the data path: a partition leaves the fault stream as it was)
+                if pend.kind == "write" and self.sim.rng_fault.random() < 0.5 and not self._cut_off(pend):
                     pend.dropped = True
                     self.pending.pop(pend.ticket, None)
                     self._land_write(pend, self.world)
