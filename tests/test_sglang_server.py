@@ -66,7 +66,9 @@ class Cluster:
             new.append(self.plain)
         for backend, page in wanted:
             if (backend, page) not in self.sets:
-                pd = ss.pd_servers(self.model, page, backend, self.root, prefill_radix=False)
+                engine_backend, _, transport = backend.partition("-")   # "kvferry-mooncake": kvferry's backend
+                pd = ss.pd_servers(self.model, page, engine_backend, self.root, prefill_radix=False,
+                                   transport=transport or "nixl")
                 self.sets[backend, page] = pd
                 new.extend(reversed(pd.all()))
         if new:
@@ -95,11 +97,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 # Module scope: pytest then runs every test of one set before the next set's, so no set is started twice.
 @pytest.fixture(scope="module", params=[("kvferry", 1), ("kvferry", 16),
                         pytest.param(("nixl", 1), marks=pytest.mark.slow),
-                        pytest.param(("nixl", 16), marks=pytest.mark.slow)],
+                        pytest.param(("nixl", 16), marks=pytest.mark.slow),
+                        pytest.param(("kvferry-mooncake", 1), marks=pytest.mark.slow),
+                        pytest.param(("kvferry-mooncake", 16), marks=pytest.mark.slow)],
                 ids=lambda p: f"{p[0]}-page{p[1]}")
 def pd(request: pytest.FixtureRequest, cluster: Cluster) -> ss.PD:
-    """A PD set; both page sizes of a backend (and the plain server) start at once."""
+    """A PD set; both page sizes of a backend (and the plain server) start at once. ``kvferry-mooncake``:
+    kvferry's backend on Mooncake's Transfer Engine (``KVFERRY_SGLANG_TRANSPORT=mooncake``)."""
     backend, page = request.param
+    if backend.endswith("-mooncake"):
+        from kvferry.transport import mooncake_available
+
+        if not mooncake_available():
+            pytest.skip("Mooncake's Transfer Engine cannot import (pip install 'kvferry[mooncake]', docs/mooncake.md)")
     cluster.ensure([(backend, p) for p in PAGE_SIZES])
     return cluster.sets[backend, page]
 
@@ -165,6 +175,9 @@ def test_prompt_lengths_equal_plain(pd: ss.PD, plain: ss.Server) -> None:
         assert got["meta_info"]["prompt_tokens"] == n
     assert decode_prefilled(pd) == before == 0.0
     assert pd.prefill.metrics()["sglang:realtime_tokens_total.prefill_compute"] > 0
+    if pd.backend == "kvferry":   # the transport asked for is the one both servers moved pages with
+        for server in (pd.prefill, pd.decode):
+            assert f"kvferry SGLang backend: pages move over {pd.transport}" in server.log(), server.log_path
 
 
 def test_streaming_equals_plain(pd: ss.PD, plain: ss.Server) -> None:

@@ -7,6 +7,7 @@ The end-to-end test with real vLLM engines is tests/test_vllm.py (make test-vllm
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +25,7 @@ from kvferry.integrations.vllm.layout import (
 )
 from kvferry.integrations.vllm.scheduler import UNBOUND_KEY, SchedulerSide
 from kvferry.integrations.vllm.worker import WorkerConfig, WorkerSide
+from kvferry.transport import mooncake_available
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
@@ -143,6 +145,44 @@ def test_decode_blocks_receive_prefill_blocks(digest_mode: str, mode: str) -> No
     finally:
         decode.worker.close()
         prefill.worker.close()
+
+
+def _reachable_ip() -> str | None:
+    """This host's address on its default route, or None where it has only loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("192.0.2.1", 9))   # UDP: connect only picks the route, no packet leaves
+        except OSError:
+            return None
+        ip = str(sock.getsockname()[0])
+    return None if ip.startswith("127.") else ip
+
+
+@pytest.mark.skipif(not mooncake_available(), reason="Mooncake's Transfer Engine cannot import (docs/mooncake.md)")
+def test_mooncake_engines_listen_where_mooncake_host_says() -> None:
+    """``"transport": "mooncake"`` with ``mooncake_host`` (not loopback): both engines listen there, decode's
+    blocks receive prefill's over it, byte for byte."""
+    ip = _reachable_ip()
+    if ip is None:
+        pytest.skip("this machine has no address beside loopback")
+    prefill = Instance("producer", kv_caches(64), transport="mooncake", mooncake_host=ip)
+    decode = Instance("consumer", kv_caches(48, seed=None), transport="mooncake", mooncake_host=ip)
+    try:
+        for side in (prefill.worker.prefill, decode.worker.decode):
+            assert side is not None and side.transport._session.startswith(f"{ip}:"), side.transport._session
+        hand_over(prefill, decode, 70, [1, 2, 3], [10, 11, 12])
+        wait_for(lambda: (prefill.step(), decode.step(), bool(decode.recving))[-1])
+        wait_for(lambda: (prefill.step(), "p-r" in prefill.sending)[-1])
+        assert not decode.failed
+        for layer in LAYERS:
+            np.testing.assert_array_equal(decode.caches[layer][10:13], prefill.caches[layer][1:4])
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+    for bad, match in (({"mooncake_host": "0.0.0.0"}, "wildcard '0.0.0.0'"),
+                       ({"mooncake_protocol": "ib"}, "mooncake_protocol must be one of")):
+        with pytest.raises(UsageError, match=match):
+            WorkerConfig.from_extra("consumer", {"transport": "mooncake", **bad})
 
 
 def test_a_page_corrupted_in_flight_is_reported_failed_not_received(caplog: pytest.LogCaptureFixture) -> None:

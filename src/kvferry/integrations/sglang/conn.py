@@ -70,6 +70,7 @@ def _transport(host: str, server_args: Any) -> Transport:
     kind = os.environ.get(TRANSPORT_ENV, "nixl") or "nixl"
     if kind not in SGLANG_TRANSPORTS:
         raise UsageError(f"kvferry backend: {TRANSPORT_ENV} must be one of {SGLANG_TRANSPORTS}, got {kind!r}")
+    logger.info("kvferry SGLang backend: pages move over %s", kind)
     if kind == "nixl":
         return make_transport("nixl")
     return make_transport("mooncake", hostname=host, protocol=os.environ.get("KVFERRY_MOONCAKE_PROTOCOL", "tcp"),

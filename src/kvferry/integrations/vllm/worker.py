@@ -36,16 +36,21 @@ MODES = ("push", "pull")
 # failure in a row; a refused layout is never retried).
 RETRY_AFTER = 5.0
 MAX_PREFILL_RANKS = 1024   # transfer parameters are untrusted input: far above any TP size
+MOONCAKE_PROTOCOLS = ("tcp", "rdma")
+WILDCARDS = ("0.0.0.0", "::", "")
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """The connector's settings, from vLLM's ``kv_connector_extra_config`` (see docs/vllm.md).
 
-    ``transport``: ``"nixl"`` (between processes), ``"mooncake"`` (Mooncake's Transfer Engine, loopback only:
-    no hostname passed to it yet; tests/test_vllm_mooncake.py), ``"local"`` (one process) or ``"module:factory"``, a
+    ``transport``: ``"nixl"`` (between processes), ``"mooncake"`` (Mooncake's Transfer Engine;
+    tests/test_vllm_mooncake.py), ``"local"`` (one process) or ``"module:factory"``, a
     callable taking the side (``"prefill"``/``"decode"``) and returning a ``Transport`` (tests inject
-    faults this way). ``host``/``port``: where prefill listens. ``digest_mode``: ``off``, ``sampled``,
+    faults this way). ``mooncake_host``: where this worker's Mooncake engine listens and its peers reach it
+    (this host's IP when the two sides run on different hosts; a wildcard address is refused: peers cannot
+    reach it); ``mooncake_protocol``: ``"tcp"`` or ``"rdma"``, on ``mooncake_device`` (the RDMA NIC).
+    ``host``/``port``: where prefill listens. ``digest_mode``: ``off``, ``sampled``,
     ``full``. ``secret``: shared by both sides, or None. Times in seconds. ``mode``: the transfer mode a
     consumer asks its prefills for, ``"push"`` (prefill writes into decode's blocks) or ``"pull"`` (decode
     reads prefill's blocks, see docs/fencing.md); a producer accepts either, so the consumer chooses.
@@ -71,12 +76,22 @@ class WorkerConfig:
     lease_grace: float = EndpointOptions().lease_grace
     transport_liveness: bool = EndpointOptions().transport_liveness
     unbound_for_tests: bool = False   # tests only: honour scheduler.UNBOUND_KEY (an unbound announce)
+    mooncake_host: str = "127.0.0.1"
+    mooncake_protocol: str = "tcp"
+    mooncake_device: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise UsageError(f"kvferry connector: role must be one of {ROLES}, got {self.role!r}")
         if self.mode not in MODES:
             raise UsageError(f"kvferry connector: mode must be one of {MODES}, got {self.mode!r}")
+        if self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
+            raise UsageError(f"kvferry connector: mooncake_protocol must be one of {MOONCAKE_PROTOCOLS}, got "
+                             f"{self.mooncake_protocol!r}")
+        if self.mooncake_host in WILDCARDS:
+            # The engine advertises this address to its peers in the handshake: a wildcard reaches nobody.
+            raise UsageError(f"kvferry connector: mooncake_host must be an address peers can reach (this host's "
+                             f"IP), got the wildcard {self.mooncake_host!r}")
 
     @classmethod
     def from_extra(cls, role: str, extra: Mapping[str, Any] | None) -> WorkerConfig:
@@ -101,6 +116,9 @@ class WorkerConfig:
                                refuse_unissued=True)   # the scheduler issues every id first (after_alloc)
 
     def make_transport(self, side: str) -> Transport:
+        if self.transport == "mooncake":
+            return make_transport("mooncake", hostname=self.mooncake_host, protocol=self.mooncake_protocol,
+                                  device=self.mooncake_device)
         if ":" not in self.transport:
             return make_transport(self.transport)
         module, _, name = self.transport.partition(":")
