@@ -26,7 +26,7 @@ from kvferry.cli import main
 from kvferry.layout.memory import KVMemory
 from kvferry.plan import plan_decode_rank
 from kvferry.simulation import MUTATIONS, SimConfig, run_many, run_seed, shrink
-from kvferry.simulation.config import Swarm
+from kvferry.simulation.config import FAULT_KINDS, Swarm
 from kvferry.simulation.mutations import EXPECTED
 from kvferry.simulation.tp import TP_PAIRS, WIDE_PAIRS, draw_tp, fill_content, page_content, rank_layout
 from kvferry.simulation.world import Pending, Sim, Transport
@@ -203,6 +203,19 @@ def test_a_partitioned_data_path_holds_transfers_until_the_heal_or_the_timeout(
     assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
 
 
+def test_faults_are_counted_by_kind_only_where_the_seed_drew_them() -> None:
+    """``RunResult.faults``: each kind counted is one the seed's fault mix switched on (the kinds are the
+    ``Swarm``'s fields), and over a few seeds every kind shows up; a run without faults counts none."""
+    results = [run_seed(seed) for seed in range(7000, 7012)]
+    seen: set[str] = set()
+    for r in results:
+        for kind, n in r.faults:
+            assert n > 0 and getattr(r.swarm, kind), (r.seed, kind, n, r.swarm.describe())
+            seen.add(kind)
+    assert seen >= set(FAULT_KINDS) - {"data_partition", "crash_rate"}, set(FAULT_KINDS) - seen
+    assert run_seed(0, SimConfig(faults=False)).faults == ()
+
+
 def test_the_data_path_draw_moves_no_other_draw() -> None:
     """``Swarm.data_partition`` comes from a stream of its own, and only for seeds with partitions."""
     drawn = []
@@ -230,6 +243,7 @@ def test_the_command_reports_seeds_throughput_and_failures(capsys: pytest.Captur
     assert main(["simulate", "--seeds", "3", "--seed", "5"]) == 0
     out = capsys.readouterr().out
     assert "3 seeds (5..7), 0 with a violation" in out and "simulated requests per minute" in out
+    assert "faults injected: " in out and "connections cut" in out
     assert main(["simulate", "--seed", "0", "--mutate", "done_before_verdict", "--trace", "5"]) == 1
     out = capsys.readouterr().out
     assert "seed 0: invariant b_prefill_done_before_verdict broken" in out

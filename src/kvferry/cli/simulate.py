@@ -78,6 +78,30 @@ def _share(text: str) -> float:
     return share
 
 
+# What each of ``FAULT_KINDS`` counts, as the summary names it.
+FAULT_LABELS = {
+    "spike": "messages delayed by a spike", "cut_rate": "connections cut", "partition_rate": "partitions",
+    "data_partition": "of them holding the data path too", "stall_rate": "stalls", "stall_post": "stalls in a post",
+    "crash_rate": "crashes", "transfer_fail": "transfers failed or refused", "slow_transfer": "transfers late",
+    "prefill_abort": "prefill aborts", "decode_abort": "decode aborts", "cancel": "cancels",
+    "retry": "retries under the same id", "starve_rate": "starvations",
+}
+
+
+def describe_faults(faults: Counter[str]) -> str:
+    """``faults`` (by ``FAULT_KINDS``' names) in that order, each with its label; the data-path partitions in
+    brackets after the partitions."""
+    parts = []
+    for kind in FAULT_KINDS:
+        if kind == "data_partition" or not faults[kind]:
+            continue
+        part = f"{faults[kind]:,} {FAULT_LABELS[kind]}"
+        if kind == "partition_rate" and faults["data_partition"]:
+            part += f" ({faults['data_partition']:,} {FAULT_LABELS['data_partition']})"
+        parts.append(part)
+    return ", ".join(parts)
+
+
 def _report(result: RunResult, trace: int) -> None:
     v = result.violation
     assert v is not None
@@ -98,6 +122,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     sim_time = 0.0
     pairs: Counter[tuple[int, int]] = Counter()
     split = held = timed_out = 0
+    faults: Counter[str] = Counter()
     for seed in seeds:
         result = run_seed(seed, cfg, mutate=args.mutate, trace=max(args.trace, 200), without=tuple(args.without))
         requests += result.requests
@@ -107,6 +132,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         pairs[result.tp] += 1
         split += result.split
         held, timed_out = held + result.held, timed_out + result.timed_out
+        faults.update(dict(result.faults))
         if not result.ok:
             failures += 1
             if args.shrink:
@@ -125,6 +151,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     shown = [*TP_PAIRS, *sorted(pair for pair in pairs if pair not in TP_PAIRS)]
     print("seeds per (prefill TP, decode TP): " + ", ".join(f"{a}:{b} {pairs[(a, b)]}" for a, b in shown)
           + f"; {split} decode group attempts DONE on one rank and FAILED on another (counted, not a violation)")
+    if faults:
+        print("faults injected: " + describe_faults(faults))
     if held:
         print(f"transfers held by a partitioned data path: {held}, {timed_out} of them timed out (the rest went on "
               "after the heal)")

@@ -148,6 +148,7 @@ class World:
                 prefill.plan_send(req, req.send_at)
                 if req.prefill_abort is not None:
                     prefill.abort_at(req.send_at + req.prefill_abort, req.rid)
+                    self.sim.faults["prefill_abort"] += 1
         if cfg.faults:
             self.schedule_faults()
         self.at_rest = False
@@ -225,8 +226,10 @@ class World:
         key = (d.name, p.name)
         self.net.partitions[key] = max(self.net.partitions.get(key, 0.0), heal)
         data = bool(self.swarm.data_partition) and self.sim.rng_data.random() < self.swarm.data_partition
+        self.sim.faults["partition_rate"] += 1
         if data:
             self.net.data_partitions[key] = max(self.net.data_partitions.get(key, 0.0), heal)
+            self.sim.faults["data_partition"] += 1
         self.sim.log("net", f"partition {d.name}|{p.name} until {heal:.4f}{' (the data path too)' if data else ''}")
         if self.swarm.zmtp:   # neither end's heartbeats get through: libzmq drops the connection
             self.sim.at(self.zmtp_deadline(), self.zmtp_partition, d, p)
@@ -257,27 +260,34 @@ class World:
         """CPU starvation: the node's Python does not run; its libzmq answers heartbeats, so no connection
         drops, however long (its peers find it slow, not dead)."""
         node = self.sim.rng_live.choice(self.nodes)
+        self.sim.faults["starve_rate"] += not node.crashed
         node.stall(self.sim.rng_live.random() * self.swarm.starve_max, starving=True)
 
     def stall_one(self) -> None:
         node = self.sim.rng_fault.choice(self.nodes)
+        self.sim.faults["stall_rate"] += not node.crashed
         node.stall(self.sim.rng_fault.random() * self.swarm.stall_max)
 
     def stall_in_post(self, node: Node) -> bool:
         s = self.swarm
         if s.stall_post and self.faults_on() and self.sim.rng_fault.random() < s.stall_post:
             node.stall(self.sim.rng_fault.random() * max(s.stall_max, self.options.peer_timeout * 3))
+            self.sim.faults["stall_post"] += 1
             return True
         return False
 
     def refuse_post(self) -> bool:
         s = self.swarm
-        return bool(s.transfer_fail) and self.faults_on() and self.sim.rng_fault.random() < s.transfer_fail / 4
+        if s.transfer_fail and self.faults_on() and self.sim.rng_fault.random() < s.transfer_fail / 4:
+            self.sim.faults["transfer_fail"] += 1
+            return True
+        return False
 
     def crash_one(self) -> None:
         node = self.sim.rng_fault.choice(self.nodes)
         if node.crashed:
             return
+        self.sim.faults["crash_rate"] += 1
         node.crash()
         self.sim.at(self.sim.now + self.sim.rng_fault.uniform(0.1, 1.0), node.restart)
 

@@ -893,6 +893,7 @@ class DecodeNode(Node):
         try:
             if req.cancel:
                 core.cancel(now, req.rid, "engine cancel", address)
+                self.sim.faults["cancel"] += 1
                 self.sim.log(self.name, f"cancel {req.rid}")
                 self.release(att)
                 return
@@ -910,6 +911,7 @@ class DecodeNode(Node):
         self.sim.log(self.name, f"announce {req.rid} gen {att.gen} pages {pages} prefix {dict(req.prefix)}")
         if req.decode_abort is not None and att.n == 0:
             self.call_at(now + req.decode_abort, lambda t: self.abort(t, att))
+            self.sim.faults["decode_abort"] += 1
 
     def changed_since(self) -> tuple[Any, ...]:
         return (self.changes, self.deadlines.seq, *(link.state for link in self.core.links.values()))
@@ -987,6 +989,7 @@ class DecodeNode(Node):
                         and self.sim.rng_work.random() < self.world.swarm.retry):
                     t = now + self.sim.rng_work.random() * 0.05
                     self.sim.log(self.name, f"retry {req.rid} at {t:.4f}")
+                    self.sim.faults["retry"] += 1
                     for node in self.group.ranks if self.group is not None else [self]:
                         node.plan_announce(req, t, att.n + 1)
                     t_send = t + self.sim.rng_work.random() * 0.05

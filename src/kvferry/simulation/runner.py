@@ -41,6 +41,7 @@ class RunResult:
     split: int = 0                   # decode group attempts DONE on one rank, FAILED on another
     held: int = 0                    # transfers held by a partitioned data path (``Swarm.data_partition``)
     timed_out: int = 0               # of those, failed after DATA_TIMEOUT rather than landing late
+    faults: tuple[tuple[str, int], ...] = ()   # faults injected, by kind (``FAULT_KINDS``' names), in that order
 
     def replay_command(self) -> str:
         """The command line that runs exactly this again."""
@@ -81,7 +82,8 @@ def run_seed(seed: int, config: SimConfig | None = None, swarm: Swarm | None = N
     return RunResult(seed, violation, len(world.requests), world.done, world.failed, world.disagreements,
                      world.sim.events, world.sim.now, time.process_time() - start, world.swarm, cfg,
                      format_trace(world.sim, trace) if violation is not None else (), tuple(without), mutate,
-                     world.tp, world.split, world.transport.held, world.transport.timed_out)
+                     world.tp, world.split, world.transport.held, world.transport.timed_out,
+                     tuple((kind, world.sim.faults[kind]) for kind in FAULT_KINDS if world.sim.faults[kind]))
 
 
 @contextmanager

@@ -22,7 +22,7 @@ import ctypes
 import heapq
 import math
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -72,6 +72,8 @@ class Sim:
         self.rng_data = random.Random(seed * 4 + 5 + (1 << 41))   # which partitions hold the data path too
         self.trace: deque[tuple[float, str, str]] = deque(maxlen=TRACE_LEN)
         self.events = 0
+        # Faults injected, by kind (``config.FAULT_KINDS``' names): counted as they happen, no draw of their own
+        self.faults: Counter[str] = Counter()
 
     def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
         now = self.now
@@ -187,6 +189,7 @@ class Net:
         extra = 0.0
         if swarm.spike and self.sim.rng_fault.random() < swarm.spike and self.world.faults_on():
             extra = self.sim.rng_fault.random() * swarm.spike_max   # FIFO: later messages wait behind it
+            self.sim.faults["spike"] += 1
         return 1e-5 + self.sim.rng_lat.random() * swarm.delay_max + extra
 
     def _held(self, conn: Conn) -> float:
@@ -255,6 +258,7 @@ class Net:
         conns = [c for c in self.by_link.values() if c.open]
         if conns:
             conn = self.sim.rng_fault.choice(conns)
+            self.sim.faults["cut_rate"] += 1
             self.sim.log("net", f"cut {conn.decode.name}->{conn.prefill.name if conn.prefill else '?'}")
             self.close(conn.link, tell_decode=True)
 
@@ -286,6 +290,7 @@ class Transport:
         lat = 1e-5 + self.sim.rng_lat.random() * swarm.delay_max
         if swarm.slow_transfer and self.sim.rng_fault.random() < swarm.slow_transfer:
             lat += self.sim.rng_fault.random() * swarm.slow_max
+            self.sim.faults["slow_transfer"] += 1
         return lat
 
     def post(self, kind: str, poster: Any, peer_agent: str, parts: list[Any], notif: bytes = b"") -> int:
@@ -356,7 +361,10 @@ class Transport:
 
     def _fails(self) -> bool:
         rate = self.world.swarm.transfer_fail
-        return bool(rate) and self.sim.rng_fault.random() < rate
+        if rate and self.sim.rng_fault.random() < rate:
+            self.sim.faults["transfer_fail"] += 1
+            return True
+        return False
 
     def _land_write(self, pend: Pending, world: Any) -> None:
         writer: PrefillNode = pend.poster
