@@ -26,7 +26,7 @@ from kvferry.cli import main
 from kvferry.layout.memory import KVMemory
 from kvferry.plan import plan_decode_rank
 from kvferry.simulation import MUTATIONS, SimConfig, run_many, run_seed, shrink
-from kvferry.simulation.config import FAULT_KINDS, Swarm
+from kvferry.simulation.config import DATA_STORM, FAULT_KINDS, Swarm
 from kvferry.simulation.mutations import EXPECTED
 from kvferry.simulation.tp import TP_PAIRS, WIDE_PAIRS, draw_tp, fill_content, page_content, rank_layout
 from kvferry.simulation.world import Pending, Sim, Transport
@@ -218,15 +218,20 @@ def test_faults_are_counted_by_kind_only_where_the_seed_drew_them() -> None:
 
 def test_the_data_path_draw_moves_no_other_draw() -> None:
     """``Swarm.data_partition`` comes from a stream of its own, and only for seeds with partitions."""
-    drawn = []
-    for seed in range(400):
+    drawn, storms = [], 0
+    for seed in range(800):
         sim = Sim(seed)
         base = Swarm.draw(sim.rng_fault).with_liveness(sim.rng_live)
         swarm = base.with_data_path(sim.rng_data)
-        assert replace(swarm, data_partition=0.0) == base
-        assert base.partition_rate or not swarm.data_partition
+        untouched = {name: getattr(base, name) for name in DATA_STORM}
+        assert replace(swarm, **untouched) == base   # only the data path's fields may change
+        if swarm.partition_rate != base.partition_rate:   # a storm: partitions often, each holding the data path
+            storms += 1
+            assert swarm.partition_rate >= 1.0 and swarm.data_partition == 1.0 and swarm.slow_transfer >= 0.2
+        else:
+            assert replace(swarm, data_partition=0.0) == base and (base.partition_rate or not swarm.data_partition)
         drawn.append(swarm.data_partition)
-    assert {0.0, 0.5, 1.0} == set(drawn) and 60 < sum(x > 0 for x in drawn) < 140
+    assert {0.0, 0.5, 1.0} == set(drawn) and 60 < storms < 140
 
 
 def test_shrinking_keeps_the_invariant() -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields, replace
 from kvferry.control.core.options import EndpointOptions
 from kvferry.layout.spec import Buffer, Layout, Pool
 
-__all__ = ["DATA_TIMEOUT", "OPTIONS", "SimConfig", "Swarm", "sim_layout"]
+__all__ = ["DATA_STORM", "DATA_TIMEOUT", "OPTIONS", "SimConfig", "Swarm", "sim_layout"]
 
 # Short timers: a run covers many peer timeouts, deadlines and grace periods in a few simulated seconds.
 # ``transport_liveness`` is each seed's (``Swarm.zmtp``): the world copies these with it set.
@@ -145,9 +145,16 @@ class Swarm:
         return replace(self, zmtp=True, starve_rate=starve, starve_max=rng.choice([0.7, 2.0, 5.0]))
 
     def with_data_path(self, rng: random.Random) -> Swarm:
-        """Half the seeds partition the transport too, in a share of their partitions. From a stream of its
-        own (``Sim.rng_data``), so that adding it moved no other draw."""
-        on, share = rng.random() < 0.5, rng.choice([0.5, 1.0])   # both drawn whatever: the stream stays aligned
+        """Half the seeds with partitions partition the transport too, in a share of their partitions; and one
+        seed in eight is a *storm* (``DATA_STORM``): partitions often and long, every one holding the data
+        path, transfers often late (so that some are in flight when the path goes). From a stream of its own
+        (``Sim.rng_data``), so that adding it moved no other draw."""
+        # Every value drawn whatever is used: the stream stays aligned.
+        on, share = rng.random() < 0.5, rng.choice([0.5, 1.0])
+        storm, rate, longest = rng.random() < 0.125, rng.uniform(1.0, 3.0), rng.choice([1.0, 1.5, 2.5])
+        if storm:
+            return replace(self, partition_rate=rate, partition_max=longest, data_partition=1.0,
+                           slow_transfer=max(self.slow_transfer, 0.2), slow_max=max(self.slow_max, 1.0))
         if not on or not self.partition_rate:
             return self
         return replace(self, data_partition=share)
@@ -179,3 +186,6 @@ FAULT_KINDS = ("spike", "cut_rate", "partition_rate", "stall_rate", "stall_post"
 # How long a transfer waits on a partitioned data path before it fails: the transport's own timeout (UCX's
 # RC retries; a few seconds by default, shorter here with the other timers: ``OPTIONS``).
 DATA_TIMEOUT = 1.0
+
+# What a data-path storm (``Swarm.with_data_path``) may change in a seed's fault mix.
+DATA_STORM = ("partition_rate", "partition_max", "data_partition", "slow_transfer", "slow_max")
