@@ -267,6 +267,7 @@ def test_the_command_reports_seeds_throughput_and_failures(capsys: pytest.Captur
 @pytest.mark.skipif(not os.environ.get("KVFERRY_SIM_LONG"),
                     reason="the long run (2,000 seeds of 192 requests, TP groups drawn) runs with KVFERRY_SIM_LONG=1 "
                            "(make test-sim-long; several minutes: make test-slow leaves it out too)")
+@pytest.mark.timeout(1800)   # 2,000 seeds at about 0.3 s of CPU each: past the suite's default timeout
 def test_a_long_run_breaks_no_invariant() -> None:
     results = run_many(range(10_000, 12_000))
     broken = [r for r in results if not r.ok]
