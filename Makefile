@@ -74,9 +74,7 @@ SGLANG_PYTEST = .venv-sglang/bin/python -m pytest -q
 SGLANG_TESTS = tests/test_sglang.py tests/test_sglang_prefix.py tests/test_sglang_server.py
 
 setup-sglang: setup
-	@[ -n "$(ENGINES_SET_UP)" ] || { [ -x .venv-sglang/bin/python ] \
-		&& .venv-sglang/bin/python -c "import sglang, kvferry, sglang_router, sgl_kernel" 2>/dev/null \
-		|| bash scripts/setup-sglang.sh; }
+	@[ -n "$(ENGINES_SET_UP)" ] || bash scripts/setup-sglang.sh
 
 test-sglang: setup-sglang
 	$(SGLANG_PYTEST) -m "not slow" $(SGLANG_TESTS)

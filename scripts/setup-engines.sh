@@ -9,11 +9,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh
 
-sglang_ready() {
-    [ -x .venv-sglang/bin/python ] \
-        && .venv-sglang/bin/python -c "import sglang, kvferry, sglang_router, sgl_kernel" >/dev/null 2>&1
-}
-
 run() {   # NAME CMD...: the command's output, each line prefixed, and its own exit status
     local name=$1
     shift
@@ -28,15 +23,10 @@ run() {   # NAME CMD...: the command's output, each line prefixed, and its own e
 START=$SECONDS
 run setup-vllm bash scripts/setup-vllm.sh &
 VLLM=$!
-SGLANG=""
-if ! sglang_ready; then
-    run setup-sglang bash scripts/setup-sglang.sh &
-    SGLANG=$!
-fi
+run setup-sglang bash scripts/setup-sglang.sh &
+SGLANG=$!
 RC=0
 wait "$VLLM" || RC=1
-if [ -n "$SGLANG" ]; then
-    wait "$SGLANG" || RC=1
-fi
+wait "$SGLANG" || RC=1
 echo "setup-engines: $([ "$RC" = 0 ] && echo done || echo FAILED) in $((SECONDS - START)) s"
 exit "$RC"

@@ -24,6 +24,10 @@ step() { echo "setup-sglang: $1 (at $((SECONDS - START)) s)"; }
 # shellcheck source=scripts/venv-layer.sh
 source scripts/venv-layer.sh   # site_of, layer_on
 
+if [ -x "$VENV/bin/python" ] \
+        && "$VENV/bin/python" -c "import sglang, kvferry, sglang_router, sgl_kernel" >/dev/null 2>&1; then
+    exit 0   # set up already (as setup-vllm.sh checks its own)
+fi
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi

@@ -82,7 +82,21 @@ from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
 from kvferry.transport.base import RowBuffer, TransferHandle, Transport, already_registered, check_plan_in_regions
 
-__all__ = ["ENV_DEFAULTS", "MooncakeHandle", "MooncakeTransport"]
+__all__ = ["ENV_DEFAULTS", "PROTOCOLS", "WILDCARDS", "MooncakeHandle", "MooncakeTransport", "check_address"]
+
+PROTOCOLS = ("tcp", "rdma")
+# Addresses that bind everywhere but reach nothing: the engine advertises its hostname to its peers.
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def check_address(hostname: str, protocol: str, what: str = "") -> None:
+    """Refuse a ``protocol`` the engine does not run and a wildcard ``hostname`` (peers are told to reach this
+    side there). ``what``: how the caller's user names the two settings (``"mooncake_"``: its config keys)."""
+    if protocol not in PROTOCOLS:
+        raise UsageError(f"{what}protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    if hostname in WILDCARDS:
+        raise UsageError(f"{what}host must be an address peers can reach (this host's IP), got the wildcard "
+                         f"{hostname!r}")
 
 log = logging.getLogger(__name__)
 
@@ -238,8 +252,7 @@ class MooncakeTransport(Transport):
 
     def __init__(self, agent_name: str | None = None, *, hostname: str = "127.0.0.1", protocol: str = "tcp",
                  device: str = "") -> None:
-        if protocol not in ("tcp", "rdma"):
-            raise UsageError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
+        check_address(hostname, protocol)
         self._name = agent_name or f"kvferry-mc-{socket.gethostname()}-{os.getpid()}-{next(_COUNTER)}"
         self._hostname = hostname
         self._protocol = protocol

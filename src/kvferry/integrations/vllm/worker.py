@@ -25,6 +25,7 @@ from kvferry.errors import KVFerryError, LayoutError, UsageError
 from kvferry.integrations.vllm.scheduler import RecvSpec, SendSpec, StepPlan
 from kvferry.layout import KVMemory
 from kvferry.transport import Transport, make_transport
+from kvferry.transport.mooncake import check_address
 
 __all__ = ["WorkerConfig", "WorkerSide"]
 
@@ -36,8 +37,6 @@ MODES = ("push", "pull")
 # failure in a row; a refused layout is never retried).
 RETRY_AFTER = 5.0
 MAX_PREFILL_RANKS = 1024   # transfer parameters are untrusted input: far above any TP size
-MOONCAKE_PROTOCOLS = ("tcp", "rdma")
-WILDCARDS = ("0.0.0.0", "::", "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,13 +84,8 @@ class WorkerConfig:
             raise UsageError(f"kvferry connector: role must be one of {ROLES}, got {self.role!r}")
         if self.mode not in MODES:
             raise UsageError(f"kvferry connector: mode must be one of {MODES}, got {self.mode!r}")
-        if self.mooncake_protocol not in MOONCAKE_PROTOCOLS:
-            raise UsageError(f"kvferry connector: mooncake_protocol must be one of {MOONCAKE_PROTOCOLS}, got "
-                             f"{self.mooncake_protocol!r}")
-        if self.mooncake_host in WILDCARDS:
-            # The engine advertises this address to its peers in the handshake: a wildcard reaches nobody.
-            raise UsageError(f"kvferry connector: mooncake_host must be an address peers can reach (this host's "
-                             f"IP), got the wildcard {self.mooncake_host!r}")
+        # At parse time, naming the config keys (the transport checks the same when it is built).
+        check_address(self.mooncake_host, self.mooncake_protocol, "kvferry connector: mooncake_")
 
     @classmethod
     def from_extra(cls, role: str, extra: Mapping[str, Any] | None) -> WorkerConfig:
