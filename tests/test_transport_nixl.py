@@ -556,3 +556,16 @@ def test_read_is_bounds_checked_on_both_sides(pair) -> None:
         transport.read(plan_transfer(stranger, local, make_requests(stranger, local, 1)[0]), peer.name)
     with pytest.raises(TransportError, match="unknown peer"):
         transport.read(plan_transfer(remote, local, make_requests(remote, local, 1)[0]), "nobody")
+
+
+def test_mooncake_refuses_a_wildcard_host_and_an_unknown_protocol() -> None:
+    """Checked before the engine exists (no Mooncake import needed): peers are told to reach this side at
+    ``hostname``, so a wildcard would reach nobody."""
+    from kvferry.errors import UsageError
+    from kvferry.transport.mooncake import MooncakeTransport
+
+    for hostname in ("0.0.0.0", "::"):
+        with pytest.raises(UsageError, match=f"got the wildcard '{hostname}'"):
+            MooncakeTransport(hostname=hostname)
+    with pytest.raises(UsageError, match=r"protocol must be one of \('tcp', 'rdma'\), got 'ib'"):
+        MooncakeTransport(protocol="ib")
