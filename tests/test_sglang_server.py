@@ -95,23 +95,33 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 # Module scope: pytest then runs every test of one set before the next set's, so no set is started twice.
-@pytest.fixture(scope="module", params=[("kvferry", 1), ("kvferry", 16),
+@pytest.fixture(scope="module", params=[("kvferry", 1),
+                        # Page 16 is slow for make test's time (3 server processes, ~100 s with its tests): the
+                        # transfer-layer tests (test_sglang.py) run SGLang's own pools at pages of 16 and more,
+                        # and page 1 (SGLang's default, a page per token) is only here.
+                        pytest.param(("kvferry", 16), marks=pytest.mark.slow),
                         pytest.param(("nixl", 1), marks=pytest.mark.slow),
                         pytest.param(("nixl", 16), marks=pytest.mark.slow),
                         pytest.param(("kvferry-mooncake", 1), marks=pytest.mark.slow),
                         pytest.param(("kvferry-mooncake", 16), marks=pytest.mark.slow)],
                 ids=lambda p: f"{p[0]}-page{p[1]}")
 def pd(request: pytest.FixtureRequest, cluster: Cluster) -> ss.PD:
-    """A PD set; both page sizes of a backend (and the plain server) start at once. ``kvferry-mooncake``:
-    kvferry's backend on Mooncake's Transfer Engine (``KVFERRY_SGLANG_TRANSPORT=mooncake``)."""
+    """A PD set; the page sizes of a backend that this run selected (and the plain server) start at once.
+    ``kvferry-mooncake``: kvferry's backend on Mooncake's Transfer Engine (``KVFERRY_SGLANG_TRANSPORT=mooncake``)."""
     backend, page = request.param
     if backend.endswith("-mooncake"):
         from kvferry.transport import mooncake_available
 
         if not mooncake_available():
             pytest.skip("Mooncake's Transfer Engine cannot import (pip install 'kvferry[mooncake]', docs/mooncake.md)")
-    cluster.ensure([(backend, p) for p in PAGE_SIZES])
+    cluster.ensure([(backend, p) for p in PAGE_SIZES if (backend, p) in _selected_sets(request.session)])
     return cluster.sets[backend, page]
+
+
+def _selected_sets(session: pytest.Session) -> set[tuple[str, int]]:
+    """The PD sets (backend, page size) the selected tests use: only those start."""
+    return {item.callspec.params["pd"] for item in session.items
+            if hasattr(item, "callspec") and "pd" in item.callspec.params}
 
 
 @pytest.fixture

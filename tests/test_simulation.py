@@ -203,6 +203,49 @@ def test_a_partitioned_data_path_holds_transfers_until_the_heal_or_the_timeout(
     assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
 
 
+def test_a_data_path_cut_alone_holds_transfers_while_messages_flow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transport between a pair cut with its messages flowing (``Swarm.fabric_rate``): no message is held,
+    transfers are (some time out, the others land after the heal), some of them split (a prefix of their rows
+    crossed before the cut, landing then: writes and reads both), and no invariant breaks."""
+    split: list[tuple[str, int, int]] = []
+
+    def recorded(orig: Callable[[Transport, Pending], None]) -> Callable[[Transport, Pending], None]:
+        def split_recorded(self: Transport, pend: Pending) -> None:
+            before = sum(len(p[3].src_descs) for p in pend.parts)
+            orig(self, pend)
+            after = sum(len(p[3].src_descs) for p in pend.parts)
+            if after < before:
+                split.append((pend.kind, before - after, after))
+        return split_recorded
+
+    monkeypatch.setattr(Transport, "_split", recorded(Transport._split))
+    swarm = Swarm(fabric_rate=3.0, fabric_max=1.5, pull=0.5, slow_transfer=0.2, slow_max=1.0)
+    cfg = SimConfig(tp=(1, 1), requests=96)
+    results = [run_seed(seed, cfg, swarm=swarm) for seed in range(FRESH_FROM, FRESH_FROM + 3)]
+    assert all(r.ok for r in results), [(r.seed, r.violation) for r in results]
+    assert all(dict(r.faults).get("fabric_rate", 0) > 0 and "partition_rate" not in dict(r.faults) for r in results)
+    held, timed_out = sum(r.held for r in results), sum(r.timed_out for r in results)
+    assert timed_out > 0 and held > timed_out
+    assert sum(r.partial for r in results) == len(split) > 0
+    assert {kind for kind, _, _ in split} == {"write", "read"}
+    assert any(rest for _, _, rest in split) and any(not rest for _, _, rest in split)   # the rest waits, or none
+    assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
+
+
+def test_the_data_path_cut_alone_is_drawn_from_its_own_stream() -> None:
+    """``Swarm.with_fabric`` changes only its own fields, in about a quarter of the seeds."""
+    drawn = 0
+    for seed in range(800):
+        sim = Sim(seed)
+        base = Swarm.draw(sim.rng_fault).with_liveness(sim.rng_live).with_data_path(sim.rng_data)
+        swarm = base.with_fabric(sim.rng_fabric)
+        assert replace(swarm, fabric_rate=0.0, fabric_max=0.0) == base
+        if swarm.fabric_rate:
+            drawn += 1
+            assert 0.3 <= swarm.fabric_rate <= 1.5 and swarm.fabric_max in (0.3, 1.0, 2.0)
+    assert 150 < drawn < 250
+
+
 def test_faults_are_counted_by_kind_only_where_the_seed_drew_them() -> None:
     """``RunResult.faults``: each kind counted is one the seed's fault mix switched on (the kinds are the
     ``Swarm``'s fields), and over a few seeds every kind shows up; a run without faults counts none."""

@@ -85,6 +85,7 @@ FAULT_LABELS = {
     "crash_rate": "crashes", "transfer_fail": "transfers failed or refused", "slow_transfer": "transfers late",
     "prefill_abort": "prefill aborts", "decode_abort": "decode aborts", "cancel": "cancels",
     "retry": "retries under the same id", "starve_rate": "starvations",
+    "fabric_rate": "data paths cut alone (messages still flowing)",
 }
 
 
@@ -121,7 +122,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     requests = events = done = failed = disagree = 0
     sim_time = 0.0
     pairs: Counter[tuple[int, int]] = Counter()
-    split = held = timed_out = 0
+    split = held = timed_out = partial = 0
     faults: Counter[str] = Counter()
     for seed in seeds:
         result = run_seed(seed, cfg, mutate=args.mutate, trace=max(args.trace, 200), without=tuple(args.without))
@@ -131,7 +132,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         sim_time += result.sim_time
         pairs[result.tp] += 1
         split += result.split
-        held, timed_out = held + result.held, timed_out + result.timed_out
+        held, timed_out, partial = held + result.held, timed_out + result.timed_out, partial + result.partial
         faults.update(dict(result.faults))
         if not result.ok:
             failures += 1
@@ -155,5 +156,5 @@ def run_simulate(args: argparse.Namespace) -> int:
         print("faults injected: " + describe_faults(faults))
     if held:
         print(f"transfers held by a partitioned data path: {held}, {timed_out} of them timed out (the rest went on "
-              "after the heal)")
+              f"after the heal); in {partial} part had crossed before the path went")
     return 1 if failures else 0

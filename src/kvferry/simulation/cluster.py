@@ -106,7 +106,8 @@ class World:
         self.cfg = cfg
         drawn = Swarm.draw(self.sim.rng_fault, cfg.faults)   # always drawn: the fault stream stays the same
         if cfg.faults:
-            drawn = drawn.with_liveness(self.sim.rng_live).with_data_path(self.sim.rng_data)
+            drawn = drawn.with_liveness(self.sim.rng_live).with_data_path(self.sim.rng_data).with_fabric(
+                self.sim.rng_fabric)
         self.swarm = (swarm if swarm is not None else drawn).without(*without)
         self.options = replace(cfg.options, transport_liveness=self.swarm.zmtp)
         self.net = Net(self)
@@ -218,6 +219,12 @@ class World:
             if t >= self.cfg.fault_until:
                 break
             self.sim.at(t, self.starve_one)
+        t = 0.0
+        while s.fabric_rate > 0:   # its own stream too
+            t += self.sim.rng_fabric.expovariate(s.fabric_rate)
+            if t >= self.cfg.fault_until:
+                break
+            self.sim.at(t, self.fabric_cut)
 
     def partition(self) -> None:
         rng = self.sim.rng_fault
@@ -233,6 +240,16 @@ class World:
         self.sim.log("net", f"partition {d.name}|{p.name} until {heal:.4f}{' (the data path too)' if data else ''}")
         if self.swarm.zmtp:   # neither end's heartbeats get through: libzmq drops the connection
             self.sim.at(self.zmtp_deadline(), self.zmtp_partition, d, p)
+
+    def fabric_cut(self) -> None:
+        """The data path between a decode and a prefill goes for a while; their messages still flow."""
+        rng = self.sim.rng_fabric
+        d, p = rng.choice(self.decodes), rng.choice(self.prefills)
+        heal = self.sim.now + rng.uniform(0.05, self.swarm.fabric_max)
+        key = (d.name, p.name)
+        self.net.data_partitions[key] = max(self.net.data_partitions.get(key, 0.0), heal)
+        self.sim.faults["fabric_rate"] += 1
+        self.sim.log("net", f"data path {d.name}|{p.name} cut until {heal:.4f} (messages still flow)")
 
     def zmtp_deadline(self) -> float:
         """When libzmq drops a connection whose far end went quiet now: ``peer_timeout`` after the first

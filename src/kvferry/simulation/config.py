@@ -103,6 +103,12 @@ class Swarm:
     # or read due to land meanwhile waits for the heal, or fails after ``DATA_TIMEOUT`` of waiting (RC
     # retries exhausted: the queue pair errors, and nothing more of it lands).
     data_partition: float = 0.0
+    # The data path cut alone (``fabric_rate``, cuts a second across all decode-prefill pairs, each for up to
+    # ``fabric_max``): the transport between two nodes fails while their messages flow (RDMA over its own
+    # fabric, control over the host's network; or a NIC port down). Both sides stay alive to each other, so
+    # nothing but the transfers' own outcomes (late, or timed out) tells them; held transfers as above.
+    fabric_rate: float = 0.0
+    fabric_max: float = 0.0
 
     @classmethod
     def draw(cls, rng: random.Random, faults: bool = True) -> Swarm:
@@ -159,6 +165,12 @@ class Swarm:
             return self
         return replace(self, data_partition=share)
 
+    def with_fabric(self, rng: random.Random) -> Swarm:
+        """A quarter of the seeds with faults cut the data path alone now and then (``fabric_rate``). From a
+        stream of its own (``Sim.rng_fabric``), so that adding it moved no other draw."""
+        on, rate, longest = rng.random() < 0.25, rng.uniform(0.3, 1.5), rng.choice([0.3, 1.0, 2.0])
+        return replace(self, fabric_rate=rate, fabric_max=longest) if on else self
+
     def describe(self) -> str:
         return " ".join(f"{f.name}={getattr(self, f.name):.3g}" if isinstance(getattr(self, f.name), float)
                         else f"{f.name}={getattr(self, f.name)}" for f in fields(self)
@@ -181,7 +193,8 @@ PROFILES: dict[str, dict[str, float | str]] = {
 }
 
 FAULT_KINDS = ("spike", "cut_rate", "partition_rate", "stall_rate", "stall_post", "crash_rate", "transfer_fail",
-               "slow_transfer", "prefill_abort", "decode_abort", "cancel", "retry", "starve_rate", "data_partition")
+               "slow_transfer", "prefill_abort", "decode_abort", "cancel", "retry", "starve_rate", "data_partition",
+               "fabric_rate")
 
 # How long a transfer waits on a partitioned data path before it fails: the transport's own timeout (UCX's
 # RC retries; a few seconds by default, shorter here with the other timers: ``OPTIONS``).

@@ -42,6 +42,7 @@ class RunResult:
     held: int = 0                    # transfers held by a partitioned data path (``Swarm.data_partition``)
     timed_out: int = 0               # of those, failed after DATA_TIMEOUT rather than landing late
     faults: tuple[tuple[str, int], ...] = ()   # faults injected, by kind (``FAULT_KINDS``' names), in that order
+    partial: int = 0   # held transfers part of which crossed before the path went (``Transport._split``)
 
     def replay_command(self) -> str:
         """The command line that runs exactly this again."""
@@ -83,7 +84,8 @@ def run_seed(seed: int, config: SimConfig | None = None, swarm: Swarm | None = N
                      world.sim.events, world.sim.now, time.process_time() - start, world.swarm, cfg,
                      format_trace(world.sim, trace) if violation is not None else (), tuple(without), mutate,
                      world.tp, world.split, world.transport.held, world.transport.timed_out,
-                     tuple((kind, world.sim.faults[kind]) for kind in FAULT_KINDS if world.sim.faults[kind]))
+                     tuple((kind, world.sim.faults[kind]) for kind in FAULT_KINDS if world.sim.faults[kind]),
+                     world.transport.partial)
 
 
 @contextmanager

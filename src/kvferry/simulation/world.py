@@ -70,6 +70,7 @@ class Sim:
         self.rng_lat = random.Random(seed * 4 + 3)
         self.rng_live = random.Random(seed * 4 + 4 + (1 << 40))   # liveness mode, starvation, ZMTP timing
         self.rng_data = random.Random(seed * 4 + 5 + (1 << 41))   # which partitions hold the data path too
+        self.rng_fabric = random.Random(seed * 4 + 6 + (1 << 42))  # the data path cut alone; split transfers
         self.trace: deque[tuple[float, str, str]] = deque(maxlen=TRACE_LEN)
         self.events = 0
         # Faults injected, by kind (``config.FAULT_KINDS``' names): counted as they happen, no draw of their own
@@ -268,13 +269,14 @@ class Pending:
     """A write or read in flight: who posted it, to or from whom, and its parts (one per chunk carried:
     the decode-side tag of its (request, generation), its plan, and the prefill record or decode entry)."""
 
-    __slots__ = ("dropped", "held_since", "kind", "notif", "parts", "peer_agent", "poster", "ticket")
+    __slots__ = ("dropped", "held_since", "kind", "notif", "parts", "peer_agent", "poster", "tainted", "ticket")
 
     def __init__(self, ticket: int, kind: str, poster: Any, peer_agent: str, parts: list[Any], notif: bytes) -> None:
         self.ticket, self.kind, self.poster, self.peer_agent = ticket, kind, poster, peer_agent
         self.parts, self.notif = parts, notif
         self.dropped = False
         self.held_since: float | None = None   # when it first found its data path partitioned
+        self.tainted: list[Any] = []   # a read's parts that crossed before its path went, from released pages
 
 
 class Transport:
@@ -284,6 +286,7 @@ class Transport:
         self.pending: dict[int, Pending] = {}
         self.next_ticket = 1
         self.held = self.timed_out = 0   # transfers held by a partitioned data path; of those, timed out
+        self.partial = 0                 # held transfers part of which crossed before the path went
 
     def latency(self) -> float:
         swarm = self.world.swarm
@@ -339,12 +342,44 @@ class Transport:
             pend.held_since = now
             self.held += 1
             self.sim.log(pend.poster.name, f"{pend.kind} {pend.ticket} held: data path partitioned until {heal:.4f}")
+            self._split(pend)
         give_up = pend.held_since + DATA_TIMEOUT
         if heal <= give_up:
             self.sim.at(heal, self._land, pend)   # a later partition of the same pair holds it again then
         else:
             self.sim.at(give_up, self._time_out, pend)
         return True
+
+    def _split(self, pend: Pending) -> None:
+        """A transfer is posted as one and moves row by row: in one held transfer in two, a prefix of its rows
+        (perhaps all: then only its completion waits) crossed before the path went and lands now; the rest
+        waits with it, to land after the heal or never. Drawn from ``Sim.rng_fabric``: no other draw moves."""
+        rng = self.sim.rng_fabric
+        rows = [len(part[3].src_descs) for part in pend.parts]
+        cut = rng.randrange(1, sum(rows) + 1) if rows and rng.random() < 0.5 else 0
+        if not cut:
+            return
+        peer = self.world.agents.get(pend.peer_agent)
+        if peer is None or peer.crashed or peer.agent != pend.peer_agent or pend.poster.crashed:
+            return   # an end is gone: nothing crosses (its landing says so)
+        src, dst = (pend.poster, peer) if pend.kind == "write" else (peer, pend.poster)
+        head, tail = [], []
+        for part, n in zip(pend.parts, rows):
+            if cut >= n:
+                head.append(part)
+            elif cut > 0:
+                head.append(_rows(part, 0, cut))
+                tail.append(_rows(part, cut, n))
+            else:
+                tail.append(part)
+            cut -= min(cut, n)
+        self.partial += 1
+        self.sim.log(pend.poster.name, f"{pend.kind} {pend.ticket}: {sum(rows) - sum(len(p[3].src_descs) for p in tail)}"
+                     f" of {sum(rows)} rows crossed before the data path went")
+        for part in head:
+            if not self.world.apply(part, src=src, dst=dst, kind=pend.kind) and pend.kind == "read":
+                pend.tainted.append(part)
+        pend.parts = tail
 
     def _time_out(self, pend: Pending) -> None:
         self.pending.pop(pend.ticket, None)
@@ -390,7 +425,7 @@ class Transport:
         reader: DecodeNode = pend.poster
         source: PrefillNode | None = world.agents.get(pend.peer_agent)
         error = None
-        tainted: list[Any] = []
+        tainted: list[Any] = pend.tainted
         if reader.crashed:
             return
         if source is None or source.crashed or source.agent != pend.peer_agent:
@@ -416,6 +451,19 @@ class Transport:
                 else:
                     pend.dropped = True
                     self.pending.pop(pend.ticket, None)
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """Some rows of a plan: what ``World.apply`` reads of one (a transfer split across a partition)."""
+
+    src_descs: np.ndarray
+    dst_descs: np.ndarray
+
+
+def _rows(part: tuple[int, str, int, Any], lo: int, hi: int) -> tuple[int, str, int, Rows]:
+    tag, rid, gen, plan = part
+    return tag, rid, gen, Rows(plan.src_descs[lo:hi], plan.dst_descs[lo:hi])
 
 
 def copy_rows(src: list[int], nbytes: list[int], dst: list[int]) -> None:
