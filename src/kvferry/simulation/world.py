@@ -374,8 +374,9 @@ class Transport:
                 tail.append(part)
             cut -= min(cut, n)
         self.partial += 1
-        self.sim.log(pend.poster.name, f"{pend.kind} {pend.ticket}: {sum(rows) - sum(len(p[3].src_descs) for p in tail)}"
-                     f" of {sum(rows)} rows crossed before the data path went")
+        crossed = sum(rows) - sum(len(p[3].src_descs) for p in tail)
+        self.sim.log(pend.poster.name, f"{pend.kind} {pend.ticket}: {crossed} of {sum(rows)} rows crossed before "
+                     "the data path went")
         for part in head:
             if not self.world.apply(part, src=src, dst=dst, kind=pend.kind) and pend.kind == "read":
                 pend.tainted.append(part)
