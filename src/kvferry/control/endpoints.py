@@ -312,9 +312,10 @@ class EndpointBase:
             timeout_ms = 0 if busy else pacer.idle_timeout_ms()
         events = dict(self._sockets.poller.poll(timeout_ms))
         with self._lock:
-            # Frames read in this iteration are stamped with the time the poll returned, and peers are
-            # checked before any is read: frames that queued up while this process stalled must not make
-            # a peer that has declared us dead look alive.
+            # Frames read in this iteration are stamped with the time the poll returned (or, after a long
+            # action mid-drain, when it ended: _restamp), and peers are checked before any is read: frames
+            # that queued up while this process stalled must not make a peer that has declared us dead
+            # look alive.
             self._recv_time = time.monotonic()
             core.check_silence(self._recv_time)
             actions.run()
@@ -370,6 +371,22 @@ class EndpointBase:
                 self.core.num_bad_messages += 1
                 log.debug("%s: dropped a message: %s", self._role, exc)
             self._actions.run()   # what the frame decided, even if a later message of it was bad
+            self._restamp()
+
+    def _restamp(self) -> None:
+        """Mid-drain, after carrying out what a frame decided: when that took long (a transfer posted with
+        the lock let go, or this process stopped inside it), what is still to be read may have arrived
+        meanwhile, and stamped with the poll's time it would date from before the stall. A Hello read then
+        opened a session that looked silent for the whole stall, which prefill ended at the next dropped
+        connection (seen on Mooncake: decode's reconnect, ended right after it settled decode's quarantine).
+        So, as after a poll (``_step``): our own silence is judged first, then what follows is stamped from
+        now. Within a heartbeat interval the poll's stamp stands: the peers' clocks are that coarse anyway,
+        and the check is not paid per frame."""
+        now = time.monotonic()
+        if now - self._recv_time > self.options.heartbeat_interval:
+            self._recv_time = now
+            self.core.check_silence(now)
+            self._actions.run()
 
     # -- shell hooks (progress thread, under the lock) -------------------------------------------------
     def _apply(self, effect: Effect) -> None:

@@ -37,7 +37,10 @@ How the contract maps onto the engine (``mooncake.engine.TransferEngine``, 0.3.1
   worker waits the engine's own bound on a batch (``MC_TRANSFER_TIMEOUT``, 5 s here) before the handle
   fails; for a peer that is gone (its engine refuses connections) it fails at once. Without this, a
   request whose handle failed could still have bytes landing in pages the control plane had settled
-  (seen: rows of a failed write arriving after the test had refilled decode's memory).
+  (seen: rows of a failed write arriving after the test had refilled decode's memory). The batches queued
+  behind it for a peer found gone fail at once too, never posted, while its engine still refuses
+  connections: the engine would spend up to a second retrying the dead peer on each, one after another,
+  while the writer waits for them all.
 * **Errors** are translated in one place, ``_translate``: an engine return code (``error.h``) or a failed
   batch becomes ``TransportError``, or ``PeerLost`` when the peer's engine no longer accepts connections.
 
@@ -238,6 +241,9 @@ class _Peer:
     session: str          # its engine's "host:rpc_port"
     push: Any             # zmq PUSH socket to its notification socket
     worker: concurrent.futures.ThreadPoolExecutor   # one thread: this peer's batches, in turn
+    # Set (by the worker, the only one to read it) once a batch failed and the peer's engine refused
+    # connections: later batches are posted only once it accepts them again (``_run_batches``).
+    gone: bool = False
 
 
 class MooncakeTransport(Transport):
@@ -370,8 +376,7 @@ class MooncakeTransport(Transport):
               read: bool) -> MooncakeHandle:
         # Python lists copied now: the reused row buffer is free again on return.
         local_addrs, remote_addrs, lengths = local[:, 0].tolist(), remote[:, 0].tolist(), local[:, 1].tolist()
-        work = state.worker.submit(_run_batches, self._engine, state.session, read, local_addrs, remote_addrs,
-                                   lengths)
+        work = state.worker.submit(_run_batches, self._engine, state, read, local_addrs, remote_addrs, lengths)
         with self._lock:
             self._pending.add(work)
         work.add_done_callback(self._forget)
@@ -481,12 +486,22 @@ class MooncakeTransport(Transport):
                 f"peers={sorted(self._peers)}, closed={self._closed})")
 
 
-def _run_batches(engine: Any, session: str, read: bool, local: list[int], remote: list[int],
+def _run_batches(engine: Any, peer: _Peer, read: bool, local: list[int], remote: list[int],
                  lengths: list[int]) -> tuple[int, str]:
     """On the peer's worker thread: submit the rows in batches of ``MAX_BATCH_ROWS``, each after the last
     completed. (0, "") when every byte landed; else the engine's result and which batch failed."""
-    post = engine.batch_transfer_async_read if read else engine.batch_transfer_async_write
+    session = peer.session
     n = len(lengths)
+    if peer.gone:
+        # An earlier batch found the peer's engine refusing connections. Posted, this one would only have
+        # the engine retry the dead peer (up to about a second per batch over TCP, 0.3.13) while the writer
+        # waits for each in turn: a decode killed with a few writes queued kept prefill busy for seconds.
+        # Asked again (a refused connect answers at once), so that a peer back from a passing outage is
+        # written to again rather than failed for good. Nothing of it was posted: nothing of it can land.
+        if not _reachable(session):
+            return -1, f"rows 0..{n - 1} of {n} not posted: the peer's engine refuses connections"
+        peer.gone = False
+    post = engine.batch_transfer_async_read if read else engine.batch_transfer_async_write
     for start in range(0, n, MAX_BATCH_ROWS):
         end = min(n, start + MAX_BATCH_ROWS)
         batch = post(session, local[start:end], remote[start:end], lengths[start:end])
@@ -497,7 +512,8 @@ def _run_batches(engine: Any, session: str, read: bool, local: list[int], remote
             # The wait returns at the first failed row; the batch's other rows may still be landing. Report
             # the failure only once they cannot: a live peer gets the engine's own bound on a batch (a dead
             # one's memory is gone with it), so no byte of this request lands after its handle failed.
-            drain = _drain_seconds() if _reachable(session) else 0.0
+            peer.gone = not _reachable(session)
+            drain = 0.0 if peer.gone else _drain_seconds()
             time.sleep(drain)
             return code, f"rows {start}..{end - 1} of {n} failed; reported after {drain:g} s for the rest to settle"
     return 0, ""
