@@ -23,7 +23,8 @@ workload from the seed, schedules the faults, runs the event loop, and checks af
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import random
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -207,34 +208,36 @@ class World:
         s, rng = self.swarm, self.sim.rng_fault
         for rate, fn in ((s.cut_rate, self.net.cut_random), (s.partition_rate, self.partition),
                          (s.stall_rate, self.stall_one), (s.crash_rate, self.crash_one)):
-            t = 0.0
-            while rate > 0:
-                t += rng.expovariate(rate)
-                if t >= self.cfg.fault_until:
-                    break
-                self.sim.at(t, fn)
+            self._every(rate, rng, fn)
+        # Each from its own stream: switching one off (shrinking) moves no other fault.
+        self._every(s.starve_rate, self.sim.rng_live, self.starve_one)
+        self._every(s.fabric_rate, self.sim.rng_fabric, self.fabric_cut)
+
+    def _every(self, rate: float, rng: random.Random, fn: Callable[[], None]) -> None:
+        """``fn`` at the times of a Poisson process of ``rate`` a second, until faults stop."""
         t = 0.0
-        while s.starve_rate > 0:   # its own stream: switching it off (shrinking) moves no other fault
-            t += self.sim.rng_live.expovariate(s.starve_rate)
+        while rate > 0:
+            t += rng.expovariate(rate)
             if t >= self.cfg.fault_until:
                 break
-            self.sim.at(t, self.starve_one)
-        t = 0.0
-        while s.fabric_rate > 0:   # its own stream too
-            t += self.sim.rng_fabric.expovariate(s.fabric_rate)
-            if t >= self.cfg.fault_until:
-                break
-            self.sim.at(t, self.fabric_cut)
+            self.sim.at(t, fn)
+
+    def _cut_pair(self, rng: random.Random, longest: float, table: dict[tuple[str, str], float]
+                  ) -> tuple[DecodeNode, PrefillNode, float]:
+        """A decode-prefill pair drawn and cut in ``table`` (``Net``'s partitions, or its data path's) until
+        a heal drawn up to ``longest`` seconds from now (an earlier cut of the pair may last longer)."""
+        d, p = rng.choice(self.decodes), rng.choice(self.prefills)
+        heal = self.sim.now + rng.uniform(0.05, longest)
+        key = (d.name, p.name)
+        table[key] = max(table.get(key, 0.0), heal)
+        return d, p, heal
 
     def partition(self) -> None:
-        rng = self.sim.rng_fault
-        d, p = rng.choice(self.decodes), rng.choice(self.prefills)
-        heal = self.sim.now + rng.uniform(0.05, self.swarm.partition_max)
-        key = (d.name, p.name)
-        self.net.partitions[key] = max(self.net.partitions.get(key, 0.0), heal)
+        d, p, heal = self._cut_pair(self.sim.rng_fault, self.swarm.partition_max, self.net.partitions)
         data = bool(self.swarm.data_partition) and self.sim.rng_data.random() < self.swarm.data_partition
         self.sim.faults["partition_rate"] += 1
         if data:
+            key = (d.name, p.name)
             self.net.data_partitions[key] = max(self.net.data_partitions.get(key, 0.0), heal)
             self.sim.faults["data_partition"] += 1
         self.sim.log("net", f"partition {d.name}|{p.name} until {heal:.4f}{' (the data path too)' if data else ''}")
@@ -243,11 +246,7 @@ class World:
 
     def fabric_cut(self) -> None:
         """The data path between a decode and a prefill goes for a while; their messages still flow."""
-        rng = self.sim.rng_fabric
-        d, p = rng.choice(self.decodes), rng.choice(self.prefills)
-        heal = self.sim.now + rng.uniform(0.05, self.swarm.fabric_max)
-        key = (d.name, p.name)
-        self.net.data_partitions[key] = max(self.net.data_partitions.get(key, 0.0), heal)
+        d, p, heal = self._cut_pair(self.sim.rng_fabric, self.swarm.fabric_max, self.net.data_partitions)
         self.sim.faults["fabric_rate"] += 1
         self.sim.log("net", f"data path {d.name}|{p.name} cut until {heal:.4f} (messages still flow)")
 
