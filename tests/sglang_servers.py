@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import requests
+
+from .ports import server_port
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -40,9 +41,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    """A port for a server (``tests/ports.py``: outside the ephemeral range, where the ~40 s before a server
+    binds it could see it given to someone's outgoing connection)."""
+    return server_port(HOST)
 
 
 def write_tokenizer(path: Path) -> int:

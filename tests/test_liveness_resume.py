@@ -18,7 +18,10 @@ import numpy as np
 import pytest
 
 from kvferry import KVMemory
-from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint
+from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, wire
+from kvferry.control.core.prefill_liveness import Liveness
+from kvferry.control.core.states import SessionState
+from kvferry.control.core.timers import PeerClock
 from kvferry.errors import KVFerryError, RequestFailed
 from kvferry.plan import TransferPlan
 from kvferry.transport import LocalTransport
@@ -102,3 +105,44 @@ def test_a_hello_read_after_a_stall_inside_the_drain_opens_a_live_session(monkey
         assert not silent, silent
     stalling.close()
     plain.close()
+
+
+class _Core:
+    """What ``prefill_liveness.Liveness`` reads of its core: options, messages out, effects, the probe count."""
+
+    def __init__(self, options: EndpointOptions) -> None:
+        self.options = options
+        self.sent: list[Any] = []
+        self.effects: list[Any] = []
+        self.num_probes = 0
+
+    def send_msg(self, session: Any, msg: Any) -> None:
+        self.sent.append(msg)
+
+
+def _session(now: float, opts: EndpointOptions) -> Any:
+    return type("S", (), {"state": SessionState.ESTABLISHED, "clock": PeerClock(now, opts.heartbeat_interval,
+                                                                                  opts.peer_timeout),
+                          "probe": 0, "probe_deadline": 0.0, "identity": b"d", "label": "decode d"})()
+
+
+def test_a_stall_after_the_silence_check_is_probed_at_the_tick_not_hidden_by_a_heartbeat() -> None:
+    """The loop judged our silence at its start; a stall later in the same iteration (in a post, or the
+    transport's progress call) is still seen at its tick: a probe goes out, not a plain heartbeat that
+    would make the next check miss the stall while writes went on for a session decode may have dropped."""
+    opts = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.5, transport_liveness=False)
+    core = _Core(opts)
+    session = _session(0.0, opts)
+    session.clock.heard(0.9)                      # decode's heartbeats were read: decode is not silent
+    Liveness(core).tick_session(session, 0.9)     # ... but we sent nothing for 0.9 s > peer_timeout
+    assert session.probe == 1 and [type(m) for m in core.sent] == [wire.Heartbeat] and core.sent[0].probe == 1
+    assert session.probe_deadline == 0.9 + opts.peer_timeout
+
+
+def test_a_tick_within_our_own_heartbeats_sends_a_plain_heartbeat() -> None:
+    opts = EndpointOptions(heartbeat_interval=0.1, peer_timeout=0.5, transport_liveness=False)
+    core = _Core(opts)
+    session = _session(0.0, opts)
+    session.clock.heard(0.2)
+    Liveness(core).tick_session(session, 0.2)
+    assert session.probe == 0 and len(core.sent) == 1 and core.sent[0].probe == 0

