@@ -241,7 +241,11 @@ def _offer_together(prefill: PrefillEndpoint, decode: DecodeEndpoint, reqs: list
         decode.core.batches.batching = True
         run_prefill(prefill, reqs)
         _until(lambda: all(prefill.poll(r.rid) is RequestState.TRANSFERRING for r in reqs))
-        time.sleep(0.05)   # the last Readys reach decode's socket
+        # The last Readys reach decode's socket: handed to ZMQ (prefill's outbox empty), then its I/O thread
+        # delivers them. Once, a loaded CI host took longer than the 50 ms alone this had: decode read two
+        # Readys in one iteration and the rest in the next, and the test's "queued" read was never queued.
+        _until(lambda: not prefill.core.outbox)
+        time.sleep(0.1)
 
 
 def _pulling(decode_transport: LocalTransport, **opts: Any) -> tuple[PrefillEndpoint, DecodeEndpoint, Any]:
