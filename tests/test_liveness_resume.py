@@ -28,6 +28,7 @@ from kvferry.transport import LocalTransport
 from kvferry.transport.local import LocalHandle
 
 from .control_peer import fill, make_layout
+from .test_control_local import _until
 
 PAGES = {"main": np.array([10, 11, 12, 13]), "c4": np.array([5])}
 SRC = {"main": np.array([0, 1, 2, 3]), "c4": np.array([0])}
@@ -62,13 +63,6 @@ def _memory(side: str, seed: int) -> KVMemory:
     mem = KVMemory.allocate(make_layout(side))
     fill(mem, seed)
     return mem
-
-
-def _until(pred: Any, timeout: float) -> None:
-    t0 = time.monotonic()
-    while not pred():
-        assert time.monotonic() - t0 < timeout, "condition not reached in time"
-        time.sleep(0.005)
 
 
 def test_a_hello_read_after_a_stall_inside_the_drain_opens_a_live_session(monkeypatch: pytest.MonkeyPatch) -> None:
