@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 import tempfile
 import time
 from collections import Counter
@@ -21,6 +20,9 @@ import pytest
 
 pytest.importorskip("sglang.srt.disaggregation.common.conn")
 pytest.importorskip("nixl")
+
+from .ports import server_port
+
 pytestmark = [pytest.mark.sglang, pytest.mark.nixl]
 
 POOLS = ["mla", "dsa_fp8", "dsa_bf16", "v4"]
@@ -43,12 +45,6 @@ def _slow_but(cases: list[Any], kept: list[Any]) -> list[Any]:
     return [c if c in kept else slow(c) for c in cases]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # The peers fork from a server that imported torch, SGLang and NIXL once (sglang_peer.preload): each rank
 # process then starts in milliseconds instead of seconds of imports, which on 2 cores is most of a case.
 os.environ["KVFERRY_SGLANG_PRELOAD"] = "1"
@@ -60,7 +56,7 @@ def run_ranks(backend: str, pool: str, *, prefill_tp: int = 1, decode_tp: int = 
               env: dict[str, str] | None = None, **cfg: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One process per prefill and per decode attention-TP rank for one case; their JSON reports, in rank
     order (prefill's, decode's)."""
-    config = json.dumps({"backend": backend, "pool": pool, "n": n, "port": _free_port(), "seed": 11,
+    config = json.dumps({"backend": backend, "pool": pool, "n": n, "port": server_port(), "seed": 11,
                          "prefill_tp": prefill_tp, "decode_tp": decode_tp, **cfg})
     ranks = [("prefill", r) for r in range(prefill_tp)] + [("decode", r) for r in range(decode_tp)]
     reports = run_peers([[role, config, str(rank)] for role, rank in ranks], env)

@@ -19,15 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from .ports import server_port
 from .test_commands import ROOT, explain, kvferry
 
 pytestmark = pytest.mark.vllm
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_vllm_proxy_answers_502_without_servers_and_exits_0_on_sigterm() -> None:
@@ -35,7 +30,7 @@ def test_vllm_proxy_answers_502_without_servers_and_exits_0_on_sigterm() -> None
     import os
     import sys
 
-    port, dead = _free_port(), _free_port()
+    port, dead = server_port(), server_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH"))
                                                        if p)}
     proc = subprocess.Popen([sys.executable, "-m", "kvferry", "vllm-proxy", "--port", str(port), "--prefill",

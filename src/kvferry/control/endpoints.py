@@ -316,9 +316,7 @@ class EndpointBase:
             # action mid-drain, when it ended: _restamp), and peers are checked before any is read: frames
             # that queued up while this process stalled must not make a peer that has declared us dead
             # look alive.
-            self._recv_time = time.monotonic()
-            core.check_silence(self._recv_time)
-            actions.run()
+            self._stamp(time.monotonic())
             if events.pop(pacer.wake_r, None):
                 pacer.drain()   # under the lock: a later wake writes again
             calls = core.run_calls(self._recv_time)
@@ -384,9 +382,13 @@ class EndpointBase:
         and the check is not paid per frame."""
         now = time.monotonic()
         if now - self._recv_time > self.options.heartbeat_interval:
-            self._recv_time = now
-            self.core.check_silence(now)
-            self._actions.run()
+            self._stamp(now)
+
+    def _stamp(self, now: float) -> None:
+        """Frames read from here on are stamped ``now``; our own silence up to ``now`` is judged first."""
+        self._recv_time = now
+        self.core.check_silence(now)
+        self._actions.run()
 
     # -- shell hooks (progress thread, under the lock) -------------------------------------------------
     def _apply(self, effect: Effect) -> None:

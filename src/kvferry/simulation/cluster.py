@@ -101,6 +101,11 @@ def _abort_after(rng: Any) -> float:
     return rng.uniform(0.0, 0.03) if rng.random() < 0.5 else rng.uniform(0.0, 0.5)
 
 
+def _cut_until(table: dict[tuple[str, str], float], key: tuple[str, str], heal: float) -> None:
+    """``key``'s pair cut in ``table`` until ``heal`` at least (an earlier cut may last longer)."""
+    table[key] = max(table.get(key, 0.0), heal)
+
+
 class World:
     def __init__(self, seed: int, cfg: SimConfig, swarm: Swarm | None = None, without: tuple[str, ...] = ()) -> None:
         self.sim = Sim(seed)
@@ -225,11 +230,10 @@ class World:
     def _cut_pair(self, rng: random.Random, longest: float, table: dict[tuple[str, str], float]
                   ) -> tuple[DecodeNode, PrefillNode, float]:
         """A decode-prefill pair drawn and cut in ``table`` (``Net``'s partitions, or its data path's) until
-        a heal drawn up to ``longest`` seconds from now (an earlier cut of the pair may last longer)."""
+        a heal drawn up to ``longest`` seconds from now."""
         d, p = rng.choice(self.decodes), rng.choice(self.prefills)
         heal = self.sim.now + rng.uniform(0.05, longest)
-        key = (d.name, p.name)
-        table[key] = max(table.get(key, 0.0), heal)
+        _cut_until(table, (d.name, p.name), heal)
         return d, p, heal
 
     def partition(self) -> None:
@@ -237,8 +241,7 @@ class World:
         data = bool(self.swarm.data_partition) and self.sim.rng_data.random() < self.swarm.data_partition
         self.sim.faults["partition_rate"] += 1
         if data:
-            key = (d.name, p.name)
-            self.net.data_partitions[key] = max(self.net.data_partitions.get(key, 0.0), heal)
+            _cut_until(self.net.data_partitions, (d.name, p.name), heal)
             self.sim.faults["data_partition"] += 1
         self.sim.log("net", f"partition {d.name}|{p.name} until {heal:.4f}{' (the data path too)' if data else ''}")
         if self.swarm.zmtp:   # neither end's heartbeats get through: libzmq drops the connection

@@ -359,10 +359,11 @@ class Transport:
         cut = rng.randrange(1, sum(rows) + 1) if rows and rng.random() < 0.5 else 0
         if not cut:
             return
-        peer = self.world.agents.get(pend.peer_agent)
-        if peer is None or peer.crashed or peer.agent != pend.peer_agent or pend.poster.crashed:
+        peer = self._live_peer(pend)
+        if peer is None or pend.poster.crashed:
             return   # an end is gone: nothing crosses (its landing says so)
         src, dst = (pend.poster, peer) if pend.kind == "write" else (peer, pend.poster)
+        crossed = cut
         head, tail = [], []
         for part, n in zip(pend.parts, rows):
             if cut >= n:
@@ -374,13 +375,17 @@ class Transport:
                 tail.append(part)
             cut -= min(cut, n)
         self.partial += 1
-        crossed = sum(rows) - sum(len(p[3].src_descs) for p in tail)
         self.sim.log(pend.poster.name, f"{pend.kind} {pend.ticket}: {crossed} of {sum(rows)} rows crossed before "
                      "the data path went")
         for part in head:
             if not self.world.apply(part, src=src, dst=dst, kind=pend.kind) and pend.kind == "read":
                 pend.tainted.append(part)
         pend.parts = tail
+
+    def _live_peer(self, pend: Pending) -> Any:
+        """The far end of ``pend`` when it is the process it was posted to and up; else None."""
+        peer = self.world.agents.get(pend.peer_agent)
+        return None if peer is None or peer.crashed or peer.agent != pend.peer_agent else peer
 
     def _time_out(self, pend: Pending) -> None:
         self.pending.pop(pend.ticket, None)
@@ -404,10 +409,10 @@ class Transport:
 
     def _land_write(self, pend: Pending, world: Any) -> None:
         writer: PrefillNode = pend.poster
-        target: DecodeNode | None = world.agents.get(pend.peer_agent)
+        target: DecodeNode | None = self._live_peer(pend)
         error = None
         parts = pend.parts
-        if target is None or target.crashed or target.agent != pend.peer_agent:
+        if target is None:
             error = "peer gone"
             parts = []
         elif self._fails():
@@ -424,12 +429,12 @@ class Transport:
 
     def _land_read(self, pend: Pending, world: Any) -> None:
         reader: DecodeNode = pend.poster
-        source: PrefillNode | None = world.agents.get(pend.peer_agent)
+        source: PrefillNode | None = self._live_peer(pend)
         error = None
         tainted: list[Any] = pend.tainted
         if reader.crashed:
             return
-        if source is None or source.crashed or source.agent != pend.peer_agent:
+        if source is None:
             error = "peer gone"
         elif self._fails():
             error = "read failed"
