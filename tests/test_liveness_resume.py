@@ -90,7 +90,11 @@ def test_a_hello_read_after_a_stall_inside_the_drain_opens_a_live_session(monkey
         assert stalling.resumed.wait(5)
         # Decode reconnected during the stall; prefill settles the quarantine over that session.
         _until(lambda: decode.num_quarantined_pages == 0, 5)
-        time.sleep(3 * opts.peer_timeout)
+        # Not a fixed wait: until prefill has read decode's heartbeats on the re-made session for a whole
+        # peer_timeout past the settle (its ticks ran meanwhile: a stale stamp would have ended it by then).
+        settled = time.monotonic()
+        _until(lambda: any(s.hello.session != first and s.clock.last_seen > settled + opts.peer_timeout
+                           for s in list(prefill.core.sessions.values())), 5)
         assert prefill.address in decode.peers
         assert len(prefill.peers) == 1
         # Only the session decode itself gave up on may end for silence; the one it re-made during the
