@@ -29,7 +29,7 @@ from kvferry.simulation import MUTATIONS, SimConfig, run_many, run_seed, shrink
 from kvferry.simulation.config import DATA_STORM, FAULT_KINDS, Swarm
 from kvferry.simulation.mutations import EXPECTED
 from kvferry.simulation.tp import TP_PAIRS, WIDE_PAIRS, draw_tp, fill_content, page_content, rank_layout
-from kvferry.simulation.world import Pending, Sim, Transport
+from kvferry.simulation.world import Net, Pending, Sim, Transport
 
 REGRESSIONS = Path(__file__).with_name("simulation_regressions.txt")
 SEEDS_BUDGET_S = 20.0       # CPU seconds of fresh seeds with faults per test run
@@ -244,6 +244,75 @@ def test_the_data_path_cut_alone_is_drawn_from_its_own_stream() -> None:
             drawn += 1
             assert 0.3 <= swarm.fabric_rate <= 1.5 and swarm.fabric_max in (0.3, 1.0, 2.0)
     assert 150 < drawn < 250
+
+
+def test_a_one_way_partition_holds_what_one_side_sends_while_the_other_is_heard(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Partitions one way only (``Swarm.oneway``): what is sent the cut way arrives after the heal, never
+    before; what is sent the other way meanwhile goes on arriving; both directions get cut; a link decode
+    closes meanwhile reaches prefill late; with ZMTP heartbeats or without, pushing and pulling, no invariant
+    breaks."""
+    early: list[tuple[str, float, float]] = []
+    flowing = {"to_p": 0, "to_d": 0}
+
+    def recorded(direction: str) -> Callable[..., None]:
+        orig = getattr(Net, direction)
+        held, other = ("held_to_p", "held_to_d") if direction == "to_prefill" else ("held_to_d", "held_to_p")
+        last = "last_to_p" if direction == "to_prefill" else "last_to_d"
+
+        def send(self: Net, key: Any, frame: bytes) -> None:
+            conn = self.by_link.get(key) if direction == "to_prefill" else self.by_identity.get(key)
+            pair = None if conn is None or conn.prefill is None else (conn.decode.name, conn.prefill.name)
+            before = None if conn is None else getattr(conn, last)
+            orig(self, key, frame)
+            if pair is None or conn is None or getattr(conn, last) == before:
+                return   # not sent (the connection is gone)
+            now, at = self.sim.now, getattr(conn, last)
+            heal = getattr(self, held).get(pair, 0.0)
+            if heal > now and at < heal:
+                early.append((direction, now, at))
+            if getattr(self, other).get(pair, 0.0) > now and heal <= now:
+                flowing["to_p" if direction == "to_prefill" else "to_d"] += at < getattr(self, other)[pair]
+        return send
+
+    fins_held: list[str] = []
+    log = Sim.log
+
+    def logged(self: Sim, who: str, what: str) -> None:
+        if what.endswith("(its FIN held)"):
+            fins_held.append(what)
+        log(self, who, what)
+
+    monkeypatch.setattr(Net, "to_prefill", recorded("to_prefill"))
+    monkeypatch.setattr(Net, "to_decode", recorded("to_decode"))
+    monkeypatch.setattr(Sim, "log", logged)
+    results = [run_seed(seed, SimConfig(tp=(1, 1), requests=96),
+                        swarm=Swarm(partition_rate=3.0, partition_max=1.5, oneway=1.0, pull=pull, zmtp=zmtp,
+                                    decode_abort=0.2, prefill_abort=0.2, retry=0.5))
+               for seed, (pull, zmtp) in enumerate([(0.0, False), (1.0, False), (0.0, True), (1.0, True)],
+                                                   FRESH_FROM)]
+    assert all(r.ok for r in results), [(r.seed, r.violation) for r in results]
+    assert all(dict(r.faults)["oneway"] == dict(r.faults)["partition_rate"] > 0 for r in results)
+    assert not early, f"arrived the cut way before the heal: {early[:5]}"
+    assert flowing["to_p"] > 0 and flowing["to_d"] > 0, flowing
+    assert fins_held   # decode closed a link while what it sends was held: prefill heard of it late
+    assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
+
+
+def test_the_one_way_draw_moves_no_other_draw() -> None:
+    """``Swarm.with_oneway`` changes only its own field, in about half the seeds with partitions, none other."""
+    drawn, partitioned = 0, 0
+    for seed in range(800):
+        sim = Sim(seed)
+        base = Swarm.draw(sim.rng_fault).with_liveness(sim.rng_live).with_data_path(sim.rng_data).with_fabric(
+            sim.rng_fabric)
+        swarm = base.with_oneway(sim.rng_oneway)
+        assert replace(swarm, oneway=0.0) == base
+        partitioned += bool(base.partition_rate)
+        if swarm.oneway:
+            drawn += 1
+            assert base.partition_rate and swarm.oneway in (0.5, 1.0)
+    assert 0.35 * partitioned < drawn < 0.65 * partitioned
 
 
 def test_faults_are_counted_by_kind_only_where_the_seed_drew_them() -> None:

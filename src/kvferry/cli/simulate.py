@@ -86,19 +86,26 @@ FAULT_LABELS = {
     "prefill_abort": "prefill aborts", "decode_abort": "decode aborts", "cancel": "cancels",
     "retry": "retries under the same id", "starve_rate": "starvations",
     "fabric_rate": "data paths cut alone (messages still flowing)",
+    "oneway": "one way only",
 }
 
 
+# Counted among the partitions, in brackets after them.
+_OF_PARTITIONS = ("data_partition", "oneway")
+
+
 def describe_faults(faults: Counter[str]) -> str:
-    """``faults`` (by ``FAULT_KINDS``' names) in that order, each with its label; the data-path partitions in
-    brackets after the partitions."""
+    """``faults`` (by ``FAULT_KINDS``' names) in that order, each with its label; the kinds of partition (the
+    data path held too, one way only) in brackets after the partitions."""
     parts = []
     for kind in FAULT_KINDS:
-        if kind == "data_partition" or not faults[kind]:
+        if kind in _OF_PARTITIONS or not faults[kind]:
             continue
         part = f"{faults[kind]:,} {FAULT_LABELS[kind]}"
-        if kind == "partition_rate" and faults["data_partition"]:
-            part += f" ({faults['data_partition']:,} {FAULT_LABELS['data_partition']})"
+        if kind == "partition_rate":
+            of = [f"{faults[k]:,} {FAULT_LABELS[k]}" for k in _OF_PARTITIONS if faults[k]]
+            if of:
+                part += f" ({', '.join(of)})"
         parts.append(part)
     return ", ".join(parts)
 

@@ -113,7 +113,7 @@ class World:
         drawn = Swarm.draw(self.sim.rng_fault, cfg.faults)   # always drawn: the fault stream stays the same
         if cfg.faults:
             drawn = drawn.with_liveness(self.sim.rng_live).with_data_path(self.sim.rng_data).with_fabric(
-                self.sim.rng_fabric)
+                self.sim.rng_fabric).with_oneway(self.sim.rng_oneway)
         self.swarm = (swarm if swarm is not None else drawn).without(*without)
         self.options = replace(cfg.options, transport_liveness=self.swarm.zmtp)
         self.net = Net(self)
@@ -227,25 +227,48 @@ class World:
                 break
             self.sim.at(t, fn)
 
-    def _cut_pair(self, rng: random.Random, longest: float, table: dict[tuple[str, str], float]
+    def _cut_pair(self, rng: random.Random, longest: float, *tables: dict[tuple[str, str], float]
                   ) -> tuple[DecodeNode, PrefillNode, float]:
-        """A decode-prefill pair drawn and cut in ``table`` (``Net``'s partitions, or its data path's) until
-        a heal drawn up to ``longest`` seconds from now."""
+        """A decode-prefill pair drawn and cut in each of ``tables`` (``Net``'s directions, or its data path)
+        until a heal drawn up to ``longest`` seconds from now."""
         d, p = rng.choice(self.decodes), rng.choice(self.prefills)
         heal = self.sim.now + rng.uniform(0.05, longest)
-        _cut_until(table, (d.name, p.name), heal)
+        for table in tables:
+            _cut_until(table, (d.name, p.name), heal)
         return d, p, heal
 
     def partition(self) -> None:
-        d, p, heal = self._cut_pair(self.sim.rng_fault, self.swarm.partition_max, self.net.partitions)
+        """A pair's messages held until a heal: in both directions, or (``Swarm.oneway``) in one only, the
+        other flowing (a route or firewall rule lost one way: one side hears the other, which hears nothing).
+        The data path, when a partition holds it too, is held whole: RDMA's reliable connections need their
+        acknowledgements back, so a path cut one way moves nothing either way."""
+        net = self.net
+        way = self.oneway_draw()
+        tables = {"": (net.held_to_p, net.held_to_d), "to_p": (net.held_to_p,), "to_d": (net.held_to_d,)}[way]
+        d, p, heal = self._cut_pair(self.sim.rng_fault, self.swarm.partition_max, *tables)
         data = bool(self.swarm.data_partition) and self.sim.rng_data.random() < self.swarm.data_partition
         self.sim.faults["partition_rate"] += 1
+        if way:
+            self.sim.faults["oneway"] += 1
         if data:
-            _cut_until(self.net.data_partitions, (d.name, p.name), heal)
+            _cut_until(net.data_partitions, (d.name, p.name), heal)
             self.sim.faults["data_partition"] += 1
-        self.sim.log("net", f"partition {d.name}|{p.name} until {heal:.4f}{' (the data path too)' if data else ''}")
-        if self.swarm.zmtp:   # neither end's heartbeats get through: libzmq drops the connection
+        held = {"": "", "to_p": " (only what decode sends)", "to_d": " (only what prefill sends)"}[way]
+        self.sim.log("net", f"partition {d.name}|{p.name}{held} until {heal:.4f}"
+                            f"{' (the data path too)' if data else ''}")
+        if self.swarm.zmtp:
+            # The end that hears nothing (both, or the one the cut direction leads to) finds its heartbeats
+            # unanswered and drops the connection; its close reaches the other end by the way still open.
             self.sim.at(self.zmtp_deadline(), self.zmtp_partition, d, p)
+
+    def oneway_draw(self) -> str:
+        """Which direction a new partition holds: "" both, else "to_p" or "to_d". Both values drawn from
+        ``Sim.rng_oneway`` whatever is used, and only in seeds with one-way partitions: no other draw moves."""
+        if not self.swarm.oneway:
+            return ""
+        rng = self.sim.rng_oneway
+        oneway, to_p = rng.random() < self.swarm.oneway, rng.random() < 0.5
+        return ("to_p" if to_p else "to_d") if oneway else ""
 
     def fabric_cut(self) -> None:
         """The data path between a decode and a prefill goes for a while; their messages still flow."""
@@ -259,7 +282,7 @@ class World:
         return self.sim.now + self.options.peer_timeout + self.sim.rng_live.random() * self.options.heartbeat_interval
 
     def zmtp_partition(self, d: DecodeNode, p: PrefillNode) -> None:
-        if self.net.partitions.get((d.name, p.name), 0.0) > self.sim.now:
+        if self.net.partitioned(d.name, p.name, self.sim.now):
             self.net.zmtp_drop(d, p, "partitioned past peer_timeout")
 
     def stopped(self, node: Node) -> None:

@@ -109,6 +109,10 @@ class Swarm:
     # nothing but the transfers' own outcomes (late, or timed out) tells them; held transfers as above.
     fabric_rate: float = 0.0
     fabric_max: float = 0.0
+    # Partitions one way only (``oneway``: the share of partitions that hold one direction, drawn at each):
+    # one side goes on hearing the other, which hears nothing. Decode may give up on a prefill that still
+    # reads its Results and aborts, or a prefill on a decode that still reads its Readys.
+    oneway: float = 0.0
 
     @classmethod
     def draw(cls, rng: random.Random, faults: bool = True) -> Swarm:
@@ -171,6 +175,12 @@ class Swarm:
         on, rate, longest = rng.random() < 0.25, rng.uniform(0.3, 1.5), rng.choice([0.3, 1.0, 2.0])
         return replace(self, fabric_rate=rate, fabric_max=longest) if on else self
 
+    def with_oneway(self, rng: random.Random) -> Swarm:
+        """Half the seeds with partitions make a share of them one-way. From a stream of its own
+        (``Sim.rng_oneway``), so that adding it moved no other draw."""
+        on, share = rng.random() < 0.5, rng.choice([0.5, 1.0])
+        return replace(self, oneway=share) if on and self.partition_rate else self
+
     def describe(self) -> str:
         return " ".join(f"{f.name}={getattr(self, f.name):.3g}" if isinstance(getattr(self, f.name), float)
                         else f"{f.name}={getattr(self, f.name)}" for f in fields(self)
@@ -194,7 +204,7 @@ PROFILES: dict[str, dict[str, float | str]] = {
 
 FAULT_KINDS = ("spike", "cut_rate", "partition_rate", "stall_rate", "stall_post", "crash_rate", "transfer_fail",
                "slow_transfer", "prefill_abort", "decode_abort", "cancel", "retry", "starve_rate", "data_partition",
-               "fabric_rate")
+               "fabric_rate", "oneway")
 
 # How long a transfer waits on a partitioned data path before it fails: the transport's own timeout (UCX's
 # RC retries; a few seconds by default, shorter here with the other timers: ``OPTIONS``).

@@ -7,7 +7,8 @@ sequence): nothing here reads a wall clock or an unseeded random source, so a se
   a message never overtakes an earlier one on its connection (delivery time is at least the previous
   one's); messages on different connections reorder freely. A cut loses what is in flight and tells both
   sides as their shells would be told (decode: ``dropped``; prefill: ``connection_dropped``); a partition
-  holds messages until it heals (TCP retransmits), which looks like silence to both sides.
+  holds messages until it heals (TCP retransmits), which looks like silence to both sides, or to one side
+  only when it holds one direction (``Net.held_to_p``, ``Net.held_to_d``).
 * Transport (``Transport``): a write copies its plan's rows from prefill memory into decode memory when it
   lands, then delivers its notification, then tells the writer it completed; a read copies when it
   completes. Either may be late (landing after the writer was declared dead: a one-sided write needs no
@@ -71,6 +72,7 @@ class Sim:
         self.rng_live = random.Random(seed * 4 + 4 + (1 << 40))   # liveness mode, starvation, ZMTP timing
         self.rng_data = random.Random(seed * 4 + 5 + (1 << 41))   # which partitions hold the data path too
         self.rng_fabric = random.Random(seed * 4 + 6 + (1 << 42))  # the data path cut alone; split transfers
+        self.rng_oneway = random.Random(seed * 4 + 7 + (1 << 43))  # which partitions hold one direction only
         self.trace: deque[tuple[float, str, str]] = deque(maxlen=TRACE_LEN)
         self.events = 0
         # Faults injected, by kind (``config.FAULT_KINDS``' names): counted as they happen, no draw of their own
@@ -182,7 +184,10 @@ class Net:
         self.sim: Sim = world.sim
         self.by_identity: dict[bytes, Conn] = {}
         self.by_link: dict[Any, Conn] = {}
-        self.partitions: dict[tuple[str, str], float] = {}   # (decode, prefill) -> heals at
+        # (decode, prefill) -> when their messages flow again, one table per direction: a partition in both
+        # holds the pair in each, a one-way partition (``Swarm.oneway``) in one of them.
+        self.held_to_p: dict[tuple[str, str], float] = {}
+        self.held_to_d: dict[tuple[str, str], float] = {}
         self.data_partitions: dict[tuple[str, str], float] = {}   # the same, for the transport between them
 
     def delay(self) -> float:
@@ -193,10 +198,16 @@ class Net:
             self.sim.faults["spike"] += 1
         return 1e-5 + self.sim.rng_lat.random() * swarm.delay_max + extra
 
-    def _held(self, conn: Conn) -> float:
-        if conn.prefill is None:
+    @staticmethod
+    def _held(conn: Conn, table: dict[tuple[str, str], float]) -> float:
+        """Until when a message on ``conn`` in ``table``'s direction is held (0: it is not)."""
+        if not table or conn.prefill is None:
             return 0.0
-        return self.partitions.get((conn.decode.name, conn.prefill.name), 0.0)
+        return table.get((conn.decode.name, conn.prefill.name), 0.0)
+
+    def partitioned(self, decode: str, prefill: str, now: float) -> bool:
+        """Whether the messages between two nodes are held in either direction at ``now``."""
+        return max(self.held_to_p.get((decode, prefill), 0.0), self.held_to_d.get((decode, prefill), 0.0)) > now
 
     def open(self, decode: DecodeNode, link: Any) -> Conn:
         prefill = self.world.prefill_at(link.address)
@@ -210,7 +221,7 @@ class Net:
         conn = self.by_link.get(link)
         if conn is None or not conn.open or conn.prefill is None or conn.prefill.crashed:
             return   # lost: ZMQ has nobody to hand it to (a crashed peer's queue dies with it)
-        t = max(self.sim.now + self.delay(), conn.last_to_p, self._held(conn))
+        t = max(self.sim.now + self.delay(), conn.last_to_p, self._held(conn, self.held_to_p))
         conn.last_to_p = t
         self.sim.at(t, self._deliver_p, conn, frame)
 
@@ -223,7 +234,7 @@ class Net:
         conn = self.by_identity.get(identity)
         if conn is None or not conn.open or conn.decode.crashed:
             return   # ROUTER drops what it cannot route
-        t = max(self.sim.now + self.delay(), conn.last_to_d, self._held(conn))
+        t = max(self.sim.now + self.delay(), conn.last_to_d, self._held(conn, self.held_to_d))
         conn.last_to_d = t
         self.sim.at(t, self._deliver_d, conn, frame)
 
@@ -234,7 +245,9 @@ class Net:
 
     def close(self, link: Any, *, tell_decode: bool) -> None:
         """The connection ends (decode closed it, a cut, a crash): what is in flight is lost; both sides'
-        monitors see the drop (decode's only when it did not close it itself)."""
+        monitors see the drop (decode's only when it did not close it itself). When decode's end closed
+        (``tell_decode`` false) while what it sends is held, its FIN is held too: prefill hears of the drop
+        at the heal, or sooner from its own ZMTP heartbeats going unanswered."""
         conn = self.by_link.pop(link, None)
         if conn is None or not conn.open:
             return
@@ -243,9 +256,23 @@ class Net:
         if tell_decode and not conn.decode.crashed:
             conn.decode.frames.append(("dropped", link, b""))
             conn.decode.kick()
-        if conn.prefill is not None and not conn.prefill.crashed:
-            conn.prefill.frames.append(("dropped", b"", b""))
-            conn.prefill.kick()
+        prefill = conn.prefill
+        if prefill is None or prefill.crashed:
+            return
+        heal = 0.0 if tell_decode else self._held(conn, self.held_to_p)
+        if heal > self.sim.now:
+            if self.world.swarm.zmtp:
+                heal = min(heal, self.world.zmtp_deadline())
+            self.sim.log("net", f"{prefill.name} hears {conn.decode.name} closed at {heal:.4f} (its FIN held)")
+            self.sim.at(heal, self._dropped_p, prefill, prefill.inc)
+        else:
+            self._dropped_p(prefill, prefill.inc)
+
+    @staticmethod
+    def _dropped_p(prefill: PrefillNode, inc: int) -> None:
+        if not prefill.crashed and prefill.inc == inc:
+            prefill.frames.append(("dropped", b"", b""))
+            prefill.kick()
 
     def zmtp_drop(self, decode: Any, prefill: Any, why: str) -> None:
         """The open connections between ``decode`` and ``prefill`` (None: any) drop, as libzmq drops one whose
