@@ -224,21 +224,43 @@ class RecordingReads(LocalTransport):
     def __init__(self, refuse_batches: bool = False) -> None:
         super().__init__()
         self.reads: list[int] = []
+        self.tried: list[int] = []   # every read asked for, refused or not
         self.refuse_batches = refuse_batches
 
     def read(self, plan: TransferPlan, peer: str, label: str = "") -> LocalHandle:
         chunks = label.count(", ") + 1
+        self.tried.append(chunks)
         if self.refuse_batches and chunks > 1:
             raise TransportError(f"read {label!r} from peer {peer!r} refused by the test")
         self.reads.append(chunks)
         return super().read(plan, peer, label)
 
 
+def _batching_until_read(decode: DecodeEndpoint) -> None:
+    """Decode's progress iterations that read no Ready leave ``batching`` as the test set it; the first that
+    reads one goes on as the library does. Decode's thread may have polled its sockets before the Readys
+    came, then waited for the lock: the iteration it runs on that poll's answer reads none of them and would
+    clear the flag (it posted nothing), so the next, reading them all, would post its first read alone."""
+    batches = decode.core.batches
+    real = batches.next_iteration
+
+    def next_iteration() -> None:
+        if batches._seen:   # this iteration read Readys: the library's own from now on
+            del batches.next_iteration
+            real()
+
+    batches.next_iteration = next_iteration   # type: ignore[method-assign]
+
+
 def _offer_together(prefill: PrefillEndpoint, decode: DecodeEndpoint, reqs: list[Any]) -> None:
     """Prefill offers every chunk (its Readys) while decode's progress thread waits for the lock: decode's
-    next iteration reads them all."""
+    first iteration that reads a Ready reads them all, batched from the first."""
     with decode._lock:
         decode.core.batches.batching = True
+        # Not only the flag: once, on a loaded host, decode read the six Readys of the refused-reads test in
+        # an iteration that followed one on a stale poll, which had cleared it: reads of 1, 3 and 2 chunks,
+        # and the lone one was not refused (DID NOT RAISE).
+        _batching_until_read(decode)
         run_prefill(prefill, reqs)
         _until(lambda: all(prefill.poll(r.rid) is RequestState.TRANSFERRING for r in reqs))
         # The last Readys reach decode's socket: handed to ZMQ (prefill's outbox empty), then its I/O thread
@@ -284,6 +306,9 @@ def test_a_failed_batched_read_fails_every_request_in_it() -> None:
         announce(decode, reqs)
         _heard(prefill, reqs)
         _offer_together(prefill, decode, reqs)
+        # What the test needs: the six Readys read in one iteration, as two reads of three (half the window).
+        _until(lambda: sum(transport.tried) >= len(reqs))
+        assert transport.tried == [3, 3], f"decode did not read the Readys together: reads of {transport.tried} chunks"
         for req in reqs:
             for ep in (decode, prefill):
                 with pytest.raises(RequestFailed, match="refused by the test"):
