@@ -14,7 +14,8 @@ import pytest
 from kvferry.layout.presets import get_preset
 from kvferry.layout.spec import Layout
 from kvferry.workload import WorkloadConfig, WorkloadResult, run_workload
-from kvferry.workload.decode import DecodeSide
+from kvferry.workload.decode import DecodeLink, DecodeSide
+from kvferry.workload.prefill import PrefillSide
 from kvferry.workload.reuse import Held, announce_prefix
 from kvferry.workload.sim import OutOfPages, RequestSpec, WorkloadSpec, build_schedule, pages_needed
 
@@ -98,8 +99,42 @@ def test_deadline_ends_the_run_and_leaves_no_thread_behind() -> None:
     assert time.monotonic() - started < 15
     assert result.error is not None and "deadline" in result.error
     assert not result.ok
-    time.sleep(0.5)
-    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("kvferry-")]
+    assert not _threads_left(before, within_s=0.5)
+
+
+def _threads_left(before: set[threading.Thread], within_s: float) -> list[threading.Thread]:
+    """The kvferry threads not in ``before`` still running ``within_s`` after the call (none: at once)."""
+    give_up = time.monotonic() + within_s
+    while (left := [t for t in set(threading.enumerate()) - before if t.name.startswith("kvferry-")]):
+        if time.monotonic() > give_up:
+            break
+        time.sleep(0.01)
+    return left
+
+
+def test_deadline_while_decode_connects_leaves_no_thread_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deadline passes as the sides start (a loaded box): prefill says hello, sees "stop" and closes
+    before decode's handshake reaches it. Decode reads no "stop" while it connects, so its connect must end
+    by the run's deadline, not after the endpoint's 10 s handshake timeout: its two threads outlived the run
+    by about 5 s (1 run in 40 of the test above, under 3 CPU hogs). Forced here: decode connects only once
+    prefill has closed."""
+    prefill_closed = threading.Event()
+    close, connect = PrefillSide.close, DecodeLink.connect
+
+    def close_then_tell(self: PrefillSide) -> None:
+        close(self)
+        prefill_closed.set()
+
+    def connect_once_prefill_closed(self: DecodeLink, *args: object, **kwargs: object) -> None:
+        assert prefill_closed.wait(30), "prefill never closed"
+        connect(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PrefillSide, "close", close_then_tell)
+    monkeypatch.setattr(DecodeLink, "connect", connect_once_prefill_closed)  # local: decode is a thread here
+    before = set(threading.enumerate())
+    result = run_workload(small(timeout_s=0.5))
+    assert result.error is not None and "deadline" in result.error, result.error
+    assert not _threads_left(before, within_s=0.5)
 
 
 @needs_nixl

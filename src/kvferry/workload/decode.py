@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvferry.errors import RequestFailed
+from kvferry.errors import HandshakeError, IncompatiblePeer, RequestFailed, TransferTimeout
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Layout
 from kvferry.workload.config import WorkloadConfig
@@ -41,6 +41,8 @@ class DecodeSide(Side):
     seed_salt = 1
 
     def __init__(self, config: WorkloadConfig, router: Connection, parent: Connection) -> None:
+        # The run's deadline as this side counts it: from its own start, never before the parent's.
+        self.deadline = time.monotonic() + config.timeout_s
         super().__init__(config, router, parent)
         self.link = DecodeLink(config, self.memory)
         by_session: dict[int, list[RequestSpec]] = {}
@@ -61,7 +63,7 @@ class DecodeSide(Side):
 
     def run(self) -> dict[str, Any]:
         address = recv_message(self.router, "hello", self.config.timeout_s)
-        self.link.connect(address[0])
+        self._connect(address[0])
         total = len(self.schedule)
         self.stats.first = time.monotonic()
         while self.stats.finished < total and not self.stopped:
@@ -74,6 +76,21 @@ class DecodeSide(Side):
         order = {b.name: i for i, b in enumerate(self.layout.buffers)}
         self.stats.corrupted = dict(sorted(self.stats.corrupted.items(), key=lambda kv: order[kv[0]]))
         return self.stats.report()
+
+    def _connect(self, address: str) -> None:
+        """Connect to prefill by the run's deadline too: no "stop" is read while connecting, and a prefill
+        that saw one as it started (the deadline passed) closes without answering, which would otherwise hold
+        this side for the whole handshake timeout, past the parent's grace."""
+        left = self.deadline - time.monotonic()
+        if left > 0:
+            try:
+                self.link.connect(address, timeout=min(self.link.endpoint.options.handshake_timeout, left))
+                return
+            except HandshakeError as exc:
+                if isinstance(exc, IncompatiblePeer) or time.monotonic() < self.deadline:
+                    raise
+        raise TransferTimeout(f"the run's {self.config.timeout_s:g} s deadline passed before decode had "
+                              f"connected to prefill at {address}")
 
     def _admit(self) -> int:
         admitted = 0
@@ -298,8 +315,8 @@ class DecodeLink:
         self.endpoint = DecodeEndpoint(memory, config.transport, digest_mode=config.digest_mode,
                                        options=endpoint_options(config), mode=config.mode)
 
-    def connect(self, address: str) -> None:
-        self.endpoint.connect(address)
+    def connect(self, address: str, timeout: float | None = None) -> None:
+        self.endpoint.connect(address, timeout)
 
     def announce(self, request_id: str, pages: dict[str, np.ndarray], *,
                  prefix: int | dict[str, int] | None = None) -> None:
