@@ -1,7 +1,8 @@
 """One simulated deployment: prefills and decodes, the workload they serve, the faults, and the invariants.
 
-Part of ``simulation``, above ``nodes`` and ``world``, below ``runner``. ``World`` builds the nodes and the
-workload from the seed, schedules the faults, runs the event loop, and checks after every step:
+Part of ``simulation``, above the nodes (``prefill_node``, ``decode_node``) and ``world``, below ``runner``.
+``World`` builds the nodes and the workload from the seed, schedules the faults, runs the event loop, and
+checks after every step:
 
 * ``a_lease`` (a): no byte lands in a decode page that is not leased to the (request, generation) whose
   write or read carried it (checked row by row as it lands, from the row's own address); and
@@ -30,7 +31,9 @@ from typing import Any
 
 from kvferry.control.core.states import RequestState
 from kvferry.simulation.config import LAYERS, SimConfig, Swarm
-from kvferry.simulation.nodes import DEADLINE_SLACK, DecodeNode, Node, PrefillNode
+from kvferry.simulation.decode_node import DecodeNode
+from kvferry.simulation.node import DEADLINE_SLACK, Node
+from kvferry.simulation.prefill_node import PrefillNode
 from kvferry.simulation.tp import DecodeGroup, draw_tp, needed_ranks, rank_name
 from kvferry.simulation.world import Net, Sim, Transport, copy_rows
 

@@ -1,7 +1,7 @@
 """Tensor-parallel groups in the simulator: each seed's (prefill TP, decode TP), the ranks' layouts, the
 content of every rank's head slice, byte-exact provenance, and the decode group's engine.
 
-Part of ``simulation``, below ``nodes`` and ``cluster``, above ``world``. A deployment is ``SimConfig.prefills``
+Part of ``simulation``, below the nodes and ``cluster``, above ``world``. A deployment is ``SimConfig.prefills``
 prefill groups and ``SimConfig.decodes`` decode groups; each group runs ``tp`` ranks, and each rank is a node
 of its own (own core, memory, transport agent, process identity: a real deployment's ranks are separate
 processes, so faults hit them one at a time). A decode rank connects to the prefill ranks it needs
@@ -33,7 +33,7 @@ from kvferry.plan.ranks import shard_layout, source_ranks
 from kvferry.simulation.config import sim_layout
 
 if TYPE_CHECKING:
-    from kvferry.simulation.nodes import DecodeNode
+    from kvferry.simulation.decode_node import DecodeNode
 
 __all__ = ["TP_PAIRS", "TP_SIZES", "WIDE_PAIRS", "DecodeGroup", "SliceProvenance", "all_are", "draw_tp",
            "fill_content", "needed_ranks", "page_content", "page_rows", "rank_layout", "rank_name"]

@@ -1,7 +1,8 @@
 """The simulated world: clock and event queue, network, transport, page memory with provenance.
 
-Part of ``simulation``, below ``nodes`` and ``runner``. One thread, one heap of events ordered by (time,
-sequence): nothing here reads a wall clock or an unseeded random source, so a seed replays exactly.
+Part of ``simulation``, below the nodes (``node``, ``prefill_node``, ``decode_node``) and ``runner``. One
+thread, one heap of events ordered by (time, sequence): nothing here reads a wall clock or an unseeded random
+source, so a seed replays exactly.
 
 * Network (``Net``): a decode's link is one connection to a prefill. ZMQ over one TCP connection is FIFO, so
   a message never overtakes an earlier one on its connection (delivery time is at least the previous
@@ -34,7 +35,8 @@ from kvferry.layout.memory import KVMemory
 from kvferry.simulation.config import DATA_TIMEOUT
 
 if TYPE_CHECKING:
-    from kvferry.simulation.nodes import DecodeNode, PrefillNode
+    from kvferry.simulation.decode_node import DecodeNode
+    from kvferry.simulation.prefill_node import PrefillNode
 
 __all__ = ["Conn", "Net", "PageMap", "Sim", "Transport", "Violation"]
 
