@@ -10,6 +10,8 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -18,7 +20,8 @@ from kvferry.layout.presets import DEFAULT_PRESET, PRESETS, get_preset
 from kvferry.layout.spec import Layout
 
 __all__ = ["DEFAULT_BUDGET", "add_layout_arguments", "add_metrics_argument", "emit_json", "human_bytes",
-           "layout_from_args", "make_console", "parse_knob", "parse_size", "per_token", "positive_int", "start_metrics"]
+           "layout_from_args", "make_console", "parse_knob", "parse_size", "per_token", "positive_int", "progress_bar",
+           "start_metrics"]
 
 DEFAULT_BUDGET = "4GiB"
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
@@ -103,6 +106,24 @@ def make_console() -> Console:
     if not console.is_terminal:
         console.width = max(console.width, 140)
     return console
+
+
+@contextmanager
+def progress_bar(*, enabled: bool, total: int, label: str, auto_refresh: bool = True
+                 ) -> Iterator[Callable[[int, int], None] | None]:
+    """A transient rich progress bar on stderr fed by ``progress(done, total)``; None when disabled.
+    ``auto_refresh`` false: drawn only at each update, no refresh thread (a command that reports its own
+    CPU time, which that thread's would enter)."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=Console(stderr=True), transient=True, auto_refresh=auto_refresh)
+    with bar:
+        task = bar.add_task(label, total=total)
+        yield lambda done, _total: bar.update(task, completed=done, refresh=not auto_refresh)
 
 
 def human_bytes(num_bytes: float) -> str:

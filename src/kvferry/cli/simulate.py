@@ -9,12 +9,13 @@ Exit status: 0 when no invariant broke, 1 otherwise, 2 on usage errors.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
-from kvferry.cli.args import positive_int
+from kvferry.cli.args import positive_int, progress_bar
 from kvferry.simulation import MUTATIONS, RunResult, SimConfig, run_seed, shrink
 from kvferry.simulation.config import FAULT_KINDS
 from kvferry.simulation.tp import TP_PAIRS, TP_SIZES, WIDE_PAIRS
@@ -120,48 +121,74 @@ def _report(result: RunResult, trace: int) -> None:
         print("  " + line)
 
 
+@dataclass
+class _Totals:
+    """What the summary lines add up over the seeds run."""
+
+    requests: int = 0
+    events: int = 0
+    done: int = 0
+    failed: int = 0
+    disagree: int = 0
+    sim_time: float = 0.0
+    split: int = 0
+    held: int = 0
+    timed_out: int = 0
+    partial: int = 0
+    failures: int = 0
+    pairs: Counter[tuple[int, int]] = field(default_factory=Counter)
+    faults: Counter[str] = field(default_factory=Counter)
+
+    def add(self, r: RunResult) -> None:
+        self.requests, self.events, self.sim_time = self.requests + r.requests, self.events + r.events, \
+            self.sim_time + r.sim_time
+        self.done, self.failed, self.disagree = self.done + r.done, self.failed + r.failed, \
+            self.disagree + r.disagreements
+        self.split, self.held, self.timed_out, self.partial = self.split + r.split, self.held + r.held, \
+            self.timed_out + r.timed_out, self.partial + r.partial
+        self.failures += not r.ok
+        self.pairs[r.tp] += 1
+        self.faults.update(dict(r.faults))
+
+    def print(self, seeds: range, cpu: float) -> None:
+        n = len(seeds)
+        print(f"{n} seed{'s' * (n != 1)} ({seeds.start}..{seeds.stop - 1}), {self.failures} with a violation; "
+              f"{self.requests} requests (on decode {self.done} generations DONE, {self.failed} FAILED, retries "
+              f"counted apart; {self.disagree} DONE on decode but FAILED on prefill), {self.events} events, "
+              f"{self.sim_time:.1f} s simulated in {cpu:.2f} s CPU: "
+              f"{self.requests / cpu * 60:,.0f} simulated requests per minute")
+        # The four pairs always (the line as it was), then any other pair that ran, in the order of TP_SIZES
+        pairs = self.pairs
+        shown = [*TP_PAIRS, *sorted(pair for pair in pairs if pair not in TP_PAIRS)]
+        print("seeds per (prefill TP, decode TP): " + ", ".join(f"{a}:{b} {pairs[(a, b)]}" for a, b in shown)
+              + f"; {self.split} decode group attempts DONE on one rank and FAILED on another (counted, not a "
+              "violation)")
+        if self.faults:
+            print("faults injected: " + describe_faults(self.faults))
+        if self.held:
+            print(f"transfers held by a partitioned data path: {self.held}, {self.timed_out} of them timed out (the "
+                  f"rest went on after the heal); in {self.partial} part had crossed before the path went")
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     cfg = replace(SimConfig(), requests=args.requests, max_events=max(0, args.steps), faults=not args.no_faults,
                   tp=args.tp, wide_tp=args.wide_tp)
     seeds = range(args.seed, args.seed + (args.seeds or 1))
     start = time.process_time()
-    failures = 0
-    requests = events = done = failed = disagree = 0
-    sim_time = 0.0
-    pairs: Counter[tuple[int, int]] = Counter()
-    split = held = timed_out = partial = 0
-    faults: Counter[str] = Counter()
-    for seed in seeds:
-        result = run_seed(seed, cfg, mutate=args.mutate, trace=max(args.trace, 200), without=tuple(args.without))
-        requests += result.requests
-        events += result.events
-        done, failed, disagree = done + result.done, failed + result.failed, disagree + result.disagreements
-        sim_time += result.sim_time
-        pairs[result.tp] += 1
-        split += result.split
-        held, timed_out, partial = held + result.held, timed_out + result.timed_out, partial + result.partial
-        faults.update(dict(result.faults))
-        if not result.ok:
-            failures += 1
-            if args.shrink:
-                result = shrink(result, args.mutate)
-                print(f"seed {result.seed}: shrunk to {result.config.requests} requests, without "
-                      f"{', '.join(result.without) or 'no fault kind'}")
-            _report(result, args.trace)
-    cpu = max(time.process_time() - start, 1e-9)
-    n = len(seeds)
-    print(f"{n} seed{'s' * (n != 1)} ({seeds.start}..{seeds.stop - 1}), {failures} with a violation; "
-          f"{requests} requests (on decode {done} generations DONE, {failed} FAILED, retries counted apart; "
-          f"{disagree} DONE on decode but FAILED on prefill), {events} events, {sim_time:.1f} s simulated in "
-          f"{cpu:.2f} s CPU: "
-          f"{requests / cpu * 60:,.0f} simulated requests per minute")
-    # The four pairs always (the line as it was), then any other pair that ran, in the order of TP_SIZES
-    shown = [*TP_PAIRS, *sorted(pair for pair in pairs if pair not in TP_PAIRS)]
-    print("seeds per (prefill TP, decode TP): " + ", ".join(f"{a}:{b} {pairs[(a, b)]}" for a, b in shown)
-          + f"; {split} decode group attempts DONE on one rank and FAILED on another (counted, not a violation)")
-    if faults:
-        print("faults injected: " + describe_faults(faults))
-    if held:
-        print(f"transfers held by a partitioned data path: {held}, {timed_out} of them timed out (the rest went on "
-              f"after the heal); in {partial} part had crossed before the path went")
-    return 1 if failures else 0
+    totals = _Totals()
+    # Drawn only at each seed's end: no refresh thread, whose CPU time would enter the figure printed
+    with progress_bar(enabled=len(seeds) > 1 and sys.stderr.isatty(), total=len(seeds), label="seeds",
+                      auto_refresh=False) as tick:
+        for i, seed in enumerate(seeds):
+            result = run_seed(seed, cfg, mutate=args.mutate, trace=max(args.trace, 200), without=tuple(args.without))
+            totals.add(result)
+            if not result.ok:
+                if args.shrink:
+                    result = shrink(result, args.mutate)
+                    print(f"seed {result.seed}: shrunk to {result.config.requests} requests, without "
+                          f"{', '.join(result.without) or 'no fault kind'}")
+                _report(result, args.trace)
+            if tick is not None:
+                tick(i + 1, len(seeds))
+    totals.print(seeds, max(time.process_time() - start, 1e-9))
+    return 1 if totals.failures else 0

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -25,13 +23,14 @@ from kvferry.cli.args import (
     parse_knob,
     parse_size,
     positive_int,
+    progress_bar,
     start_metrics,
 )
 from kvferry.diagnostics.audit import buffer_role
 from kvferry.errors import UsageError
 from kvferry.layout.presets import DEFAULT_PRESET, PRESETS
 from kvferry.transport import mooncake_available, nixl_available
-from kvferry.workload.runner import DEFAULT_BUDGET, ProgressFn, WorkloadConfig, WorkloadResult
+from kvferry.workload.runner import DEFAULT_BUDGET, WorkloadConfig, WorkloadResult
 from kvferry.workload.sim import WorkloadSpec
 
 __all__ = ["add_parser", "add_workload_arguments", "config_from_args", "render", "run_stress", "verdict"]
@@ -134,7 +133,8 @@ def execute(config: WorkloadConfig, *, as_json: bool, title: str) -> int:
     """Run ``config`` with a progress bar where useful, print the result, return the exit status."""
     from kvferry.workload.runner import run_workload
 
-    with _progress(enabled=not as_json and sys.stderr.isatty(), total=config.workload.num_requests) as tick:
+    with progress_bar(enabled=not as_json and sys.stderr.isatty(), total=config.workload.num_requests,
+                      label="requests") as tick:
         result = run_workload(config, progress=tick)
     if as_json:
         sys.stdout.write(_json(result) + "\n")
@@ -256,21 +256,6 @@ def _json(result: WorkloadResult) -> str:
 
     return json.dumps({**result.to_dict(), "verdict": verdict(result)})
 
-
-
-@contextmanager
-def _progress(*, enabled: bool, total: int) -> Iterator[ProgressFn | None]:
-    """A rich progress bar on stderr fed by ``progress(done, total)``; None when disabled."""
-    if not enabled:
-        yield None
-        return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    bar = Progress(TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=Console(stderr=True), transient=True)
-    with bar:
-        task = bar.add_task("requests", total=total)
-        yield lambda done, _total: bar.update(task, completed=done)
 
 
 # -- argument types --------------------------------------------------------------------------------------
