@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvferry.control.core.base import AddPeer, FlushNow, RemovePeer, Transfer
+from kvferry.control.core.base import AddPeer, RemovePeer, Transfer
 from kvferry.control.core.decode import CheckWriter, CloseLink, DecodeCore, DecodeSetup, OpenLink, TakeNotifications
 from kvferry.control.core.states import LinkState, RequestState
 from kvferry.control.stats import NullRecorder
@@ -169,12 +169,8 @@ class DecodeNode(Node):
         elif isinstance(effect, TakeNotifications):
             self.take_notifications(now)
             core.notifications_taken(now)
-        elif isinstance(effect, FlushNow):
-            self.flush(now, effect.peer)
-            if effect.raw:
-                self.send_frame(now, effect.peer, effect.raw)
         else:
-            raise AssertionError(f"no shell for {effect!r}")
+            super().apply(effect, now)
 
     def carry_out(self, transfer: Transfer, now: float) -> None:
         job = self.core.start_read(now, transfer)

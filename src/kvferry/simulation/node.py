@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvferry.control import wire
-from kvferry.control.core.base import Transfer
+from kvferry.control.core.base import FlushNow, Transfer
 from kvferry.control.core.process import ProcessIdentity
 from kvferry.control.core.states import TERMINAL, RequestState
 from kvferry.errors import InternalError, KVFerryError
@@ -391,26 +391,27 @@ class Node:
             self.guard(fn)
             if core.effects or core.transfers:
                 self.between(now)
-        core.post_queued()
-        if core.effects or core.transfers:
-            self.between(now)
-        if core.outbox:
-            self.flush(now)
+        self.post_queued(now)
         frames, on_frame = self.frames, self.on_frame
         while frames:
             self.guard(on_frame, now, *frames.popleft())
             if core.effects or core.transfers:
                 self.between(now)
-        core.post_queued()
-        if core.effects or core.transfers:
-            self.between(now)
-        if core.outbox:
-            self.flush(now)
+        self.post_queued(now)
         self.pump(now)
         if core.effects or core.transfers:
             self.between(now)
         core.batches.next_iteration()
         core.tick(now)
+        if core.effects or core.transfers:
+            self.between(now)
+        if core.outbox:
+            self.flush(now)
+
+    def post_queued(self, now: float) -> None:
+        """The core's queued posts, carried out, and what they said sent."""
+        core = self.core
+        core.post_queued()
         if core.effects or core.transfers:
             self.between(now)
         if core.outbox:
@@ -445,7 +446,13 @@ class Node:
         raise NotImplementedError
 
     def apply(self, effect: Any, now: float) -> None:
-        raise NotImplementedError
+        """The effects both sides' shells carry out alike (each side handles its own first)."""
+        if isinstance(effect, FlushNow):
+            self.flush(now, effect.peer)
+            if effect.raw:
+                self.send_frame(now, effect.peer, effect.raw)
+        else:
+            raise AssertionError(f"no shell for {effect!r}")
 
     def carry_out(self, transfer: Transfer, now: float) -> None:
         raise NotImplementedError

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvferry.control.core.base import AddPeer, CheckProcess, FlushNow, RemovePeer, Transfer
+from kvferry.control.core.base import AddPeer, CheckProcess, RemovePeer, Transfer
 from kvferry.control.core.prefill import PrefillCore, PrefillSetup
 from kvferry.control.core.prefill_requests import make_spec, may_free
 from kvferry.control.stats import NullRecorder
@@ -122,12 +122,8 @@ class PrefillNode(Node):
         elif isinstance(effect, CheckProcess):
             if effect.process in self.world.dead_processes:
                 core.process_gone(now, effect.process)
-        elif isinstance(effect, FlushNow):
-            self.flush(now, effect.peer)
-            if effect.raw:
-                self.send_frame(now, effect.peer, effect.raw)
         else:
-            raise AssertionError(f"no shell for {effect!r}")
+            super().apply(effect, now)
 
     def carry_out(self, transfer: Transfer, now: float) -> None:
         write = self.core.start_write(now, transfer)
