@@ -140,12 +140,16 @@ class _Totals:
     faults: Counter[str] = field(default_factory=Counter)
 
     def add(self, r: RunResult) -> None:
-        self.requests, self.events, self.sim_time = self.requests + r.requests, self.events + r.events, \
-            self.sim_time + r.sim_time
-        self.done, self.failed, self.disagree = self.done + r.done, self.failed + r.failed, \
-            self.disagree + r.disagreements
-        self.split, self.held, self.timed_out, self.partial = self.split + r.split, self.held + r.held, \
-            self.timed_out + r.timed_out, self.partial + r.partial
+        self.requests += r.requests
+        self.events += r.events
+        self.sim_time += r.sim_time
+        self.done += r.done
+        self.failed += r.failed
+        self.disagree += r.disagreements
+        self.split += r.split
+        self.held += r.held
+        self.timed_out += r.timed_out
+        self.partial += r.partial
         self.failures += not r.ok
         self.pairs[r.tp] += 1
         self.faults.update(dict(r.faults))
