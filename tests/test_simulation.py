@@ -246,35 +246,62 @@ def test_the_data_path_cut_alone_is_drawn_from_its_own_stream() -> None:
     assert 150 < drawn < 250
 
 
-def test_a_one_way_partition_holds_what_one_side_sends_while_the_other_is_heard(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Partitions one way only (``Swarm.oneway``): what is sent the cut way arrives after the heal, never
-    before; what is sent the other way meanwhile goes on arriving; both directions get cut; a link decode
-    closes meanwhile reaches prefill late; with ZMTP heartbeats or without, pushing and pulling, no invariant
-    breaks."""
-    early: list[tuple[str, float, float]] = []
-    flowing = {"to_p": 0, "to_d": 0}
+class _Wire:
+    """What the simulated network carried, per connection and direction: the frames sent (``Net.to_prefill``,
+    ``Net.to_decode``) and those that reached the node, in order, and when each reached it while its own
+    direction (``early``) or only the other (``flowing``) was held."""
 
-    def recorded(direction: str) -> Callable[..., None]:
-        orig = getattr(Net, direction)
-        held, other = ("held_to_p", "held_to_d") if direction == "to_prefill" else ("held_to_d", "held_to_p")
-        last = "last_to_p" if direction == "to_prefill" else "last_to_d"
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sent: dict[tuple[Any, str], list[bytes]] = {}
+        self.arrived: dict[tuple[Any, str], list[bytes]] = {}
+        self.early: list[tuple[str, float]] = []
+        self.flowing = {"to_p": 0, "to_d": 0}
+        for way, send, deliver in (("to_p", "to_prefill", "_deliver_p"), ("to_d", "to_decode", "_deliver_d")):
+            monkeypatch.setattr(Net, send, self._sent(way, getattr(Net, send)))
+            monkeypatch.setattr(Net, deliver, self._delivered(lambda _, w=way: w, getattr(Net, deliver)))
+        monkeypatch.setattr(Net, "_release", self._delivered(lambda to_p: "to_p" if to_p else "to_d", Net._release))
 
-        def send(self: Net, key: Any, frame: bytes) -> None:
-            conn = self.by_link.get(key) if direction == "to_prefill" else self.by_identity.get(key)
-            pair = None if conn is None or conn.prefill is None else (conn.decode.name, conn.prefill.name)
-            before = None if conn is None else getattr(conn, last)
-            orig(self, key, frame)
-            if pair is None or conn is None or getattr(conn, last) == before:
-                return   # not sent (the connection is gone)
-            now, at = self.sim.now, getattr(conn, last)
-            heal = getattr(self, held).get(pair, 0.0)
-            if heal > now and at < heal:
-                early.append((direction, now, at))
-            if getattr(self, other).get(pair, 0.0) > now and heal <= now:
-                flowing["to_p" if direction == "to_prefill" else "to_d"] += at < getattr(self, other)[pair]
+    def _sent(self, way: str, orig: Callable[..., None]) -> Callable[..., None]:
+        def send(net: Net, key: Any, frame: bytes) -> None:
+            conn = net.by_link.get(key) if way == "to_p" else net.by_identity.get(key)
+            if conn is not None:
+                self.sent.setdefault((conn, way), []).append(frame)
+            orig(net, key, frame)
         return send
 
+    def _delivered(self, way_of: Callable[[Any], str], orig: Callable[..., None]) -> Callable[..., None]:
+        """``orig`` (``Net``'s handing over of a frame, or of a held queue), recording what reached the node."""
+        def deliver(net: Net, conn: Any, arg: Any, *args: Any) -> None:
+            way = way_of(arg)
+            node = conn.prefill if way == "to_p" else conn.decode
+            before = len(node.frames) if node is not None else 0
+            orig(net, conn, arg, *args)
+            if node is None or len(node.frames) == before:
+                return   # lost, or held for the heal
+            got = [frame for _, _, frame in list(node.frames)[before:]]
+            self.arrived.setdefault((conn, way), []).extend(got)
+            pair, now = (conn.decode.name, conn.prefill.name), net.sim.now
+            held, other = (net.held_to_p, net.held_to_d) if way == "to_p" else (net.held_to_d, net.held_to_p)
+            if held.get(pair, 0.0) > now:
+                self.early.append((way, now))
+            elif other.get(pair, 0.0) > now:
+                self.flowing[way] += len(got)
+        return deliver
+
+    def out_of_order(self) -> list[tuple[str, int]]:
+        """The connections whose frames did not arrive as a prefix of those sent, in order (a connection's
+        loss is its tail: a close or a crash ends it)."""
+        return [(way, len(got)) for (conn, way), got in self.arrived.items()
+                if any(a is not b for a, b in zip(got, self.sent[(conn, way)], strict=False))
+                or len(got) > len(self.sent[(conn, way)])]
+
+
+def test_a_one_way_partition_holds_what_one_side_sends_while_the_other_is_heard(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Partitions one way only (``Swarm.oneway``): nothing arrives the cut way before the heal; what is sent
+    the other way meanwhile goes on arriving; both directions get cut; a link decode closes meanwhile reaches
+    prefill late; with ZMTP heartbeats or without, pushing and pulling, no invariant breaks."""
+    wire = _Wire(monkeypatch)
     fins_held: list[str] = []
     log = Sim.log
 
@@ -283,8 +310,6 @@ def test_a_one_way_partition_holds_what_one_side_sends_while_the_other_is_heard(
             fins_held.append(what)
         log(self, who, what)
 
-    monkeypatch.setattr(Net, "to_prefill", recorded("to_prefill"))
-    monkeypatch.setattr(Net, "to_decode", recorded("to_decode"))
     monkeypatch.setattr(Sim, "log", logged)
     results = [run_seed(seed, SimConfig(tp=(1, 1), requests=96),
                         swarm=Swarm(partition_rate=3.0, partition_max=1.5, oneway=1.0, pull=pull, zmtp=zmtp,
@@ -293,10 +318,31 @@ def test_a_one_way_partition_holds_what_one_side_sends_while_the_other_is_heard(
                                                    FRESH_FROM)]
     assert all(r.ok for r in results), [(r.seed, r.violation) for r in results]
     assert all(dict(r.faults)["oneway"] == dict(r.faults)["partition_rate"] > 0 for r in results)
-    assert not early, f"arrived the cut way before the heal: {early[:5]}"
-    assert flowing["to_p"] > 0 and flowing["to_d"] > 0, flowing
+    assert not wire.early, f"arrived the cut way before the heal: {wire.early[:5]}"
+    assert wire.flowing["to_p"] > 0 and wire.flowing["to_d"] > 0, wire.flowing
     assert fins_held   # decode closed a link while what it sends was held: prefill heard of it late
+    assert not wire.out_of_order()
     assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
+
+
+def test_a_partition_holds_the_messages_already_on_the_wire_and_keeps_each_connection_in_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A message sent before a partition began and still on the wire when it did (long delays: TCP's
+    retransmits) arrives only after the heal, as TCP sends it again once the route is back, and behind it
+    the connection's later messages, in the order sent: what arrives on each connection is a prefix of what
+    was sent. Both ways and one way, with spikes; no invariant breaks."""
+    wire = _Wire(monkeypatch)
+    results = [run_seed(seed, SimConfig(tp=(1, 1), requests=96),
+                        swarm=Swarm(delay_max=0.01, spike=0.1, spike_max=0.4, partition_rate=3.0,
+                                    partition_max=0.5, oneway=oneway, pull=pull, decode_abort=0.2,
+                                    prefill_abort=0.2))
+               for seed, (oneway, pull) in enumerate([(0.0, 0.0), (0.0, 1.0), (1.0, 0.0), (0.5, 1.0)],
+                                                     FRESH_FROM)]
+    assert all(r.ok for r in results), [(r.seed, r.violation) for r in results]
+    assert all(r.on_wire > 0 for r in results), [r.on_wire for r in results]
+    assert not wire.early, f"arrived while its way was held: {wire.early[:5]}"
+    assert not wire.out_of_order(), wire.out_of_order()[:5]
+    assert sum(len(got) for got in wire.arrived.values()) > 1000
 
 
 def test_the_one_way_draw_moves_no_other_draw() -> None:

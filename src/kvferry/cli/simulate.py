@@ -135,6 +135,7 @@ class _Totals:
     held: int = 0
     timed_out: int = 0
     partial: int = 0
+    on_wire: int = 0
     failures: int = 0
     pairs: Counter[tuple[int, int]] = field(default_factory=Counter)
     faults: Counter[str] = field(default_factory=Counter)
@@ -150,6 +151,7 @@ class _Totals:
         self.held += r.held
         self.timed_out += r.timed_out
         self.partial += r.partial
+        self.on_wire += r.on_wire
         self.failures += not r.ok
         self.pairs[r.tp] += 1
         self.faults.update(dict(r.faults))
@@ -169,6 +171,8 @@ class _Totals:
               "violation)")
         if self.faults:
             print("faults injected: " + describe_faults(self.faults))
+        if self.on_wire:
+            print(f"messages on the wire when a partition began, held until its heal: {self.on_wire}")
         if self.held:
             print(f"transfers held by a partitioned data path: {self.held}, {self.timed_out} of them timed out (the "
                   f"rest went on after the heal); in {self.partial} part had crossed before the path went")

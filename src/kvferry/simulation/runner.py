@@ -43,6 +43,7 @@ class RunResult:
     timed_out: int = 0               # of those, failed after DATA_TIMEOUT rather than landing late
     faults: tuple[tuple[str, int], ...] = ()   # faults injected, by kind (``FAULT_KINDS``' names), in that order
     partial: int = 0   # held transfers part of which crossed before the path went (``Transport._split``)
+    on_wire: int = 0   # messages on the wire when a partition began, held until its heal (``Net._hold``)
 
     def replay_command(self) -> str:
         """The command line that runs exactly this again."""
@@ -85,7 +86,7 @@ def run_seed(seed: int, config: SimConfig | None = None, swarm: Swarm | None = N
                      format_trace(world.sim, trace) if violation is not None else (), tuple(without), mutate,
                      world.tp, world.split, world.transport.held, world.transport.timed_out,
                      tuple((kind, world.sim.faults[kind]) for kind in FAULT_KINDS if world.sim.faults[kind]),
-                     world.transport.partial)
+                     world.transport.partial, world.net.on_wire)
 
 
 @contextmanager

@@ -172,12 +172,19 @@ class PageMap:
 class Conn:
     """One ZMQ connection: a decode link's DEALER to a prefill's ROUTER (``identity``: its routing id)."""
 
-    __slots__ = ("decode", "identity", "last_to_d", "last_to_p", "link", "open", "prefill")
+    __slots__ = ("decode", "identity", "last_to_d", "last_to_p", "link", "open", "prefill", "queue_d", "queue_p")
 
     def __init__(self, decode: DecodeNode, link: Any, prefill: PrefillNode | None, identity: bytes) -> None:
         self.decode, self.link, self.prefill, self.identity = decode, link, prefill, identity
         self.open = True
         self.last_to_p = self.last_to_d = 0.0
+        # What came due while its direction was held, in the order sent (``Net._hold``); None: nothing held
+        self.queue_p: list[bytes] | None = None
+        self.queue_d: list[bytes] | None = None
+
+    def node(self, to_p: bool) -> Any:
+        """The end a direction leads to (None: a prefill that is not there)."""
+        return self.prefill if to_p else self.decode
 
 
 class Net:
@@ -191,6 +198,7 @@ class Net:
         self.held_to_p: dict[tuple[str, str], float] = {}
         self.held_to_d: dict[tuple[str, str], float] = {}
         self.data_partitions: dict[tuple[str, str], float] = {}   # the same, for the transport between them
+        self.on_wire = 0   # messages on the wire when a partition began, held until its heal
 
     def delay(self) -> float:
         swarm = self.world.swarm
@@ -223,12 +231,16 @@ class Net:
         conn = self.by_link.get(link)
         if conn is None or not conn.open or conn.prefill is None or conn.prefill.crashed:
             return   # lost: ZMQ has nobody to hand it to (a crashed peer's queue dies with it)
-        t = max(self.sim.now + self.delay(), conn.last_to_p, self._held(conn, self.held_to_p))
+        now = self.sim.now
+        t = max(now + self.delay(), conn.last_to_p)
         conn.last_to_p = t
-        self.sim.at(t, self._deliver_p, conn, frame)
+        self.sim.at(t, self._deliver_p, conn, frame, self._held(conn, self.held_to_p) <= now)
 
-    def _deliver_p(self, conn: Conn, frame: bytes) -> None:
+    def _deliver_p(self, conn: Conn, frame: bytes, sent_open: bool) -> None:
         if conn.open and conn.prefill is not None and not conn.prefill.crashed:
+            if conn.queue_p is not None or self._held(conn, self.held_to_p) > self.sim.now:
+                self._hold(conn, True, frame, sent_open)
+                return
             conn.prefill.frames.append(("frame", conn.identity, frame))
             conn.prefill.kick()
 
@@ -236,14 +248,52 @@ class Net:
         conn = self.by_identity.get(identity)
         if conn is None or not conn.open or conn.decode.crashed:
             return   # ROUTER drops what it cannot route
-        t = max(self.sim.now + self.delay(), conn.last_to_d, self._held(conn, self.held_to_d))
+        now = self.sim.now
+        t = max(now + self.delay(), conn.last_to_d)
         conn.last_to_d = t
-        self.sim.at(t, self._deliver_d, conn, frame)
+        self.sim.at(t, self._deliver_d, conn, frame, self._held(conn, self.held_to_d) <= now)
 
-    def _deliver_d(self, conn: Conn, frame: bytes) -> None:
+    def _deliver_d(self, conn: Conn, frame: bytes, sent_open: bool) -> None:
         if conn.open and not conn.decode.crashed:
+            if conn.queue_d is not None or self._held(conn, self.held_to_d) > self.sim.now:
+                self._hold(conn, False, frame, sent_open)
+                return
             conn.decode.frames.append(("frame", conn.link, frame))
             conn.decode.kick()
+
+    def _hold(self, conn: Conn, to_p: bool, frame: bytes, sent_open: bool) -> None:
+        """A message that came due while its direction (``to_p``: decode to prefill) is held waits for the
+        heal, however it got there: sent during the partition, or (``sent_open``) already on the wire when
+        it began, which TCP sends again once the route is back. It joins the connection's queue for that
+        direction: messages come due in the order sent, and the queue hands them over in that order at the
+        heal (a partition extended meanwhile, the later heal), so the connection stays FIFO."""
+        if sent_open:
+            self.on_wire += 1
+        queue = conn.queue_p if to_p else conn.queue_d
+        if queue is None:
+            queue = []
+            if to_p:
+                conn.queue_p = queue
+            else:
+                conn.queue_d = queue
+            self.sim.at(self._held(conn, self.held_to_p if to_p else self.held_to_d), self._release, conn, to_p)
+        queue.append(frame)
+
+    def _release(self, conn: Conn, to_p: bool) -> None:
+        heal = self._held(conn, self.held_to_p if to_p else self.held_to_d)
+        if heal > self.sim.now:   # held again meanwhile
+            self.sim.at(heal, self._release, conn, to_p)
+            return
+        queue = conn.queue_p if to_p else conn.queue_d
+        if to_p:
+            conn.queue_p = None
+        else:
+            conn.queue_d = None
+        node = conn.node(to_p)
+        if queue and conn.open and node is not None and not node.crashed:
+            key = conn.identity if to_p else conn.link
+            node.frames.extend(("frame", key, frame) for frame in queue)
+            node.kick()
 
     def close(self, link: Any, *, tell_decode: bool) -> None:
         """The connection ends (decode closed it, a cut, a crash): what is in flight is lost; both sides'
