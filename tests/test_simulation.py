@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvferry.cli import main
 from kvferry.layout.memory import KVMemory
@@ -29,7 +31,7 @@ from kvferry.simulation import MUTATIONS, SimConfig, run_many, run_seed, shrink
 from kvferry.simulation.config import DATA_STORM, FAULT_KINDS, Swarm
 from kvferry.simulation.mutations import EXPECTED
 from kvferry.simulation.tp import TP_PAIRS, WIDE_PAIRS, draw_tp, fill_content, page_content, rank_layout
-from kvferry.simulation.world import Net, Pending, Sim, Transport
+from kvferry.simulation.world import Net, Pending, Rows, Sim, Transport, some_rows
 
 REGRESSIONS = Path(__file__).with_name("simulation_regressions.txt")
 SEEDS_BUDGET_S = 20.0       # CPU seconds of fresh seeds with faults per test run
@@ -205,17 +207,25 @@ def test_a_partitioned_data_path_holds_transfers_until_the_heal_or_the_timeout(
 
 def test_a_data_path_cut_alone_holds_transfers_while_messages_flow(monkeypatch: pytest.MonkeyPatch) -> None:
     """The transport between a pair cut with its messages flowing (``Swarm.fabric_rate``): no message is held,
-    transfers are (some time out, the others land after the heal), some of them split (a prefix of their rows
-    crossed before the cut, landing then: writes and reads both), and no invariant breaks."""
+    transfers are (some time out, the others land after the heal), some of them split (some of their rows,
+    not only a prefix, crossed before the cut, landing then: writes and reads both; the rest waits, each row
+    once), and no invariant breaks."""
     split: list[tuple[str, int, int]] = []
+    scattered = 0
+
+    def rows(pend: Pending) -> list[tuple[int, ...]]:
+        return [tuple(row) for p in pend.parts for row in p[3].dst_descs.tolist()]
 
     def recorded(orig: Callable[[Transport, Pending], None]) -> Callable[[Transport, Pending], None]:
         def split_recorded(self: Transport, pend: Pending) -> None:
-            before = sum(len(p[3].src_descs) for p in pend.parts)
+            nonlocal scattered
+            before = rows(pend)
             orig(self, pend)
-            after = sum(len(p[3].src_descs) for p in pend.parts)
-            if after < before:
-                split.append((pend.kind, before - after, after))
+            after = rows(pend)
+            if len(after) < len(before):
+                split.append((pend.kind, len(before) - len(after), len(after)))
+                assert set(after) <= set(before) and len(set(after)) == len(after)   # rows left, each once
+                scattered += bool(after) and after != before[len(before) - len(after):]
         return split_recorded
 
     monkeypatch.setattr(Transport, "_split", recorded(Transport._split))
@@ -229,7 +239,27 @@ def test_a_data_path_cut_alone_holds_transfers_while_messages_flow(monkeypatch: 
     assert sum(r.partial for r in results) == len(split) > 0
     assert {kind for kind, _, _ in split} == {"write", "read"}
     assert any(rest for _, _, rest in split) and any(not rest for _, _, rest in split)   # the rest waits, or none
+    assert scattered > 0   # rows crossed out of order: what is left is not the transfer's tail
     assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
+
+
+@given(st.lists(st.integers(1, 9), max_size=6), st.data())
+@settings(max_examples=200, deadline=None)
+def test_some_rows_takes_each_row_once_on_one_side(sizes: list[int], data: st.DataObject) -> None:
+    """``some_rows`` (a split or failed transfer's rows that landed, and the rest): ``n`` rows on one side,
+    the others on the other, every row of every part exactly once, each part's rows in their own chunk."""
+    parts = [(tag, f"r{tag}", 1, Rows(np.arange(n * 3).reshape(n, 3) + 1000 * tag,
+                                       np.arange(n * 3).reshape(n, 3) + 1000 * tag + 500))
+             for tag, n in enumerate(sizes)]
+    n = data.draw(st.integers(0, sum(sizes)))
+    head, tail = some_rows(parts, n, data.draw(st.integers(0, 2**64 - 1)))
+
+    def rows(side: list[Any]) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        return [(tag, tuple(s), tuple(d)) for tag, _, _, plan in side
+                for s, d in zip(plan.src_descs.tolist(), plan.dst_descs.tolist(), strict=True)]
+    assert len(rows(head)) == n
+    assert sorted(rows(head) + rows(tail)) == sorted(rows(parts))
+    assert all(d[0] - s[0] == 500 for _, s, d in rows(head) + rows(tail))   # source and target stay paired
 
 
 def test_the_data_path_cut_alone_is_drawn_from_its_own_stream() -> None:

@@ -430,31 +430,22 @@ class Transport:
         return True
 
     def _split(self, pend: Pending) -> None:
-        """A transfer is posted as one and moves row by row: in one held transfer in two, a prefix of its rows
-        (perhaps all: then only its completion waits) crossed before the path went and lands now; the rest
-        waits with it, to land after the heal or never. Drawn from ``Sim.rng_fabric``: no other draw moves."""
+        """A transfer is posted as one and moves row by row, in no set order (spread over a NIC's queue pairs
+        or rails): in one held transfer in two, some of its rows (any of them; perhaps all: then only its
+        completion waits) crossed before the path went and land now; the rest waits with it, to land after
+        the heal or never. Drawn from ``Sim.rng_fabric``: no other draw moves."""
         rng = self.sim.rng_fabric
-        rows = [len(part[3].src_descs) for part in pend.parts]
-        cut = rng.randrange(1, sum(rows) + 1) if rows and rng.random() < 0.5 else 0
-        if not cut:
+        total = sum(len(part[3].src_descs) for part in pend.parts)
+        crossed = rng.randrange(1, total + 1) if total and rng.random() < 0.5 else 0
+        if not crossed:
             return
+        head, tail = some_rows(pend.parts, crossed, rng.getrandbits(64))
         peer = self._live_peer(pend)
         if peer is None or pend.poster.crashed:
             return   # an end is gone: nothing crosses (its landing says so)
         src, dst = (pend.poster, peer) if pend.kind == "write" else (peer, pend.poster)
-        crossed = cut
-        head, tail = [], []
-        for part, n in zip(pend.parts, rows):
-            if cut >= n:
-                head.append(part)
-            elif cut > 0:
-                head.append(_rows(part, 0, cut))
-                tail.append(_rows(part, cut, n))
-            else:
-                tail.append(part)
-            cut -= min(cut, n)
         self.partial += 1
-        self.sim.log(pend.poster.name, f"{pend.kind} {pend.ticket}: {crossed} of {sum(rows)} rows crossed before "
+        self.sim.log(pend.poster.name, f"{pend.kind} {pend.ticket}: {crossed} of {total} rows crossed before "
                      "the data path went")
         for part in head:
             if not self.world.apply(part, src=src, dst=dst, kind=pend.kind) and pend.kind == "read":
@@ -496,7 +487,9 @@ class Transport:
             parts = []
         elif self._fails():
             error = "write failed"
-            parts = parts[:self.sim.rng_fault.randrange(len(parts) + 1)]   # some chunks may have landed
+            rng = self.sim.rng_fault   # any of its rows may have landed, or none
+            parts = some_rows(parts, rng.randrange(sum(len(p[3].src_descs) for p in parts) + 1),
+                              rng.getrandbits(64))[0]
         for part in parts:
             world.apply(part, src=writer, dst=target, kind="write")
         if error is None:
@@ -540,15 +533,37 @@ class Transport:
 
 @dataclass(frozen=True, slots=True)
 class Rows:
-    """Some rows of a plan: what ``World.apply`` reads of one (a transfer split across a partition)."""
+    """Some rows of a plan: what ``World.apply`` reads of one (a transfer split across a partition, or the
+    part of a failed write that landed)."""
 
     src_descs: np.ndarray
     dst_descs: np.ndarray
 
 
-def _rows(part: tuple[int, str, int, Any], lo: int, hi: int) -> tuple[int, str, int, Rows]:
+def some_rows(parts: list[Any], n: int, bits: int) -> tuple[list[Any], list[Any]]:
+    """``parts`` (each a (tag, rid, gen, plan)) as two lists: ``n`` of their rows, any of them (drawn from
+    ``bits``), and the rest. A part wholly on one side stays as it is; a part cut in two is one ``Rows``
+    on each side."""
+    if not parts:
+        return [], []
+    sizes = [len(part[3].src_descs) for part in parts]
+    chosen = np.zeros(sum(sizes), dtype=bool)
+    chosen[np.random.default_rng(bits).permutation(len(chosen))[:n]] = True
+    head, tail = [], []
+    for part, mask in zip(parts, np.split(chosen, np.cumsum(sizes)[:-1]), strict=True):
+        if mask.all():
+            head.append(part)
+        elif not mask.any():
+            tail.append(part)
+        else:
+            head.append(_rows(part, mask))
+            tail.append(_rows(part, ~mask))
+    return head, tail
+
+
+def _rows(part: tuple[int, str, int, Any], mask: np.ndarray) -> tuple[int, str, int, Rows]:
     tag, rid, gen, plan = part
-    return tag, rid, gen, Rows(plan.src_descs[lo:hi], plan.dst_descs[lo:hi])
+    return tag, rid, gen, Rows(plan.src_descs[mask], plan.dst_descs[mask])
 
 
 def copy_rows(src: list[int], nbytes: list[int], dst: list[int]) -> None:
