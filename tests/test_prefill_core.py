@@ -24,7 +24,7 @@ from kvferry.control.core.prefill_requests import make_spec
 from kvferry.control.core.process import ProcessIdentity
 from kvferry.control.pull import source_hold_s
 from kvferry.control.stats import NullRecorder
-from kvferry.errors import PeerLost, RequestAborted, TransferTimeout
+from kvferry.errors import PeerLost, ProtocolError, RequestAborted, TransferTimeout
 from kvferry.integrity import DigestMode
 
 from .control_peer import make_layout
@@ -415,3 +415,31 @@ def test_a_pull_hold_ends_when_decode_is_gone_or_at_source_hold(gone: bool) -> N
     assert rec.source_held and dead_at < end
     peer.tick(end)
     assert not rec.source_held and rec not in peer.core.active
+
+
+def test_a_copy_of_an_announce_is_dropped_unanswered_live_or_ended() -> None:
+    """A decode's generations rise with each announce on its connection, so an announce not above the last
+    is a copy (a replay, a duplicate): dropped as a bad message, never answered. A Fail for it would name
+    the live generation and tell decode nothing will be written under it (decode frees the pages being
+    written); a late copy of an ended one must not start a write into pages decode has leased again."""
+    peer = Peer()
+    peer.connect()
+    peer.send()
+    peer.announce()
+    [ticket] = peer.in_flight
+    peer.received()
+    with pytest.raises(ProtocolError, match="a copy"):
+        peer.announce()                       # the copy, while generation 1 is being written
+    peer.carry_out()
+    assert peer.received() == [] and list(peer.in_flight) == [ticket]
+    peer.settle(ticket)
+    peer.frame(b"d1", wire.Result("r", 1, True, ""))
+    peer.core.settle_dirty(peer.t)
+    assert peer.state() is RequestState.DONE
+    with pytest.raises(ProtocolError, match="a copy"):
+        peer.announce()                       # a late copy, the request ended
+    peer.carry_out()
+    assert peer.received() == [] and not peer.in_flight and not peer.core.active
+    assert peer.state() is RequestState.DONE
+    peer.announce("r2", 2)                    # the next generation is a new hand-off
+    assert peer.core.records["r2"].is_live and peer.received()[0] == wire.Ack("r2", 2)

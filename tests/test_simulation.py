@@ -25,6 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry.cli import main
+from kvferry.control.core.prefill_announces import Announces
+from kvferry.errors import ProtocolError
 from kvferry.layout.memory import KVMemory
 from kvferry.plan import plan_decode_rank
 from kvferry.simulation import MUTATIONS, SimConfig, run_many, run_seed, shrink
@@ -292,11 +294,11 @@ class _Wire:
         monkeypatch.setattr(Net, "_release", self._delivered(lambda to_p: "to_p" if to_p else "to_d", Net._release))
 
     def _sent(self, way: str, orig: Callable[..., None]) -> Callable[..., None]:
-        def send(net: Net, key: Any, frame: bytes) -> None:
+        def send(net: Net, key: Any, frame: bytes, *args: Any) -> None:
             conn = net.by_link.get(key) if way == "to_p" else net.by_identity.get(key)
             if conn is not None:
                 self.sent.setdefault((conn, way), []).append(frame)
-            orig(net, key, frame)
+            orig(net, key, frame, *args)
         return send
 
     def _delivered(self, way_of: Callable[[Any], str], orig: Callable[..., None]) -> Callable[..., None]:
@@ -389,6 +391,47 @@ def test_the_one_way_draw_moves_no_other_draw() -> None:
             drawn += 1
             assert base.partition_rate and swarm.oneway in (0.5, 1.0)
     assert 0.35 * partitioned < drawn < 0.65 * partitioned
+
+
+def test_copied_messages_are_acted_on_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Messages copied (``Swarm.duplicate``), the copy right behind the original or up to a second later:
+    prefill drops each copy of an announce unanswered (its Fail would settle the generation being written,
+    or a late copy would start a write into pages leased again), and no invariant breaks, pushing and
+    pulling, TP 1 and 2. ``announce_copy_answered`` (the mutation check) is the same runs without the drop."""
+    copies: list[int] = []
+    orig = Announces.on_announce
+
+    def on_announce(self: Announces, session: Any, msg: Any) -> None:
+        try:
+            orig(self, session, msg)
+        except ProtocolError:
+            copies.append(msg.generation)
+            raise
+    monkeypatch.setattr(Announces, "on_announce", on_announce)
+    results = [run_seed(seed, SimConfig(tp=tp, requests=96),
+                        swarm=Swarm(duplicate=0.2, duplicate_max=late, pull=pull, decode_abort=0.2, prefill_abort=0.2,
+                                    retry=0.5, cut_rate=0.5, slow_transfer=0.1, slow_max=0.5))
+               for seed, (late, pull, tp) in enumerate([(0.0, 0.0, (1, 1)), (1.0, 0.0, (1, 1)), (0.0, 1.0, (2, 2)),
+                                                        (1.0, 1.0, (1, 2))], FRESH_FROM)]
+    assert all(r.ok for r in results), [(r.seed, r.violation) for r in results]
+    assert all(dict(r.faults)["duplicate"] > 0 for r in results)
+    assert len(copies) > 20
+    assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
+
+
+def test_the_copies_draw_moves_no_other_draw() -> None:
+    """``Swarm.with_duplicates`` changes only its own fields, in about a quarter of the seeds."""
+    drawn = 0
+    for seed in range(800):
+        sim = Sim(seed)
+        base = Swarm.draw(sim.rng_fault).with_liveness(sim.rng_live).with_data_path(sim.rng_data).with_fabric(
+            sim.rng_fabric).with_oneway(sim.rng_oneway)
+        swarm = base.with_duplicates(sim.rng_dup)
+        assert replace(swarm, duplicate=0.0, duplicate_max=0.0) == base
+        if swarm.duplicate:
+            drawn += 1
+            assert 0.01 <= swarm.duplicate <= 0.1 and swarm.duplicate_max in (0.0, 0.1, 1.0)
+    assert 150 < drawn < 250
 
 
 def test_faults_are_counted_by_kind_only_where_the_seed_drew_them() -> None:

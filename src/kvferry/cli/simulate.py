@@ -87,7 +87,7 @@ FAULT_LABELS = {
     "prefill_abort": "prefill aborts", "decode_abort": "decode aborts", "cancel": "cancels",
     "retry": "retries under the same id", "starve_rate": "starvations",
     "fabric_rate": "data paths cut alone (messages still flowing)",
-    "oneway": "one way only",
+    "oneway": "one way only", "duplicate": "messages copied",
 }
 
 

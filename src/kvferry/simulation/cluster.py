@@ -116,7 +116,7 @@ class World:
         drawn = Swarm.draw(self.sim.rng_fault, cfg.faults)   # always drawn: the fault stream stays the same
         if cfg.faults:
             drawn = drawn.with_liveness(self.sim.rng_live).with_data_path(self.sim.rng_data).with_fabric(
-                self.sim.rng_fabric).with_oneway(self.sim.rng_oneway)
+                self.sim.rng_fabric).with_oneway(self.sim.rng_oneway).with_duplicates(self.sim.rng_dup)
         self.swarm = (swarm if swarm is not None else drawn).without(*without)
         self.options = replace(cfg.options, transport_liveness=self.swarm.zmtp)
         self.net = Net(self)

@@ -113,6 +113,12 @@ class Swarm:
     # one side goes on hearing the other, which hears nothing. Decode may give up on a prefill that still
     # reads its Results and aborts, or a prefill on a decode that still reads its Readys.
     oneway: float = 0.0
+    # Messages copied (``duplicate``: the share of frames sent twice, the copy sent again up to
+    # ``duplicate_max`` later on the same connection, behind what was sent before it). ZMQ over one TCP
+    # connection neither duplicates nor replays; the copies stand for a peer or a proxy that does, a peer's
+    # messages being untrusted input: no core may act twice on one message.
+    duplicate: float = 0.0
+    duplicate_max: float = 0.0
 
     @classmethod
     def draw(cls, rng: random.Random, faults: bool = True) -> Swarm:
@@ -181,6 +187,12 @@ class Swarm:
         on, share = rng.random() < 0.5, rng.choice([0.5, 1.0])
         return replace(self, oneway=share) if on and self.partition_rate else self
 
+    def with_duplicates(self, rng: random.Random) -> Swarm:
+        """A quarter of the seeds with faults copy messages. From a stream of its own (``Sim.rng_dup``, which
+        also draws each copy and its delay), so that adding it moved no other draw."""
+        on, share, longest = rng.random() < 0.25, rng.uniform(0.01, 0.1), rng.choice([0.0, 0.1, 1.0])
+        return replace(self, duplicate=share, duplicate_max=longest) if on else self
+
     def describe(self) -> str:
         return " ".join(f"{f.name}={getattr(self, f.name):.3g}" if isinstance(getattr(self, f.name), float)
                         else f"{f.name}={getattr(self, f.name)}" for f in fields(self)
@@ -204,7 +216,7 @@ PROFILES: dict[str, dict[str, float | str]] = {
 
 FAULT_KINDS = ("spike", "cut_rate", "partition_rate", "stall_rate", "stall_post", "crash_rate", "transfer_fail",
                "slow_transfer", "prefill_abort", "decode_abort", "cancel", "retry", "starve_rate", "data_partition",
-               "fabric_rate", "oneway")
+               "fabric_rate", "oneway", "duplicate")
 
 # How long a transfer waits on a partitioned data path before it fails: the transport's own timeout (UCX's
 # RC retries; a few seconds by default, shorter here with the other timers: ``OPTIONS``).

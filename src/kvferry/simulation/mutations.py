@@ -21,6 +21,13 @@ Two only a TP group of another size can show (``simulation.tp``):
    heads, or past the page. Digests do not help: decode checks the slices the same planner derived.
 8. ``group_done_early``: a prefill rank reports a request DONE once its own decode rank verified it,
    without waiting for the other decode ranks of the request's group.
+
+One only copied messages can show (``Swarm.duplicate``):
+
+9. ``announce_copy_answered``: prefill takes every announce as new, a copy of one too: a copy of a live
+   generation's announce is refused with a Fail that tells decode nothing will be written under it, and
+   decode frees the pages prefill is writing; a late copy of an ended one starts a write into pages since
+   leased again. (kvferry 0.4.0.dev0 had this bug until the simulator copied messages.)
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from kvferry.control.core.decode import DecodeCore
 from kvferry.control.core.decode_liveness import Liveness
 from kvferry.control.core.decode_messages import Messages
 from kvferry.control.core.holds import SourceHolds
+from kvferry.control.core.prefill_announces import Announces
 from kvferry.control.core.prefill_writer import Writer
 from kvferry.layout.memory import KVMemory
 from kvferry.plan import tp as plan_tp
@@ -134,6 +142,13 @@ def _group_done_early(rec: Any) -> bool:
     return True   # the bug: this decode rank's verdict stands for the group's
 
 
+def _announce_copy_answered(orig: Callable[..., None]) -> Callable[..., None]:
+    def on_announce(self: Announces, session: Any, msg: Any) -> None:
+        session.last_generation = 0   # the bug: every announce taken as a new one, a copy answered like any
+        orig(self, session, msg)
+    return on_announce
+
+
 # name -> (object, attribute, the replacement given the original)
 MUTATIONS: dict[str, tuple[Any, str, Callable[[Any], Any]]] = {
     "quarantine_timer": (Liveness, "check_quarantine", lambda orig: _quarantine_timer),
@@ -144,6 +159,7 @@ MUTATIONS: dict[str, tuple[Any, str, Callable[[Any], Any]]] = {
     "pull_release_early": (SourceHolds, "hold", lambda orig: _no_hold),
     "tp_slice_offset": (plan_tp, "slice_of", _slice_offset),
     "group_done_early": (prefill_writer, "group_done", lambda orig: _group_done_early),
+    "announce_copy_answered": (Announces, "on_announce", _announce_copy_answered),
 }
 
 # The invariants each mutation must be caught by (any one of them).
@@ -161,6 +177,9 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     # Another rank's heads overwritten (or never written: a_lease when the slice runs past the page).
     "tp_slice_offset": ("b_done_bytes", "a_lease"),
     "group_done_early": ("b_group_verdict",),
+    # Writes into pages decode freed (at the copy's Fail) or leased again (a late copy), or a request the
+    # copy opened that nothing will end.
+    "announce_copy_answered": ("a_lease", "e_at_rest"),
 }
 
 assert core_decode is not None

@@ -75,6 +75,7 @@ class Sim:
         self.rng_data = random.Random(seed * 4 + 5 + (1 << 41))   # which partitions hold the data path too
         self.rng_fabric = random.Random(seed * 4 + 6 + (1 << 42))  # the data path cut alone; split transfers
         self.rng_oneway = random.Random(seed * 4 + 7 + (1 << 43))  # which partitions hold one direction only
+        self.rng_dup = random.Random(seed * 4 + 8 + (1 << 44))     # which messages are copied, and when
         self.trace: deque[tuple[float, str, str]] = deque(maxlen=TRACE_LEN)
         self.events = 0
         # Faults injected, by kind (``config.FAULT_KINDS``' names): counted as they happen, no draw of their own
@@ -227,7 +228,7 @@ class Net:
         self.by_link[link] = conn
         return conn
 
-    def to_prefill(self, link: Any, frame: bytes) -> None:
+    def to_prefill(self, link: Any, frame: bytes, copy: bool = True) -> None:
         conn = self.by_link.get(link)
         if conn is None or not conn.open or conn.prefill is None or conn.prefill.crashed:
             return   # lost: ZMQ has nobody to hand it to (a crashed peer's queue dies with it)
@@ -235,6 +236,8 @@ class Net:
         t = max(now + self.delay(), conn.last_to_p)
         conn.last_to_p = t
         self.sim.at(t, self._deliver_p, conn, frame, self._held(conn, self.held_to_p) <= now)
+        if copy and self.world.swarm.duplicate:
+            self._copy(self.to_prefill, link, frame)
 
     def _deliver_p(self, conn: Conn, frame: bytes, sent_open: bool) -> None:
         if conn.open and conn.prefill is not None and not conn.prefill.crashed:
@@ -244,7 +247,7 @@ class Net:
             conn.prefill.frames.append(("frame", conn.identity, frame))
             conn.prefill.kick()
 
-    def to_decode(self, identity: bytes, frame: bytes) -> None:
+    def to_decode(self, identity: bytes, frame: bytes, copy: bool = True) -> None:
         conn = self.by_identity.get(identity)
         if conn is None or not conn.open or conn.decode.crashed:
             return   # ROUTER drops what it cannot route
@@ -252,6 +255,17 @@ class Net:
         t = max(now + self.delay(), conn.last_to_d)
         conn.last_to_d = t
         self.sim.at(t, self._deliver_d, conn, frame, self._held(conn, self.held_to_d) <= now)
+        if copy and self.world.swarm.duplicate:
+            self._copy(self.to_decode, identity, frame)
+
+    def _copy(self, send: Callable[[Any, bytes, bool], None], key: Any, frame: bytes) -> None:
+        """With ``Swarm.duplicate``'s odds, ``frame`` sent once more on its connection (``key``), up to
+        ``duplicate_max`` later, by ``send`` (``to_prefill``, ``to_decode``): it arrives behind whatever was
+        sent before the copy left, and is lost if the connection is gone by then."""
+        swarm, rng = self.world.swarm, self.sim.rng_dup
+        if rng.random() < swarm.duplicate and self.world.faults_on():
+            self.sim.faults["duplicate"] += 1
+            self.sim.at(self.sim.now + rng.random() * swarm.duplicate_max, send, key, frame, False)
 
     def _deliver_d(self, conn: Conn, frame: bytes, sent_open: bool) -> None:
         if conn.open and not conn.decode.crashed:

@@ -61,6 +61,12 @@ class Announces:
 
     def on_announce(self, session: Session, msg: wire.Announce) -> None:
         core = self.core
+        if msg.generation <= session.last_generation:
+            # Not answered: a Fail names the generation, and this one may be live (the copy of an announce
+            # being written) or ended, its pages since leased again; either way nothing new is asked.
+            raise ProtocolError(f"announce of {msg.request_id!r} generation {msg.generation} from "
+                                f"{session.label}: not above its last, {session.last_generation} (a copy)")
+        session.last_generation = msg.generation
         try:
             dst = self.check_announce(session, msg)
             prefix = check_prefix(session.remote.layout, msg.prefix, f"announce from {session.label}")

@@ -63,6 +63,9 @@ class Session:
         # read of a connection needs this side's answer to wire up (NIXL over UCX), and a progress thread
         # blocked in its idle poll would hold it up to a quarter heartbeat.
         self.read_once = False
+        # The highest generation this decode announced here: its generations rise with each announce and a
+        # connection keeps order, so one not above it is a copy (a replay, a duplicate), never a new hand-off.
+        self.last_generation = 0
 
     def move(self, new: SessionState) -> None:
         """Move to ``new``; ``InternalError`` when the table does not allow it (a kvferry bug)."""
