@@ -173,19 +173,12 @@ class PageMap:
 class Conn:
     """One ZMQ connection: a decode link's DEALER to a prefill's ROUTER (``identity``: its routing id)."""
 
-    __slots__ = ("decode", "identity", "last_to_d", "last_to_p", "link", "open", "prefill", "queue_d", "queue_p")
+    __slots__ = ("decode", "identity", "last_to_d", "last_to_p", "link", "open", "prefill")
 
     def __init__(self, decode: DecodeNode, link: Any, prefill: PrefillNode | None, identity: bytes) -> None:
         self.decode, self.link, self.prefill, self.identity = decode, link, prefill, identity
         self.open = True
         self.last_to_p = self.last_to_d = 0.0
-        # What came due while its direction was held, in the order sent (``Net._hold``); None: nothing held
-        self.queue_p: list[bytes] | None = None
-        self.queue_d: list[bytes] | None = None
-
-    def node(self, to_p: bool) -> Any:
-        """The end a direction leads to (None: a prefill that is not there)."""
-        return self.prefill if to_p else self.decode
 
 
 class Net:
@@ -200,6 +193,8 @@ class Net:
         self.held_to_d: dict[tuple[str, str], float] = {}
         self.data_partitions: dict[tuple[str, str], float] = {}   # the same, for the transport between them
         self.on_wire = 0   # messages on the wire when a partition began, held until its heal
+        # (connection, towards prefill) -> what came due while that way was held, in the order sent (``_hold``)
+        self.queued: dict[tuple[Conn, bool], list[bytes]] = {}
 
     def delay(self) -> float:
         swarm = self.world.swarm
@@ -241,7 +236,7 @@ class Net:
 
     def _deliver_p(self, conn: Conn, frame: bytes, sent_open: bool) -> None:
         if conn.open and conn.prefill is not None and not conn.prefill.crashed:
-            if conn.queue_p is not None or self._held(conn, self.held_to_p) > self.sim.now:
+            if self._held(conn, self.held_to_p) > self.sim.now or (self.queued and (conn, True) in self.queued):
                 self._hold(conn, True, frame, sent_open)
                 return
             conn.prefill.frames.append(("frame", conn.identity, frame))
@@ -269,7 +264,7 @@ class Net:
 
     def _deliver_d(self, conn: Conn, frame: bytes, sent_open: bool) -> None:
         if conn.open and not conn.decode.crashed:
-            if conn.queue_d is not None or self._held(conn, self.held_to_d) > self.sim.now:
+            if self._held(conn, self.held_to_d) > self.sim.now or (self.queued and (conn, False) in self.queued):
                 self._hold(conn, False, frame, sent_open)
                 return
             conn.decode.frames.append(("frame", conn.link, frame))
@@ -283,13 +278,9 @@ class Net:
         heal (a partition extended meanwhile, the later heal), so the connection stays FIFO."""
         if sent_open:
             self.on_wire += 1
-        queue = conn.queue_p if to_p else conn.queue_d
+        queue = self.queued.get((conn, to_p))
         if queue is None:
-            queue = []
-            if to_p:
-                conn.queue_p = queue
-            else:
-                conn.queue_d = queue
+            queue = self.queued[(conn, to_p)] = []
             self.sim.at(self._held(conn, self.held_to_p if to_p else self.held_to_d), self._release, conn, to_p)
         queue.append(frame)
 
@@ -298,15 +289,10 @@ class Net:
         if heal > self.sim.now:   # held again meanwhile
             self.sim.at(heal, self._release, conn, to_p)
             return
-        queue = conn.queue_p if to_p else conn.queue_d
-        if to_p:
-            conn.queue_p = None
-        else:
-            conn.queue_d = None
-        node = conn.node(to_p)
-        if queue and conn.open and node is not None and not node.crashed:
-            key = conn.identity if to_p else conn.link
-            node.frames.extend(("frame", key, frame) for frame in queue)
+        queue = self.queued.pop((conn, to_p))
+        node = conn.prefill if to_p else conn.decode
+        if conn.open and node is not None and not node.crashed:
+            node.frames.extend(("frame", conn.identity if to_p else conn.link, frame) for frame in queue)
             node.kick()
 
     def close(self, link: Any, *, tell_decode: bool) -> None:
