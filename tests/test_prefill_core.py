@@ -151,6 +151,17 @@ def _after(t: float) -> float:
     return math.nextafter(t, math.inf)
 
 
+def _writing() -> tuple[Peer, int]:
+    """A connected decode that announced request "r" (generation 1), sent by the engine: its one write in
+    flight (the ticket)."""
+    peer = Peer()
+    peer.connect()
+    peer.send()
+    peer.announce()
+    [ticket] = peer.in_flight
+    return peer, ticket
+
+
 def test_a_session_is_established_and_writes_are_posted_with_their_chunk() -> None:
     peer = Peer()
     peer.connect()
@@ -311,11 +322,7 @@ def test_a_dead_sessions_write_in_flight_keeps_the_agent_until_it_settles() -> N
     """A session lost with a write in flight: the write is not cancelled blind, the transport peer stays
     until it settles, and a decode that reconnects and asks about the generation hears a settled Fail only
     then (docs/fencing.md)."""
-    peer = Peer()
-    peer.connect()
-    peer.send()
-    peer.announce()
-    [ticket] = peer.in_flight
+    peer, ticket = _writing()
     peer.run_until(1.0, heard=False)
     assert b"d1" not in peer.core.sessions and peer.removed == []   # the write may still land
     peer.connect(b"d1")                                             # the same decode, a new session
@@ -330,11 +337,7 @@ def test_a_dead_sessions_write_in_flight_keeps_the_agent_until_it_settles() -> N
 def test_abort_with_a_write_in_flight_tells_decode_twice() -> None:
     """prefill's abort: decode hears at once (unsettled: it must not report DONE) and again, settled, once
     the write in flight has; only then may it free the pages."""
-    peer = Peer()
-    peer.connect()
-    peer.send()
-    peer.announce()
-    [ticket] = peer.in_flight
+    peer, ticket = _writing()
     peer.received()
     peer.core.abort(peer.t, "r", "engine gave up")
     peer.carry_out()
@@ -422,11 +425,7 @@ def test_a_copy_of_an_announce_is_dropped_unanswered_live_or_ended() -> None:
     is a copy (a replay, a duplicate): dropped as a bad message, never answered. A Fail for it would name
     the live generation and tell decode nothing will be written under it (decode frees the pages being
     written); a late copy of an ended one must not start a write into pages decode has leased again."""
-    peer = Peer()
-    peer.connect()
-    peer.send()
-    peer.announce()
-    [ticket] = peer.in_flight
+    peer, ticket = _writing()
     peer.received()
     with pytest.raises(ProtocolError, match="a copy"):
         peer.announce()                       # the copy, while generation 1 is being written

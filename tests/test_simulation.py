@@ -264,20 +264,6 @@ def test_some_rows_takes_each_row_once_on_one_side(sizes: list[int], data: st.Da
     assert all(d[0] - s[0] == 500 for _, s, d in rows(head) + rows(tail))   # source and target stay paired
 
 
-def test_the_data_path_cut_alone_is_drawn_from_its_own_stream() -> None:
-    """``Swarm.with_fabric`` changes only its own fields, in about a quarter of the seeds."""
-    drawn = 0
-    for seed in range(800):
-        sim = Sim(seed)
-        base = Swarm.draw(sim.rng_fault).with_liveness(sim.rng_live).with_data_path(sim.rng_data)
-        swarm = base.with_fabric(sim.rng_fabric)
-        assert replace(swarm, fabric_rate=0.0, fabric_max=0.0) == base
-        if swarm.fabric_rate:
-            drawn += 1
-            assert 0.3 <= swarm.fabric_rate <= 1.5 and swarm.fabric_max in (0.3, 1.0, 2.0)
-    assert 150 < drawn < 250
-
-
 class _Wire:
     """What the simulated network carried, per connection and direction: the frames sent (``Net.to_prefill``,
     ``Net.to_decode``) and those that reached the node, in order, and when each reached it while its own
@@ -377,22 +363,6 @@ def test_a_partition_holds_the_messages_already_on_the_wire_and_keeps_each_conne
     assert sum(len(got) for got in wire.arrived.values()) > 1000
 
 
-def test_the_one_way_draw_moves_no_other_draw() -> None:
-    """``Swarm.with_oneway`` changes only its own field, in about half the seeds with partitions, none other."""
-    drawn, partitioned = 0, 0
-    for seed in range(800):
-        sim = Sim(seed)
-        base = Swarm.draw(sim.rng_fault).with_liveness(sim.rng_live).with_data_path(sim.rng_data).with_fabric(
-            sim.rng_fabric)
-        swarm = base.with_oneway(sim.rng_oneway)
-        assert replace(swarm, oneway=0.0) == base
-        partitioned += bool(base.partition_rate)
-        if swarm.oneway:
-            drawn += 1
-            assert base.partition_rate and swarm.oneway in (0.5, 1.0)
-    assert 0.35 * partitioned < drawn < 0.65 * partitioned
-
-
 def test_copied_messages_are_acted_on_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Messages copied (``Swarm.duplicate``), the copy right behind the original or up to a second later:
     prefill drops each copy of an announce unanswered (its Fail would settle the generation being written,
@@ -419,21 +389,6 @@ def test_copied_messages_are_acted_on_once(monkeypatch: pytest.MonkeyPatch) -> N
     assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
 
 
-def test_the_copies_draw_moves_no_other_draw() -> None:
-    """``Swarm.with_duplicates`` changes only its own fields, in about a quarter of the seeds."""
-    drawn = 0
-    for seed in range(800):
-        sim = Sim(seed)
-        base = Swarm.draw(sim.rng_fault).with_liveness(sim.rng_live).with_data_path(sim.rng_data).with_fabric(
-            sim.rng_fabric).with_oneway(sim.rng_oneway)
-        swarm = base.with_duplicates(sim.rng_dup)
-        assert replace(swarm, duplicate=0.0, duplicate_max=0.0) == base
-        if swarm.duplicate:
-            drawn += 1
-            assert 0.01 <= swarm.duplicate <= 0.1 and swarm.duplicate_max in (0.0, 0.1, 1.0)
-    assert 150 < drawn < 250
-
-
 def test_faults_are_counted_by_kind_only_where_the_seed_drew_them() -> None:
     """``RunResult.faults``: each kind counted is one the seed's fault mix switched on (the kinds are the
     ``Swarm``'s fields), and over a few seeds every kind shows up; a run without faults counts none."""
@@ -447,22 +402,59 @@ def test_faults_are_counted_by_kind_only_where_the_seed_drew_them() -> None:
     assert run_seed(0, SimConfig(faults=False)).faults == ()
 
 
-def test_the_data_path_draw_moves_no_other_draw() -> None:
-    """``Swarm.data_partition`` comes from a stream of its own, and only for seeds with partitions."""
-    drawn, storms = [], 0
+# The steps that follow ``Swarm.draw`` in ``World``, each with the stream it draws from, in that order.
+_DRAW_STEPS = (("with_liveness", "rng_live"), ("with_data_path", "rng_data"), ("with_fabric", "rng_fabric"),
+               ("with_oneway", "rng_oneway"), ("with_duplicates", "rng_dup"))
+
+
+def _step_drawn(step: str, *fields: str) -> list[tuple[Swarm, Swarm]]:
+    """800 seeds' fault mixes as ``World`` draws them, before and after ``step``, asserting that it changed
+    nothing but ``fields``: a step draws from a stream of its own, so that adding it moved no other draw."""
+    out = []
     for seed in range(800):
         sim = Sim(seed)
-        base = Swarm.draw(sim.rng_fault).with_liveness(sim.rng_live)
-        swarm = base.with_data_path(sim.rng_data)
-        untouched = {name: getattr(base, name) for name in DATA_STORM}
-        assert replace(swarm, **untouched) == base   # only the data path's fields may change
-        if swarm.partition_rate != base.partition_rate:   # a storm: partitions often, each holding the data path
-            storms += 1
-            assert swarm.partition_rate >= 1.0 and swarm.data_partition == 1.0 and swarm.slow_transfer >= 0.2
-        else:
-            assert replace(swarm, data_partition=0.0) == base and (base.partition_rate or not swarm.data_partition)
-        drawn.append(swarm.data_partition)
-    assert {0.0, 0.5, 1.0} == set(drawn) and 60 < storms < 140
+        swarm = Swarm.draw(sim.rng_fault)
+        for name, rng in _DRAW_STEPS:
+            before, swarm = swarm, getattr(swarm, name)(getattr(sim, rng))
+            if name == step:
+                assert replace(swarm, **{f: getattr(before, f) for f in fields}) == before, (seed, step)
+                out.append((before, swarm))
+                break
+    return out
+
+
+def test_the_data_path_draw_moves_no_other_draw() -> None:
+    """``Swarm.data_partition`` only for seeds with partitions; one seed in eight a storm (partitions often,
+    each holding the data path)."""
+    drawn = _step_drawn("with_data_path", *DATA_STORM)
+    storms = [after for before, after in drawn if after.partition_rate != before.partition_rate]
+    assert all(s.partition_rate >= 1.0 and s.data_partition == 1.0 and s.slow_transfer >= 0.2 for s in storms)
+    assert all(replace(after, data_partition=0.0) == before and (before.partition_rate or not after.data_partition)
+               for before, after in drawn if after.partition_rate == before.partition_rate)
+    assert {0.0, 0.5, 1.0} == {after.data_partition for _, after in drawn} and 60 < len(storms) < 140
+
+
+def test_the_data_path_cut_alone_is_drawn_from_its_own_stream() -> None:
+    """``Swarm.with_fabric`` in about a quarter of the seeds."""
+    drawn = [after for before, after in _step_drawn("with_fabric", "fabric_rate", "fabric_max") if after != before]
+    assert all(0.3 <= s.fabric_rate <= 1.5 and s.fabric_max in (0.3, 1.0, 2.0) for s in drawn)
+    assert 150 < len(drawn) < 250
+
+
+def test_the_one_way_draw_moves_no_other_draw() -> None:
+    """``Swarm.with_oneway`` in about half the seeds with partitions, none other."""
+    pairs = _step_drawn("with_oneway", "oneway")
+    drawn = [(before, after) for before, after in pairs if after.oneway]
+    assert all(before.partition_rate and after.oneway in (0.5, 1.0) for before, after in drawn)
+    partitioned = sum(bool(before.partition_rate) for before, _ in pairs)
+    assert 0.35 * partitioned < len(drawn) < 0.65 * partitioned
+
+
+def test_the_copies_draw_moves_no_other_draw() -> None:
+    """``Swarm.with_duplicates`` in about a quarter of the seeds."""
+    drawn = [after for _, after in _step_drawn("with_duplicates", "duplicate", "duplicate_max") if after.duplicate]
+    assert all(0.01 <= s.duplicate <= 0.1 and s.duplicate_max in (0.0, 0.1, 1.0) for s in drawn)
+    assert 150 < len(drawn) < 250
 
 
 def test_shrinking_keeps_the_invariant() -> None:
