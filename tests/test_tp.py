@@ -223,6 +223,28 @@ def test_equal_tp_is_plan_transfer(tp: int, major: str, seed: int) -> None:
         assert np.array_equal(ours.dst_descs, ref.dst_descs)
 
 
+@given(ptp=st.sampled_from(TPS), dtp=st.sampled_from(TPS), major=st.sampled_from(["head", "token"]),
+       plans=st.lists(st.tuples(st.integers(1, 6), st.sampled_from([None, ("L0.k",), ("L0.idx", "L1.v"),
+                                                                     ("L1.k", "L1.v", "state")])),
+                      min_size=2, max_size=6), seed=st.integers(0, 99))
+def test_one_planner_plans_each_request_as_a_fresh_one(ptp: int, dtp: int, major: str,
+                                                     plans: list[tuple[int, tuple[str, ...] | None]],
+                                                     seed: int) -> None:
+    """``TPPlanner`` keeps what a pool and buffer selection need across requests (``_compile``): requests
+    of other sizes and other selections on one planner get exactly the rows a new planner gives each."""
+    full = small_layout(8, 3, 2, major, 2, 12, replicated=True)
+    rng = np.random.default_rng(seed)
+    src, dst = rank_memory(full, ptp, ptp - 1, None), rank_memory(full, dtp, 0, None)
+    kept = TPPlanner(src, dst)
+    for n, buffers in plans:
+        pages = {"kv": (rng.choice(12, n, replace=False), rng.choice(12, n, replace=False)),
+                 "state": (rng.choice(4, 1), rng.choice(4, 1))}
+        ours, fresh = kept.plan(pages, buffers), TPPlanner(src, dst).plan(pages, buffers)
+        for name in ("src_descs", "dst_descs", "row_buffer_ids"):
+            assert np.array_equal(getattr(ours, name), getattr(fresh, name)), name
+        assert [(p.pool, p.buffers) for p in ours.pool_pages] == [(p.pool, p.buffers) for p in fresh.pool_pages]
+
+
 # -- descriptor counts -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("major", ["head", "token"])
 def test_row_counts(major: str) -> None:

@@ -35,6 +35,7 @@ from kvferry.arrays import readonly
 from kvferry.errors import PlanError
 from kvferry.layout.compare import model_difference
 from kvferry.layout.memory import KVMemory
+from kvferry.layout.spec import Buffer
 from kvferry.plan.pages import PagesArg, validate_pairs
 from kvferry.plan.planner import coalesce_runs, select_buffers
 
@@ -44,6 +45,9 @@ from kvferry.plan.ranks import PageSlice, slice_of, source_ranks
 __all__ = ["PlannedPool", "SliceRow", "TPPlan", "TPPlanner", "plan_decode_rank", "plan_tp_transfer"]
 
 _U64 = np.uint64
+# (pool, buffer selection) pairs a planner keeps compiled; past it, a selection is compiled per plan.
+_MAX_COMPILED = 256
+_UNCOMPILED = object()
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,6 +104,7 @@ class TPPlanner:
         src_layout, dst_layout = src.layout, dst.layout
         self.src_rank, self.dst_rank = src_layout.tp_rank, dst_layout.tp_rank
         self._pools: dict[str, _PoolGeometry] = {}
+        self._compiled: dict[tuple[str, bytes | None], _PoolRows | None] = {}   # (pool, selection) -> rows
         # buffer name -> its slice, for the buffers this pair writes (digests and coverage use it)
         self.slices: dict[str, PageSlice] = {}
         ids = src.buffer_index
@@ -132,37 +137,55 @@ class TPPlanner:
                    selected: np.ndarray | None = None) -> TPPlan:
         """``plan`` for pages already validated at the edge (``plan.pages``); trusts its input."""
         parts, moved = [], []
+        key = None if selected is None else selected.tobytes()
         for pool, (src_pages, dst_pages) in pairs.items():
-            geo = self._pools.get(pool)
-            if geo is None or len(src_pages) == 0:
+            if len(src_pages) == 0:
                 continue
-            if selected is not None:
-                geo = geo.select(np.isin(geo.buffer_ids, selected))
-            if len(geo.buffer_ids):
-                parts.append(_rows(geo, src_pages, dst_pages))
-                names = self.src.layout.buffers
-                moved.append(PlannedPool(pool, src_pages, dst_pages,
-                                         tuple(names[i].name for i in geo.buffer_ids.tolist())))
+            rows = self._compiled.get((pool, key), _UNCOMPILED)
+            if rows is _UNCOMPILED:
+                rows = self._compile(pool, selected, key)
+            if rows is not None:
+                parts.append(rows.rows(src_pages, dst_pages))
+                moved.append(PlannedPool(pool, src_pages, dst_pages, rows.names))
         return TPPlan.from_parts(self.src, self.dst, parts, tuple(moved), self.slices)
+
+    def _compile(self, pool: str, selected: np.ndarray | None, key: bytes | None) -> _PoolRows | None:
+        """The pool's rows for one buffer selection (None: this pair writes none of them), split into their
+        whole-page and sliced groups once per (pool, selection): a request's plan then makes only the numpy
+        calls that depend on its pages (a third of the time for a request of a few pages)."""
+        geo = self._pools.get(pool)
+        if geo is not None and selected is not None:
+            geo = geo.select(np.isin(geo.buffer_ids, selected))
+        rows = None if geo is None or not len(geo.buffer_ids) else _PoolRows(geo, self.src.layout.buffers)
+        if len(self._compiled) < _MAX_COMPILED:   # a caller's selections are few (all, one layer at a time)
+            self._compiled[(pool, key)] = rows   # two threads racing here store equal rows
+        return rows
 
 
 # -- rows ----------------------------------------------------------------------------------------------
 _Rows = tuple[np.ndarray, np.ndarray, np.ndarray]  # (src N x 3, dst N x 3, buffer id per row)
 
 
-def _rows(geo: _PoolGeometry, src_pages: np.ndarray, dst_pages: np.ndarray) -> _Rows:
-    """All rows of one pool: whole-page buffers first (layout order, run by run), then sliced buffers
-    (layout order, page by page in request order, token by token)."""
-    parts = []
-    if geo.whole.any():
-        parts.append(_whole_rows(geo.select(geo.whole), src_pages, dst_pages))
-    partial = ~geo.whole
-    # Sliced rows never merge: a slice that is not the whole page on both sides leaves a gap between one
-    # page's (or token's) slice and the next on at least one side. One group per distinct token count
-    # (in practice one), so the loop is not per buffer.
-    for nt in np.unique(geo.num_tokens[partial]):
-        parts.append(_sliced_rows(geo.select(partial & (geo.num_tokens == nt)), src_pages, dst_pages, int(nt)))
-    return _concat(parts)
+class _PoolRows:
+    """One pool's rows for one pair and buffer selection: whole-page buffers first (layout order, run by
+    run), then sliced buffers (layout order, page by page in request order, token by token). What does not
+    depend on a request's pages (the groups, each buffer's start, stride and device) is computed once, at the
+    first plan of the selection (``TPPlanner._compile``); ``rows`` then broadcasts the pages in."""
+
+    def __init__(self, geo: _PoolGeometry, buffers: Sequence[Buffer]) -> None:
+        self.names = tuple(buffers[i].name for i in geo.buffer_ids.tolist())
+        self.whole = _WholeRows(geo.select(geo.whole)) if geo.whole.any() else None
+        partial = ~geo.whole
+        # Sliced rows never merge: a slice that is not the whole page on both sides leaves a gap between one
+        # page's (or token's) slice and the next on at least one side. One group per distinct token count
+        # (in practice one), so no loop runs per buffer.
+        self.sliced = tuple(_SlicedRows(geo.select(partial & (geo.num_tokens == nt)), int(nt))
+                            for nt in np.unique(geo.num_tokens[partial]))
+
+    def rows(self, src_pages: np.ndarray, dst_pages: np.ndarray) -> _Rows:
+        parts = [] if self.whole is None else [self.whole.rows(src_pages, dst_pages)]
+        parts += [group.rows(src_pages, dst_pages) for group in self.sliced]
+        return _concat(parts)
 
 
 def _concat(parts: Sequence[_Rows]) -> _Rows:
@@ -172,35 +195,50 @@ def _concat(parts: Sequence[_Rows]) -> _Rows:
     return np.concatenate(src), np.concatenate(dst), np.concatenate(ids)
 
 
-def _whole_rows(geo: _PoolGeometry, src_pages: np.ndarray, dst_pages: np.ndarray) -> _Rows:
-    """Whole pages: coalesce joint page runs once, then broadcast runs over buffers (as plan_transfer)."""
-    run_src, run_dst, run_len = (a.astype(_U64) for a in coalesce_runs(src_pages, dst_pages))
-    src = geo.src_base[:, None] + run_src[None, :] * geo.src_page_bytes[:, None]
-    dst = geo.dst_base[:, None] + run_dst[None, :] * geo.dst_page_bytes[:, None]
-    n = run_len[None, :] * geo.nbytes[:, None]
-    return _stack(src, dst, n, geo, len(run_len))
+class _WholeRows:
+    """Whole pages: joint page runs coalesced once per request, then broadcast over buffers (as
+    plan_transfer); one row per (buffer, run), buffer-major."""
+
+    def __init__(self, geo: _PoolGeometry) -> None:
+        col = (slice(None), None)   # (B,) -> (B, 1): broadcast against a request's runs
+        self.src_base, self.dst_base = geo.src_base[col], geo.dst_base[col]
+        self.src_page_bytes, self.dst_page_bytes = geo.src_page_bytes[col], geo.dst_page_bytes[col]
+        self.nbytes, self.src_dev, self.dst_dev = geo.nbytes[col], geo.src_dev[col], geo.dst_dev[col]
+        self.buffer_ids = geo.buffer_ids
+
+    def rows(self, src_pages: np.ndarray, dst_pages: np.ndarray) -> _Rows:
+        run_src, run_dst, run_len = (a.astype(_U64) for a in coalesce_runs(src_pages, dst_pages))
+        shape = (len(self.buffer_ids), len(run_len), 3)
+        out_s, out_d = np.empty(shape, dtype=_U64), np.empty(shape, dtype=_U64)
+        out_s[:, :, 0] = self.src_base + run_src * self.src_page_bytes
+        out_d[:, :, 0] = self.dst_base + run_dst * self.dst_page_bytes
+        out_s[:, :, 1] = out_d[:, :, 1] = run_len * self.nbytes
+        out_s[:, :, 2], out_d[:, :, 2] = self.src_dev, self.dst_dev
+        return out_s.reshape(-1, 3), out_d.reshape(-1, 3), np.repeat(self.buffer_ids, len(run_len))
 
 
-def _sliced_rows(geo: _PoolGeometry, src_pages: np.ndarray, dst_pages: np.ndarray, nt: int) -> _Rows:
-    """One row per (buffer, page, token): shape (B, pages, tokens), broadcast in numpy."""
-    tok = np.arange(nt, dtype=_U64)[None, None, :]
-    src = (geo.src_base[:, None, None] + src_pages.astype(_U64)[None, :, None] * geo.src_page_bytes[:, None, None]
-           + tok * geo.src_stride[:, None, None])
-    dst = (geo.dst_base[:, None, None] + dst_pages.astype(_U64)[None, :, None] * geo.dst_page_bytes[:, None, None]
-           + tok * geo.dst_stride[:, None, None])
-    n = np.broadcast_to(geo.nbytes[:, None, None], src.shape)
-    return _stack(src, dst, n, geo, len(src_pages) * nt)
+class _SlicedRows:
+    """One row per (buffer, page, token) of buffers with ``num_tokens`` rows a page: shape (B, pages,
+    tokens), broadcast in numpy; each row's start within its page (offset + token * stride) is fixed."""
 
+    def __init__(self, geo: _PoolGeometry, num_tokens: int) -> None:
+        tok = np.arange(num_tokens, dtype=_U64)[None, None, :]
+        cube = (slice(None), None, None)   # (B,) -> (B, 1, 1)
+        self.src_start = geo.src_base[cube] + tok * geo.src_stride[cube]   # (B, 1, tokens)
+        self.dst_start = geo.dst_base[cube] + tok * geo.dst_stride[cube]
+        self.src_page_bytes, self.dst_page_bytes = geo.src_page_bytes[cube], geo.dst_page_bytes[cube]
+        self.nbytes, self.src_dev, self.dst_dev = geo.nbytes[cube], geo.src_dev[cube], geo.dst_dev[cube]
+        self.buffer_ids, self.num_tokens = geo.buffer_ids, num_tokens
 
-def _stack(src: np.ndarray, dst: np.ndarray, n: np.ndarray, geo: _PoolGeometry, per_buffer: int) -> _Rows:
-    """(B, ...) address and length arrays -> N x 3 descriptor arrays, buffer-major."""
-    rows = len(geo.buffer_ids) * per_buffer
-    out_s, out_d = np.empty((rows, 3), dtype=_U64), np.empty((rows, 3), dtype=_U64)
-    out_s[:, 0], out_d[:, 0] = src.reshape(-1), dst.reshape(-1)
-    out_s[:, 1] = out_d[:, 1] = n.reshape(-1)
-    out_s[:, 2] = np.repeat(geo.src_dev, per_buffer)
-    out_d[:, 2] = np.repeat(geo.dst_dev, per_buffer)
-    return out_s, out_d, np.repeat(geo.buffer_ids, per_buffer)
+    def rows(self, src_pages: np.ndarray, dst_pages: np.ndarray) -> _Rows:
+        shape = (len(self.buffer_ids), len(src_pages), self.num_tokens, 3)
+        out_s, out_d = np.empty(shape, dtype=_U64), np.empty(shape, dtype=_U64)
+        out_s[..., 0] = self.src_start + src_pages.astype(_U64)[None, :, None] * self.src_page_bytes
+        out_d[..., 0] = self.dst_start + dst_pages.astype(_U64)[None, :, None] * self.dst_page_bytes
+        out_s[..., 1] = out_d[..., 1] = self.nbytes
+        out_s[..., 2], out_d[..., 2] = self.src_dev, self.dst_dev
+        return (out_s.reshape(-1, 3), out_d.reshape(-1, 3),
+                np.repeat(self.buffer_ids, len(src_pages) * self.num_tokens))
 
 
 @dataclass(frozen=True, slots=True)
