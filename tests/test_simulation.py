@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -481,6 +482,9 @@ def test_the_command_reports_seeds_throughput_and_failures(capsys: pytest.Captur
     assert main(["simulate", "--seeds", "3", "--seed", "3", "--wide-tp", "0.5", "--requests", "8"]) == 0
     out = capsys.readouterr().out
     assert "3 seeds (3..5), 0 with a violation" in out and "1:1 1, 1:2 0, 2:1 0, 2:2 1, 8:8 1;" in out
+    by_pair = re.search(r"simulated requests per minute by pair \(a request runs on P \+ D rank cores\): "
+                        r"1:1 ([\d,]+), 2:2 ([\d,]+), 8:8 ([\d,]+)\n", out)
+    assert by_pair and all(int(n.replace(",", "")) > 0 for n in by_pair.groups())   # only the pairs that ran
     for bad in (["--tp", "3:1"], ["--tp", "16:8"], ["--tp", "4"], ["--wide-tp", "2"]):
         assert main(["simulate", *bad]) == 2
     assert "expected P:D, each one of 1, 2, 4, 8, got '3:1'" in capsys.readouterr().err

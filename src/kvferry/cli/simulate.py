@@ -138,6 +138,9 @@ class _Totals:
     on_wire: int = 0
     failures: int = 0
     pairs: Counter[tuple[int, int]] = field(default_factory=Counter)
+    # Per pair, the requests run and their seeds' CPU time: a request at TP P:D runs on P + D rank cores
+    pair_requests: Counter[tuple[int, int]] = field(default_factory=Counter)
+    pair_cpu: Counter[tuple[int, int]] = field(default_factory=Counter)
     faults: Counter[str] = field(default_factory=Counter)
 
     def add(self, r: RunResult) -> None:
@@ -154,6 +157,8 @@ class _Totals:
         self.on_wire += r.on_wire
         self.failures += not r.ok
         self.pairs[r.tp] += 1
+        self.pair_requests[r.tp] += r.requests
+        self.pair_cpu[r.tp] += r.cpu_s
         self.faults.update(dict(r.faults))
 
     def print(self, seeds: range, cpu: float) -> None:
@@ -169,6 +174,10 @@ class _Totals:
         print("seeds per (prefill TP, decode TP): " + ", ".join(f"{a}:{b} {pairs[(a, b)]}" for a, b in shown)
               + f"; {self.split} decode group attempts DONE on one rank and FAILED on another (counted, not a "
               "violation)")
+        ran = [pair for pair in shown if pairs[pair]]
+        if len(ran) > 1:
+            print("simulated requests per minute by pair (a request runs on P + D rank cores): " + ", ".join(
+                f"{a}:{b} {self.pair_requests[(a, b)] / max(self.pair_cpu[(a, b)], 1e-9) * 60:,.0f}" for a, b in ran))
         if self.faults:
             print("faults injected: " + describe_faults(self.faults))
         if self.on_wire:
