@@ -490,6 +490,19 @@ def test_the_command_reports_seeds_throughput_and_failures(capsys: pytest.Captur
     assert "expected P:D, each one of 1, 2, 4, 8, got '3:1'" in capsys.readouterr().err
 
 
+def test_the_storm_script_exits_0_and_1_with_a_bug_named() -> None:
+    """bench/simulate_storm.py as it is run: its seeds pass (1:2 of 192 requests, 4:1 of 96), and a
+    patched-in bug fails it, named."""
+    script = str(Path(__file__).parents[1] / "bench" / "simulate_storm.py")
+    ok = subprocess.run([sys.executable, script, "700003", "2"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "storm 700003..700004: 0 with a violation, 288 requests" in ok.stdout
+    bad = subprocess.run([sys.executable, script, "700003", "1", "--mutation", "abort_frees_lease"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "seed 700003 tp 1:2: a_lease at " in bad.stdout and "1 with a violation" in bad.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("KVFERRY_SIM_LONG"),
                     reason="the long run (2,000 seeds of 192 requests, TP groups drawn) runs with KVFERRY_SIM_LONG=1 "
