@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from dataclasses import replace
 
 from kvferry.simulation.config import SimConfig, Swarm
-from kvferry.simulation.mutations import MUTATIONS, mutation
+from kvferry.simulation.mutations import MUTATIONS
 from kvferry.simulation.runner import run_seed
 
 PAIRS = [(1, 1), (1, 2), (2, 1), (2, 2), (4, 4), (2, 4), (4, 1), (8, 4), (1, 8)]
@@ -55,14 +54,17 @@ def main() -> int:
         r = random.Random(seed * 7919)   # the swarm's own stream, apart from the run's
         sw = storm(r)
         tp = r.choice(PAIRS)
-        with mutation(args.mutation):
-            res = run_seed(seed, replace(SimConfig(), tp=tp, requests=96 if max(tp) >= 4 else 192), swarm=sw)
+        cfg = SimConfig(tp=tp, requests=96 if max(tp) >= 4 else 192)
+        res = run_seed(seed, cfg, swarm=sw, mutate=args.mutation, trace=30)
         requests += res.requests
         if res.violation is not None:
             bad += 1
             v = res.violation
             print(f"seed {seed} tp {tp[0]}:{tp[1]}: {v.invariant} at {v.time:.6f} s: {v.detail}", flush=True)
-            print("\n".join(res.trace[-30:]), flush=True)
+            # Not ``res.replay_command()``: ``kvferry simulate`` would draw the seed's own swarm, not this one
+            again = f" --mutation {args.mutation}" if args.mutation else ""
+            print(f"  replay: python bench/simulate_storm.py {seed} 1{again}", flush=True)
+            print("\n".join(res.trace), flush=True)
     print(f"storm {args.start}..{args.start + args.count - 1}: {bad} with a violation, {requests} requests, "
           f"{time.process_time() - t0:.0f} s CPU", flush=True)
     return 1 if bad else 0

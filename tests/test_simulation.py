@@ -501,6 +501,7 @@ def test_the_storm_script_exits_0_and_1_with_a_bug_named() -> None:
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "seed 700003 tp 1:2: a_lease at " in bad.stdout and "1 with a violation" in bad.stdout
+    assert "  replay: python bench/simulate_storm.py 700003 1 --mutation abort_frees_lease\n" in bad.stdout
 
 
 @pytest.mark.slow
