@@ -227,3 +227,34 @@ def test_buffer_role() -> None:
 def test_sizing_rejects_zero_tokens() -> None:
     with pytest.raises(LayoutError, match="tokens must be an int >= 1"):
         sizing(get_preset("llama3_8b", num_pages=4), 0)
+
+
+def test_every_command_takes_json() -> None:
+    """The README says every command that reports has ``--json``: each subcommand's parser accepts it but
+    ``vllm-proxy``, a server that reports nothing of its own."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    lacking = [name for name, parser in sub.choices.items() if name != "vllm-proxy"
+               and not any("--json" in action.option_strings for action in parser._actions)]
+    assert lacking == []
+
+
+def test_simulate_json_as_a_subprocess() -> None:
+    """``kvferry simulate --json`` as users run it: one JSON object, exit 0 on clean seeds and 1 with the
+    violation's invariant and replay line when a mutation is found."""
+    clean = subprocess.run([sys.executable, "-m", "kvferry", "simulate", "--seeds", "2", "--seed", "5",
+                            "--requests", "24", "--json"], capture_output=True, text=True, check=False, timeout=120)
+    assert clean.returncode == 0, clean.stderr
+    report = json.loads(clean.stdout)
+    assert report["seeds"] == {"first": 5, "count": 2} and report["seeds_with_violation"] == 0
+    assert report["requests"] == 48 and report["violations"] == [] and report["requests_per_minute"] > 0
+    assert sum(report["seeds_by_pair"].values()) == 2
+    found = subprocess.run([sys.executable, "-m", "kvferry", "simulate", "--seed", "0", "--mutate",
+                            "done_before_verdict", "--trace", "3", "--json"], capture_output=True, text=True,
+                           check=False, timeout=120)
+    assert found.returncode == 1, found.stderr
+    report = json.loads(found.stdout)
+    [violation] = report["violations"]
+    assert report["seeds_with_violation"] == 1 and report["mutation"] == "done_before_verdict"
+    assert violation["invariant"] == "b_prefill_done_before_verdict"
+    assert violation["replay"] == "kvferry simulate --seed 0 --mutate done_before_verdict"
+    assert len(violation["trace"]) == 3

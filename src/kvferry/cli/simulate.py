@@ -3,6 +3,7 @@
 A command module, above ``args`` and ``simulation``, below ``main``. ``--seeds N`` runs seeds ``S .. S+N-1``
 (``--seed S``, default 0) and prints one line per violation and a summary with the throughput reached
 (simulated requests per minute of CPU time); ``--seed S`` alone replays that seed and prints its trace.
+``--json`` prints one JSON object instead (the totals, the figure, and each violation with its replay line).
 Exit status: 0 when no invariant broke, 1 otherwise, 2 on usage errors.
 """
 
@@ -15,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from kvferry.cli.args import positive_int, progress_bar
+from kvferry.cli.args import emit_json, positive_int, progress_bar
 from kvferry.simulation import MUTATIONS, RunResult, SimConfig, run_seed, shrink
 from kvferry.simulation.config import FAULT_KINDS
 from kvferry.simulation.tp import TP_PAIRS, TP_SIZES, WIDE_PAIRS
@@ -52,6 +53,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         f"{', '.join(FAULT_KINDS)}")
     p.add_argument("--shrink", action="store_true", help="shrink a failure: fewer requests and faults, same invariant")
     p.add_argument("--trace", type=int, default=30, metavar="L", help="trace lines printed for a failure")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (totals, the figure, each violation with its replay line)")
     p.set_defaults(handler=run_simulate)
 
 
@@ -111,6 +114,15 @@ def describe_faults(faults: Counter[str]) -> str:
     return ", ".join(parts)
 
 
+def _violation(result: RunResult, trace: int) -> dict[str, object]:
+    v = result.violation
+    assert v is not None
+    return {"seed": result.seed, "invariant": v.invariant, "time": v.time, "detail": v.detail,
+            "faults": result.swarm.describe(), "replay": result.replay_command(),
+            "requests": result.config.requests, "without": list(result.without),
+            "trace": list(result.trace[-trace:]) if trace > 0 else []}
+
+
 def _report(result: RunResult, trace: int) -> None:
     v = result.violation
     assert v is not None
@@ -161,6 +173,24 @@ class _Totals:
         self.pair_cpu[r.tp] += r.cpu_s
         self.faults.update(dict(r.faults))
 
+    def to_dict(self, seeds: range, cpu: float) -> dict[str, object]:
+        """What ``print`` says, as one JSON-ready object (pairs as ``"P:D"`` keys)."""
+        def by_pair(counter: Counter[tuple[int, int]]) -> dict[str, float]:
+            return {f"{a}:{b}": counter[(a, b)] for a, b in sorted(counter)}
+
+        return {
+            "seeds": {"first": seeds.start, "count": len(seeds)}, "seeds_with_violation": self.failures,
+            "requests": self.requests, "done": self.done, "failed": self.failed,
+            "done_on_decode_failed_on_prefill": self.disagree, "events": self.events,
+            "simulated_seconds": self.sim_time, "cpu_seconds": cpu,
+            "requests_per_minute": self.requests / cpu * 60, "seeds_by_pair": by_pair(self.pairs),
+            "requests_per_minute_by_pair": {f"{a}:{b}": self.pair_requests[(a, b)] / max(self.pair_cpu[(a, b)], 1e-9)
+                                            * 60 for a, b in sorted(self.pairs)},
+            "group_attempts_split": self.split, "faults": dict(self.faults),
+            "messages_held_on_wire": self.on_wire,
+            "transfers_held": {"held": self.held, "timed_out": self.timed_out, "partial": self.partial},
+        }
+
     def print(self, seeds: range, cpu: float) -> None:
         n = len(seeds)
         print(f"{n} seed{'s' * (n != 1)} ({seeds.start}..{seeds.stop - 1}), {self.failures} with a violation; "
@@ -193,19 +223,28 @@ def run_simulate(args: argparse.Namespace) -> int:
     seeds = range(args.seed, args.seed + (args.seeds or 1))
     start = time.process_time()
     totals = _Totals()
+    violations: list[dict[str, object]] = []
     # Drawn only at each seed's end: no refresh thread, whose CPU time would enter the figure printed
-    with progress_bar(enabled=len(seeds) > 1 and sys.stderr.isatty(), total=len(seeds), label="seeds",
-                      auto_refresh=False) as tick:
+    with progress_bar(enabled=len(seeds) > 1 and sys.stderr.isatty() and not args.json, total=len(seeds),
+                      label="seeds", auto_refresh=False) as tick:
         for i, seed in enumerate(seeds):
             result = run_seed(seed, cfg, mutate=args.mutate, trace=max(args.trace, 200), without=tuple(args.without))
             totals.add(result)
             if not result.ok:
                 if args.shrink:
                     result = shrink(result, args.mutate)
-                    print(f"seed {result.seed}: shrunk to {result.config.requests} requests, without "
-                          f"{', '.join(result.without) or 'no fault kind'}")
-                _report(result, args.trace)
+                    if not args.json:
+                        print(f"seed {result.seed}: shrunk to {result.config.requests} requests, without "
+                              f"{', '.join(result.without) or 'no fault kind'}")
+                if args.json:
+                    violations.append(_violation(result, args.trace))
+                else:
+                    _report(result, args.trace)
             if tick is not None:
                 tick(i + 1, len(seeds))
-    totals.print(seeds, max(time.process_time() - start, 1e-9))
+    cpu = max(time.process_time() - start, 1e-9)
+    if args.json:
+        emit_json({**totals.to_dict(seeds, cpu), "mutation": args.mutate, "violations": violations})
+    else:
+        totals.print(seeds, cpu)
     return 1 if totals.failures else 0
