@@ -426,8 +426,9 @@ class _NixlPeer(_Peer):
 
         ctx = mp.get_context("spawn")  # no forked NIXL/UCX state in the child
         self.conn, theirs = ctx.Pipe()
-        self.process = ctx.Process(target=_decode_main, args=(theirs, self.src.layout.to_manifest()),
-                                   daemon=True)
+        # Decode's own layout where it differs (bench/page_sizes.py: another page size), else prefill's
+        layout = getattr(self, "dst_layout", None) or self.src.layout
+        self.process = ctx.Process(target=_decode_main, args=(theirs, layout.to_manifest()), daemon=True)
         self.process.start()
         deadline = time.monotonic() + 120
         while not self.conn.poll(0.1):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from kvferry.layout.spec import Buffer, Layout
+from kvferry.layout.spec import Buffer, Layout, Pool
 
-__all__ = ["model_difference", "shape_difference", "tp_compatible"]
+__all__ = ["model_difference", "shape_difference", "tp_compatible", "translation_difference"]
 
 
 def shape_difference(local: Layout, remote: Layout) -> str | None:
@@ -45,6 +45,12 @@ def _shape_attrs(lb: Buffer, rb: Buffer) -> Iterator[tuple[str, object, object]]
         yield attr, getattr(lb, attr), getattr(rb, attr)
 
 
+def _token_attrs(lb: Buffer, rb: Buffer) -> Iterator[tuple[str, object, object]]:
+    """``_shape_attrs`` for a buffer whose page size is translated (its geometry checked by ``_translatable``)."""
+    for attr in ("name", "dtype", "kind", "layer"):
+        yield attr, getattr(lb, attr), getattr(rb, attr)
+
+
 def _model_attrs(lb: Buffer, rb: Buffer, ltp: int, rtp: int) -> Iterator[tuple[str, object, object]]:
     for attr in ("name", "dtype", "kind", "layer"):
         yield attr, getattr(lb, attr), getattr(rb, attr)
@@ -64,21 +70,70 @@ def _model_attrs(lb: Buffer, rb: Buffer, ltp: int, rtp: int) -> Iterator[tuple[s
 
 
 def _first_difference(local: Layout, remote: Layout, attrs: Callable[[Buffer, Buffer], Iterable[
-        tuple[str, object, object]]]) -> str | None:
+        tuple[str, object, object]]], translate: Callable[[Pool, Pool], Iterable[tuple[str, object, object]]]
+        | None = None) -> str | None:
+    """``translate``: when given, a pool's tokens per page may differ if it yields no difference, and then its
+    buffers are compared by ``attrs`` with their page sizes and head geometries' tokens per page left out."""
     local_pools = [p.name for p in local.pools]
     remote_pools = [p.name for p in remote.pools]
     if local_pools != remote_pools:
         return f"pool set differs: local {local_pools}, remote {remote_pools}"
     for lp, rp in zip(local.pools, remote.pools):
-        for attr in ("tokens_per_page", "window_tokens"):
+        if len(lp.buffers) != len(rp.buffers):
+            return (f"pool {lp.name!r}: buffer count differs: local {len(lp.buffers)}, remote {len(rp.buffers)}")
+        translated = translate is not None and lp.tokens_per_page != rp.tokens_per_page
+        for what, lv, rv in translate(lp, rp) if translated else ():   # type: ignore[misc]
+            return f"pool {lp.name!r}: {what} cannot be translated: local {lv}, remote {rv}"
+        for attr in ("tokens_per_page", "window_tokens")[translated:]:
             if getattr(lp, attr) != getattr(rp, attr):
                 return (f"pool {lp.name!r}: {attr} differs: local {getattr(lp, attr)}, "
                         f"remote {getattr(rp, attr)}")
-        if len(lp.buffers) != len(rp.buffers):
-            return (f"pool {lp.name!r}: buffer count differs: local {len(lp.buffers)}, remote {len(rp.buffers)}")
         for lb, rb in zip(lp.buffers, rp.buffers):
-            for attr, lv, rv in attrs(lb, rb):
+            for attr, lv, rv in attrs(lb, rb) if not translated else _token_attrs(lb, rb):
                 if lv != rv:
                     return (f"pool {lp.name!r}, buffer {lb.name!r}: {attr} differs: "
                             f"local {lv!r}, remote {rv!r}")
     return None
+
+
+def translation_difference(local: Layout, remote: Layout) -> str | None:
+    """Like ``shape_difference``, but a pool's ``tokens_per_page`` may differ between the two sides when
+    every buffer of that pool says where a token lies in its page (``kvferry.plan.tokens`` then maps token
+    ranges between the two page sizes). None when the layouts can be translated; otherwise the first
+    difference, naming the pool, the buffer, both values and why.
+
+    What must match: pools, buffer names, dtypes, kinds, layers and TP size; for a pool with equal page
+    sizes the whole buffer shape; for a pool whose page sizes differ, each buffer's head geometry but for
+    its tokens per page (heads, bytes per head, token- or head-major) and the tokens each entry of a page
+    stands for (one, or four or 128 for a compressed pool), so that bytes per token are equal.
+    """
+    if local.tp_size != remote.tp_size:
+        return (f"tp_size differs: local {local.tp_size}, remote {remote.tp_size} (page sizes are translated "
+                "between equal TP sizes only)")
+    return _first_difference(local, remote, _shape_attrs, _translatable)
+
+
+def _translatable(lp: Pool, rp: Pool) -> Iterator[tuple[str, object, object]]:
+    """The differences that make a pool's page sizes untranslatable (empty when they are equal or can be)."""
+    if lp.tokens_per_page == rp.tokens_per_page:
+        return
+    if lp.tokens_per_page is None or rp.tokens_per_page is None:
+        yield "tokens_per_page (a state pool has none to translate)", lp.tokens_per_page, rp.tokens_per_page
+        return
+    for lb, rb in zip(lp.buffers, rp.buffers):
+        lh, rh = lb.heads, rb.heads
+        if lh is None or rh is None:
+            yield (f"tokens_per_page (buffer {lb.name!r} has no head geometry: nothing says where a token "
+                   "lies in its page)", lp.tokens_per_page, rp.tokens_per_page)
+            return
+        for attr in ("num_heads", "head_bytes", "major", "replicated"):
+            if getattr(lh, attr) != getattr(rh, attr):
+                yield f"buffer {lb.name!r}: {attr} (tokens per page differ, each token's bytes must not)", \
+                    getattr(lh, attr), getattr(rh, attr)
+                return
+        lc, rc = divmod(lp.tokens_per_page, lh.tokens_per_page), divmod(rp.tokens_per_page, rh.tokens_per_page)
+        if lc[1] or rc[1] or lc[0] != rc[0]:
+            yield (f"buffer {lb.name!r}: tokens per entry (pool tokens_per_page / the buffer's entries per page; "
+                   "compression must be whole and equal)", f"{lp.tokens_per_page}/{lh.tokens_per_page}",
+                   f"{rp.tokens_per_page}/{rh.tokens_per_page}")
+            return

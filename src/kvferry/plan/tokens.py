@@ -1,0 +1,276 @@
+"""Planning between different page sizes: token ranges mapped, never page indices.
+
+Part of the plan layer, above ``plan.pages`` and ``plan.contract``, below the transports. Prefill and decode
+may choose their pools' ``tokens_per_page`` apart (prefill large blocks for its kernels, decode small ones
+for memory). Then page ``j`` of one side is not page ``j`` of the other: token ``t`` of a request lies in
+source page ``src_pages[(t - src_first) // Ts]`` and destination page ``dst_pages[(t - dst_first) // Td]``.
+A planner that paired page indices would write prefill's 64-token page over decode's 32-token one and
+spill into the next: the motivating bug's class, a geometry assumed alike.
+
+The request's token range is cut at every page boundary of *either* side into segments that lie inside one
+source page and one destination page. A buffer's head geometry says where a segment's bytes lie in a page:
+head-major pages (``[head][entry][bytes]``) give one row per (segment, head), token-major pages
+(``[entry][head][bytes]``) one row per segment. Rows adjacent on both sides are then merged, so equal page
+sizes come out as whole-page runs and token-major pages as runs across consecutive pages. Compressed pools
+(an entry per 4 or 128 tokens) map entries the same way: the pool's ``tokens_per_page`` over the buffer's
+entries per page is the tokens per entry, equal on both sides (``translation_difference``).
+
+Everything per page, segment, head and buffer is numpy; the per-buffer vectors are built once per
+(source memory, destination memory) pair by ``TokenPlanner``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from kvferry.arrays import readonly
+from kvferry.errors import PlanError
+from kvferry.layout.compare import translation_difference
+from kvferry.layout.memory import KVMemory
+from kvferry.layout.spec import Pool
+from kvferry.plan.pages import as_pages, check_pages
+from kvferry.plan.planner import select_buffers
+
+__all__ = ["TokenPlan", "TokenPlanner", "TokenSpan", "plan_token_transfer"]
+
+_U64 = np.uint64
+
+
+@dataclass(frozen=True, slots=True)
+class TokenSpan:
+    """One pool's part of a request on both sides, in tokens.
+
+    ``src_pages``/``dst_pages``: each side's pages in token order, the first beginning at request token
+    ``src_first``/``dst_first`` (a multiple of that side's tokens per page: 0, or past a prefix decode holds).
+    ``start``/``stop``: the tokens moved, by default everything both lists cover (from the later first token
+    to the earlier end). Tokens past the request's last one in its last, partly filled page are moved like
+    the rest: they are garbage on both sides, and no page outside the two lists is touched.
+    """
+
+    src_pages: Any
+    dst_pages: Any
+    src_first: int = 0
+    dst_first: int = 0
+    start: int | None = None
+    stop: int | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class _PoolVectors:
+    """Per-buffer vectors of one pool, aligned, in units of each buffer's *pieces*: a head of a head-major
+    page, or the whole entry row of a token-major page."""
+
+    buffer_ids: np.ndarray   # int64: index into Layout.buffers
+    pieces: np.ndarray       # int64: pieces per entry row (heads when head-major, 1 when token-major)
+    piece_bytes: np.ndarray  # uint64: bytes of one piece of one entry
+    src_base: np.ndarray     # uint64: region addresses
+    dst_base: np.ndarray
+    src_page: np.ndarray     # uint64: page bytes
+    dst_page: np.ndarray
+    src_entries: np.ndarray  # uint64: entries per page (head-major: a piece's stride is entries x piece bytes)
+    dst_entries: np.ndarray
+    src_dev: np.ndarray
+    dst_dev: np.ndarray
+    tokens_per_entry: int
+    src_tokens: int          # the pool's tokens per page on each side
+    dst_tokens: int
+
+    @classmethod
+    def build(cls, src: KVMemory, dst: KVMemory, src_pool: Pool, dst_pool: Pool) -> _PoolVectors:
+        ids = np.array([src.buffer_index[b.name] for b in src_pool.buffers], dtype=np.int64)
+        sb, db = src.layout.buffers, dst.layout.buffers
+        src_tpp, dst_tpp = src_pool.tokens_per_page, dst_pool.tokens_per_page
+        if src_tpp is None or dst_tpp is None:
+            raise PlanError(f"pool {src_pool.name!r} is a state pool: it has no tokens to map")
+        geoms = [(sb[i].heads, db[i].heads) for i in ids]
+        if src_tpp == dst_tpp:
+            # Equal page sizes: every page is one opaque entry of one piece, moved whole (as plan_transfer
+            # does, in runs of consecutive pages), so a span starts and stops on page boundaries here
+            geoms = [(None, None)] * len(ids)
+        elif any(s is None or d is None for s, d in geoms):
+            raise PlanError(f"pool {src_pool.name!r}: a buffer without head geometry cannot be translated "
+                            f"from {src_tpp} to {dst_tpp} tokens per page")
+        entries_src = [g[0].tokens_per_page if g[0] is not None else 1 for g in geoms]
+        entries_dst = [g[1].tokens_per_page if g[1] is not None else 1 for g in geoms]
+        per_entry = {src_tpp // e for e in entries_src} | {dst_tpp // e for e in entries_dst}
+        if len(per_entry) != 1:
+            raise PlanError(f"pool {src_pool.name!r}: buffers differ in tokens per entry {sorted(per_entry)}")
+        head_major = [g[0] is not None and g[0].major == "head" for g in geoms]
+        pieces = [g[0].num_heads if hm else 1 for g, hm in zip(geoms, head_major)]
+        piece_bytes = [sb[i].page_bytes // (e * n) for i, e, n in zip(ids, entries_src, pieces)]
+
+        def u(values: Iterable[int]) -> np.ndarray:
+            return np.fromiter(values, dtype=_U64)
+
+        return cls(ids, np.array(pieces, dtype=np.int64), u(piece_bytes),
+                   u(src.regions[i].address for i in ids), u(dst.regions[i].address for i in ids),
+                   u(sb[i].page_bytes for i in ids), u(db[i].page_bytes for i in ids),
+                   u(entries_src), u(entries_dst),
+                   u(src.regions[i].device_id for i in ids), u(dst.regions[i].device_id for i in ids),
+                   per_entry.pop(), src_tpp, dst_tpp)
+
+    def select(self, selected: np.ndarray | None) -> _PoolVectors:
+        if selected is None:
+            return self
+        keep = np.isin(self.buffer_ids, selected)
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return _PoolVectors(**{k: v[keep] if isinstance(v, np.ndarray) else v for k, v in fields.items()})
+
+
+def _segments(span: TokenSpan, vec: _PoolVectors, pool: str, src_pages: np.ndarray, dst_pages: np.ndarray,
+              ) -> tuple[np.ndarray, ...]:
+    """The span cut at every page boundary of either side, in entries: (source page, entry offset in it,
+    destination page, entry offset, entries), one element per segment."""
+    ts, td, c = vec.src_tokens, vec.dst_tokens, vec.tokens_per_entry
+    for side, first, tpp in (("source", span.src_first, ts), ("destination", span.dst_first, td)):
+        if first < 0 or first % tpp:
+            raise PlanError(f"pool {pool!r}: the {side} pages' first token {first} is not a page boundary of "
+                            f"{tpp} tokens")
+    src_end = span.src_first + len(src_pages) * ts
+    dst_end = span.dst_first + len(dst_pages) * td
+    start = max(span.src_first, span.dst_first) if span.start is None else span.start
+    stop = min(src_end, dst_end) if span.stop is None else span.stop
+    if start % c:
+        raise PlanError(f"pool {pool!r}: token {start} is inside an entry of {c} tokens")
+    stop = -(-stop // c) * c   # the last entry is moved whole, as its page is
+    if not (max(span.src_first, span.dst_first) <= start <= stop <= min(src_end, dst_end)):
+        raise PlanError(f"pool {pool!r}: tokens [{start}, {stop}) are not covered by both sides' pages: "
+                        f"source [{span.src_first}, {src_end}), destination [{span.dst_first}, {dst_end})")
+    if start == stop:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty, empty, empty
+    cuts = np.union1d(np.arange(span.src_first, src_end, ts), np.arange(span.dst_first, dst_end, td))
+    cuts = np.concatenate(([start], cuts[(cuts > start) & (cuts < stop)], [stop]))
+    lo, n = cuts[:-1], np.diff(cuts)
+    sp, so = np.divmod(lo - span.src_first, ts)
+    dp, do = np.divmod(lo - span.dst_first, td)
+    return src_pages[sp], so // c, dst_pages[dp], do // c, n // c
+
+
+def _rows(vec: _PoolVectors, seg: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows for every (buffer, segment, piece), merged where adjacent on both sides: (src N x 3, dst N x 3,
+    buffer ids)."""
+    sp, so, dp, do, n = (a.astype(_U64) for a in seg)
+    nseg = len(n)
+    # One entry per (buffer, piece): which buffer, which piece of its entry row
+    owner = np.repeat(np.arange(len(vec.pieces)), vec.pieces)
+    piece = (np.arange(len(owner)) - np.repeat(np.cumsum(vec.pieces) - vec.pieces, vec.pieces)).astype(_U64)
+    pb = vec.piece_bytes[owner][:, None]
+
+    def side(base: np.ndarray, page: np.ndarray, entries: np.ndarray, pages: np.ndarray,
+             offsets: np.ndarray) -> np.ndarray:
+        # piece p of entry e of a page: p x entries x piece bytes + e x piece bytes (token-major: p is 0)
+        return (base[owner][:, None] + pages[None, :] * page[owner][:, None]
+                + (piece * entries[owner])[:, None] * pb + offsets[None, :] * pb).ravel()
+
+    # Rows in (buffer, segment, piece) order: a whole page's pieces, then the next page's, are adjacent
+    order = np.lexsort((np.repeat(piece, nseg), np.tile(np.arange(nseg), len(owner)), np.repeat(owner, nseg)))
+    src = side(vec.src_base, vec.src_page, vec.src_entries, sp, so)[order]
+    dst = side(vec.dst_base, vec.dst_page, vec.dst_entries, dp, do)[order]
+    length = (pb * n[None, :]).ravel()[order]
+    row_owner = np.repeat(owner, nseg)[order]
+    ids = vec.buffer_ids[row_owner]
+    # Merge a row into the one before when both sides continue it within one buffer
+    follows = np.zeros(len(src), dtype=bool)
+    follows[1:] = (src[:-1] + length[:-1] == src[1:]) & (dst[:-1] + length[:-1] == dst[1:]) & (ids[:-1] == ids[1:])
+    heads = np.flatnonzero(~follows)
+    lengths = np.add.reduceat(length, heads) if len(heads) else length[:0]
+    dev = row_owner[heads]
+    src_descs = np.stack([src[heads], lengths, vec.src_dev[dev]], axis=1)
+    dst_descs = np.stack([dst[heads], lengths, vec.dst_dev[dev]], axis=1)
+    return src_descs, dst_descs, ids[heads]
+
+
+@dataclass(frozen=True, eq=False)
+class TokenPlan:
+    """Rows from ``src_memory`` into ``dst_memory`` whose pools may differ in tokens per page: row i of
+    ``src_descs`` is copied to row i of ``dst_descs``. The surface transports post (``Plan``); rows are pieces
+    of pages, so it goes over NIXL as a per-request descriptor list, never as prepared per-page indices."""
+
+    src_memory: KVMemory
+    dst_memory: KVMemory
+    src_descs: np.ndarray      # uint64 [N, 3] (address, length, device), read-only
+    dst_descs: np.ndarray
+    row_buffer_ids: np.ndarray  # int64 [N]
+
+    @property
+    def num_descriptors(self) -> int:
+        return len(self.src_descs)
+
+    @cached_property
+    def nbytes(self) -> int:
+        return int(self.src_descs[:, 1].sum())
+
+    @cached_property
+    def buffer_names(self) -> tuple[str, ...]:
+        names = [b.name for b in self.src_memory.layout.buffers]
+        return tuple(names[i] for i in dict.fromkeys(self.row_buffer_ids.tolist()))
+
+    @property
+    def whole_pages(self) -> bool:
+        return False
+
+    def page_selectors(self) -> tuple[np.ndarray, np.ndarray]:
+        raise PlanError("a plan between different page sizes moves pieces of pages: it cannot index per-page "
+                        "prepared lists; use the transport's per-request descriptor lists (descriptors='dlist')")
+
+    def __repr__(self) -> str:
+        return f"TokenPlan({self.num_descriptors} rows, {self.nbytes / 2**20:.2f} MiB)"
+
+
+class TokenPlanner:
+    """Plans writes from ``src`` into ``dst``, whose pools may differ in tokens per page.
+
+    Built once per pair: it checks the layouts can be translated (``translation_difference``) and builds
+    each pool's per-buffer vectors; ``plan`` is then vectorised over segments, pieces and buffers.
+    """
+
+    def __init__(self, src: KVMemory, dst: KVMemory) -> None:
+        diff = translation_difference(src.layout, dst.layout)
+        if diff is not None:
+            raise PlanError(f"prefill and decode layouts cannot be translated: {diff}")
+        self.src, self.dst = src, dst
+        self._pools = {sp.name: (sp, dp, _PoolVectors.build(src, dst, sp, dp))
+                       for sp, dp in zip(src.layout.pools, dst.layout.pools) if sp.tokens_per_page is not None}
+
+    def plan(self, spans: Mapping[str, TokenSpan], buffers: Iterable[str] | None = None) -> TokenPlan:
+        """Rows for ``spans`` (pool -> ``TokenSpan``); ``buffers`` restricts them to those buffers.
+
+        Validated at this edge: every page inside every buffer of its pool on its side, destination pages
+        unique, the token range covered by both lists; ``PlanError`` naming pool, side and values otherwise.
+        """
+        selected = select_buffers(self.src, buffers)
+        parts = []
+        for pool, span in spans.items():
+            if pool not in self._pools:
+                raise PlanError(f"pool {pool!r}: no such token pool in the layout "
+                                f"(token pools: {sorted(self._pools)})")
+            src_pool, dst_pool, vec = self._pools[pool]
+            src_pages = as_pages(pool, "source", span.src_pages)
+            dst_pages = as_pages(pool, "destination", span.dst_pages)
+            check_pages(src_pool, "source", src_pages, unique=False)
+            check_pages(dst_pool, "destination", dst_pages, unique=True)
+            vec = vec.select(selected)
+            seg = _segments(span, vec, pool, src_pages, dst_pages)
+            if len(seg[0]) and len(vec.buffer_ids):
+                parts.append(_rows(vec, seg))
+        return _plan_of(self.src, self.dst, parts)
+
+
+def _plan_of(src: KVMemory, dst: KVMemory, parts: Sequence[tuple[np.ndarray, ...]]) -> TokenPlan:
+    if not parts:
+        empty = np.zeros((0, 3), dtype=_U64)
+        return TokenPlan(src, dst, readonly(empty), readonly(empty.copy()), readonly(np.zeros(0, dtype=np.int64)))
+    src_descs, dst_descs, ids = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    return TokenPlan(src, dst, readonly(src_descs), readonly(dst_descs), readonly(ids))
+
+
+def plan_token_transfer(src: KVMemory, dst: KVMemory, spans: Mapping[str, TokenSpan],
+                        buffers: Iterable[str] | None = None) -> TokenPlan:
+    """One plan in one call (``TokenPlanner(src, dst).plan(...)``); keep the planner to plan again."""
+    return TokenPlanner(src, dst).plan(spans, buffers)
