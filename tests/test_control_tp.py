@@ -58,15 +58,17 @@ class Cluster:
 
 @contextmanager
 def cluster(ptp: int, dtp: int, *, major: str = "head", digest_mode: str = "full",
-            transport: Any = "local") -> Iterator[Cluster]:
-    """``ptp`` prefill and ``dtp`` decode rank endpoints; every decode rank connected to the ranks it needs."""
+            transport: Any = "local", mode: str = "push", decode_transport: Any = "local") -> Iterator[Cluster]:
+    """``ptp`` prefill and ``dtp`` decode rank endpoints; every decode rank connected to the ranks it needs, in
+    ``mode`` (push: prefill ranks write; pull: decode ranks read)."""
     full = small_model(major)
     data = full_arrays(full, SEED)
     with ExitStack() as stack:
         prefills = [stack.enter_context(PrefillEndpoint(rank_memory(full, ptp, r, data), transport(r) if callable(
-            transport) else transport, options=OPTS, digest_mode=digest_mode)) for r in range(ptp)]
-        decodes = [stack.enter_context(DecodeEndpoint(rank_memory(full, dtp, d, None), "local", options=OPTS,
-                                                      digest_mode=digest_mode)) for d in range(dtp)]
+            transport) else transport, options=OPTS, digest_mode=digest_mode, mode=mode)) for r in range(ptp)]
+        decodes = [stack.enter_context(DecodeEndpoint(rank_memory(full, dtp, d, None), decode_transport(d) if callable(
+            decode_transport) else decode_transport, options=OPTS, digest_mode=digest_mode, mode=mode))
+            for d in range(dtp)]
         addresses = [p.address for p in prefills]
         for d, dec in enumerate(decodes):
             assert dec.connect_all(addresses) == [addresses[r] for r in source_ranks(d, ptp, dtp)]
@@ -102,10 +104,15 @@ def outcome(ep: Any, rid: str, timeout: float = 10.0) -> str:
 
 
 # -- byte-exact across TP sizes -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("ptp, dtp, major", [(4, 2, "head"), (2, 4, "head"), (4, 2, "token"), (2, 4, "token")])
-def test_every_decode_page_is_byte_exact(ptp: int, dtp: int, major: str) -> None:
+@pytest.mark.parametrize("ptp, dtp, major, mode", [
+    (4, 2, "head", "push"), (2, 4, "head", "push"), (4, 2, "token", "push"), (2, 4, "token", "push"),
+    (2, 1, "head", "pull"), (1, 2, "head", "pull"), (4, 2, "token", "pull"), (2, 4, "head", "pull")])
+def test_every_decode_page_is_byte_exact(ptp: int, dtp: int, major: str, mode: str) -> None:
+    """Push: each prefill rank writes its heads into the decode ranks that need them; pull: each decode rank
+    reads its heads from the prefill ranks that hold them. Either way every byte lands exactly, nothing else,
+    and prefill's source holds end (pull) with no lease left."""
     reqs = workload(6, seed=ptp * 10 + dtp)
-    with cluster(ptp, dtp, major=major) as c:
+    with cluster(ptp, dtp, major=major, mode=mode) as c:
         for req in reqs[:3]:                      # decode first for half of them...
             for dec in c.decodes:
                 dec.announce(req.rid, req.dst)
@@ -121,6 +128,11 @@ def test_every_decode_page_is_byte_exact(ptp: int, dtp: int, major: str) -> None
         for d in range(dtp):
             check_decode_rank(c, d, reqs)
         idle(*c.prefills, *c.decodes)
+        writers = c.decodes if mode == "pull" else c.prefills
+        assert all(ep.stats().to_dict().get("posted_bytes", 0) > 0 for ep in writers)
+        others = c.prefills if mode == "pull" else c.decodes
+        assert all(ep.stats().to_dict().get("posted_bytes", 0) == 0 for ep in others)
+        assert all(ep.counters().get("source_holds", 0) == 0 for ep in c.prefills)
 
 
 # -- failures fail exactly the decode ranks that needed the rank --------------------------------------------------
@@ -200,16 +212,46 @@ def test_corrupted_slice_fails_the_request_on_that_decode_rank() -> None:
         idle(*c.prefills, *c.decodes)
 
 
+def test_pull_across_tp_a_corrupted_read_fails_that_decode_rank_only() -> None:
+    """Pull at TP 4 -> 2: decode rank 1's reads (from prefill ranks 2 and 3) flip a byte of what they copy;
+    its slice digests catch it, decode rank 0 finishes, and no lease or source hold is left."""
+    req = workload(1, seed=7)[0]
+    with cluster(4, 2, mode="pull", decode_transport=lambda d: _CorruptingTransport() if d == 1 else "local") as c:
+        for dec in c.decodes:
+            dec.announce(req.rid, req.dst)
+        for pre in c.prefills:
+            try:
+                send(pre, req, req.sends)
+            except RequestFailed:   # decode 1's verdict may reach prefill rank 3 before its send
+                assert pre is c.prefills[3]
+        assert outcome(c.decodes[0], req.rid) == "done"
+        assert outcome(c.decodes[1], req.rid) in ("IntegrityError", "PageMismatchError")
+        assert "differ from what was sent" in str(c.decodes[1].failure(req.rid))
+        idle(*c.prefills, *c.decodes)
+        _until(lambda: all(ep.counters().get("source_holds", 0) == 0 for ep in c.prefills))
+
+
 class _CorruptingTransport(LocalTransport):
-    """Flips the first source byte of every write while it is copied (after prefill took its digests)."""
+    """Flips the first source byte of every write or read while it is copied (after prefill took its digests)."""
 
     def write(self, plan: Any, peer: str, notif: bytes, label: str = "") -> Any:
-        if plan.num_descriptors == 0:
+        with self._flipped(plan):
             return super().write(plan, peer, notif, label)
+
+    def read(self, plan: Any, peer: str, label: str = "") -> Any:
+        with self._flipped(plan):
+            return super().read(plan, peer, label)
+
+    @staticmethod
+    @contextmanager
+    def _flipped(plan: Any) -> Iterator[None]:
+        if plan.num_descriptors == 0:
+            yield
+            return
         byte = ctypes.c_uint8.from_address(int(plan.src_descs[0, 0]))
         byte.value ^= 0xFF
         try:
-            return super().write(plan, peer, notif, label)
+            yield
         finally:
             byte.value ^= 0xFF
 

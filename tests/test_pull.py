@@ -448,21 +448,6 @@ def test_randomized_mix_of_modes_and_aborts(seed: int) -> None:
         _assert_idle(pusher, puller, decode)
 
 
-def test_pull_across_tp_sizes_is_refused_by_name() -> None:
-    """Pull mode is built for equal TP sizes: a decode rank of another TP size asking for it is refused at
-    the handshake, naming both TP sizes (push mode serves the same pair)."""
-    from .netns_peer import rank_memory
-    from .tp_endpoint_peer import small_model
-
-    full = small_model("head")
-    with PrefillEndpoint(rank_memory(full, 2, 0, None), "local", options=OPTS, mode=("push", "pull")) as p0, \
-            DecodeEndpoint(rank_memory(full, 1, 0, None), "local", options=OPTS, mode="pull") as decode:
-        with pytest.raises(ModeMismatch, match=r"pull mode is built for equal TP sizes only \(prefill TP 2, "
-                                               r"decode TP 1\)"):
-            decode.connect(p0.address, timeout=5)
-        assert decode.peers == [] and p0.peers == []
-
-
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 def test_deadline_on_either_side_ends_the_lease_and_the_source_hold(side: str) -> None:
     """Half a request is offered and read, the rest never comes: the side with the short request_timeout

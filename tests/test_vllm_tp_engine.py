@@ -51,13 +51,14 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 PAIRS = ((2, 2), (2, 1), (1, 2))
+PULL_PAIRS = ((1, 2, "pull"), (2, 1, "pull"))
 
 
 @pytest.fixture(scope="module")
 def prompts() -> dict[tuple[int, int], list[Any]]:
     """Prompts of their own per TP pair: an instance kept for the next pair keeps its prefix cache, and the
     same prompts again would come from that cache rather than over kvferry."""
-    return {pair: make_prompts(NUM_PROMPTS, seed=11 + i) for i, pair in enumerate(PAIRS)}
+    return {pair: make_prompts(NUM_PROMPTS, seed=11 + i) for i, pair in enumerate((*PAIRS, *PULL_PAIRS))}
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +76,17 @@ class Instances:
 
     def __init__(self, model: Path) -> None:
         self.model = model
-        self.llms: dict[tuple[str, int], Any] = {}
+        self.llms: dict[tuple[str, int, str], Any] = {}
 
-    def get(self, role: str, tp: int) -> Any:
-        key = (role, tp)
+    def get(self, role: str, tp: int, mode: str = "push") -> Any:
+        key = (role, tp, mode)
         if key not in self.llms:
-            self.llms[key] = make_llm(self.model, role, {"digest_mode": "full"}, tensor_parallel_size=tp)
+            extra = {"digest_mode": "full"} if mode == "push" else {"digest_mode": "full", "mode": mode}
+            self.llms[key] = make_llm(self.model, role, extra, tensor_parallel_size=tp)
         return self.llms[key]
 
-    def drop(self, role: str, tp: int) -> None:
-        llm = self.llms.pop((role, tp), None)
+    def drop(self, role: str, tp: int, mode: str = "push") -> None:
+        llm = self.llms.pop((role, tp, mode), None)
         if llm is not None:
             close_llm(llm)
 
@@ -123,3 +125,24 @@ def test_tokens_equal_one_instance_across_tp_sizes(instances: Instances, prompts
     finally:
         for key in done_with:
             instances.drop(*key)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "mode"), PULL_PAIRS)
+def test_pull_mode_tokens_equal_one_instance_across_tp_sizes(
+        instances: Instances, prompts: dict[tuple, list[Any]], reference: dict[tuple, list[list[int]]],
+        prefill_tp: int, decode_tp: int, mode: str) -> None:
+    """Decode reads (``mode: "pull"``): each decode rank reads its KV heads from the prefill ranks holding
+    them; every answer equals the plain instance's, and every prompt token came over kvferry."""
+    key = (prefill_tp, decode_tp, mode)
+    batch, want = prompts[key], reference[key]
+    for held in list(instances.llms):   # at most three instances on this machine: keep what this pair uses
+        if held not in (("kv_producer", prefill_tp, "push"), ("kv_consumer", decode_tp, mode)):
+            instances.drop(*held)
+    prefill = instances.get("kv_producer", prefill_tp)
+    decode = instances.get("kv_consumer", decode_tp, mode)
+    before = prompt_sources(decode)["external_kv_transfer"]
+    got = tokens(generate_pd(prefill, decode, batch, MAX_TOKENS))
+    same = sum(a == b for a, b in zip(got, want))
+    assert same == len(batch), f"pull, TP {prefill_tp} -> {decode_tp}: {same} of {len(batch)} equal"
+    received = prompt_sources(decode)["external_kv_transfer"] - before
+    assert received == sum(len(p["prompt_token_ids"]) for p in batch)

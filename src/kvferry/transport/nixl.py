@@ -536,7 +536,9 @@ class NixlTransport(Transport):
         self._check_memories(plan.dst_memory, plan.src_memory, state, label, "read")
         mode = self.descriptors
         indexable = self._local_indexable and state.indexable
-        use_indices = mode == "prepped" or (mode == "auto" and indexable and self._lists_ready(state))
+        # "auto" indexes whole pages only: a cross-TP read (head slices of pages) goes as rows, as its write does
+        use_indices = mode == "prepped" or (mode == "auto" and plan.whole_pages and indexable
+                                            and self._lists_ready(state))
         # As for a write (_check_plan): pages checked against both sides' capacities make the indices
         # bounds-checked by construction; the source is the peer's memory as its metadata describes it.
         if use_indices and indexable and pages_in_regions(plan, state.memory, self._memory):

@@ -122,5 +122,6 @@ def _check_prefill_rank(memory: KVMemory, link: Link, remote: KVMemory) -> str |
         return (f"decode rank {local.tp_rank} of TP {local.tp_size} needs prefill ranks {list(need)} of TP "
                 f"{other.tp_size}, not rank {other.tp_rank}")
     link.rank, link.tp_size = other.tp_rank, other.tp_size
-    link.slices = TPPlanner(remote, memory).slices if local.tp_size != other.tp_size else None
+    link.planner = TPPlanner(remote, memory) if local.tp_size != other.tp_size else None
+    link.slices = link.planner.slices if link.planner is not None else None
     return None

@@ -17,7 +17,7 @@ from kvferry.errors import KVFerryError, PeerLost, UsageError
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Layout
-from kvferry.plan.tp import PageSlice, source_ranks
+from kvferry.plan.tp import PageSlice, TPPlanner, source_ranks
 
 __all__ = ["Link", "pick_links"]
 
@@ -43,8 +43,10 @@ class Link:
         self.rank, self.tp_size = 0, 1
         self.expect: tuple[int, int] | None = None
         self.retry_at = 0.0   # once dead with quarantined pages: when decode may next try to reconnect
-        # Across TP sizes: buffer -> the slice of each page this prefill rank writes here (digest checks).
+        # Across TP sizes: buffer -> the slice of each page this prefill rank writes here (digest checks), and
+        # the planner of the slices read from it in pull mode (prefill rank's memory -> this rank's).
         self.slices: dict[str, PageSlice] | None = None
+        self.planner: TPPlanner | None = None
         # Transfer mode asked for ("push": prefill writes; "pull": decode reads, see ``pull``). In pull
         # mode: prefill's memory as its Welcome describes it (what reads come from), the fence (the
         # longest gap between our own messages after which no read is accepted) and whether it tripped.

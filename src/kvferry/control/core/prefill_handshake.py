@@ -16,7 +16,7 @@ from kvferry.control.core.base import AddPeer, FlushNow
 from kvferry.control.core.sessions import Session, drop_half_open
 from kvferry.control.core.states import SessionState
 from kvferry.control.core.timers import PeerClock
-from kvferry.control.pull import MODE_REFUSAL, mode_refusal
+from kvferry.control.pull import mode_refusal
 from kvferry.errors import PeerLost, ProtocolError
 from kvferry.integrity import DigestMode
 
@@ -93,10 +93,6 @@ class Handshake:
         modes = core.setup.modes
         if session.mode not in modes:
             return mode_refusal(session.label, session.mode, modes)
-        if session.mode == "pull" and session.planner is not None:
-            decode_tp = session.remote.layout.tp_size if session.remote is not None else "?"
-            return (f"{MODE_REFUSAL} 'pull' refused: {session.label}: pull mode is built for equal TP sizes "
-                    f"only (prefill TP {core.memory.layout.tp_size}, decode TP {decode_tp}); connect in push mode")
         return None
 
     def reject(self, identity: bytes, reason: str) -> None:

@@ -95,7 +95,8 @@ def fenced(link: Link, now: float) -> str | None:
 
 def read_plan(memory: KVMemory, leases: LeaseTable, rec: DecodeRequest, link: Link, msg: wire.Ready) -> Plan:
     """The read of one chunk: prefill's pages (untrusted: checked against its layout) into the leased pages
-    from each pool's offset on (bounded by the lease)."""
+    from each pool's offset on (bounded by the lease). Across TP sizes, only the head slices this decode rank
+    needs from that prefill rank (the link's ``TPPlanner``, built at the handshake), as push writes them."""
     assert link.remote is not None
     src = validate_pages(link.remote.layout, "source", wire.decode_pages(msg.pages), PlanError, unique=False)
     leased = leases.pages(rec.generation)
@@ -106,4 +107,7 @@ def read_plan(memory: KVMemory, leases: LeaseTable, rec: DecodeRequest, link: Li
             raise PlanError(f"request {rec.request_id!r}, pool {pool!r}: chunk {msg.chunk} covers positions "
                             f"{offset}..{offset + len(pages) - 1}, lease has {0 if dst is None else len(dst)}")
         pairs[pool] = (pages, dst[offset:offset + len(pages)])
-    return plan_pages(link.remote, memory, pairs, select_buffers(memory, msg.buffers or None))
+    selected = select_buffers(memory, msg.buffers or None)
+    if link.planner is not None:   # across TP sizes: this rank's heads of the prefill rank's pages
+        return link.planner.plan_pages(pairs, selected)
+    return plan_pages(link.remote, memory, pairs, selected)
