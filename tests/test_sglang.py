@@ -195,9 +195,9 @@ def test_sglang_mooncake_backend_same_cases(pool: str) -> None:
     RESULTS["mooncake", pool] = decode
 
 
-def _kvferry_ranks_all_exact(pool: str, prefill_tp: int, decode_tp: int) -> None:
+def _kvferry_ranks_all_exact(pool: str, prefill_tp: int, decode_tp: int, env: dict[str, str] | None = None) -> None:
     """kvferry's backend, a process per rank: every rank concludes every request and decode is exact."""
-    prefills, decodes = run_ranks("kvferry", pool, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    prefills, decodes = run_ranks("kvferry", pool, prefill_tp=prefill_tp, decode_tp=decode_tp, env=env)
     for p in prefills:
         assert "refused" not in p and _ok(p) == N, (p["rank"], Counter(p["outcomes"].values()), p["errors"])
     for d in decodes:
@@ -215,6 +215,34 @@ def test_kvferry_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: 
     rank that must write it (``sglang_peer.src_rank``) proves no other rank wrote there; every prefill
     rank's senders, the dummy's included, still conclude Success for SGLang. TP 2 -> 2: rank d to rank d."""
     _kvferry_ranks_all_exact(pool, prefill_tp, decode_tp)
+
+
+# make test keeps the seed's pool at equal TP and MHA's sharded heads across TP; the replicated pools across TP
+# (MLA 2 -> 1, DSA 1 -> 2) run in make test-sglang-slow
+@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"),
+                         _slow_but([("v4", 1, 1), ("mha", 4, 2), ("mla", 2, 1), ("dsa_bf16", 1, 2)],
+                                   [("v4", 1, 1), ("mha", 4, 2)]))
+def test_kvferry_backend_in_pull_mode(pool: str, prefill_tp: int, decode_tp: int) -> None:
+    """``KVFERRY_SGLANG_MODE=pull``: decode ranks read what they need from the prefill ranks holding it (no
+    quarantine on decode; prefill holds its pages until decode's verdict), at equal and different TP sizes:
+    every rank concludes every request, every slot exact (MHA: each decode rank's KV heads, token row by token
+    row, from the prefill ranks holding them), and only decode posted transfers."""
+    prefills, decodes = run_ranks("kvferry", pool, prefill_tp=prefill_tp, decode_tp=decode_tp,
+                                  env={"KVFERRY_SGLANG_MODE": "pull"})
+    for p in prefills:
+        assert "refused" not in p and _ok(p) == N, (p["rank"], Counter(p["outcomes"].values()), p["errors"])
+        assert p["stats"].get("posted_bytes", 0) == 0, p["stats"]
+    for d in decodes:
+        assert "refused" not in d and _ok(d) == N, (d["rank"], Counter(d["outcomes"].values()), d["errors"])
+        assert_exact(d)
+        assert d["stats"]["posted_bytes"] > 0
+    RESULTS["kvferry-pull", f"{pool} TP {prefill_tp}->{decode_tp}"] = _merge(prefills, decodes)
+
+
+def test_an_unknown_mode_is_refused_by_name() -> None:
+    prefill, decode = run_pair("kvferry", "mla", n=2, env={"KVFERRY_SGLANG_MODE": "pool"})
+    for side in (prefill, decode):   # both managers refuse before moving anything
+        assert "KVFERRY_SGLANG_MODE must be one of ('push', 'pull'), got 'pool'" in side["refused"], side
 
 
 @pytest.mark.slow   # make test keeps the wrong-bytes cases below (test_sglang_nixl_backend_mha_v_*)

@@ -63,6 +63,21 @@ TRANSPORT_ENV = "KVFERRY_SGLANG_TRANSPORT"
 SGLANG_TRANSPORTS = ("nixl", "mooncake")
 
 
+# Who moves the bytes: "push" (the default: prefill writes into decode's pages) or "pull" (decode reads
+# prefill's; prefill holds its pages until decode's verdict, and decode never quarantines a page: nothing is held
+# forever when a prefill on another host dies, docs/fencing.md). Read on decode, which chooses per connection;
+# a prefill accepts either.
+MODE_ENV = "KVFERRY_SGLANG_MODE"
+SGLANG_MODES = ("push", "pull")
+
+
+def _decode_mode() -> str:
+    mode = os.environ.get(MODE_ENV, "push") or "push"
+    if mode not in SGLANG_MODES:
+        raise UsageError(f"kvferry backend: {MODE_ENV} must be one of {SGLANG_MODES}, got {mode!r}")
+    return mode
+
+
 def _transport(host: str, server_args: Any) -> Transport:
     """A fresh transport of the kind ``KVFERRY_SGLANG_TRANSPORT`` names. Mooncake's engine listens on
     ``host`` (the rank's IP, what peers reach it at) over TCP, or RDMA when ``KVFERRY_MOONCAKE_PROTOCOL=rdma``
@@ -143,6 +158,7 @@ class KVFerryKVManager(CommonKVManager):
         self.kvferry_memory, self.pool_names = kvargs_memory(
             args, device=device, device_id=device_id, tp_size=tp_size, tp_rank=int(parallel.attn_tp_rank),
             replicated=bool(is_mla_backend), kv_heads=self.kv_heads)
+        self.kvferry_mode = _decode_mode()   # checked on both sides: a typo is refused wherever it is set
         self.kvferry_options = EndpointOptions(
             request_timeout=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
             handshake_timeout=10.0)
@@ -153,7 +169,7 @@ class KVFerryKVManager(CommonKVManager):
         self.server_socket.close(linger=0)
         if disaggregation_mode == DisaggregationMode.DECODE:
             self.decode_endpoint = DecodeEndpoint(self.kvferry_memory, _transport(self.local_ip, server_args),
-                                                  options=self.kvferry_options)
+                                                  options=self.kvferry_options, mode=self.kvferry_mode)
             # SGLang's decode caches each prefill's bootstrap info (and so its kvferry address) per bootstrap
             # address, and only its heartbeat thread (``_handle_node_failure``) drops it: without it, a
             # restarted prefill (a new endpoint port) is never looked up again, and every later request
@@ -165,8 +181,8 @@ class KVFerryKVManager(CommonKVManager):
         """Bind the prefill endpoint on this rank's IP and register its port as the rank port."""
         if self.prefill_endpoint is None:
             self.prefill_endpoint = PrefillEndpoint(self.kvferry_memory, _transport(self.local_ip, self.server_args),
-                                                    host=self.local_ip,
-                                                    options=self.kvferry_options)
+                                                    host=self.local_ip, options=self.kvferry_options,
+                                                    mode=SGLANG_MODES)
         self.rank_port = int(self.prefill_endpoint.address.rsplit(":", 1)[1])
         super().register_to_bootstrap()
 
