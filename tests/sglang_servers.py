@@ -268,11 +268,12 @@ def plain_server(model: Path, page_size: int, log_dir: Path, *, patches: Sequenc
 
 
 def pd_servers(model: Path, page_size: int, backend: str, log_dir: Path, *, decode_radix: bool = True,
-               prefill_radix: bool = True, patches: Sequence[str] = (), transport: str = "nixl") -> PD:
+               prefill_radix: bool = True, patches: Sequence[str] = (), transport: str = "nixl",
+               mode: str = "push") -> PD:
     """Prefill, decode and router (not started). ``backend``: ``kvferry`` or SGLang's ``nixl``. With
     ``prefill_radix`` off, the cached tokens decode reports are decode's own radix hits only. ``transport``:
     what kvferry's backend moves pages with (``KVFERRY_SGLANG_TRANSPORT`` on both servers: ``nixl`` or
-    ``mooncake``)."""
+    ``mooncake``). ``mode``: ``pull`` makes kvferry's decode read prefill's pages (``KVFERRY_SGLANG_MODE``)."""
     pport, dport, bport, rport = free_port(), free_port(), free_port(), free_port()
     common = ["--disaggregation-transfer-backend", backend, "--disable-overlap-schedule"]
     patches = list(patches)
@@ -280,12 +281,16 @@ def pd_servers(model: Path, page_size: int, backend: str, log_dir: Path, *, deco
     if transport != "nixl":
         assert backend == "kvferry", "the transport is kvferry's backend's choice"
         env_extra["KVFERRY_SGLANG_TRANSPORT"] = transport
+    if mode != "push":
+        assert backend == "kvferry", "the mode is kvferry's backend's choice"
+        env_extra["KVFERRY_SGLANG_MODE"] = mode
     if backend == "nixl":
         # SGLang's nixl registers KV as VRAM whatever the device; UCX refuses that on a CPU (the patch maps
         # it to DRAM at run time, tests/sglang_sitecustomize). Its UCX backend, as on SGLang's CPU tests.
         patches.append("KVFERRY_TEST_NIXL_DRAM")
         env_extra["SGLANG_DISAGGREGATION_NIXL_BACKEND"] = "UCX"
-    tag = f"{model.name}-{backend}{'' if transport == 'nixl' else '-' + transport}-p{page_size}"
+    tag = (f"{model.name}-{backend}{'' if transport == 'nixl' else '-' + transport}"
+           f"{'' if mode == 'push' else '-' + mode}-p{page_size}")
     prefill_flags = [*common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bport)]
     if not prefill_radix:
         prefill_flags.append("--disable-radix-cache")

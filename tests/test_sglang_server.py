@@ -66,9 +66,11 @@ class Cluster:
             new.append(self.plain)
         for backend, page in wanted:
             if (backend, page) not in self.sets:
-                engine_backend, _, transport = backend.partition("-")   # "kvferry-mooncake": kvferry's backend
+                # "kvferry-mooncake": kvferry's backend over Mooncake; "kvferry-pull": decode reads
+                engine_backend, _, variant = backend.partition("-")
                 pd = ss.pd_servers(self.model, page, engine_backend, self.root, prefill_radix=False,
-                                   transport=transport or "nixl")
+                                   transport="mooncake" if variant == "mooncake" else "nixl",
+                                   mode="pull" if variant == "pull" else "push")
                 self.sets[backend, page] = pd
                 new.extend(reversed(pd.all()))
         if new:
@@ -103,11 +105,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                         pytest.param(("nixl", 1), marks=pytest.mark.slow),
                         pytest.param(("nixl", 16), marks=pytest.mark.slow),
                         pytest.param(("kvferry-mooncake", 1), marks=pytest.mark.slow),
-                        pytest.param(("kvferry-mooncake", 16), marks=pytest.mark.slow)],
+                        pytest.param(("kvferry-mooncake", 16), marks=pytest.mark.slow),
+                        pytest.param(("kvferry-pull", 1), marks=pytest.mark.slow)],
                 ids=lambda p: f"{p[0]}-page{p[1]}")
 def pd(request: pytest.FixtureRequest, cluster: Cluster) -> ss.PD:
     """A PD set; the page sizes of a backend that this run selected (and the plain server) start at once.
-    ``kvferry-mooncake``: kvferry's backend on Mooncake's Transfer Engine (``KVFERRY_SGLANG_TRANSPORT=mooncake``)."""
+    ``kvferry-mooncake``: kvferry's backend on Mooncake's Transfer Engine (``KVFERRY_SGLANG_TRANSPORT=mooncake``);
+    ``kvferry-pull``: decode reads prefill's pages (``KVFERRY_SGLANG_MODE=pull``)."""
     backend, page = request.param
     if backend.endswith("-mooncake"):
         from kvferry.transport import mooncake_available
