@@ -470,3 +470,26 @@ def test_deadline_on_either_side_ends_the_lease_and_the_source_hold(side: str) -
         _until(lambda: not decode.holds_lease(req.rid) and not prefill.holds_source(req.rid), 2)
         assert decode.peak_quarantined_pages == 0
         _assert_idle(prefill, decode)
+
+
+@pytest.mark.parametrize(("address", "mode"), [
+    ("tcp://127.0.0.1:5555", "push"), ("tcp://127.3.4.5:1", "push"), ("tcp://[::1]:5555", "push"),
+    ("tcp://localhost:5555", "push"), ("tcp://10.0.0.5:5555", "pull"), ("tcp://[fd00::2]:5555", "pull"),
+    ("tcp://prefill-0.prefill.svc:5555", "pull"), ("tcp://0.0.0.0:5555", "pull")])
+def test_auto_pushes_on_loopback_and_pulls_from_any_other_host(address: str, mode: str) -> None:
+    """Decode's default mode: push where a dead prefill is certainly dead once its process is gone (this
+    host), pull anywhere else, where push would quarantine its pages until it came back (test_netns_death)."""
+    from kvferry.control.pull import mode_for
+
+    assert mode_for("auto", address) == mode
+    assert mode_for("push", address) == "push" and mode_for("pull", address) == "pull"
+
+
+def test_default_endpoints_agree_on_push_over_loopback() -> None:
+    """Neither side configured: the prefill accepts both modes, decode's auto asks for push on loopback."""
+    src, dst = _memories()
+    with PrefillEndpoint(src, "local", options=OPTS) as prefill, DecodeEndpoint(dst, "local", options=OPTS) as decode:
+        assert prefill.modes == frozenset({"push", "pull"}) and decode.mode == "auto"
+        decode.connect(prefill.address)
+        with pytest.raises(ModeMismatch, match="connected in transfer mode 'push', asked for 'pull'"):
+            decode.connect(prefill.address, mode="pull")

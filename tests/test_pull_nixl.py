@@ -101,7 +101,7 @@ def test_first_read_is_not_held_up_by_an_idle_prefill(peers: list[Peer]) -> None
 
 
 def test_mode_mismatch_between_processes(peers: list[Peer]) -> None:
-    prefill = Peer("prefill")                              # push only
+    prefill = Peer("prefill", mode="push")                 # push only
     peers.append(prefill)
     decode, before = _decode("pull")
     with decode:

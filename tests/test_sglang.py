@@ -242,7 +242,7 @@ def test_kvferry_backend_in_pull_mode(pool: str, prefill_tp: int, decode_tp: int
 def test_an_unknown_mode_is_refused_by_name() -> None:
     prefill, decode = run_pair("kvferry", "mla", n=2, env={"KVFERRY_SGLANG_MODE": "pool"})
     for side in (prefill, decode):   # both managers refuse before moving anything
-        assert "KVFERRY_SGLANG_MODE must be one of ('push', 'pull'), got 'pool'" in side["refused"], side
+        assert "KVFERRY_SGLANG_MODE must be one of ('auto', 'push', 'pull'), got 'pool'" in side["refused"], side
 
 
 @pytest.mark.slow   # make test keeps the wrong-bytes cases below (test_sglang_nixl_backend_mha_v_*)

@@ -39,7 +39,7 @@ from kvferry.control.dealers import DealerPorts
 from kvferry.control.endpoints import EndpointBase, EndpointOptions, entropy
 from kvferry.control.inflight import InFlight
 from kvferry.control.liveness import this_process
-from kvferry.control.pull import DEFAULT_MODE, check_mode, check_pull_options
+from kvferry.control.pull import DEFAULT_MODE, check_decode_mode, check_pull_options, mode_for
 from kvferry.control.quarantine import writer_gone
 from kvferry.errors import HandshakeError, KVFerryError, PeerLost, TransportError, UsageError
 from kvferry.integrity.binding import as_binding
@@ -64,7 +64,9 @@ class DecodeEndpoint(EndpointBase):
     ``close`` only when created here). ``secret`` (optional) must match prefill's. ``digest_mode``
     (``"off"``, ``"sampled"``, ``"full"``) is the least this side accepts. ``mode`` is the transfer mode
     asked of every prefill (``connect(mode=...)`` chooses per prefill): ``"push"`` (prefill writes into the
-    leased pages) or ``"pull"`` (this side reads prefill's pages; see ``pull`` and docs/fencing.md).
+    leased pages), ``"pull"`` (this side reads prefill's pages; see ``pull`` and docs/fencing.md) or
+    ``"auto"`` (the default: push to a prefill on a loopback address, pull to any other, so that a prefill
+    dying on another host leaves nothing of this side held).
     """
 
     _role = "decode"
@@ -74,7 +76,7 @@ class DecodeEndpoint(EndpointBase):
     def __init__(self, memory: KVMemory, transport: str | Transport = "nixl", *,
                  secret: str | bytes | None = None, digest_mode: Any = "sampled",
                  options: EndpointOptions | None = None, mode: str = DEFAULT_MODE) -> None:
-        if check_mode(mode) == "pull":
+        if check_decode_mode(mode) == "pull":
             opts = options or EndpointOptions()
             check_pull_options(opts.peer_timeout, opts.heartbeat_interval)
         self._secret = as_secret(secret)
@@ -108,9 +110,7 @@ class DecodeEndpoint(EndpointBase):
         (an ``IncompatiblePeer``) when it does not accept it.
         """
         timeout = self.options.handshake_timeout if timeout is None else timeout
-        mode = self.mode if mode is None else check_mode(mode)
-        if mode == "pull":
-            check_pull_options(self.options.peer_timeout, self.options.heartbeat_interval)
+        mode = self._mode_for(address, mode)
         deadline = time.monotonic() + timeout
         with self._bounded_lock(deadline, address):
             self._check_open()
@@ -118,6 +118,14 @@ class DecodeEndpoint(EndpointBase):
             self._done_with_call()
         self._await_links([link], deadline)
         return address
+
+    def _mode_for(self, address: str, mode: str | None = None) -> str:
+        """The mode asked of the prefill at ``address`` (``pull.mode_for``: ``"auto"`` is push on loopback,
+        pull to another host); pull's timing rule checked when it is chosen."""
+        chosen = mode_for(self.mode if mode is None else check_decode_mode(mode), address)
+        if chosen == "pull":
+            check_pull_options(self.options.peer_timeout, self.options.heartbeat_interval)
+        return chosen
 
     def connect_all(self, addresses: Sequence[str], timeout: float | None = None) -> list[str]:
         """Blocking: connect to the prefill ranks this decode rank needs, out of a whole prefill TP group.
@@ -138,7 +146,8 @@ class DecodeEndpoint(EndpointBase):
         with self._bounded_lock(deadline, ", ".join(chosen)):
             self._check_open()
             now = time.monotonic()
-            links = [self.core.start_link(now, addresses[r], timeout, (r, len(addresses)), self.mode) for r in need]
+            links = [self.core.start_link(now, addresses[r], timeout, (r, len(addresses)),
+                                          self._mode_for(addresses[r])) for r in need]
             self._done_with_call()
         self._await_links(links, deadline)
         return chosen

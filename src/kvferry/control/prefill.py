@@ -36,7 +36,7 @@ from kvferry.control.core.prefill_requests import (
 from kvferry.control.endpoints import EndpointBase, EndpointOptions, entropy
 from kvferry.control.inflight import InFlight
 from kvferry.control.liveness import is_gone, this_process
-from kvferry.control.pull import DEFAULT_MODE, accepted_modes
+from kvferry.control.pull import ACCEPTED_BY_DEFAULT, accepted_modes
 from kvferry.control.router import RouterPort
 from kvferry.errors import KVFerryError, TransportError, UsageError
 from kvferry.integrity.binding import as_binding
@@ -55,8 +55,8 @@ class PrefillEndpoint(EndpointBase):
     ``host``/``port`` (port 0: ephemeral) choose where to listen, loopback by default. ``transport``,
     ``secret``, ``digest_mode`` and ``options`` are as for ``DecodeEndpoint``; the stronger digest mode
     of the two sides is used. ``mode``: the transfer mode, or modes, accepted from decode (``"push"``:
-    this side writes; ``"pull"``: decode reads this side's pages, see ``holds_source``); a decode asking
-    for another is refused at the handshake (it raises ``ModeMismatch``).
+    this side writes; ``"pull"``: decode reads this side's pages, see ``holds_source``; both by default,
+    decode choosing); a decode asking for another is refused at the handshake (it raises ``ModeMismatch``).
     """
 
     _role = "prefill"
@@ -65,7 +65,7 @@ class PrefillEndpoint(EndpointBase):
 
     def __init__(self, memory: KVMemory, transport: str | Transport = "nixl", *, host: str = "127.0.0.1",
                  port: int = 0, secret: str | bytes | None = None, digest_mode: Any = "sampled",
-                 options: EndpointOptions | None = None, mode: str | Iterable[str] = DEFAULT_MODE) -> None:
+                 options: EndpointOptions | None = None, mode: str | Iterable[str] = ACCEPTED_BY_DEFAULT) -> None:
         self.modes = accepted_modes(mode)
         self._secret = as_secret(secret)
         self._listen = (host, port)   # bound by _make_port, before the thread starts

@@ -17,13 +17,19 @@ from collections.abc import Iterable
 
 from kvferry.errors import ModeMismatch, UsageError
 
-__all__ = ["DEFAULT_MODE", "MODES", "MODE_REFUSAL", "accepted_modes", "check_mode", "check_pull_options", "fence_s",
-           "is_mode_refusal", "mode_refusal", "source_hold_s"]
+__all__ = ["ACCEPTED_BY_DEFAULT", "DECODE_MODES", "DEFAULT_MODE", "MODES", "MODE_REFUSAL", "accepted_modes",
+           "check_decode_mode", "check_mode", "check_pull_options", "fence_s", "is_mode_refusal", "mode_for",
+           "mode_refusal", "source_hold_s"]
 
 MODES = ("push", "pull")
-# Push stays the default: it needs no source hold on prefill, one message fewer per chunk, and every
-# engine integration was built and measured on it (bench/RESULTS.md compares the two).
-DEFAULT_MODE = "push"
+# What a decode may ask for: a mode, or "auto", which picks one per prefill address (``mode_for``).
+DECODE_MODES = ("auto", *MODES)
+# Decode's default: push to a prefill on this host, pull to one elsewhere. Push needs no source hold on
+# prefill and one message fewer per chunk; but on another host no certain death exists, so a prefill that
+# dies there would leave push mode's quarantined pages held until it came back: pull holds nothing forever.
+DEFAULT_MODE = "auto"
+# A prefill accepts both unless told otherwise: decode chooses.
+ACCEPTED_BY_DEFAULT = MODES
 # Prefill's Reject reasons about the mode start with this, so decode can raise ModeMismatch for them.
 MODE_REFUSAL = "transfer mode"
 
@@ -33,6 +39,39 @@ def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise UsageError(f"transfer mode must be one of {list(MODES)}, got {mode!r}")
     return mode
+
+
+def check_decode_mode(mode: str) -> str:
+    """``mode`` if it is ``"auto"``, ``"push"`` or ``"pull"``, else ``UsageError``."""
+    if mode not in DECODE_MODES:
+        raise UsageError(f"transfer mode must be one of {list(DECODE_MODES)}, got {mode!r}")
+    return mode
+
+
+def mode_for(mode: str, address: str) -> str:
+    """The mode decode asks of the prefill at ``address``: ``mode`` itself, or for ``"auto"`` push when the
+    address is a loopback one (the prefill runs on this host, where its death is certain once its process is
+    gone: docs/fencing.md) and pull otherwise (another host, or this host's address on a network: nothing then
+    waits on a prefill that may never come back)."""
+    if mode != "auto":
+        return mode
+    return "push" if _loopback(address) else "pull"
+
+
+def _loopback(address: str) -> bool:
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    try:
+        host = urlsplit(address).hostname or ""
+    except ValueError:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False   # a name: it may resolve anywhere, so it is treated as another host
 
 
 def check_pull_options(peer_timeout: float, heartbeat_interval: float) -> None:

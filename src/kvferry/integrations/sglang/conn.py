@@ -63,16 +63,16 @@ TRANSPORT_ENV = "KVFERRY_SGLANG_TRANSPORT"
 SGLANG_TRANSPORTS = ("nixl", "mooncake")
 
 
-# Who moves the bytes: "push" (the default: prefill writes into decode's pages) or "pull" (decode reads
-# prefill's; prefill holds its pages until decode's verdict, and decode never quarantines a page: nothing is held
-# forever when a prefill on another host dies, docs/fencing.md). Read on decode, which chooses per connection;
-# a prefill accepts either.
+# Who moves the bytes: "push" (prefill writes into decode's pages), "pull" (decode reads prefill's; prefill holds
+# its pages until decode's verdict, and decode never quarantines a page: nothing is held forever when a prefill
+# on another host dies, docs/fencing.md) or "auto" (the default: push to a prefill on a loopback address, pull
+# to any other). Read on decode, which chooses per connection; a prefill accepts either.
 MODE_ENV = "KVFERRY_SGLANG_MODE"
-SGLANG_MODES = ("push", "pull")
+SGLANG_MODES = ("auto", "push", "pull")
 
 
 def _decode_mode() -> str:
-    mode = os.environ.get(MODE_ENV, "push") or "push"
+    mode = os.environ.get(MODE_ENV, "auto") or "auto"
     if mode not in SGLANG_MODES:
         raise UsageError(f"kvferry backend: {MODE_ENV} must be one of {SGLANG_MODES}, got {mode!r}")
     return mode
@@ -182,7 +182,7 @@ class KVFerryKVManager(CommonKVManager):
         if self.prefill_endpoint is None:
             self.prefill_endpoint = PrefillEndpoint(self.kvferry_memory, _transport(self.local_ip, self.server_args),
                                                     host=self.local_ip, options=self.kvferry_options,
-                                                    mode=SGLANG_MODES)
+                                                    mode=("push", "pull"))
         self.rank_port = int(self.prefill_endpoint.address.rsplit(":", 1)[1])
         super().register_to_bootstrap()
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
+from kvferry.control.pull import DECODE_MODES
 from kvferry.errors import KVFerryError, LayoutError, UsageError
 from kvferry.integrations.vllm.scheduler import RecvSpec, SendSpec, StepPlan
 from kvferry.layout import KVMemory
@@ -68,7 +69,7 @@ class WorkerConfig:
     secret: str | None = None
     request_timeout: float = 60.0
     handshake_timeout: float = 10.0
-    mode: str = "push"
+    mode: str = "auto"   # a consumer's: push to a prefill on loopback, pull to any other host (control.pull)
     batch_chunks: int = EndpointOptions().batch_chunks
     peer_timeout: float = EndpointOptions().peer_timeout
     heartbeat_interval: float = EndpointOptions().heartbeat_interval
@@ -82,8 +83,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise UsageError(f"kvferry connector: role must be one of {ROLES}, got {self.role!r}")
-        if self.mode not in MODES:
-            raise UsageError(f"kvferry connector: mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in DECODE_MODES:
+            raise UsageError(f"kvferry connector: mode must be one of {DECODE_MODES}, got {self.mode!r}")
         # At parse time, naming the config keys (the transport checks the same when it is built).
         check_address(self.mooncake_host, self.mooncake_protocol, "kvferry connector: mooncake_")
 
