@@ -483,3 +483,17 @@ def test_transfer_params_prefill_never_issued_fail_at_once(pair: tuple[Instance,
     assert time.monotonic() - started < 2.0
     assert decode.failed == {"d-f"}
     assert "request 'p-forged'" in caplog.text and "never issued it" in caplog.text
+
+
+def test_a_send_kvferry_refuses_still_lets_vllm_free_prefills_blocks(pair: tuple[Instance, Instance],
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A send the prefill endpoint refuses (here blocks past its cache; in the field a request decode had
+    already aborted or cancelled while prefill was stopped) posts nothing, so vLLM may free its blocks: the
+    request is reported finished sending at once, not held for ever (a block stayed held 121 s after a
+    SIGSTOPped prefill resumed: issue 51)."""
+    prefill, decode = pair
+    hand_over(prefill, decode, 40, [70, 71], [1, 2])   # prefill's cache has 64 blocks
+    with caplog.at_level(logging.WARNING, logger="kvferry.vllm"):
+        prefill.step()
+    assert "p-r" in prefill.sending
+    assert "kvferry: prefill request p-r not sent" in caplog.text

@@ -141,6 +141,7 @@ class WorkerSide:
             self.decode = DecodeEndpoint(memory, config.make_transport("decode"), secret=config.secret,
                                          digest_mode=config.digest_mode, options=options, mode=config.mode)
         self._sending: set[str] = set()
+        self._unsent: set[str] = set()   # sends the endpoint refused: nothing posted, reported finished at once
         self._recving: dict[str, RecvSpec] = {}         # by vLLM request id
         self._failed_now: dict[str, KVFerryError] = {}  # never announced: nothing leased, report at once
         self.num_failed = 0
@@ -171,6 +172,8 @@ class WorkerSide:
         ``get_transfer_results`` wants them: a failed receive is also a finished one."""
         sending = {r for r in self._sending if self._sent(r)}
         self._sending -= sending
+        sending |= self._unsent
+        self._unsent.clear()
         recving: set[str] = set()
         failed: set[str] = set()
         for request_id, error in self._failed_now.items():
@@ -199,8 +202,10 @@ class WorkerSide:
         try:
             self.prefill.send(send.request_id, send.pages, binding=send.binding)
         except KVFerryError as exc:
-            # Nothing posted: vLLM may free the blocks at once (the request is reported finished below).
+            # Nothing posted: vLLM may free the blocks at once, so the request is reported finished at the next
+            # results (left out, vLLM would hold them for ever: it frees a delayed request's blocks only then)
             log.warning("kvferry: prefill request %s not sent: %s", send.request_id, exc)
+            self._unsent.add(send.request_id)
             return
         self._sending.add(send.request_id)
 
