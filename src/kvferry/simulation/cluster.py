@@ -140,9 +140,8 @@ class World:
         ptp, dtp = self.tp
         self.prefill_groups = [[self._prefill(i, r) for r in range(ptp)] for i in range(cfg.prefills)]
         self.prefills = [node for group in self.prefill_groups for node in group]
+        # Any TP pair: across sizes a pulling decode rank reads its heads from the prefill ranks holding them
         modes = ["pull" if self.sim.rng_fault.random() < self.swarm.pull else "push" for _ in range(cfg.decodes)]
-        if ptp != dtp:   # pull mode serves equal TP sizes only (prefill refuses it across TP)
-            modes = ["push"] * cfg.decodes
         self.decode_groups = [[DecodeNode(self, rank_name("decode", i, r, dtp), modes[i], r) for r in range(dtp)]
                               for i in range(cfg.decodes)]
         self.decodes = [node for group in self.decode_groups for node in group]

@@ -125,9 +125,14 @@ class Announces:
     def on_result(self, session: Session, msg: wire.Result) -> None:
         core = self.core
         rec = self.match(session, msg.request_id, msg.generation)
+        # Pull mode: decode reads no more of it, whatever its verdict. Looked up among the holds too, as for
+        # an Abort: a record no longer the request id's current one (another decode rank's late announce, or a
+        # retry, made a new one meanwhile) still holds its pages until this verdict.
+        held = rec if rec is not None else core.holds.held_for(session, msg.request_id, msg.generation)
+        if held is not None:
+            core.writer.release_source(held)
         if rec is None:
             return
-        core.writer.release_source(rec)  # pull mode: decode reads no more of it, whatever its verdict
         if not session.read_once:
             session.read_once = True
             core.cold.discard(session)
