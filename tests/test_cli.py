@@ -104,6 +104,12 @@ def test_audit_state_pool_has_no_bytes_per_token(capsys: pytest.CaptureFixture[s
     data = run_json(capsys, "audit", "--preset", "qwen3_next", "--pages", "64")
     state = [r for r in data["buffers"] if r["kind"] == "state"]
     assert state and all(r["bytes_per_token"] is None for r in state)
+    # ... and says what a request holds there instead: one slot of each of its buffers
+    [pool] = data["state_pools"]
+    per_slot = sum(r["page_bytes"] for r in state)
+    assert pool == {"pool": "mamba", "bytes_per_request": per_slot, "slots": min(r["num_pages"] for r in state)}
+    code, out, _ = run(capsys, "audit", "--preset", "qwen3_next", "--pages", "64")
+    assert code == 0 and f"state pool mamba: {per_slot / 2**20:.2f} MiB per request" in out
 
 
 # -- sizing ------------------------------------------------------------------------------------------------

@@ -73,6 +73,9 @@ def _run_audit(args: argparse.Namespace) -> int:
     console.print(_roles_table(report, args.preset) if collapse else _buffers_table(report, args.preset))
     console.print(f"total {human_bytes(report.total_bytes)} in {len(report.rows)} buffers, "
                   f"{len(layout.pools)} pools; shape {report.shape_fingerprint}", soft_wrap=True)
+    for state in report.state_pools:
+        console.print(f"state pool {state.pool}: {human_bytes(state.bytes_per_request)} per request (one slot of "
+                      f"each buffer, whatever the request's length), {state.slots} slots", soft_wrap=True)
     for warning in report.warnings:
         console.print(f"warning: {warning}", style="yellow", soft_wrap=True)
     return 0

@@ -58,14 +58,26 @@ class RoleRow:
 
 
 @dataclass(frozen=True, slots=True)
+class StatePool:
+    """A per-request state pool (Mamba/GDN conv and SSM state): what one request holds in it, whatever its
+    length (one slot of every buffer), and how many slots it has (its fewest-page buffer's)."""
+
+    pool: str
+    bytes_per_request: int
+    slots: int
+
+
+@dataclass(frozen=True, slots=True)
 class AuditReport:
-    """What ``audit`` found: a row per buffer (layout order), the same collapsed by role, and warnings."""
+    """What ``audit`` found: a row per buffer (layout order), the same collapsed by role, warnings, and
+    the state pools' bytes per request."""
 
     rows: tuple[BufferRow, ...]
     roles: tuple[RoleRow, ...]
     warnings: tuple[str, ...]
     total_bytes: int
     shape_fingerprint: str
+    state_pools: tuple[StatePool, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         """Plain JSON-ready data (lists, dicts, numbers, strings)."""
@@ -75,6 +87,7 @@ class AuditReport:
             "buffers": [asdict(r) for r in self.rows],
             "roles": [{**asdict(r), "layers": list(r.layers)} for r in self.roles],
             "warnings": list(self.warnings),
+            "state_pools": [asdict(sp) for sp in self.state_pools],
         }
 
 
@@ -82,7 +95,9 @@ def audit(layout: Layout) -> AuditReport:
     """Describe every buffer of ``layout`` and warn where pool buffers differ in page count or size."""
     rows = tuple(_row(pool, buf) for pool in layout.pools for buf in pool.buffers)
     warnings = tuple(w for pool in layout.pools for w in _pool_warnings(pool))
-    return AuditReport(rows, _collapse(rows), warnings, layout.nbytes, layout.shape_fingerprint)
+    states = tuple(StatePool(pool.name, sum(b.page_bytes for b in pool.buffers), pool.min_pages)
+                   for pool in layout.pools if pool.tokens_per_page is None)
+    return AuditReport(rows, _collapse(rows), warnings, layout.nbytes, layout.shape_fingerprint, states)
 
 
 def _row(pool: Pool, buf: Buffer) -> BufferRow:
