@@ -1,0 +1,30 @@
+"""The router command lines docs/deploy.md shows, built here once: the slow suites run them
+(``tests/test_vllm_router.py``, ``tests/test_sglang_gateway.py``) and ``tests/test_deploy_doc.py`` checks the page
+says the same, word for word but for the binary's path, the URLs and the port. No engine is imported here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def vllm_router_argv(binary: str, policy: str, prefills: Sequence[str], decodes: Sequence[str],
+                     port: int) -> list[str]:
+    """vllm-router in front of vLLM servers with kvferry's connector: its NIXL-style hand-off (``--kv-connector
+    nixl``) is the one kvferry's transfer parameters follow."""
+    cmd = [binary, "--vllm-pd-disaggregation"]
+    for url in prefills:
+        cmd += ["--prefill", url]
+    for url in decodes:
+        cmd += ["--decode", url]
+    return [*cmd, "--policy", policy, "--kv-connector", "nixl", "--host", "127.0.0.1", "--port", str(port)]
+
+
+def sglang_gateway_argv(python: str, policy: str, prefills: Sequence[tuple[str, int]], decodes: Sequence[str],
+                        port: int) -> list[str]:
+    """SGLang's gateway (``sglang_router``'s Rust router, not ``--mini-lb``): each prefill with its bootstrap port."""
+    cmd = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--policy", policy]
+    for url, bootstrap in prefills:
+        cmd += ["--prefill", url, str(bootstrap)]
+    for url in decodes:
+        cmd += ["--decode", url]
+    return [*cmd, "--host", "127.0.0.1", "--port", str(port)]
