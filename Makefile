@@ -67,11 +67,12 @@ test-vllm-slow: setup-vllm
 # a CPU torch (tests/test_sglang*.py) and real servers, prefill + decode + SGLang's router
 # (tests/test_sglang_server.py). `make test` runs all but the tests marked slow (the heavier prefix cases, the
 # 64-session soak, the server faults, the nixl-backend bench, the cross-TP cases beyond one per direction and
-# pool kind); `make test-sglang-slow` runs those.
+# pool kind, the pull-mode server set, 2P2D behind SGLang's gateway: 4 min 15 s at load ~30 on 2026-12-05); `make test-sglang-slow` runs those.
 test: test-sglang
 
 SGLANG_PYTEST = .venv-sglang/bin/python -m pytest -q
-SGLANG_TESTS = tests/test_sglang.py tests/test_sglang_prefix.py tests/test_sglang_server.py
+SGLANG_TESTS = tests/test_sglang.py tests/test_sglang_prefix.py tests/test_sglang_server.py \
+	tests/test_sglang_gateway.py
 
 setup-sglang: setup
 	@[ -n "$(ENGINES_SET_UP)" ] || bash scripts/setup-sglang.sh

@@ -6,6 +6,7 @@ Two prefill servers and two decode servers, each ``--disaggregation-transfer-bac
 answer, sequential, concurrent and streamed, must be the plain server's greedy tokens, and both prefills and
 both decodes must have served (each decode rank then talks to two prefills, each prefill to two decodes).
 The tiny random model and tokenizer are the ones ``tests/sglang_servers.py`` writes for the 1P1D tests.
+Passed in 255 s on 2026-12-05 (five servers and the gateway started on 2 cores at load average 20-40).
 """
 
 from __future__ import annotations
