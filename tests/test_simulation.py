@@ -554,6 +554,20 @@ def test_a_live_records_session_is_the_one_its_transfers_were_queued_under(monke
     assert len(checks) > 300 and all(checks)
 
 
+def test_the_mutation_finds_script_exits_0_found_and_1_not_found() -> None:
+    """bench/mutation_finds.py as it is run: a mutation found within the seeds allowed exits 0 with its row;
+    one not found within them exits 1, naming it."""
+    script = str(Path(__file__).parents[1] / "bench" / "mutation_finds.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    ok = subprocess.run([sys.executable, script, "--mutation", "pull_fence_off", "--max-seeds", "4"],
+                        capture_output=True, text=True, env=env, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert re.search(r"\| `pull_fence_off` \| 3 \| 4 \| [0-9.]+ \| a_source_released_under_read \|", ok.stdout)
+    bad = subprocess.run([sys.executable, script, "--mutation", "pull_fence_link_only", "--max-seeds", "2"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 1 and "FAILED pull_fence_link_only: not found in 2 seeds from 0" in bad.stdout, bad.stdout
+
+
 def test_shrinking_keeps_the_invariant() -> None:
     failed = run_seed(0, mutate="done_before_verdict")
     assert failed.violation is not None
