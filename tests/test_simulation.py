@@ -27,17 +27,22 @@ from hypothesis import strategies as st
 
 from kvferry.cli import main
 from kvferry.control.core.prefill_announces import Announces
+from kvferry.control.core.prefill_writer import Writer
 from kvferry.errors import ProtocolError
 from kvferry.layout.memory import KVMemory
 from kvferry.plan import plan_decode_rank
 from kvferry.simulation import MUTATIONS, SimConfig, run_many, run_seed, shrink
-from kvferry.simulation.config import DATA_STORM, FAULT_KINDS, Swarm
+from kvferry.simulation.cluster import World
+from kvferry.simulation.config import DATA_STORM, FAULT_KINDS, READ_STORM, Swarm
+from kvferry.simulation.decode_node import DecodeNode
 from kvferry.simulation.mutations import EXPECTED
+from kvferry.simulation.node import FRAMES, QUEUED
 from kvferry.simulation.tp import TP_PAIRS, WIDE_PAIRS, draw_tp, fill_content, page_content, rank_layout
 from kvferry.simulation.world import Net, Pending, Rows, Sim, Transport, some_rows
 
 REGRESSIONS = Path(__file__).with_name("simulation_regressions.txt")
-SEEDS_BUDGET_S = 20.0       # CPU seconds of fresh seeds with faults per test run
+SEEDS_BUDGET_S = 16.0       # CPU seconds of fresh seeds with faults per test run (20 before the stopped readers'
+                            # and the two fence mutations' tests came, to keep the file's time)
 WIDE_BUDGET_S = 8.0         # and of fresh seeds at TP 4 and 8 (SimConfig.wide_tp), smaller ones
 MUTATION_BUDGET_S = 5.0     # CPU seconds each mutation may take to be found
 FRESH_FROM = 1000           # fresh seeds start here, past those the regression list and mutation check use
@@ -405,7 +410,7 @@ def test_faults_are_counted_by_kind_only_where_the_seed_drew_them() -> None:
 
 # The steps that follow ``Swarm.draw`` in ``World``, each with the stream it draws from, in that order.
 _DRAW_STEPS = (("with_liveness", "rng_live"), ("with_data_path", "rng_data"), ("with_fabric", "rng_fabric"),
-               ("with_oneway", "rng_oneway"), ("with_duplicates", "rng_dup"))
+               ("with_oneway", "rng_oneway"), ("with_duplicates", "rng_dup"), ("with_read_stalls", "rng_read"))
 
 
 def _step_drawn(step: str, *fields: str) -> list[tuple[Swarm, Swarm]]:
@@ -456,6 +461,111 @@ def test_the_copies_draw_moves_no_other_draw() -> None:
     drawn = [after for _, after in _step_drawn("with_duplicates", "duplicate", "duplicate_max") if after.duplicate]
     assert all(0.01 <= s.duplicate <= 0.1 and s.duplicate_max in (0.0, 0.1, 1.0) for s in drawn)
     assert 150 < len(drawn) < 250
+
+
+def test_the_read_stall_draw_moves_no_other_draw() -> None:
+    """``Swarm.with_read_stalls`` in about half the seeds; a late-reader storm (ZMTP on, a fifth of the reads'
+    posts stopped for 1 to 4 s) only in seeds whose decodes pull with digests off."""
+    pairs = _step_drawn("with_read_stalls", *READ_STORM)
+    drawn = [(before, after) for before, after in pairs if after.stall_read]
+    storms = [(before, after) for before, after in drawn if after.stall_read == 0.2]
+    assert all(before.pull and before.digest == "off" and after.zmtp and after.stall_read_max == 4.0
+               for before, after in storms)
+    assert all(replace(after, stall_read=0.0, stall_read_max=0.0) == before and 0.02 <= after.stall_read <= 0.1
+               and after.stall_read_max in (2.5, 4.0) for before, after in drawn if (before, after) not in storms)
+    assert 320 < len(drawn) < 480 and 10 < len(storms) < len(drawn) // 3
+
+
+def _stopped_readers(monkeypatch: pytest.MonkeyPatch, seeds: range
+                     ) -> tuple[list[Any], list[tuple[str, list[str], bool]]]:
+    """Seeds at TP 1:1 and 2:2 whose decodes all pull with digests off and ZMTP on, a third of the reads'
+    posts stopped for 1 to 4 s; each resume's phase, the kinds of what it read before its pump, and whether
+    a drop notice was left for the next iteration."""
+    resumes: list[tuple[str, list[str], bool]] = []
+    orig_carry_on, orig_finish = DecodeNode.carry_on, DecodeNode.finish
+    reading: list[list[str] | None] = [None]
+    phases: list[str] = []
+
+    def carry_on(self: DecodeNode, now: float, phase: str) -> None:
+        reading[0] = []
+        phases.append(phase)
+        try:
+            orig_carry_on(self, now, phase)
+        finally:
+            reading[0] = None   # stopped again before its pump, or done
+
+    def finish(self: DecodeNode, now: float) -> None:
+        if reading[0] is not None:   # the pump of a resumed iteration: what was read before it
+            resumes.append((phases[-1], reading[0], any(f[0] == "dropped" for f in self.frames)))
+            reading[0] = None
+        orig_finish(self, now)
+
+    def on_frame(self: DecodeNode, now: float, kind: str, peer: Any, data: bytes) -> None:
+        if reading[0] is not None:
+            reading[0].append(kind)
+        orig_on_frame(self, now, kind, peer, data)
+
+    orig_on_frame = DecodeNode.on_frame
+    monkeypatch.setattr(DecodeNode, "carry_on", carry_on)
+    monkeypatch.setattr(DecodeNode, "finish", finish)
+    monkeypatch.setattr(DecodeNode, "on_frame", on_frame)
+    results = []
+    for seed in seeds:
+        cfg = SimConfig(tp=((1, 1), (2, 2))[seed % 2], requests=96)
+        swarm = replace(World(seed, cfg).swarm, pull=1.0, digest="off", zmtp=True, stall_read=0.3, stall_read_max=4.0)
+        results.append(run_seed(seed, cfg, swarm=swarm))
+    return results, resumes
+
+
+def test_a_reader_stopped_inside_its_post_goes_on_with_that_iteration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Swarm.stall_read``: back from a stop inside a read's post, the decode's shell finishes that iteration
+    (``Node.carry_on``): stopped after the drain, it reads nothing before its pump; stopped in the middle of
+    it, it reads on but leaves drop notices (the monitor's socket) for the next poll. With the real fence no
+    invariant breaks (the mutation check finds ``pull_fence_off`` and ``pull_fence_link_only`` in the default
+    draw: regression seeds 3 and 4)."""
+    results, resumes = _stopped_readers(monkeypatch, range(400000, 400004))
+    assert all(r.ok for r in results), [(r.replay_command(), r.violation) for r in results if not r.ok]
+    assert sum(dict(r.faults).get("stall_read", 0) for r in results) >= 12
+    assert {phase for phase, _, _ in resumes} == {FRAMES, QUEUED}
+    assert all(not kinds for phase, kinds, _ in resumes if phase == QUEUED)
+    assert all("dropped" not in kinds for _, kinds, _ in resumes)
+    assert any(kinds for phase, kinds, _ in resumes if phase == FRAMES)
+    assert any(left for phase, _, left in resumes if phase == FRAMES)   # a drop notice waited for the next poll
+
+
+def test_a_live_records_session_is_the_one_its_transfers_were_queued_under(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why prefill's pre-write check compares no sessions (docs/fencing.md, "One check, not two"): whenever a
+    record is still live at the check, its session is the transfer's. Push and pull, cuts, partitions, crashes,
+    aborts from both sides and retries under the same id (reconnects, Aborts answered on new sessions)."""
+    checks: list[bool] = []
+    orig = Writer.check_current
+
+    def check_current(self: Writer, rec: Any, session: Any) -> None:
+        if rec.is_live:
+            checks.append(rec.session is session)
+        orig(self, rec, session)
+    monkeypatch.setattr(Writer, "check_current", check_current)
+    for seed in range(500000, 500002):
+        cfg = SimConfig(tp=((1, 1), (1, 2))[seed % 2], requests=96)
+        swarm = replace(World(seed, cfg).swarm, pull=0.5, cut_rate=1.5, crash_rate=0.2, partition_rate=0.5,
+                        partition_max=1.0, decode_abort=0.2, prefill_abort=0.2, retry=0.8, stall_rate=0.5,
+                        stall_max=2.0)
+        assert run_seed(seed, cfg, swarm=swarm).ok
+    assert len(checks) > 300 and all(checks)
+
+
+def test_the_mutation_finds_script_exits_0_found_and_1_not_found() -> None:
+    """bench/mutation_finds.py as it is run: a mutation found within the seeds allowed exits 0 with its row;
+    one not found within them exits 1, naming it."""
+    script = str(Path(__file__).parents[1] / "bench" / "mutation_finds.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    ok = subprocess.run([sys.executable, script, "--mutation", "pull_fence_off", "--max-seeds", "4"],
+                        capture_output=True, text=True, env=env, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert re.search(r"\| `pull_fence_off` \| 3 \| 4 \| [0-9.]+ \| a_source_released_under_read \|", ok.stdout)
+    bad = subprocess.run([sys.executable, script, "--mutation", "pull_fence_link_only", "--max-seeds", "2"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 1 and "FAILED pull_fence_link_only: not found in 2 seeds from 0" in bad.stdout, bad.stdout
 
 
 def test_shrinking_keeps_the_invariant() -> None:

@@ -91,6 +91,7 @@ FAULT_LABELS = {
     "retry": "retries under the same id", "starve_rate": "starvations",
     "fabric_rate": "data paths cut alone (messages still flowing)",
     "oneway": "one way only", "duplicate": "messages copied",
+    "stall_read": "stops inside a read's post (the rest of the iteration on resume)",
 }
 
 

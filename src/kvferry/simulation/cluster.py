@@ -113,10 +113,15 @@ class World:
     def __init__(self, seed: int, cfg: SimConfig, swarm: Swarm | None = None, without: tuple[str, ...] = ()) -> None:
         self.sim = Sim(seed)
         self.cfg = cfg
+        # (prefill TP, decode TP): each group of ``cfg.prefills`` and ``cfg.decodes`` runs that many ranks, a
+        # node each (``simulation.tp``); a request goes to one prefill group and one decode group. From a
+        # stream of its own: drawing it first moves nothing else.
+        self.tp = cfg.tp or draw_tp(seed, cfg.wide_tp)
         drawn = Swarm.draw(self.sim.rng_fault, cfg.faults)   # always drawn: the fault stream stays the same
         if cfg.faults:
             drawn = drawn.with_liveness(self.sim.rng_live).with_data_path(self.sim.rng_data).with_fabric(
-                self.sim.rng_fabric).with_oneway(self.sim.rng_oneway).with_duplicates(self.sim.rng_dup)
+                self.sim.rng_fabric).with_oneway(self.sim.rng_oneway).with_duplicates(self.sim.rng_dup).with_read_stalls(
+                self.sim.rng_read, can_pull=self.tp[0] == self.tp[1])
         self.swarm = (swarm if swarm is not None else drawn).without(*without)
         self.options = replace(cfg.options, transport_liveness=self.swarm.zmtp)
         self.net = Net(self)
@@ -134,9 +139,6 @@ class World:
         self.disagreements = 0
         self.done = self.failed = 0
         self.last_work = 0.0   # when the last engine command was scheduled for
-        # (prefill TP, decode TP): each group of ``cfg.prefills`` and ``cfg.decodes`` runs that many ranks, a
-        # node each (``simulation.tp``); a request goes to one prefill group and one decode group.
-        self.tp = cfg.tp or draw_tp(seed, cfg.wide_tp)
         ptp, dtp = self.tp
         self.prefill_groups = [[self._prefill(i, r) for r in range(ptp)] for i in range(cfg.prefills)]
         self.prefills = [node for group in self.prefill_groups for node in group]
@@ -319,6 +321,20 @@ class World:
             self.sim.faults["stall_post"] += 1
             return True
         return False
+
+    def stop_in_read(self, node: Node) -> bool:
+        """Whether pull decode ``node`` stops (SIGSTOP) inside the post of the read it is about to post, after
+        the core's last check (``Swarm.stall_read``); if so it is stopped now, for a quarter of
+        ``stall_read_max`` up to all of it. Both from ``Sim.rng_read``: no other draw moves."""
+        s = self.swarm
+        if not s.stall_read or not self.faults_on():
+            return False
+        rng = self.sim.rng_read
+        if rng.random() >= s.stall_read:
+            return False
+        node.stall(rng.uniform(0.25, 1.0) * s.stall_read_max)
+        self.sim.faults["stall_read"] += 1
+        return True
 
     def refuse_post(self) -> bool:
         s = self.swarm

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields, replace
 from kvferry.control.core.options import EndpointOptions
 from kvferry.layout.spec import Buffer, Layout, Pool
 
-__all__ = ["DATA_STORM", "DATA_TIMEOUT", "OPTIONS", "SimConfig", "Swarm", "sim_layout"]
+__all__ = ["DATA_STORM", "DATA_TIMEOUT", "OPTIONS", "READ_STORM", "SimConfig", "Swarm", "sim_layout"]
 
 # Short timers: a run covers many peer timeouts, deadlines and grace periods in a few simulated seconds.
 # ``transport_liveness`` is each seed's (``Swarm.zmtp``): the world copies these with it set.
@@ -119,6 +119,14 @@ class Swarm:
     # messages being untrusted input: no core may act twice on one message.
     duplicate: float = 0.0
     duplicate_max: float = 0.0
+    # A pull decode stopped inside a read's post (``stall_read``: the share of its reads, each stop up to
+    # ``stall_read_max``), after the core's last check, and back to *the rest of that iteration* (the shell's
+    # ``_step``): the read goes out and completes at once (``LocalTransport`` copies inside ``read``; a small
+    # read over cma is done by the pump right after), and the iteration's pump takes its completion before
+    # the messages that came meanwhile are read, or after those of the sockets it was draining (a drop
+    # notice, on the monitor's socket, waits for the next poll). The late reader, past prefill's source hold.
+    stall_read: float = 0.0
+    stall_read_max: float = 0.0
 
     @classmethod
     def draw(cls, rng: random.Random, faults: bool = True) -> Swarm:
@@ -193,6 +201,23 @@ class Swarm:
         on, share, longest = rng.random() < 0.25, rng.uniform(0.01, 0.1), rng.choice([0.0, 0.1, 1.0])
         return replace(self, duplicate=share, duplicate_max=longest) if on else self
 
+    def with_read_stalls(self, rng: random.Random, can_pull: bool = True) -> Swarm:
+        """Half the seeds with faults stop pull decodes inside reads' posts now and then (``stall_read``: a
+        share of the posts, each stop a quarter of ``stall_read_max`` up to all of it). Half of those whose
+        decodes pull with digests off (where only the fence stands; ``can_pull``: the TP pair allows pull
+        mode) are *late-reader storms* (``READ_STORM``):
+        a fifth of the posts stop, for 1 to 4 s, and ZMTP heartbeats are on (a decode stopped past
+        ``peer_timeout`` loses its connections: prefill ends the session without a Bye reaching decode). From
+        a stream of its own (``Sim.rng_read``, which also draws each stop and its length), so that adding it
+        moved no other draw; it changes only the runs of seeds with pull decodes."""
+        # Every value drawn whatever is used: the stream stays aligned.
+        on, share, longest, storm = rng.random() < 0.5, rng.uniform(0.02, 0.1), rng.choice([2.5, 4.0]), rng.random()
+        if not on:
+            return self
+        if storm < 0.5 and self.pull and self.digest == "off" and can_pull:
+            return replace(self, stall_read=0.2, stall_read_max=4.0, zmtp=True)
+        return replace(self, stall_read=share, stall_read_max=longest)
+
     def describe(self) -> str:
         return " ".join(f"{f.name}={getattr(self, f.name):.3g}" if isinstance(getattr(self, f.name), float)
                         else f"{f.name}={getattr(self, f.name)}" for f in fields(self)
@@ -216,7 +241,7 @@ PROFILES: dict[str, dict[str, float | str]] = {
 
 FAULT_KINDS = ("spike", "cut_rate", "partition_rate", "stall_rate", "stall_post", "crash_rate", "transfer_fail",
                "slow_transfer", "prefill_abort", "decode_abort", "cancel", "retry", "starve_rate", "data_partition",
-               "fabric_rate", "oneway", "duplicate")
+               "fabric_rate", "oneway", "duplicate", "stall_read")
 
 # How long a transfer waits on a partitioned data path before it fails: the transport's own timeout (UCX's
 # RC retries; a few seconds by default, shorter here with the other timers: ``OPTIONS``).
@@ -224,3 +249,6 @@ DATA_TIMEOUT = 1.0
 
 # What a data-path storm (``Swarm.with_data_path``) may change in a seed's fault mix.
 DATA_STORM = ("partition_rate", "partition_max", "data_partition", "slow_transfer", "slow_max")
+
+# What a late-reader storm (``Swarm.with_read_stalls``) may change in a seed's fault mix.
+READ_STORM = ("stall_read", "stall_read_max", "zmtp")

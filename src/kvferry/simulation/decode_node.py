@@ -32,7 +32,7 @@ from kvferry.simulation.world import PageMap
 
 if TYPE_CHECKING:
     from kvferry.simulation.cluster import Request, World
-from kvferry.simulation.node import Deadlines, FreePages, Node, TrackedDict
+from kvferry.simulation.node import Deadlines, FreePages, Node, Stalled, TrackedDict
 
 __all__ = ["DecodeNode"]
 
@@ -174,10 +174,18 @@ class DecodeNode(Node):
 
     def carry_out(self, transfer: Transfer, now: float) -> None:
         job = self.core.start_read(now, transfer)
-        if job is not None:
-            self.stalled_posting(lambda t: self.post_read(t, job))
+        if job is None:
+            return
+        if self.phase and self.world.stop_in_read(self):
+            # SIGSTOP inside the post, after start_read's check; on resume the read goes out and completes
+            # at once, and the shell goes on with the rest of this iteration (``Node.carry_on``).
+            self.resume_post = lambda t: self.post_read(t, job, at_once=True)
+            self.resume_between = True
+            self.resume_rest = self.phase
+            raise Stalled
+        self.stalled_posting(lambda t: self.post_read(t, job))
 
-    def post_read(self, now: float, job: Any) -> None:
+    def post_read(self, now: float, job: Any, at_once: bool = False) -> None:
         core = self.core
         for part in job.parts:
             part.posting = False
@@ -186,7 +194,7 @@ class DecodeNode(Node):
             return
         parts = [(self.world.tag(self.ident, q.rec.request_id, q.rec.generation), q.rec.request_id,
                   q.rec.generation, q.plan) for q in job.group]
-        ticket = self.world.transport.post("read", self, job.agent, parts)
+        ticket = self.world.transport.post("read", self, job.agent, parts, at_once=at_once)
         core.read_posted(job, ticket)
         self.sim.log(self.name, f"posted read {ticket} ({job.label}) from {job.agent}")
 

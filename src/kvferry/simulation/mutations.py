@@ -28,6 +28,17 @@ One only copied messages can show (``Swarm.duplicate``):
    generation's announce is refused with a Fail that tells decode nothing will be written under it, and
    decode frees the pages prefill is writing; a late copy of an ended one starts a write into pages since
    leased again. (kvferry 0.4.0.dev0 had this bug until the simulator copied messages.)
+
+Two only a pull decode stopped inside a read's post can show (``Swarm.stall_read``: back from the stop, the
+shell carries on with the rest of its iteration and takes the read's completion before reading what came
+meanwhile; docs/fencing.md, "The source hold, and decode's fence"):
+
+10. ``pull_fence_off``: decode's pull fence removed (``fenced`` never objects): a read posted after prefill
+    released its source pages (it declared decode dead during the stop, and its Bye or the dropped
+    connection is not read yet) is accepted.
+11. ``pull_fence_link_only``: the fence reduced to the link's state (established, prefill heard within
+    ``peer_timeout``), decode's own stall not checked (F1): frames that arrived before prefill's connection
+    dropped, read after the stop, make prefill look alive while the drop notice waits for the next poll.
 """
 
 from __future__ import annotations
@@ -40,8 +51,8 @@ from typing import Any
 import numpy as np
 
 from kvferry.control.core import decode as core_decode
+from kvferry.control.core import decode_reader, prefill_writer
 from kvferry.control.core import prefill as core_prefill
-from kvferry.control.core import prefill_writer
 from kvferry.control.core.decode import DecodeCore
 from kvferry.control.core.decode_liveness import Liveness
 from kvferry.control.core.decode_messages import Messages
@@ -142,6 +153,18 @@ def _group_done_early(rec: Any) -> bool:
     return True   # the bug: this decode rank's verdict stands for the group's
 
 
+def _fence_off(link: Any, now: float) -> str | None:
+    return None   # the bug: every read is accepted, whenever it completes
+
+
+def _fence_link_only(link: Any, now: float) -> str | None:
+    if not link.established:
+        return f"prefill {link.address} is {link.state.value}"
+    if link.clock.peer_silent(now):   # the bug: only prefill's silence, not our own pause, is judged
+        return f"prefill {link.address} silent for {link.clock.silent_for(now):.2f} s"
+    return None
+
+
 def _announce_copy_answered(orig: Callable[..., None]) -> Callable[..., None]:
     def on_announce(self: Announces, session: Any, msg: Any) -> None:
         session.last_generation = 0   # the bug: every announce taken as a new one, a copy answered like any
@@ -160,6 +183,8 @@ MUTATIONS: dict[str, tuple[Any, str, Callable[[Any], Any]]] = {
     "tp_slice_offset": (plan_tp, "slice_of", _slice_offset),
     "group_done_early": (prefill_writer, "group_done", lambda orig: _group_done_early),
     "announce_copy_answered": (Announces, "on_announce", _announce_copy_answered),
+    "pull_fence_off": (decode_reader, "fenced", lambda orig: _fence_off),
+    "pull_fence_link_only": (decode_reader, "fenced", lambda orig: _fence_link_only),
 }
 
 # The invariants each mutation must be caught by (any one of them).
@@ -180,6 +205,9 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     # Writes into pages decode freed (at the copy's Fail) or leased again (a late copy), or a request the
     # copy opened that nothing will end.
     "announce_copy_answered": ("a_lease", "e_at_rest"),
+    # A read of source pages prefill had given back, accepted.
+    "pull_fence_off": ("a_source_released_under_read",),
+    "pull_fence_link_only": ("a_source_released_under_read",),
 }
 
 assert core_decode is not None

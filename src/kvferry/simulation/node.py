@@ -40,6 +40,10 @@ __all__ = ["DEADLINE_SLACK", "Node", "Stalled"]
 DEADLINE_SLACK = 0.05
 
 
+# ``Node.phase``: where in its iteration the shell is.
+FRAMES, QUEUED = "frames", "queued"
+
+
 class Stalled(BaseException):  # control flow: no `except Exception` in the code under test may swallow it
     pass
 
@@ -146,6 +150,11 @@ class Node:
         self.wake_token = 0
         self.resume_between = False   # stalled between two transfers: carry out the rest first
         self.resume_post: Callable[[float], None] | None = None   # stalled inside a post: finish it first
+        # Where the shell's iteration is (``iterate``): FRAMES while it reads what arrived, QUEUED while it
+        # posts what those messages queued, "" elsewhere. A stop there (``Swarm.stall_read``) sets
+        # ``resume_rest``: the shell goes on with the rest of that iteration when it resumes (``carry_on``).
+        self.phase = ""
+        self.resume_rest = ""
         self.frames: deque[tuple[str, Any, bytes]] = deque()
         self.ended: list[tuple[Any, RequestState]] = []   # records that ended in the last step
         self.waiting: list[Any] = []   # engine commands waiting for pages, a link or a record's end
@@ -285,7 +294,11 @@ class Node:
             if self.resume_between:
                 self.resume_between = False
                 self.between(now)
-            self.iterate(now)
+            if self.resume_rest:
+                rest, self.resume_rest = self.resume_rest, ""
+                self.carry_on(now, rest)
+            else:
+                self.iterate(now)
         except Stalled:
             return
         self.after(now)
@@ -347,6 +360,7 @@ class Node:
         self.pending_wake = math.inf
         self.resume_between = False
         self.resume_post = None
+        self.resume_rest = ""
         self.frames.clear()
         self.ended.clear()
         self.waiting.clear()
@@ -392,12 +406,20 @@ class Node:
             if core.effects or core.transfers:
                 self.between(now)
         self.post_queued(now)
+        self.phase = FRAMES
         frames, on_frame = self.frames, self.on_frame
         while frames:
             self.guard(on_frame, now, *frames.popleft())
             if core.effects or core.transfers:
                 self.between(now)
+        self.phase = QUEUED
         self.post_queued(now)
+        self.phase = ""
+        self.finish(now)
+
+    def finish(self, now: float) -> None:
+        """The end of an iteration: completed transfers fed back, the timers, what is left to send."""
+        core = self.core
         self.pump(now)
         if core.effects or core.transfers:
             self.between(now)
@@ -407,6 +429,34 @@ class Node:
             self.between(now)
         if core.outbox:
             self.flush(now)
+
+    def carry_on(self, now: float, phase: str) -> None:
+        """Back from a stop inside a post made at ``phase`` of an iteration (``Swarm.stall_read``): the rest of
+        that iteration, as the shell's ``_step`` goes on after the call that stopped. In the middle of the
+        messages (FRAMES) it restamps (``_restamp``: our own silence judged first) and reads on, stamping
+        from now; a drop notice comes on the monitor's socket, which the poll before the stop did not find
+        ready, so it waits for the next poll. After them (QUEUED) nothing more is read before the pump: what
+        came meanwhile waits in its socket for the next poll."""
+        core = self.core
+        self.phase = ""
+        if phase == FRAMES:
+            core.check_silence(now)
+            if core.effects or core.transfers:
+                self.between(now)
+            notices = [f for f in self.frames if f[0] == "dropped"]
+            if notices:
+                self.frames = deque(f for f in self.frames if f[0] != "dropped")
+            try:
+                while self.frames:
+                    self.guard(self.on_frame, now, *self.frames.popleft())
+                    if core.effects or core.transfers:
+                        self.between(now)
+            finally:
+                self.frames.extend(notices)   # read at the next iteration (step schedules it)
+            self.post_queued(now)
+        elif core.outbox:
+            self.flush(now)   # ``actions.flush()`` between the posts and the pump
+        self.finish(now)
 
     def post_queued(self, now: float) -> None:
         """The core's queued posts, carried out, and what they said sent."""

@@ -76,6 +76,7 @@ class Sim:
         self.rng_fabric = random.Random(seed * 4 + 6 + (1 << 42))  # the data path cut alone; split transfers
         self.rng_oneway = random.Random(seed * 4 + 7 + (1 << 43))  # which partitions hold one direction only
         self.rng_dup = random.Random(seed * 4 + 8 + (1 << 44))     # which messages are copied, and when
+        self.rng_read = random.Random(seed * 4 + 9 + (1 << 45))    # which reads' posts stop decode, how long
         self.trace: deque[tuple[float, str, str]] = deque(maxlen=TRACE_LEN)
         self.events = 0
         # Faults injected, by kind (``config.FAULT_KINDS``' names): counted as they happen, no draw of their own
@@ -348,11 +349,13 @@ class Pending:
     """A write or read in flight: who posted it, to or from whom, and its parts (one per chunk carried:
     the decode-side tag of its (request, generation), its plan, and the prefill record or decode entry)."""
 
-    __slots__ = ("dropped", "held_since", "kind", "notif", "parts", "peer_agent", "poster", "tainted", "ticket")
+    __slots__ = ("at_once", "dropped", "held_since", "kind", "notif", "parts", "peer_agent", "poster", "tainted",
+                 "ticket")
 
     def __init__(self, ticket: int, kind: str, poster: Any, peer_agent: str, parts: list[Any], notif: bytes) -> None:
         self.ticket, self.kind, self.poster, self.peer_agent = ticket, kind, poster, peer_agent
         self.parts, self.notif = parts, notif
+        self.at_once = False   # landing inside its post (``Transport.post``)
         self.dropped = False
         self.held_since: float | None = None   # when it first found its data path partitioned
         self.tainted: list[Any] = []   # a read's parts that crossed before its path went, from released pages
@@ -375,12 +378,21 @@ class Transport:
             self.sim.faults["slow_transfer"] += 1
         return lat
 
-    def post(self, kind: str, poster: Any, peer_agent: str, parts: list[Any], notif: bytes = b"") -> int:
+    def post(self, kind: str, poster: Any, peer_agent: str, parts: list[Any], notif: bytes = b"",
+             at_once: bool = False) -> int:
+        """Post a transfer; it lands after a drawn latency, or (``at_once``: a read copied inside its post, as
+        ``LocalTransport`` copies) now, its completion handed to the reader before this returns, unless its
+        data path is partitioned (then it waits as any transfer does)."""
         ticket = self.next_ticket
         self.next_ticket += 1
         pend = Pending(ticket, kind, poster, peer_agent, parts, notif)
         self.pending[ticket] = pend
-        self.sim.at(self.sim.now + self.latency(), self._land, pend)
+        if at_once:
+            pend.at_once = True
+            self._land(pend)
+            pend.at_once = False   # held by a partitioned data path: it completes as any other does
+        else:
+            self.sim.at(self.sim.now + self.latency(), self._land, pend)
         return ticket
 
     def _land(self, pend: Pending) -> None:
@@ -515,7 +527,10 @@ class Transport:
                 if not world.apply(part, src=source, dst=reader, kind="read"):
                     tainted.append(part)
         self.sim.log(reader.name, f"read {pend.ticket} done{' ' + error if error else ''}")
-        self.sim.at(self.sim.now + 1e-5, reader.read_completed, reader.inc, pend.ticket, error, tainted)
+        if pend.at_once:   # inside its post: the pump right after it takes the completion
+            reader.read_completed(reader.inc, pend.ticket, error, tainted)
+        else:
+            self.sim.at(self.sim.now + 1e-5, reader.read_completed, reader.inc, pend.ticket, error, tainted)
 
     def crashed(self, node: Any) -> None:
         """``node`` crashed: its posted writes either land now (the NIC finishes what it had) or never."""

@@ -116,7 +116,11 @@ class Writer:
             raise PeerLost(f"{session.label} heard nothing from this prefill for {unheard:.2f} s (peer_timeout "
                            f"{core.options.peer_timeout} s) and has declared it dead: not writing request "
                            f"{rec.request_id!r}")
-        if not rec.is_live or rec.session is not session:
+        # Live is current: a record's session is set once, when it is announced, and changes only after it
+        # ended (an Abort answered on a reconnected decode's session), and every transfer is queued under its
+        # record's session at the time; so a live record's is always the transfer's (docs/fencing.md, "One
+        # check, not two").
+        if not rec.is_live:
             raise PeerLost(f"request {rec.request_id!r} generation {rec.generation} is no longer current")
 
     def still_current(self, rec: PrefillRequest, session: Session) -> bool:
