@@ -121,7 +121,7 @@ class World:
         if cfg.faults:
             drawn = drawn.with_liveness(self.sim.rng_live).with_data_path(self.sim.rng_data).with_fabric(
                 self.sim.rng_fabric).with_oneway(self.sim.rng_oneway).with_duplicates(self.sim.rng_dup).with_read_stalls(
-                self.sim.rng_read, can_pull=self.tp[0] == self.tp[1])
+                self.sim.rng_read)
         self.swarm = (swarm if swarm is not None else drawn).without(*without)
         self.options = replace(cfg.options, transport_liveness=self.swarm.zmtp)
         self.net = Net(self)

@@ -201,11 +201,11 @@ class Swarm:
         on, share, longest = rng.random() < 0.25, rng.uniform(0.01, 0.1), rng.choice([0.0, 0.1, 1.0])
         return replace(self, duplicate=share, duplicate_max=longest) if on else self
 
-    def with_read_stalls(self, rng: random.Random, can_pull: bool = True) -> Swarm:
+    def with_read_stalls(self, rng: random.Random) -> Swarm:
         """Half the seeds with faults stop pull decodes inside reads' posts now and then (``stall_read``: a
         share of the posts, each stop a quarter of ``stall_read_max`` up to all of it). Half of those whose
-        decodes pull with digests off (where only the fence stands; ``can_pull``: the TP pair allows pull
-        mode) are *late-reader storms* (``READ_STORM``):
+        decodes pull with digests off (where only the fence stands), at any TP pair, are *late-reader storms*
+        (``READ_STORM``):
         a fifth of the posts stop, for 1 to 4 s, and ZMTP heartbeats are on (a decode stopped past
         ``peer_timeout`` loses its connections: prefill ends the session without a Bye reaching decode). From
         a stream of its own (``Sim.rng_read``, which also draws each stop and its length), so that adding it
@@ -214,7 +214,7 @@ class Swarm:
         on, share, longest, storm = rng.random() < 0.5, rng.uniform(0.02, 0.1), rng.choice([2.5, 4.0]), rng.random()
         if not on:
             return self
-        if storm < 0.5 and self.pull and self.digest == "off" and can_pull:
+        if storm < 0.5 and self.pull and self.digest == "off":
             return replace(self, stall_read=0.2, stall_read_max=4.0, zmtp=True)
         return replace(self, stall_read=share, stall_read_max=longest)
 
