@@ -297,3 +297,155 @@ def test_a_state_corrupted_in_flight_fails_the_request_and_is_cleared() -> None:
     finally:
         decode.worker.close()
         prefill.worker.close()
+
+
+# -- vLLM-CPU instances on a tiny random GraniteMoeHybrid --------------------------------------------------
+# Prefix caching off on every instance: vLLM-CPU 0.32 fails this model with it on, PD or not (an IndexError in
+# mamba_mixer2's conv_ssm_forward for every prompt over 128 tokens), and the connector refuses the Mamba cache
+# modes prefix caching selects (``connector._check_state``). No block size given: vLLM picks 128 for attention,
+# sizing its page to the state's padded page (65,536 bytes).
+ENGINE = dict(block_size=None, enable_prefix_caching=False)
+VLLM_BLOCK = 128
+VLLM_PAGE = 65536
+MAX_TOKENS = 16
+# Under, at and over the attention block (128) and Mamba's chunk (64); 1: nothing to hold back, not sent.
+LENGTHS = (1, 2, 5, 63, 64, 65, 127, 128, 129, 200, 255, 256, 257, 333)
+PREFILL_CHUNK = 96   # prefill computes prompts over 96 tokens in chunks: its state is final only at the end
+
+
+def write_granite_hybrid(path: Path) -> Path:
+    """Four layers, Mamba2 / attention / Mamba2 / attention, random weights (GraniteMoeHybridForCausalLM: the
+    architecture of IBM's Granite 4.0-H, vLLM's native class)."""
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    torch.manual_seed(0)
+    config = GraniteMoeHybridConfig(
+        vocab_size=1000, hidden_size=128, intermediate_size=256, shared_intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=4, mamba_d_head=64, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=64, num_local_experts=0, num_experts_per_tok=0, max_position_embeddings=2048,
+        initializer_range=0.2, tie_word_embeddings=False, position_embedding_type="rope")
+    GraniteMoeHybridForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
+    return write_granite_hybrid(tmp_path_factory.mktemp("tiny-granite-hybrid"))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[Any]:
+    from vllm.inputs import TokensPrompt
+
+    rng = np.random.default_rng(3)
+    return [TokensPrompt(prompt_token_ids=rng.integers(3, 1000, n).tolist()) for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def sessions() -> list[list[list[int]]]:
+    from .vllm_pd import make_sessions
+
+    return make_sessions(8, 3, seed=11)
+
+
+@pytest.fixture(scope="module")
+def plain(model: Path, prompts: list[Any], sessions: list[list[list[int]]]) -> dict[str, Any]:
+    """One plain instance's tokens (no disaggregation): the prompts' and the sessions'."""
+    from .vllm_pd import close_llm, greedy, make_llm, session_answers, tokens
+
+    llm = make_llm(model, **ENGINE)
+    try:
+        return {"prompts": tokens(llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)),
+                "sessions": session_answers(llm, sessions, MAX_TOKENS)}
+    finally:
+        close_llm(llm)
+
+
+@pytest.fixture(scope="module")
+def pair(model: Path, plain: dict[str, Any], tmp_path_factory: pytest.TempPathFactory,
+         ) -> Iterator[tuple[Any, Any, Path]]:
+    from .vllm_pd import close_llm, make_llm
+
+    record = tmp_path_factory.mktemp("record") / "writes.jsonl"
+    with pytest.MonkeyPatch.context() as patch:   # read by the engine processes the instances spawn
+        patch.setenv("KVFERRY_VLLM_RECORD", str(record))
+        prefill = make_llm(model, "kv_producer", {"transport": "tests.vllm_faults:recording_nixl",
+                                                  "digest_mode": "full"},
+                           max_num_batched_tokens=PREFILL_CHUNK, **ENGINE)
+        decode = make_llm(model, "kv_consumer", {"digest_mode": "full"}, **ENGINE)
+    yield prefill, decode, record
+    close_llm(decode)
+    close_llm(prefill)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow   # with the plain instance and the pair's start: ~90 s here (2 cores, shared)
+@pytest.mark.timeout(900)
+def test_a_hybrid_mamba_model_moves_attention_and_state_and_decodes_the_same_tokens(
+        pair: tuple[Any, Any, Path], prompts: list[Any], plain: dict[str, Any]) -> None:
+    """Every prompt's greedy tokens equal the plain instance's. Prefill computes all but each prompt's last
+    token (in chunks of 96 past 96 tokens: its state moves once, final) and moves those tokens' attention
+    blocks and its state block; decode computes the last token itself. The one-token prompt is not sent
+    (nothing to hold back from): decode computes it. Bytes: whole pages of the two overlaid buffers."""
+    from .vllm_faults import read_record
+    from .vllm_pd import greedy, metric, tokens
+
+    prefill, decode, record = pair
+    external = metric(decode, "vllm:prompt_tokens_by_source", "external_kv_transfer")
+    local = metric(decode, "vllm:prompt_tokens_by_source", "local_compute")
+    started = time.perf_counter()
+    firsts = prefill.generate(prompts, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+    params = [out.kv_transfer_params for out in firsts]
+    outputs = decode.generate(prompts, [greedy(MAX_TOKENS, p) for p in params], use_tqdm=False)
+    print(f"{len(prompts)} prompts through prefill and decode in {time.perf_counter() - started:.1f} s")
+
+    got, want = tokens(outputs), plain["prompts"]
+    equal = sum(g == e for g, e in zip(got, want))
+    assert equal == len(prompts), f"{equal}/{len(prompts)} prompts decoded the same tokens as one instance: " + \
+        str([n for n, g, e in zip(LENGTHS, got, want) if g != e])
+    moved = [n for n in LENGTHS if n > 1]
+    assert [bool(p.get("kvferry_address")) for p in params] == [n > 1 for n in LENGTHS]
+    assert [p.get("remote_num_tokens") for p in params if p.get("kvferry_address")] == [n - 1 for n in moved]
+    assert metric(decode, "vllm:prompt_tokens_by_source", "external_kv_transfer") - external == sum(moved) - len(moved)
+    assert metric(decode, "vllm:prompt_tokens_by_source", "local_compute") - local == len(moved) + 1
+    # Per moved prompt: its attention blocks under N - 1 tokens and one state block, each a page of both
+    # overlaid buffers (model.layers.0.mixer + layers.1's attention, layers.2.mixer + layers.3's).
+    writes = read_record(record)
+    pages = [-(-(n - 1) // VLLM_BLOCK) + 1 for n in moved]
+    assert sum(w["pages"]["blocks"] for w in writes) == sum(pages)
+    assert sum(w["nbytes"] for w in writes) == 2 * VLLM_PAGE * sum(pages)
+    print("bytes moved per request (prompt tokens: attention pages + state page, x2 buffers of 65,536 B):")
+    for n, count in zip(moved, pages):
+        print(f"  {n:4d} tokens: {count - 1} attention + 1 state page = {2 * VLLM_PAGE * count:,} B "
+              f"(state: {2 * VLLM_PAGE:,} B moved for 2 x 19,840 B of real state)")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow   # on the pair above: ~30 s here
+@pytest.mark.timeout(900)
+def test_multi_turn_sessions_decode_the_same_answers(
+        pair: tuple[Any, Any, Path], sessions: list[list[list[int]]], plain: dict[str, Any]) -> None:
+    """8 sessions x 3 turns, each turn's prompt the earlier turns and answers: every answer equals the plain
+    instance's. Prefix caching is off (vLLM-CPU cannot run this model with it), so each turn moves the whole
+    prompt but its last token, and the state after it."""
+    from .vllm_pd import greedy, prompt_sources, session_prompt, tokens
+
+    prefill, decode, _ = pair
+    want = plain["sessions"]
+    got: list[list[list[int]]] = [[] for _ in sessions]
+    for turn in range(len(sessions[0])):
+        turn_prompts = [session_prompt(s, w[:turn]) for s, w in zip(sessions, want)]
+        before = prompt_sources(decode)
+        firsts = prefill.generate(turn_prompts, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+        params = [out.kv_transfer_params for out in firsts]
+        outputs = decode.generate(turn_prompts, [greedy(MAX_TOKENS, p) for p in params], use_tqdm=False)
+        moved = {source: value - before[source] for source, value in prompt_sources(decode).items()}
+        for answers, answer in zip(got, tokens(outputs)):
+            answers.append(answer)
+        assert moved["external_kv_transfer"] == sum(len(p) - 1 for p in turn_prompts)
+        assert moved["local_compute"] == len(turn_prompts) and moved["local_cache_hit"] == 0
+    equal = sum(g == w for answers, wants in zip(got, want) for g, w in zip(answers, wants))
+    assert equal == len(sessions) * len(sessions[0]), f"{equal} answers equal the plain instance's"
