@@ -299,6 +299,41 @@ def test_a_state_corrupted_in_flight_fails_the_request_and_is_cleared() -> None:
         prefill.worker.close()
 
 
+@pytest.mark.vllm
+def test_the_connector_maps_vllms_mamba_spec_and_refuses_what_it_does_not_move() -> None:
+    """vLLM's own specs (no engine): a Mamba group in cache mode ``none`` becomes a state group, its kind
+    naming the conv-state layout; prefix caching's modes and speculative state blocks are refused naming the
+    group; ``on_new_request``'s shortening leaves the client's token list alone."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.request import Request
+
+    from kvferry.errors import UsageError
+    from kvferry.integrations.vllm.connector import _groups, _shorten_prompt, _state_kinds
+
+    def config(**mamba: Any) -> KVCacheConfig:
+        spec = MambaSpec(block_size=1024, shapes=((3, 288), (4, 64, 16)), dtypes=(torch.float32, torch.float32),
+                         page_size_padded=VLLM_PAGE, **mamba)
+        attention = FullAttentionSpec(VLLM_BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+        return KVCacheConfig(64, [], [KVCacheGroupSpec(list(MIXERS), spec), KVCacheGroupSpec(list(ATTNS), attention)])
+
+    assert _groups(config()) == (GroupSpec(MIXERS, 1024, state=True), GroupSpec(ATTNS, VLLM_BLOCK))
+    assert set(_state_kinds(config()).values()) == {"state/mamba2/3x288,4x64x16/float32,float32/"
+                                                    "VLLM_SSM_CONV_STATE_LAYOUT=SD"}
+    with pytest.raises(UsageError, match=r"group 0 \(MambaSpec.*'align'.*--no-enable-prefix-caching"):
+        _groups(config(mamba_cache_mode="align"))
+    with pytest.raises(UsageError, match="group 0 .*2 speculative state blocks"):
+        _groups(config(num_speculative_blocks=2))
+    tokens = list(range(3, 43))
+    request = Request("r", tokens, SamplingParams(max_tokens=8), None)
+    _shorten_prompt(request, 1)
+    assert request.prompt_token_ids == tokens[:-1] and list(request.all_token_ids) == tokens[:-1]
+    assert request.num_prompt_tokens == request.num_tokens == 39 and request.max_tokens == 1
+    assert len(tokens) == 40   # the client's list
+
+
 # -- vLLM-CPU instances on a tiny random GraniteMoeHybrid --------------------------------------------------
 # Prefix caching off on every instance: vLLM-CPU 0.32 fails this model with it on, PD or not (an IndexError in
 # mamba_mixer2's conv_ssm_forward for every prompt over 128 tokens), and the connector refuses the Mamba cache

@@ -173,7 +173,8 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is None:
             raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
         tokens = request.prompt_token_ids
-        has_ids = tokens is not None and request.prompt_embeds is None and request.num_computed_tokens == 0
+        has_ids = (tokens is not None and request.prompt_embeds is None and request.num_computed_tokens == 0
+                   and getattr(request, "prompt_is_token_ids", None) is None)   # not embeddings, not mixed
         if self._scheduler.hold_back(request.kv_transfer_params, request.num_prompt_tokens, has_ids):
             _shorten_prompt(request, self._scheduler.backoff)
 
