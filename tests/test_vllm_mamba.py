@@ -484,3 +484,75 @@ def test_multi_turn_sessions_decode_the_same_answers(
         assert moved["local_compute"] == len(turn_prompts) and moved["local_cache_hit"] == 0
     equal = sum(g == w for answers, wants in zip(got, want) for g, w in zip(answers, wants))
     assert equal == len(sessions) * len(sessions[0]), f"{equal} answers equal the plain instance's"
+
+
+STALL = 3.0   # seconds each of the stalled prefill's writes waits before it is posted
+
+
+def stalled_nixl(side: str) -> Any:
+    """NIXL whose writes wait ``STALL`` s before they are posted: a prefill killed in that time has every
+    request's attention pages and state in flight (the tiny model's writes otherwise take well under 1 ms)."""
+    from kvferry.transport.nixl import NixlTransport  # here: the default suite imports this module
+
+    class StalledNixl(NixlTransport):
+        def write(self, plan: Any, peer: str, notif: bytes, label: str = "") -> Any:
+            time.sleep(STALL)
+            return super().write(plan, peer, notif, label)
+
+    return StalledNixl()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow   # another prefill's start and the peer timeout: ~60 s here
+@pytest.mark.timeout(900)
+def test_a_prefill_killed_with_state_in_flight_fails_its_requests_and_leaks_nothing(
+        model: Path, pair: tuple[Any, Any, Path], prompts: list[Any], plain: dict[str, Any]) -> None:
+    """A prefill whose writes stall is killed (SIGKILL, its engine process) once decode announced: every
+    request fails visibly (vLLM's ``kv_load_failure_policy`` "fail": finish reason ``error``), none decodes
+    on a partial state; then decode holds no lease and no quarantined page, its KV cache is empty, and it
+    serves the same prompts itself with the plain instance's tokens (its state blocks were zeroed)."""
+    import contextlib
+    import os
+    import signal
+    import threading
+
+    import psutil
+
+    from .vllm_pd import blocks_in_use, close_llm, greedy, kvferry_metric, make_llm, tokens
+
+    _, decode, _ = pair
+    prefill = make_llm(model, "kv_producer", {"transport": "tests.test_vllm_mamba:stalled_nixl",
+                                              "digest_mode": "full"}, **ENGINE)
+    sent = prompts[1:]   # the one-token prompt is never sent
+    try:
+        firsts = prefill.generate(sent, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+        params = [out.kv_transfer_params for out in firsts]
+        result: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: result.update(outputs=decode.generate(
+            sent, [greedy(MAX_TOKENS, p) for p in params], use_tqdm=False)))
+        thread.start()
+        time.sleep(STALL / 3)   # announced, the writes stalled
+        (process,) = prefill.llm_engine.engine_core.resources.engine_manager.processes
+        engine = psutil.Process(process.pid)   # its workers first: they hold kvferry's endpoint, and would
+        for child in engine.children(recursive=True):   # close it cleanly once they saw their parent die
+            os.kill(child.pid, signal.SIGKILL)
+        os.kill(process.pid, signal.SIGKILL)
+        started = time.monotonic()
+        thread.join(300)
+        print(f"decode's requests ended {time.monotonic() - started:.1f} s after the kill")
+    finally:
+        with contextlib.suppress(Exception):   # its engine is dead: nothing to shut down cleanly
+            close_llm(prefill)
+    outputs = result["outputs"]
+    reasons = [out.outputs[0].finish_reason for out in outputs]
+    silent = [n for n, out, want in zip(LENGTHS[1:], outputs, plain["prompts"][1:])
+              if out.outputs[0].finish_reason != "error" and list(out.outputs[0].token_ids) != want]
+    assert not silent, f"prompts of {silent} tokens decoded other tokens without an error"
+    print(f"{reasons.count('error')} of {len(sent)} requests failed, the others decoded the plain tokens")
+    assert reasons.count("error") >= len(sent) // 2, reasons   # the kill cut transfers (all of them, here)
+    print(f"decode's blocks in use once its requests failed: {blocks_in_use(decode):.1f}")
+    again = decode.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)   # decode alone, the same blocks
+    assert tokens(again) == plain["prompts"]
+    assert blocks_in_use(decode) == 0   # vLLM samples it after the step's frees: every block came back
+    for gauge in ("leases", "leased_pages", "quarantined_pages", "live_requests"):
+        assert kvferry_metric(decode, gauge, role="decode") == 0, gauge
