@@ -556,3 +556,69 @@ def test_a_prefill_killed_with_state_in_flight_fails_its_requests_and_leaks_noth
     assert blocks_in_use(decode) == 0   # vLLM samples it after the step's frees: every block came back
     for gauge in ("leases", "leased_pages", "quarantined_pages", "live_requests"):
         assert kvferry_metric(decode, gauge, role="decode") == 0, gauge
+
+
+def one_at_a_time(prefill: Any, decode: Any, prompts: list[Any]) -> list[dict[str, Any]]:
+    """Each prompt through prefill then decode alone (concurrency 1): tokens, TTFT (prefill's first-token
+    latency plus decode's, vLLM's own per-request figures, as bench/vllm_connectors.py reads them)."""
+    from .vllm_pd import greedy
+
+    rows = []
+    for prompt in prompts:
+        (first,) = prefill.generate([prompt], greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+        (out,) = decode.generate([prompt], greedy(MAX_TOKENS, first.kv_transfer_params), use_tqdm=False)
+        rows.append({"tokens": list(out.outputs[0].token_ids),
+                     "ttft": first.metrics.first_token_latency + out.metrics.first_token_latency})
+    return rows
+
+
+@pytest.mark.vllm
+@pytest.mark.slow   # four more instances (kvferry's pair, then NixlConnector's): ~150 s here
+@pytest.mark.timeout(1200)
+def test_nixlconnector_on_the_same_model_and_prompts(model: Path, prompts: list[Any], plain: dict[str, Any],
+                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's NixlConnector (which needs the ``DS`` conv-state layout: vLLM-CPU selects it when NixlConnector
+    is configured; set here) and kvferry's connector (``SD``, default settings: sampled digests) on the same model and
+    prompts, one at a time: both decode the plain instance's tokens; TTFT and the bytes each moved, printed
+    side by side (bench/RESULTS.md)."""
+    from .vllm_faults import read_record
+    from .vllm_pd import close_llm, make_llm
+
+    sent = prompts[1:]   # both send nothing for the one-token prompt
+    record = tmp_path / "writes.jsonl"
+    monkeypatch.setenv("KVFERRY_VLLM_RECORD", str(record))
+    prefill = make_llm(model, "kv_producer", {"transport": "tests.vllm_faults:recording_nixl"}, **ENGINE)
+    decode = make_llm(model, "kv_consumer", **ENGINE)
+    try:
+        one_at_a_time(prefill, decode, sent[:2])   # warm-up: connections, first steps
+        warm = sum(w["nbytes"] for w in read_record(record))
+        kvferry = one_at_a_time(prefill, decode, sent)
+        kvferry_bytes = sum(w["nbytes"] for w in read_record(record)) - warm
+    finally:
+        close_llm(decode)
+        close_llm(prefill)
+    # What vLLM-CPU would set in this process itself for NixlConnector; set here so the test's end undoes it.
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    nixl_config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "5681")   # read at start-up: one port per instance
+    prefill = make_llm(model, **ENGINE, kv_transfer_config=nixl_config)
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "5691")
+    decode = make_llm(model, **ENGINE, kv_transfer_config=nixl_config)
+    try:
+        one_at_a_time(prefill, decode, sent[:2])
+        before = sum(m.sum for m in decode.get_metrics() if m.name == "vllm:nixl_bytes_transferred")
+        nixl = one_at_a_time(prefill, decode, sent)
+        nixl_bytes = sum(m.sum for m in decode.get_metrics() if m.name == "vllm:nixl_bytes_transferred") - before
+    finally:
+        close_llm(decode)
+        close_llm(prefill)
+    want = plain["prompts"][1:]
+    for name, rows in (("kvferry", kvferry), ("NixlConnector", nixl)):
+        equal = sum(r["tokens"] == w for r, w in zip(rows, want))
+        assert equal == len(sent), f"{name}: {equal}/{len(sent)} prompts decoded the plain instance's tokens"
+    print(f"{len(sent)} prompts of {min(LENGTHS[1:])}-{max(LENGTHS)} tokens, one at a time, TTFT ms p50 / p99 "
+          f"and bytes moved:")
+    for name, rows, nbytes in (("kvferry", kvferry, kvferry_bytes), ("NixlConnector", nixl, nixl_bytes)):
+        ttft = np.array([r["ttft"] for r in rows]) * 1e3
+        print(f"  {name:14s} {np.percentile(ttft, 50):7.1f} / {np.percentile(ttft, 99):7.1f}   "
+              f"{nbytes:,.0f} B ({nbytes / len(sent):,.0f} per request)")
