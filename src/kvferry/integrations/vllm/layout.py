@@ -344,6 +344,8 @@ def _dense_view(on_it: Sequence[_View], num_blocks: int, page_bytes: int) -> Any
     for view in on_it:
         if not view.state and _is_dense(view.tensor):
             return view.tensor
+    if not all(view.state for view in on_it):
+        return on_it[0].tensor   # an attention layout kvferry cannot bind: ``KVMemory.from_arrays`` says why
     tensor = on_it[0].tensor
     if _itemsize(tensor) != 1:
         raise LayoutError(f"layer {on_it[0].layer!r}: a state view of {tensor.dtype} elements cannot be widened to "
