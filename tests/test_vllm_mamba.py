@@ -576,17 +576,21 @@ def one_at_a_time(prefill: Any, decode: Any, prompts: list[Any]) -> list[dict[st
 @pytest.mark.slow   # four more instances (kvferry's pair, then NixlConnector's): ~150 s here
 @pytest.mark.timeout(1200)
 def test_nixlconnector_on_the_same_model_and_prompts(model: Path, prompts: list[Any], plain: dict[str, Any],
-                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capfd: pytest.CaptureFixture[str]) -> None:
     """vLLM's NixlConnector (which needs the ``DS`` conv-state layout: vLLM-CPU selects it when NixlConnector
-    is configured; set here) and kvferry's connector (``SD``, default settings: sampled digests) on the same model and
-    prompts, one at a time: both decode the plain instance's tokens; TTFT and the bytes each moved, printed
-    side by side (bench/RESULTS.md)."""
+    is configured) and a kvferry pair of its own (default settings: sampled digests; the same ``DS`` layout,
+    where the module's pair runs vLLM's default ``SD``) on the same model and prompts, one at a time: both
+    decode the plain instance's tokens; TTFT and the bytes each moved, printed side by side."""
     from .vllm_faults import read_record
-    from .vllm_pd import close_llm, make_llm
+    from .vllm_pd import close_llm, free_port, make_llm
 
     sent = prompts[1:]   # both send nothing for the one-token prompt
     record = tmp_path / "writes.jsonl"
     monkeypatch.setenv("KVFERRY_VLLM_RECORD", str(record))
+    # What vLLM-CPU sets in this process itself for NixlConnector; kvferry's pair here runs with it too (the
+    # module's pair runs vLLM's default, SD: both layouts served), and the test's end undoes it.
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     prefill = make_llm(model, "kv_producer", {"transport": "tests.vllm_faults:recording_nixl"}, **ENGINE)
     decode = make_llm(model, "kv_consumer", **ENGINE)
     try:
@@ -597,12 +601,12 @@ def test_nixlconnector_on_the_same_model_and_prompts(model: Path, prompts: list[
     finally:
         close_llm(decode)
         close_llm(prefill)
-    # What vLLM-CPU would set in this process itself for NixlConnector; set here so the test's end undoes it.
-    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    logged = capfd.readouterr()   # the engine processes write to this process's descriptors
+    assert "Setting SSM conv state layout to DS" in logged.out + logged.err
     nixl_config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "5681")   # read at start-up: one port per instance
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))   # read at start-up: one per instance
     prefill = make_llm(model, **ENGINE, kv_transfer_config=nixl_config)
-    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "5691")
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
     decode = make_llm(model, **ENGINE, kv_transfer_config=nixl_config)
     try:
         one_at_a_time(prefill, decode, sent[:2])
