@@ -162,6 +162,15 @@ def prompt_sources(llm: LLM) -> dict[str, float]:
             for source in SOURCES}
 
 
+def blocks_in_use(llm: LLM) -> float:
+    """The instance's KV cache blocks in use at its last step (``vllm:kv_cache_usage_perc`` x its blocks), off
+    its own Prometheus logger, as ``prompt_sources`` (the registry shows the newest instance's)."""
+    (logger,) = [logger for logger in llm.llm_engine.logger_manager.stat_loggers
+                 if hasattr(logger, "gauge_kv_cache_usage")]
+    usage = sum(gauge._value.get() for gauge in logger.gauge_kv_cache_usage.values())
+    return float(usage) * llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+
+
 def server_metric(url: str, name: str, source: str) -> float:
     """A counter of a ``vllm serve`` process's ``/metrics``, by its ``source`` label."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:

@@ -16,6 +16,7 @@ Imported only when vLLM loads it (``import kvferry`` never imports vLLM or torch
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -87,16 +88,17 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         self._stats = StatsTaker()
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self._groups, unbound_for_tests=self._config.unbound_for_tests)
+            self._scheduler = SchedulerSide(self._groups, unbound_for_tests=self._config.unbound_for_tests,
+                                            tp_size=parallel.tensor_parallel_size)
 
     # -- worker side -----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Called once, after vLLM allocated its KV cache: bind it and start this worker's endpoints."""
         cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
         place = _rank_place(self._vllm_config)
+        kinds = _kinds(self._vllm_config, kv_caches, self._groups) | _state_kinds(self._kv_cache_config)
         memory = memory_from_kv_caches(kv_caches, self._groups, self._kv_cache_config.num_blocks,
-                                       cache_dtype=cache_dtype,
-                                       kinds=_kinds(self._vllm_config, kv_caches, self._groups), place=place)
+                                       cache_dtype=cache_dtype, kinds=kinds, place=place)
         self._worker = WorkerSide(self._config.for_rank(place.tp_rank), memory)
         log.info("kvferry: %s registered %d buffers in %d pools (%.1f MiB), prefill address %s",
                  self._config.role, len(memory.layout.buffers), len(memory.layout.pools),
@@ -165,6 +167,17 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.address = addresses[0]
         self._scheduler.addresses = tuple(addresses) if len(addresses) > 1 else ()
 
+    def on_new_request(self, request: Request) -> None:
+        """Prefill of a model with state groups: take the prompt's last token off a request that hands its KV
+        to a decode, which computes that token over the state (``SchedulerSide.hold_back``)."""
+        if self._scheduler is None:
+            raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
+        tokens = request.prompt_token_ids
+        has_ids = (tokens is not None and request.prompt_embeds is None and request.num_computed_tokens == 0
+                   and getattr(request, "prompt_is_token_ids", None) is None)   # not embeddings, not mixed
+        if self._scheduler.hold_back(request.kv_transfer_params, request.num_prompt_tokens, has_ids):
+            _shorten_prompt(request, self._scheduler.backoff)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._scheduler is None:
             raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
@@ -223,20 +236,69 @@ def _rank_place(vllm_config: VllmConfig) -> RankPlace:
     return RankPlace(tp_size, tp_rank, rank_kv_heads(model.get_total_num_kv_heads(), tp_size))
 
 
+def _shorten_prompt(request: Request, count: int) -> None:
+    """Take the last ``count`` prompt tokens off a request vLLM has not scheduled yet, and let it sample one
+    token (which nobody reads: decode computes from the prompt). A new list, never the caller's: in one
+    process vLLM's request may hold the very list the client passed."""
+    request.prompt_token_ids = list(request.prompt_token_ids or ())[:-count]
+    del request._all_token_ids[-count:]   # in place: ``all_token_ids`` is a read-only view of this list
+    request.num_prompt_tokens -= count
+    request.max_tokens = 1
+
+
 def _groups(kv_cache_config: KVCacheConfig) -> tuple[GroupSpec, ...]:
-    """One GroupSpec per vLLM KV cache group. Attention groups only: full attention (every prompt block
-    moves) and sliding window (the window's blocks move). Other kinds (Mamba state, chunked local or
-    middle-gap windows, ...) keep KV of another shape or lifetime, which kvferry does not map yet."""
+    """One GroupSpec per vLLM KV cache group: full attention (every prompt block moves), sliding window (the
+    window's blocks move) and Mamba state (the request's state block moves, ``layout``). Other kinds
+    (chunked local or middle-gap windows, ...) keep KV of another shape or lifetime, which kvferry does not
+    map yet."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     groups = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            _check_state(index, group.layer_names, spec)
+            groups.append(GroupSpec(tuple(group.layer_names), int(spec.block_size), state=True))
+            continue
         window = _window(spec)
         if window == -1:
             raise UsageError(f"kvferry connector: KV cache group {index} is {type(spec).__name__} "
-                             f"(layers {list(group.layer_names)}); only full and sliding-window attention are "
-                             "supported")
+                             f"(layers {list(group.layer_names)}); only full and sliding-window attention and "
+                             "Mamba state are supported")
         groups.append(GroupSpec(tuple(group.layer_names), int(spec.block_size), window))
     return tuple(groups)
+
+
+def _check_state(index: int, layers: Sequence[str], spec: Any) -> None:
+    """A Mamba group kvferry maps: one state block per request (cache mode ``none``), no speculative blocks.
+    vLLM's prefix caching of state (modes ``align``, ``all``) keeps a state per block position instead."""
+    where = f"kvferry connector: KV cache group {index} ({type(spec).__name__}, layers {list(layers)})"
+    if spec.mamba_cache_mode != "none":
+        raise UsageError(f"{where} has mamba_cache_mode {spec.mamba_cache_mode!r} (vLLM's prefix caching of "
+                         "Mamba state); kvferry moves one state per request: serve with --no-enable-prefix-caching")
+    if spec.num_speculative_blocks:
+        raise UsageError(f"{where} has {spec.num_speculative_blocks} speculative state blocks per request "
+                         "(speculative decoding); kvferry does not move those")
+
+
+def _state_kinds(kv_cache_config: KVCacheConfig) -> dict[str, str]:
+    """Each state layer's buffer kind: ``state/<mamba type>/<shapes>/<dtypes>/VLLM_SSM_CONV_STATE_LAYOUT=<SD|DS>``.
+    The conv state's layout (vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``: ``SD`` unless set, ``DS`` where vLLM
+    configures NixlConnector) decides what a state page holds, so two instances that differ in it must not
+    exchange state: the handshake compares kinds, and its refusal names the variable."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    kinds: dict[str, str] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            shapes = ",".join("x".join(str(n) for n in shape) for shape in spec.shapes)
+            dtypes = ",".join(str(dtype).removeprefix("torch.") for dtype in spec.dtypes)
+            kind = (f"state/{spec.mamba_type.name.lower()}/{shapes}/{dtypes}/"
+                    f"VLLM_SSM_CONV_STATE_LAYOUT={get_conv_state_layout()}")
+            kinds.update((layer, kind) for layer in group.layer_names)
+    return kinds
 
 
 def _window(spec: Any) -> int | None:

@@ -8,6 +8,13 @@ read off the tensor itself; a single group becomes a ``Pool`` whose page index i
 Several groups (hybrid models: full attention beside sliding windows) share one pool, because vLLM lays
 them over the same memory (``memory_from_kv_caches``); a sliding-window group moves only its window's blocks.
 
+A state group (Mamba: a conv state and an SSM state per layer, fixed size, not per token) is overlaid the
+same way: a block of a state group holds one request's whole state for each of its layers, in the page an
+attention block of another layer would use. Its block table is not per token: with vLLM's Mamba cache mode
+``none`` (prefix caching off) the request's state is block 0 of its table, one block, written in place by
+every step and final once the request stops. So a state group adds one page per request to the pool's list,
+after the token-paged groups' pages (see ``request_pages``), and the page moves whole, padding included.
+
 Pages are whole blocks. What a block holds inside depends on the attention kernel (the CPU fp32 kernel
 stores each head's K transposed, then its V), so slicing tokens or heads out of a block by the tensor's
 shape would be wrong; copying whole blocks between two instances of the same kernel is always right, and
@@ -31,7 +38,7 @@ from kvferry.layout import Buffer, HeadGeometry, KVMemory, Layout, Pool
 from kvferry.layout.spec import MAX_NAME_LEN
 
 __all__ = ["HYBRID_POOL", "NULL_BLOCK", "GroupSpec", "RankPlace", "decode_pages", "memory_from_kv_caches",
-           "num_blocks_for", "pool_name", "rank_kv_heads", "request_pages"]
+           "num_blocks_for", "pool_name", "rank_kv_heads", "request_pages", "single_pool", "token_block_size"]
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
@@ -47,18 +54,19 @@ class GroupSpec:
     layer_names: tuple[str, ...]
     block_size: int
     sliding_window: int | None = None
+    state: bool = False   # a request-scoped state group (Mamba): its state block, not blocks of tokens
 
     def first_needed_block(self, num_tokens: int) -> int:
         """The first block decode reads: it recomputes the last prompt token (to sample from it), whose
         window reaches back to token ``num_tokens - window``; full attention reads from block 0."""
-        if self.sliding_window is None:
+        if self.sliding_window is None or self.state:
             return 0
         return max(0, num_tokens - self.sliding_window) // self.block_size
 
     def first_kept_block(self, num_tokens: int) -> int:
         """The first block vLLM still holds once ``num_tokens`` tokens are computed: it frees every block
         wholly before the window of the *next* token, ``num_tokens - window + 1`` (single_type_kv_cache_manager)."""
-        if self.sliding_window is None:
+        if self.sliding_window is None or self.state:
             return 0
         return max(0, num_tokens - self.sliding_window + 1) // self.block_size
 
@@ -70,6 +78,21 @@ class GroupSpec:
 
 
 HYBRID_POOL = "blocks"
+
+
+def single_pool(groups: Sequence[GroupSpec]) -> bool:
+    """Whether the groups make one pool of their own, ``pool_name(0)``: one attention group. Several groups,
+    or any state group, make ``HYBRID_POOL``."""
+    return len(groups) == 1 and not groups[0].state
+
+
+def token_block_size(groups: Sequence[GroupSpec]) -> int | None:
+    """The tokens per block of the token-paged groups (one size: ``_hybrid_memory`` refuses others), or
+    None when every group is a state group. Bindings are cut in these blocks."""
+    sizes = sorted({group.block_size for group in groups if not group.state})
+    if len(sizes) > 1:
+        raise LayoutError(f"KV cache groups with different block sizes {sizes}: not supported")
+    return sizes[0] if sizes else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +160,10 @@ def request_pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec
     ``block_ids[g]`` is the request's block table in group ``g`` (vLLM's ``KVCacheBlocks.get_block_ids()``).
     Several groups share one pool, and its list is position-major: block position ``j`` of every group
     that needs it, then position ``j + 1``'s. So the blocks under any decode prefix are a leading part of
-    the list, whatever the prefix: prefill sends before it learns decode's (see ``decode_pages``).
+    the list, whatever the prefix: prefill sends before it learns decode's (see ``decode_pages``). Each
+    state group's state block comes last, after every token-paged block: no prefix holds it, it always moves.
     Raises ``LayoutError`` when a group's table is shorter than the tokens need, or holds vLLM's null block
-    where KV must be (a sliding-window block already freed).
+    where KV or state must be (a sliding-window block already freed).
     """
     return _pages(block_ids, groups, num_tokens, 0)
 
@@ -154,21 +178,23 @@ def decode_pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec]
     """
     held = _held_blocks(groups, num_tokens, held_tokens)
     pages = _pages(block_ids, groups, num_tokens, held)
-    firsts = [min(held, group.first_needed_block(num_tokens)) for group in groups]
-    counts = [held - first for first in firsts]   # per group: its needed blocks under the hit
-    if len(groups) > 1:
+    # Per token-paged group, its needed blocks under the hit; a state block is never under it.
+    counts = [held - min(held, group.first_needed_block(num_tokens)) for group in groups if not group.state]
+    if not single_pool(groups):
         return pages, {HYBRID_POOL: sum(counts)}
     return pages, {pool_name(0): counts[0]}
 
 
 def _held_blocks(groups: Sequence[GroupSpec], num_tokens: int, held_tokens: int) -> int:
-    sizes = sorted({group.block_size for group in groups})
-    if len(sizes) != 1:
-        raise LayoutError(f"KV cache groups with different block sizes {sizes}: not supported")
-    if held_tokens % sizes[0] or not 0 <= held_tokens < num_tokens:
+    size = token_block_size(groups)
+    if size is None:
+        if held_tokens:
+            raise LayoutError(f"decode's prefix-cache hit of {held_tokens} tokens in a model of state groups only")
+        return 0
+    if held_tokens % size or not 0 <= held_tokens < num_tokens:
         raise LayoutError(f"decode's prefix-cache hit of {held_tokens} tokens is not whole blocks of "
-                          f"{sizes[0]} tokens short of the prompt's {num_tokens}")
-    return held_tokens // sizes[0]
+                          f"{size} tokens short of the prompt's {num_tokens}")
+    return held_tokens // size
 
 
 def _pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec], num_tokens: int,
@@ -176,8 +202,12 @@ def _pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec], num_
     """The request's pages from block position ``start`` on (see ``request_pages``)."""
     if len(block_ids) != len(groups):
         raise LayoutError(f"{len(block_ids)} block tables for {len(groups)} KV cache groups")
-    columns: list[tuple[int, list[int]]] = []   # per group: its first position sent, its blocks from there
+    columns: list[tuple[int, list[int]]] = []   # per token-paged group: its first position sent, its blocks
+    states: list[int] = []   # per state group: the request's state block
     for index, (table, group) in enumerate(zip(block_ids, groups)):
+        if group.state:
+            states.append(_state_block(index, table, group))
+            continue
         need = num_blocks_for(num_tokens, group.block_size)
         if len(table) < need:
             raise LayoutError(f"{pool_name(index)}: {num_tokens} tokens need {need} blocks of "
@@ -188,9 +218,23 @@ def _pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec], num_
             raise LayoutError(f"{pool_name(index)}: block {first + blocks.index(NULL_BLOCK)} of {num_tokens} "
                               f"tokens is vLLM's null block (freed), its KV is needed")
         columns.append((first, blocks))
-    if len(groups) == 1:
+    if single_pool(groups):
         return {pool_name(0): columns[0][1]}
-    return {HYBRID_POOL: _position_major(columns, num_blocks_for(num_tokens, groups[0].block_size))}
+    size = token_block_size(groups)
+    token_pages = _position_major(columns, num_blocks_for(num_tokens, size)) if size is not None else []
+    return {HYBRID_POOL: token_pages + states}
+
+
+def _state_block(index: int, table: Sequence[int], group: GroupSpec) -> int:
+    """A state group's block for the request: block 0 of its table (vLLM's Mamba cache mode ``none``: one
+    state per request, updated in place; ``connector`` refuses the other modes)."""
+    if not len(table):
+        raise LayoutError(f"group {index} (state, layers {list(group.layer_names)}): the request has no state block")
+    block = int(table[0])
+    if block == NULL_BLOCK:
+        raise LayoutError(f"group {index} (state, layers {list(group.layer_names)}): the request's state block "
+                          "is vLLM's null block")
+    return block
 
 
 def _position_major(columns: Sequence[tuple[int, list[int]]], need: int) -> list[int]:
@@ -212,16 +256,19 @@ def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSp
     else raises ``LayoutError`` naming the layer and shape. ``cache_dtype`` is vLLM's ``cache_dtype``
     (``"auto"``: the tensor's own dtype); ``kinds`` maps a layer to its buffer kind (default ``"kv"``).
 
-    Several groups (vLLM's hybrid KV cache manager): vLLM overlays them, the i-th layer of each group on
-    the same bytes, which is sound because one block pool serves every group and a block id is owned by
-    one group at a time. Overlapping buffers cannot be told apart, so each distinct tensor is one buffer
-    (named after the layers on it) of one pool, ``HYBRID_POOL``, indexed by block id; a request's pages
-    there are its blocks in every group (``request_pages``).
+    Several groups (vLLM's hybrid KV cache manager), or a state group: vLLM overlays them, the i-th layer of
+    each group on the same bytes, which is sound because one block pool serves every group and a block id
+    is owned by one group at a time. Overlapping buffers cannot be told apart, so each distinct tensor is
+    one buffer (named after the layers on it) of one pool, ``HYBRID_POOL``, indexed by block id; a
+    request's pages there are its blocks in every group (``request_pages``). A state layer's tensor is
+    ``[num_blocks, ...]`` of its state's real bytes, each block a stride of the page apart (vLLM pads a
+    state's page to the attention page): its buffer's page is the stride, padding included.
 
     ``place``: the worker's TP rank; each buffer then says how its blocks cut into this rank's KV heads
     (``_heads``), which lets kvferry's TP planner move KV between prefill and decode of different TP sizes.
+    A buffer holding state has none: state moves between equal TP sizes only.
     """
-    if len(groups) > 1:
+    if not single_pool(groups):
         return _hybrid_memory(kv_caches, groups, num_blocks, cache_dtype, kinds or {}, place)
     pools: list[Pool] = []
     arrays: dict[str, Any] = {}
@@ -240,31 +287,74 @@ def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSp
     return KVMemory.from_arrays(Layout(pools, place.tp_size, place.tp_rank), arrays)
 
 
+@dataclass(frozen=True, slots=True)
+class _View:
+    """One layer's block view on its way into a hybrid pool's buffer."""
+
+    name: str
+    layer: str
+    tensor: Any
+    page_bytes: int   # bytes from one block to the next (a state view's real bytes are fewer)
+    state: bool
+
+
 def _hybrid_memory(kv_caches: Mapping[str, Any], groups: Sequence[GroupSpec], num_blocks: int, cache_dtype: str,
                    kinds: Mapping[str, str], place: RankPlace) -> KVMemory:
     """One pool over the distinct tensors of several overlaid groups (see ``memory_from_kv_caches``)."""
-    block_sizes = sorted({group.block_size for group in groups})
-    if len(block_sizes) != 1:
-        raise LayoutError(f"KV cache groups with different block sizes {block_sizes}: not supported")
-    regions: dict[tuple[int, int], list[tuple[str, str, Any]]] = {}   # (address, bytes) -> (name, layer, view)
+    block_size = token_block_size(groups)
+    regions: dict[int, list[_View]] = {}   # by address: the layers on those bytes
     for index, group in enumerate(groups):
         for layer in group.layer_names:
             if layer not in kv_caches:
                 raise LayoutError(f"group {index}: layer {layer!r} has no registered KV tensor")
             for name, view in _block_views(layer, kv_caches[layer], num_blocks):
-                regions.setdefault((_address(view), _nbytes(view)), []).append((name, layer, view))
+                page = _block_stride(view) if group.state else _nbytes(view) // num_blocks
+                regions.setdefault(_address(view), []).append(_View(name, layer, view, page, group.state))
     buffers = []
     arrays: dict[str, Any] = {}
     for on_it in regions.values():
-        name = _joined([view_name for view_name, _, _ in on_it])
-        view = on_it[0][2]
-        kind = "+".join(dict.fromkeys(kinds.get(layer, "kv") for _, layer, _ in on_it))
-        page_bytes = _nbytes(view) // num_blocks
-        buffers.append(Buffer(name, page_bytes, num_blocks, _dtype(view, cache_dtype), kind,
-                              _layer_index(on_it[0][1]), _heads(view, page_bytes, block_sizes[0], place)))
-        arrays[name] = view
-    pool = Pool(HYBRID_POOL, buffers, tokens_per_page=block_sizes[0])
+        name = _joined([view.name for view in on_it])
+        page_bytes = _region_page(name, on_it)
+        array = _dense_view(on_it, num_blocks, page_bytes)
+        kind = "+".join(dict.fromkeys(kinds.get(view.layer, "kv") for view in on_it))
+        holds_state = any(view.state for view in on_it)
+        heads = None if holds_state or block_size is None else _heads(array, page_bytes, block_size, place)
+        token_views = [view for view in on_it if not view.state]
+        dtype = _dtype(token_views[0].tensor, cache_dtype) if token_views else _dtype(array, "auto")
+        buffers.append(Buffer(name, page_bytes, num_blocks, dtype, kind, _layer_index(on_it[0].layer), heads))
+        arrays[name] = array
+    pool = Pool(HYBRID_POOL, buffers, tokens_per_page=block_size)
     return KVMemory.from_arrays(Layout([pool], place.tp_size, place.tp_rank), arrays)
+
+
+def _region_page(name: str, on_it: Sequence[_View]) -> int:
+    """The page of the layers sharing one region: all of them one block stride (vLLM pads every group's
+    page to one size), or ``LayoutError`` naming the two that differ."""
+    first = on_it[0]
+    for view in on_it[1:]:
+        if view.page_bytes != first.page_bytes:
+            raise LayoutError(f"buffer {name!r}: layers {first.layer!r} and {view.layer!r} share an address but "
+                              f"not a page size ({first.page_bytes} and {view.page_bytes} bytes per block)")
+    return first.page_bytes
+
+
+def _dense_view(on_it: Sequence[_View], num_blocks: int, page_bytes: int) -> Any:
+    """A C-contiguous view of the region's ``num_blocks`` whole pages: an attention layer's tensor when one
+    lies there, otherwise the state view widened to its padded pages (bytes, ``[num_blocks, page_bytes]``)."""
+    for view in on_it:
+        if not view.state and _is_dense(view.tensor):
+            return view.tensor
+    if not all(view.state for view in on_it):
+        return on_it[0].tensor   # an attention layout kvferry cannot bind: ``KVMemory.from_arrays`` says why
+    tensor = on_it[0].tensor
+    if _itemsize(tensor) != 1:
+        raise LayoutError(f"layer {on_it[0].layer!r}: a state view of {tensor.dtype} elements cannot be widened to "
+                          "its padded pages (vLLM hands state as bytes)")
+    if hasattr(tensor, "storage_offset"):   # torch: the same storage, a stride of one page per block
+        import torch
+
+        return torch.as_strided(tensor, (num_blocks, page_bytes), (page_bytes, 1), tensor.storage_offset())
+    return np.lib.stride_tricks.as_strided(tensor, (num_blocks, page_bytes), (page_bytes, 1))
 
 
 def _joined(names: Sequence[str]) -> str:
@@ -289,6 +379,22 @@ def _block_views(layer: str, tensor: Any, num_blocks: int) -> list[tuple[str, An
         return [(f"{layer}.k", tensor[0]), (f"{layer}.v", tensor[1])]
     raise LayoutError(f"layer {layer!r}: KV tensor of shape {shape} has no block dimension of {num_blocks} "
                       f"blocks first (expected [num_blocks, ...] or [2, num_blocks, ...])")
+
+
+def _block_stride(tensor: Any) -> int:
+    """Bytes from one block of ``tensor`` (``[num_blocks, ...]``) to the next."""
+    stride = tensor.stride(0) * tensor.element_size() if hasattr(tensor, "element_size") else tensor.strides[0]
+    return int(stride)
+
+
+def _itemsize(tensor: Any) -> int:
+    return int(tensor.element_size()) if hasattr(tensor, "element_size") else int(tensor.itemsize)
+
+
+def _is_dense(tensor: Any) -> bool:
+    if hasattr(tensor, "is_contiguous"):
+        return bool(tensor.is_contiguous())
+    return bool(tensor.flags["C_CONTIGUOUS"])
 
 
 def _nbytes(tensor: Any) -> int:

@@ -17,6 +17,11 @@ The hand-off, as vLLM's own disaggregated flow does it:
    of the blocks vLLM allocated for them, with the hit as the announce's ``prefix``: prefill sent the whole
    prompt's blocks (it cannot know decode's cache), and kvferry moves only those past the prefix. vLLM
    recomputes only the last prompt token itself, to sample from it.
+
+A model with state groups (Mamba) cannot recompute a token: the state would take it in twice. So prefill
+holds the prompt's last token back (``hold_back``: it computes ``N - 1`` tokens, its state is the state
+after them, final when the request stops), moves those ``N - 1`` tokens' blocks and the state, and decode
+computes token ``N`` itself from them, as vLLM's own NixlConnector does for these models.
 """
 
 from __future__ import annotations
@@ -26,10 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.errors import LayoutError, UsageError
-from kvferry.integrations.vllm.layout import GroupSpec, decode_pages, request_pages
+from kvferry.integrations.vllm.layout import GroupSpec, decode_pages, request_pages, token_block_size
 from kvferry.integrity.binding import Binding, token_binding
 
-__all__ = ["RecvSpec", "SchedulerSide", "SendSpec", "StepPlan", "transfer_params"]
+__all__ = ["HELD_BACK_KEY", "RecvSpec", "SchedulerSide", "SendSpec", "StepPlan", "transfer_params"]
 
 # The keys kvferry adds to a request's kv_transfer_params (the rest are vLLM's own PD conventions).
 ADDRESS_KEY = "kvferry_address"
@@ -37,6 +42,8 @@ ADDRESSES_KEY = "kvferry_addresses"   # prefill's TP ranks' addresses, in rank o
 TRANSFER_ID_KEY = "kvferry_request_id"
 NUM_TOKENS_KEY = "remote_num_tokens"
 SKIPPED_KEY = "kvferry_not_sent"   # why prefill sent nothing (decode then prefills the request itself)
+# Prefill's own mark on a request whose last prompt token it held back (a model with state groups).
+HELD_BACK_KEY = "kvferry_held_back"
 # Tests only: a request whose params carry this key is announced unbound, on a decode whose extra config sets
 # ``unbound_for_tests`` (the negative control of tests/test_vllm.py: the swap it refuses, served).
 UNBOUND_KEY = "kvferry_unbound_for_tests"
@@ -102,6 +109,7 @@ class SchedulerSide:
     address: str | None = None
     addresses: tuple[str, ...] = ()   # every TP rank's prefill endpoint, in rank order (TP > 1)
     unbound_for_tests: bool = False   # honour UNBOUND_KEY (WorkerConfig.unbound_for_tests)
+    tp_size: int = 1                  # this instance's TP size (state moves between equal sizes only)
     _issues: list[str] = field(default_factory=list)
     _sends: list[SendSpec] = field(default_factory=list)
     _recvs: list[RecvSpec] = field(default_factory=list)
@@ -110,6 +118,31 @@ class SchedulerSide:
     _loading: set[str] = field(default_factory=set)     # decode: announce staged, not yet reported back
     _holding: set[str] = field(default_factory=set)     # blocks vLLM keeps until the worker reports them
     _taken: set[str] = field(default_factory=set)       # decode: KV already asked for, never twice
+
+    @property
+    def backoff(self) -> int:
+        """Prompt tokens prefill holds back and decode computes: 1 with state groups (see the module's
+        docstring), else 0 (decode recomputes the last token over KV that holds it already)."""
+        return 1 if any(group.state for group in self.groups) else 0
+
+    def remote_tokens(self, num_prompt_tokens: int) -> int:
+        """The prompt tokens whose KV (and state) prefill moves: all but the held-back ones; 0 when the
+        prompt is no longer than those (prefill then sends nothing)."""
+        return max(0, num_prompt_tokens - self.backoff)
+
+    # -- prefill ---------------------------------------------------------------------------------------
+    def hold_back(self, params: dict[str, Any] | None, num_prompt_tokens: int, has_token_ids: bool) -> bool:
+        """vLLM's ``on_new_request``, prefill: whether to take the prompt's last ``backoff`` tokens off a
+        request that hands its KV to a decode (the caller shortens the request); marks ``params`` so a
+        preempted request, seen again, is not shortened twice, and so ``finished`` knows it was."""
+        if not (self.backoff and params and params.get("do_remote_decode")) or params.get(HELD_BACK_KEY):
+            return False
+        if self.address is None:
+            return False   # no prefill endpoint here: the request is served whole, as ``finished`` does
+        if not has_token_ids or self.remote_tokens(num_prompt_tokens) < 1:
+            return False   # nothing to hold back from (or embeddings): ``finished`` sends nothing
+        params[HELD_BACK_KEY] = True
+        return True
 
     # -- decode ----------------------------------------------------------------------------------------
     def matched_tokens(self, request_id: str, num_prompt_tokens: int, params: Mapping[str, Any] | None,
@@ -121,13 +154,14 @@ class SchedulerSide:
             return 0, False   # asked once: a preempted request recomputes here, prefill's copy is gone
         if params is None:
             raise UsageError('kvferry connector: the request carries no kvferry transfer parameters')
-        if int(params.get(NUM_TOKENS_KEY, -1)) != num_prompt_tokens:
+        remote = self.remote_tokens(num_prompt_tokens)
+        if int(params.get(NUM_TOKENS_KEY, -1)) != remote or remote < 1:
             return 0, False
-        if not all(group.transferable(num_prompt_tokens) for group in self.groups):
+        if not all(group.transferable(remote) for group in self.groups):
             return 0, False   # prefill freed a sliding-window block decode needs (see GroupSpec.transferable)
-        if num_computed_tokens >= num_prompt_tokens:
+        if num_computed_tokens >= remote:
             return 0, False   # vLLM's hit stops short of the last prompt token: not reached
-        return num_prompt_tokens - num_computed_tokens, True
+        return remote - num_computed_tokens, True
 
     def after_alloc(self, request_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[Sequence[int]],
                     num_external_tokens: int, prompt_token_ids: Sequence[int] | None = None) -> None:
@@ -148,23 +182,37 @@ class SchedulerSide:
         self._loading.add(request_id)
         self._taken.add(request_id)
         num_tokens = int(params.get(NUM_TOKENS_KEY, num_external_tokens))
+        ranks = params.get(ADDRESSES_KEY) or ()
         try:
+            self._check_state_tp(max(1, len(ranks)))
             pages, prefix = decode_pages(block_ids, self.groups, num_tokens, num_tokens - num_external_tokens)
         except LayoutError as exc:   # vLLM waits for this KV now: the worker reports it failed
             self._failures.append((request_id, str(exc)))
             return
-        ranks = params.get(ADDRESSES_KEY) or ()
         unbound = self.unbound_for_tests and bool(params.get(UNBOUND_KEY))
+        tokens = None if prompt_token_ids is None else prompt_token_ids[:num_tokens]   # prefill's, held back
         self._recvs.append(RecvSpec(request_id, str(params[TRANSFER_ID_KEY]), str(params[ADDRESS_KEY]), pages,
                                     prefix, tuple(str(a) for a in ranks),
-                                    None if unbound else self._binding(request_id, prompt_token_ids)))
+                                    None if unbound else self._binding(request_id, tokens)))
+
+    def _check_state_tp(self, prefill_tp: int) -> None:
+        """State is sharded by heads or channels over TP ranks, and kvferry does not slice it: a state group
+        moves only between equal TP sizes. ``LayoutError`` naming the group and both sizes otherwise."""
+        if prefill_tp == self.tp_size:
+            return
+        for index, group in enumerate(self.groups):
+            if group.state:
+                raise LayoutError(f"KV cache group {index} (Mamba state, layers {list(group.layer_names)}) cannot "
+                                  f"move from prefill TP {prefill_tp} to decode TP {self.tp_size}: state moves "
+                                  "between equal TP sizes only")
 
     def _binding(self, request_id: str, prompt_token_ids: Sequence[int] | None) -> Binding | None:
         """The prompt's binding, in vLLM's blocks (equal on both sides: the handshake compares them), named
         by this side's request id; None without the tokens (an unbound hand-off)."""
         if prompt_token_ids is None:
             return None
-        return token_binding(prompt_token_ids, self.groups[0].block_size, label=request_id)
+        block_tokens = token_block_size(self.groups) or self.groups[0].block_size
+        return token_binding(prompt_token_ids, block_tokens, label=request_id)
 
     # -- both ------------------------------------------------------------------------------------------
     def finished(self, request_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[Sequence[int]],
@@ -185,6 +233,9 @@ class SchedulerSide:
         if not params or not params.get("do_remote_decode") or not completed or self.address is None:
             return False, None
         try:
+            if self.backoff and not params.get(HELD_BACK_KEY):
+                raise LayoutError("a prompt of state groups whose last token prefill did not hold back (one token, "
+                                  "or embeddings): decode could not compute it over the state")
             if not all(group.transferable(num_computed_tokens) for group in self.groups):
                 raise LayoutError(f"a sliding window's first block is freed at {num_computed_tokens} tokens")
             pages = request_pages(block_ids, self.groups, num_computed_tokens)
