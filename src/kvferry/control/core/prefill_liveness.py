@@ -94,12 +94,13 @@ class Liveness:
         core.changed = True
 
     def connected_for(self, session: Session) -> bool | None:
-        """With ``transport_liveness``: True while no connection dropped since we last heard ``session`` (its
-        own still stands, with libzmq's heartbeats answered); None (silence decides) otherwise."""
+        """With ``transport_liveness``: True while neither its own connection nor one the shell could not name
+        dropped since we last heard ``session`` (its own still stands, with libzmq's heartbeats answered);
+        None (silence decides) otherwise. Another decode's connection, named, says nothing of this one."""
         core = self.core
         if not core.options.transport_liveness:
             return None
-        return True if session.clock.last_seen > core.last_drop else None
+        return True if session.clock.last_seen > max(core.last_drop, session.dropped_at) else None
 
     def session_dead(self, session: Session, error: KVFerryError) -> None:
         """Fail the session's requests, forget the peer once no write to it is in flight; others go on."""
