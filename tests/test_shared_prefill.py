@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -51,6 +52,7 @@ class TwoDecodes:
         self.core = PrefillCore(self.src, setup, self.options, DigestMode.OFF,
                                 NullRecorder("prefill", self.src.layout), lambda n: bytes(n))
         self.inbox: dict[bytes, list[object]] = {}
+        self.written: list[str] = []   # request ids, one per write posted for them
 
     def carry_out(self) -> None:
         from kvferry.control.core.base import AddPeer, FlushNow, RemovePeer
@@ -65,7 +67,8 @@ class TwoDecodes:
             elif not isinstance(effect, RemovePeer):
                 raise AssertionError(effect)
 
-        def posted(write: object) -> None:
+        def posted(write: Any) -> None:
+            self.written.extend(rec.request_id for rec in write.records)
             self.core.write_posted(write, id(write))
             self.core.write_settled(self.t, id(write), None)
 
@@ -154,6 +157,53 @@ def test_an_unattributed_drop_keeps_the_old_rule() -> None:
     assert b"b" not in peer.core.sessions
 
 
+def _probed(peer: TwoDecodes, identity: bytes) -> int:
+    probes = [m.probe for m in peer.inbox.pop(identity, []) if isinstance(m, wire.Heartbeat) and m.probe]
+    assert probes, f"no probe sent to {identity!r}"
+    return probes[-1]
+
+
+def _run(peer: TwoDecodes, until: float) -> None:
+    """Prefill's loop ticking every heartbeat up to ``until`` (so it stalls no more), decode a talking."""
+    while peer.t < until:
+        peer.tick(min(peer.t + HB, until))
+        peer.frame(b"a", wire.Heartbeat())
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+def test_a_decode_starved_with_its_prefill_is_waited_for_past_the_probe(dropped: bool) -> None:
+    """Prefill stalls past peer_timeout (its Python starved), so it probes each session and writes nothing
+    until decode echoes; decode b, starved by the same load, echoes only later. Its connection stood all
+    along (decode gives a link up only by closing it), so b still holds the session: prefill waits past the
+    probe's deadline, posting nothing, and b's request completes once it echoes. With b's connection
+    dropped (named by the shell), the probe's deadline ends the session as before (the control)."""
+    peer = TwoDecodes()
+    peer.connect(b"a")
+    peer.connect(b"b")
+    peer.frame(b"b", wire.Announce("rb", 1, wire.encode_pages(PAGES)))
+    stall = 2 * PT
+    peer.tick(stall)   # the first look after the stall: both sessions probed
+    probe_a, probe_b = _probed(peer, b"a"), _probed(peer, b"b")
+    peer.core.send(peer.t, "rb", make_spec(peer.src, SRC, 0, True, None), None)
+    peer.carry_out()
+    peer.frame(b"a", wire.Heartbeat(echo=probe_a))   # a answers at once
+    if dropped:
+        peer.core.connection_dropped(peer.t, [b"b"])
+    _run(peer, stall + PT + HB)   # past b's probe deadline, b still silent; prefill runs (no new stall)
+    assert peer.written == []    # nothing posted for b without its echo
+    if dropped:
+        assert b"b" not in peer.core.sessions and peer.core.records["rb"].state is RequestState.FAILED
+        return
+    assert b"b" in peer.core.sessions and peer.core.records["rb"].is_live
+    _run(peer, stall + 10 * PT)   # however long b stays starved (within request_timeout)
+    assert b"b" in peer.core.sessions and peer.written == [] and peer.core.sessions[b"b"].probe == probe_b
+    peer.frame(b"b", wire.Heartbeat(echo=probe_b))   # b runs again: it still held the session
+    assert peer.written == ["rb"]
+    peer.frame(b"b", wire.Result("rb", 1, True, ""))
+    peer.core.settle_dirty(peer.t)
+    assert peer.core.records["rb"].state is RequestState.DONE
+
+
 # -- processes: decode B starved, decode A's connection dropped, one prefill -----------------------------------
 @pytest.mark.nixl
 def test_a_starved_decode_survives_another_decodes_drop() -> None:
@@ -206,4 +256,42 @@ def test_a_starved_decode_survives_another_decodes_drop() -> None:
     finally:
         b.close()
         a.close()
+        prefill.close()
+
+
+@pytest.mark.nixl
+def test_a_prefill_and_its_decode_starved_together_finish_their_requests() -> None:
+    """Both sides starved by the same load: prefill (a child) holds its GIL for 4 x peer_timeout, so on
+    resuming it probes decode; decode (another child) is starved from before that until well past the
+    probe's deadline. Decode's connection stood throughout (libzmq answered), so prefill waits for the echo
+    instead of ending the session, and every request completes, byte for byte. Without the wait the probe's
+    deadline ended the session and every request failed ("did not answer within peer_timeout")."""
+    pytest.importorskip("nixl")
+    pytest.importorskip("kvferry.transport.nixl")
+    from .test_control_nixl import TIMEOUTS, Peer
+
+    timeouts = {**TIMEOUTS, "transport_liveness": True}
+    pt = timeouts["peer_timeout"]
+    prefill = Peer("prefill", options=timeouts)
+    decode = Peer("decode", options=timeouts)
+
+    def ask(peer: Peer, **cmd: Any) -> None:   # without waiting: the hog's thread holds the reply back
+        assert peer.proc.stdin is not None
+        peer.proc.stdin.write(json.dumps(cmd) + "\n")
+        peer.proc.stdin.flush()
+
+    try:
+        decode("connect", address=prefill.address)
+        decode("announce", n=4, seed=21)
+        ask(prefill, op="hog", seconds=4 * pt)
+        ask(prefill, op="serve", n=4, seed=21, timeout=60)   # read once the hog lets go
+        time.sleep(1.5 * pt)
+        ask(decode, op="hog", seconds=8 * pt)   # starved from before prefill's probe to past its deadline
+        assert "calls" in prefill._next(30)
+        assert prefill._next(60) == {"ok": True}, "prefill's sends failed: its session with decode ended"
+        assert "calls" in decode._next(30)
+        assert set(decode("wait_all")["results"].values()) == {"done"}
+        decode("verify")   # every byte that arrived, checked against the source's fill
+    finally:
+        decode.close()
         prefill.close()

@@ -369,7 +369,7 @@ class PrefillCore(CoreBase):
             t = s.clock.next_deadline(now) if s.state is SessionState.ESTABLISHED else s.deadline
             if t < earliest:
                 earliest = t
-            if s.probe:
+            if s.probe and s.probe_deadline >= now:   # one passed with the session still held: no timer
                 t = math.nextafter(s.probe_deadline, math.inf)
                 if t < earliest:
                     earliest = t

@@ -38,7 +38,7 @@ class Liveness:
                 core.sessions.pop(session.identity, None)
             return
         clock = session.clock
-        if session.probe and now > session.probe_deadline:
+        if session.probe and now > session.probe_deadline and not self.still_held(session):
             self.session_dead(session, PeerLost(
                 f"{session.label} did not answer within peer_timeout {core.options.peer_timeout} s after this "
                 "prefill was silent that long (stopped or starved): it has declared us dead"))
@@ -92,6 +92,16 @@ class Liveness:
             if rec.session is session and rec.pending:
                 core.writer.post_ready(rec)
         core.changed = True
+
+    def still_held(self, session: Session) -> bool:
+        """Past its probe's deadline with no echo: whether decode certainly still holds ``session`` (a push
+        session whose own connection stands, with libzmq's heartbeats answered, since decode was last heard).
+        A decode gives a link up only by closing its connection (with transport_liveness it never does so on
+        silence), and prefill's monitor names that drop; so a standing connection means decode is slow to
+        echo (starved with us under the same load), not gone. Its writes stay held until the echo, bounded
+        by request_timeout; the session ends once its connection drops and it is silent. Pull sessions keep
+        the deadline (decode's own fence may have tripped)."""
+        return session.mode == "push" and self.connected_for(session) is True
 
     def connected_for(self, session: Session) -> bool | None:
         """With ``transport_liveness``: True while neither its own connection nor one the shell could not name
