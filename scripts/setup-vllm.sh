@@ -22,7 +22,13 @@ VENV=.venv-vllm
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
+# vllm-router (vllm-project/router, a Rust binary in its wheel): the PD router users deploy in front of vLLM
+# (tests/test_vllm_router.py, docs/deploy.md). A tool beside vLLM, not a dependency of kvferry: not in an extra.
+ROUTER=${KVFERRY_VLLM_ROUTER_PIN-vllm-router==0.1.17}
 if "$VENV/bin/python" -c "import vllm, kvferry, pytest" >/dev/null 2>&1; then
+    if [ -n "$ROUTER" ] && [ ! -x "$VENV/bin/vllm-router" ]; then
+        "$VENV/bin/python" -m pip install -q "$ROUTER"   # a venv set up before the router joined
+    fi
     exit 0   # set up already (kvferry is installed editable: the tree's code runs)
 fi
 # Where the core venv (.venv, scripts/setup.sh) has the same Python and the CPU torch, as under `make test`,
@@ -56,6 +62,9 @@ if [ "${KVFERRY_VLLM_MOONCAKE:-1}" != 0 ]; then
     fi
 fi
 "$VENV/bin/python" -m pip install -q "${PIN[@]}" -e ".[$EXTRAS]"
+if [ -n "$ROUTER" ]; then
+    "$VENV/bin/python" -m pip install -q "${PIN[@]}" "$ROUTER"
+fi
 if [ -n "$TORCH" ]; then
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi

@@ -355,7 +355,7 @@ class EndpointBase:
             if sock.closed:   # a message just handled closed it (a peer said Bye)
                 return
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = self._port.recv(sock)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:  # this socket is broken: its peer fails, the loop goes on

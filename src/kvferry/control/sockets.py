@@ -62,6 +62,10 @@ class Port(ABC):
     Each implementation feeds the core what its sockets bring (frames, dropped connections, a frame
     gone out), with ``now`` the shell's clock."""
 
+    def recv(self, sock: Any) -> list[bytes]:
+        """One message's frames from ``sock``, without blocking (``zmq.Again`` when none is waiting)."""
+        return sock.recv_multipart(zmq.NOBLOCK, copy=True)
+
     @abstractmethod
     def on_frames(self, sock: Any, frames: list[bytes], now: float) -> None:
         """Frames read from ``sock``: fed to the core as an event (``now``: when the poll returned).

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -120,7 +120,8 @@ class PrefillCore(CoreBase):
         # Ids issued before their send (``issue``), newest last, for ``options.refuse_unissued``; bounded: an
         # id older than MAX_ISSUED issues without its announce has long timed out on decode.
         self.issued: OrderedDict[str, None] = OrderedDict()
-        # transport_liveness: when a connection last dropped (the shell's monitor says that one did, not whose).
+        # transport_liveness: when a connection last dropped that the shell could not name (its monitor says
+        # that one did; the shell names whose when it knows the connection's descriptor: Session.dropped_at).
         self.last_drop = -math.inf
         # Probes sent (liveness.probe): how often this prefill found itself stalled past peer_timeout; the
         # latest is also the number the newest probe carries.
@@ -331,9 +332,19 @@ class PrefillCore(CoreBase):
                         self.fail_req(rec, TransferTimeout(f"request {rec.request_id!r} not done within "
                                                            f"{self.options.request_timeout} s"))
 
-    def connection_dropped(self, now: float) -> None:
-        """The shell's socket monitor saw a connection drop (a reset, or ZMTP heartbeats unanswered)."""
-        self.last_drop = now
+    def connection_dropped(self, now: float, identities: Iterable[bytes] | None = None) -> None:
+        """The shell's socket monitor saw a connection drop (a reset, or ZMTP heartbeats unanswered): the one
+        that carried ``identities``' frames, or (None) one the shell cannot name. Only the sessions named are
+        then judged by silence; an unnamed drop makes every session not heard from since suspect, as it
+        must when nothing better is known (issue 49: one decode's drop ended another, starved, decode's
+        session and failed its requests, both at once)."""
+        if identities is None:
+            self.last_drop = now
+            return
+        for identity in identities:
+            session = self.sessions.get(identity)
+            if session is not None:
+                session.dropped_at = now
 
     def process_gone(self, now: float, process: ProcessIdentity) -> None:
         """``process`` (a dead session's decode) is certainly gone: its source holds end now."""
@@ -358,7 +369,7 @@ class PrefillCore(CoreBase):
             t = s.clock.next_deadline(now) if s.state is SessionState.ESTABLISHED else s.deadline
             if t < earliest:
                 earliest = t
-            if s.probe:
+            if s.probe and s.probe_deadline >= now:   # one passed with the session still held: no timer
                 t = math.nextafter(s.probe_deadline, math.inf)
                 if t < earliest:
                     earliest = t

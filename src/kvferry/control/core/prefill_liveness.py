@@ -38,7 +38,7 @@ class Liveness:
                 core.sessions.pop(session.identity, None)
             return
         clock = session.clock
-        if session.probe and now > session.probe_deadline:
+        if session.probe and now > session.probe_deadline and not self.still_held(session):
             self.session_dead(session, PeerLost(
                 f"{session.label} did not answer within peer_timeout {core.options.peer_timeout} s after this "
                 "prefill was silent that long (stopped or starved): it has declared us dead"))
@@ -93,13 +93,24 @@ class Liveness:
                 core.writer.post_ready(rec)
         core.changed = True
 
+    def still_held(self, session: Session) -> bool:
+        """Past its probe's deadline with no echo: whether decode certainly still holds ``session`` (a push
+        session whose own connection stands, with libzmq's heartbeats answered, since decode was last heard).
+        A decode gives a link up only by closing its connection (with transport_liveness it never does so on
+        silence), and prefill's monitor names that drop; so a standing connection means decode is slow to
+        echo (starved with us under the same load), not gone. Its writes stay held until the echo, bounded
+        by request_timeout; the session ends once its connection drops and it is silent. Pull sessions keep
+        the deadline (decode's own fence may have tripped)."""
+        return session.mode == "push" and self.connected_for(session) is True
+
     def connected_for(self, session: Session) -> bool | None:
-        """With ``transport_liveness``: True while no connection dropped since we last heard ``session`` (its
-        own still stands, with libzmq's heartbeats answered); None (silence decides) otherwise."""
+        """With ``transport_liveness``: True while neither its own connection nor one the shell could not name
+        dropped since we last heard ``session`` (its own still stands, with libzmq's heartbeats answered);
+        None (silence decides) otherwise. Another decode's connection, named, says nothing of this one."""
         core = self.core
         if not core.options.transport_liveness:
             return None
-        return True if session.clock.last_seen > core.last_drop else None
+        return True if session.clock.last_seen > max(core.last_drop, session.dropped_at) else None
 
     def session_dead(self, session: Session, error: KVFerryError) -> None:
         """Fail the session's requests, forget the peer once no write to it is in flight; others go on."""

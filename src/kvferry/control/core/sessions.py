@@ -7,6 +7,7 @@ and goes challenged -> established -> dead. What a session must show to be estab
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -66,6 +67,9 @@ class Session:
         # The highest generation this decode announced here: its generations rise with each announce and a
         # connection keeps order, so one not above it is a copy (a replay, a duplicate), never a new hand-off.
         self.last_generation = 0
+        # When the shell said this session's own connection dropped (transport_liveness): from then on,
+        # until decode is heard again, silence decides (``Liveness.connected_for``).
+        self.dropped_at = -math.inf
 
     def move(self, new: SessionState) -> None:
         """Move to ``new``; ``InternalError`` when the table does not allow it (a kvferry bug)."""
