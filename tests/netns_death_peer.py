@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: the
 
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
 from kvferry.control.pull import mode_for
+from netns_endpoint_peer import _reply
 from netns_peer import full_arrays, rank_memory
 from tp_endpoint_peer import send, small_model, workload
 
@@ -63,11 +64,6 @@ def run_decode(cfg: dict[str, Any]) -> None:
             time.sleep(0.25)
     finally:
         ep.close()
-
-
-def _reply(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -22,14 +22,13 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .netns_peer import NetnsUnavailable, Side, make_veth_pair
-from .test_netns import _readline
+from .netns_peer import Side
+from .test_netns import _readline, veth_pair  # noqa: F401 (the fixture)
 
 pytestmark = [pytest.mark.nixl,
               pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="nixl is not installed"),
@@ -38,15 +37,6 @@ pytestmark = [pytest.mark.nixl,
 PEER = Path(__file__).with_name("netns_death_peer.py")
 N = 6
 WATCH_S = 6.0      # past the failure (peer_timeout 1.5 s) by several peer_timeouts of reconnect attempts
-
-
-@pytest.fixture
-def veth_pair() -> Iterator[tuple[Side, Side]]:
-    try:
-        with make_veth_pair(f"{os.getpid() % 100000}d") as pair:
-            yield pair
-    except NetnsUnavailable as exc:
-        pytest.skip(str(exc))
 
 
 class _Peer:
@@ -100,7 +90,7 @@ def run_death(pair: tuple[Side, Side], tmp: Path, mode: str) -> tuple[str, list[
                 peer.kill()
 
 
-def test_push_holds_quarantined_pages_and_auto_pulls_and_holds_none(veth_pair: tuple[Side, Side],
+def test_push_holds_quarantined_pages_and_auto_pulls_and_holds_none(veth_pair: tuple[Side, Side],  # noqa: F811
                                                                      tmp_path: Path) -> None:
     mode, push, killed = run_death(veth_pair, tmp_path, "push")
     assert mode == "push"

@@ -102,6 +102,17 @@ def instances(llama: Path, reference: dict[tuple[int, int], list[list[int]]]) ->
     started.close()
 
 
+def _equal_over_kvferry(prefill: Any, decode: Any, batch: list[Any], want: list[list[int]], label: str) -> None:
+    """Every answer the plain instance's, and the KV really came over kvferry: vLLM counts every prompt token of
+    a remote-prefilled request as external (decode then recomputes the last one to sample from it)."""
+    before = prompt_sources(decode)["external_kv_transfer"]
+    got = tokens(generate_pd(prefill, decode, batch, MAX_TOKENS))
+    same = sum(a == b for a, b in zip(got, want))
+    assert same == len(batch), f"{label}: {same} of {len(batch)} equal"
+    received = prompt_sources(decode)["external_kv_transfer"] - before
+    assert received == sum(len(p["prompt_token_ids"]) for p in batch)
+
+
 # The order matters: each test leaves the instances the next one reuses.
 @pytest.mark.parametrize(("prefill_tp", "decode_tp", "done_with"), [
     (2, 2, ()), (2, 1, (("kv_producer", 2), ("kv_consumer", 1))), (1, 2, ()),
@@ -114,14 +125,7 @@ def test_tokens_equal_one_instance_across_tp_sizes(instances: Instances, prompts
     prefill = instances.get("kv_producer", prefill_tp)
     decode = instances.get("kv_consumer", decode_tp)
     try:
-        before = prompt_sources(decode)["external_kv_transfer"]
-        got = tokens(generate_pd(prefill, decode, batch, MAX_TOKENS))
-        same = sum(a == b for a, b in zip(got, want))
-        assert same == len(batch), f"TP {prefill_tp} -> {decode_tp}: {same} of {len(batch)} equal"
-        # The KV really came over kvferry: vLLM counts every prompt token of a remote-prefilled request as
-        # external (decode then recomputes the last one to sample from it).
-        received = prompt_sources(decode)["external_kv_transfer"] - before
-        assert received == sum(len(p["prompt_token_ids"]) for p in batch)
+        _equal_over_kvferry(prefill, decode, batch, want, f"TP {prefill_tp} -> {decode_tp}")
     finally:
         for key in done_with:
             instances.drop(*key)
@@ -140,9 +144,4 @@ def test_pull_mode_tokens_equal_one_instance_across_tp_sizes(
             instances.drop(*held)
     prefill = instances.get("kv_producer", prefill_tp)
     decode = instances.get("kv_consumer", decode_tp, mode)
-    before = prompt_sources(decode)["external_kv_transfer"]
-    got = tokens(generate_pd(prefill, decode, batch, MAX_TOKENS))
-    same = sum(a == b for a, b in zip(got, want))
-    assert same == len(batch), f"pull, TP {prefill_tp} -> {decode_tp}: {same} of {len(batch)} equal"
-    received = prompt_sources(decode)["external_kv_transfer"] - before
-    assert received == sum(len(p["prompt_token_ids"]) for p in batch)
+    _equal_over_kvferry(prefill, decode, batch, want, f"pull, TP {prefill_tp} -> {decode_tp}")
