@@ -8,15 +8,17 @@ from collections.abc import Sequence
 
 
 def vllm_router_argv(binary: str, policy: str, prefills: Sequence[str], decodes: Sequence[str],
-                     port: int) -> list[str]:
+                     port: int, metrics_port: int) -> list[str]:
     """vllm-router in front of vLLM servers with kvferry's connector: its NIXL-style hand-off (``--kv-connector
-    nixl``) is the one kvferry's transfer parameters follow."""
+    nixl``) is the one kvferry's transfer parameters follow. ``metrics_port``: its Prometheus exporter's (29000
+    unless given; a second router on the host must be given another)."""
     cmd = [binary, "--vllm-pd-disaggregation"]
     for url in prefills:
         cmd += ["--prefill", url]
     for url in decodes:
         cmd += ["--decode", url]
-    return [*cmd, "--policy", policy, "--kv-connector", "nixl", "--host", "127.0.0.1", "--port", str(port)]
+    return [*cmd, "--policy", policy, "--kv-connector", "nixl", "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-port", str(metrics_port)]
 
 
 def sglang_gateway_argv(python: str, policy: str, prefills: Sequence[tuple[str, int]], decodes: Sequence[str],

@@ -37,7 +37,8 @@ def test_the_vllm_router_line_is_the_tested_one() -> None:
     decodes = [v[0] for v in values(argv, "--decode")]
     assert len(prefills) == len(decodes) == 2
     [[policy]], [[port]] = values(argv, "--policy"), values(argv, "--port")
-    assert argv == vllm_router_argv("vllm-router", policy, prefills, decodes, int(port))
+    [[metrics]] = values(argv, "--prometheus-port")
+    assert argv == vllm_router_argv("vllm-router", policy, prefills, decodes, int(port), int(metrics))
 
 
 def test_the_sglang_gateway_line_is_the_tested_one() -> None:

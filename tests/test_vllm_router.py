@@ -12,8 +12,8 @@ by ``X-Session-ID``). Every answer's tokens equal one plain instance's greedy to
 Then the same 2P2D with vLLM's NixlConnector (decode pulls prefill's blocks), the peer users compare with,
 and TTFT and time per request (streamed, one request at a time through the router) printed side by side.
 
-Slow: it starts eight ``vllm serve`` processes (four at a time) and one plain instance; 352 s and 526 s
-measured in two runs on 2026-12-05 on 2 cores shared with other work (load 15-50), ``RUN_S``.
+Slow: it starts eight ``vllm serve`` processes (four at a time) and one plain instance; 352-526 s
+measured in three runs on 2026-12-05 on 2 cores shared with other work (load 15-54), ``RUN_S``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from .vllm_pd import (
     write_tokenizer,
 )
 
-RUN_S = "352 s and 526 s (two runs, both connectors and policies; 2026-12-05, 2 cores shared, load 15-50)"
+RUN_S = "352, 444 and 526 s (three runs, both connectors and policies; 2026-12-05, 2 cores shared, load 15-54)"
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 NUM_PROMPTS = 24
@@ -78,9 +78,11 @@ if ROUTER is None:
 
 
 def router_command(policy: str, prefills: Sequence[str], decodes: Sequence[str], port: int) -> list[str]:
-    """docs/deploy.md's line (tests/test_deploy_doc.py holds the page to ``deploy_commands``), retries left at
-    the router's defaults."""
-    return vllm_router_argv(str(ROUTER), policy, prefills, decodes, port)
+    """docs/deploy.md's line (tests/test_deploy_doc.py holds the page to ``deploy_commands``), retries left at the
+    router's defaults. Its Prometheus exporter gets a port of its own: every vllm-router binds 29000 by default,
+    and a second one on the host then exits at start ("failed to install Prometheus metrics exporter ...
+    Address already in use", seen 2026-12-05 beside another session's router)."""
+    return vllm_router_argv(str(ROUTER), policy, prefills, decodes, port, free_port())
 
 
 @pytest.fixture(scope="module")
