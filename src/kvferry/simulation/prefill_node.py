@@ -83,8 +83,8 @@ class PrefillNode(Node):
         self.core.frame_sent(now, peer)
 
     def on_frame(self, now: float, kind: str, peer: Any, data: bytes) -> None:
-        if kind == "dropped":
-            self.core.connection_dropped(now)
+        if kind == "dropped":   # named when a frame of that connection reached this prefill (Net._dropped_p)
+            self.core.connection_dropped(now, [peer] if peer else None)
         else:
             self.core.on_frame(now, peer, data)
 

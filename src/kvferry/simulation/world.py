@@ -174,12 +174,15 @@ class PageMap:
 class Conn:
     """One ZMQ connection: a decode link's DEALER to a prefill's ROUTER (``identity``: its routing id)."""
 
-    __slots__ = ("decode", "identity", "last_to_d", "last_to_p", "link", "open", "prefill")
+    __slots__ = ("decode", "identity", "last_to_d", "last_to_p", "link", "open", "prefill", "reached_p")
 
     def __init__(self, decode: DecodeNode, link: Any, prefill: PrefillNode | None, identity: bytes) -> None:
         self.decode, self.link, self.prefill, self.identity = decode, link, prefill, identity
         self.open = True
         self.last_to_p = self.last_to_d = 0.0
+        # A frame of it reached prefill: prefill's shell then names whose connection dropped (its ZMQ_SRCFD per
+        # frame read, the monitor's descriptor); one that carried none drops unnamed (control.router)
+        self.reached_p = False
 
 
 class Net:
@@ -241,6 +244,7 @@ class Net:
                 self._hold(conn, True, frame, sent_open)
                 return
             conn.prefill.frames.append(("frame", conn.identity, frame))
+            conn.reached_p = True
             conn.prefill.kick()
 
     def to_decode(self, identity: bytes, frame: bytes, copy: bool = True) -> None:
@@ -294,6 +298,7 @@ class Net:
         node = conn.prefill if to_p else conn.decode
         if conn.open and node is not None and not node.crashed:
             node.frames.extend(("frame", conn.identity if to_p else conn.link, frame) for frame in queue)
+            conn.reached_p = conn.reached_p or (to_p and bool(queue))
             node.kick()
 
     def close(self, link: Any, *, tell_decode: bool) -> None:
@@ -317,14 +322,15 @@ class Net:
             if self.world.swarm.zmtp:
                 heal = min(heal, self.world.zmtp_deadline())
             self.sim.log("net", f"{prefill.name} hears {conn.decode.name} closed at {heal:.4f} (its FIN held)")
-            self.sim.at(heal, self._dropped_p, prefill, prefill.inc)
+            self.sim.at(heal, self._dropped_p, prefill, prefill.inc, conn)
         else:
-            self._dropped_p(prefill, prefill.inc)
+            self._dropped_p(prefill, prefill.inc, conn)
 
     @staticmethod
-    def _dropped_p(prefill: PrefillNode, inc: int) -> None:
+    def _dropped_p(prefill: PrefillNode, inc: int, conn: Conn | None = None) -> None:
         if not prefill.crashed and prefill.inc == inc:
-            prefill.frames.append(("dropped", b"", b""))
+            named = conn is not None and conn.reached_p
+            prefill.frames.append(("dropped", conn.identity if named else b"", b""))
             prefill.kick()
 
     def zmtp_drop(self, decode: Any, prefill: Any, why: str) -> None:
