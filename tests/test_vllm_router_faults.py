@@ -15,6 +15,15 @@ HEALTH_S``: the default is 60 s) and one plain instance for the reference tokens
 4. No KV left: ``vllm:kv_cache_usage_perc`` 0 and no request running or waiting on every survivor; no request
    took longer than ``REQUEST_BOUND_S`` (the client's timeout is that bound, so one that hung would fail).
 
+What vllm-router 0.1.17 did (measured 2026-12-05): it does not retry a request whose prefill refused the
+connection on the other prefill (113 of 989 requests under load failed with HTTP 500 "Transparent proxy request
+failed: Network error: Prefill request to ... failed", one router log line each), sent 0.0-4.9 s after the kill;
+then its health check (every 2 s, 3 failures) took the prefill out and every later request was equal. With the
+default 60 s interval its circuit breaker did not take it out: 749 of 1532 failed, up to 29.6 s after the kill
+(the end of the load), and 8 of 16 afterwards; 2 of those were decode 500s, a transfer cut by the kill (decode
+"failed=2", no KV left). In PD mode ``/add_worker`` answers HTTP 400 "PD router requires specific
+add_prefill_server or add_decode_server methods": the new prefill is added by restarting the router.
+
 Slow: five ``vllm serve`` starts and three routers; ``RUN_S``.
 """
 
@@ -51,7 +60,7 @@ from .deploy_commands import vllm_router_argv
 from .test_vllm_router import ROUTER, pairs
 from .vllm_pd import free_port, make_prompts, scrape, scraped, serve_command, write_model, write_tokenizer
 
-RUN_S = "not yet measured"
+RUN_S = "206 s (one run, 2026-12-05, 2 cores, load ~1); 177 s with the default 60 s health interval (fails its bound)"
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 MAX_TOKENS = 12
