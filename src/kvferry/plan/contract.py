@@ -7,13 +7,15 @@ frozen, and posted as it is.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
 
 from kvferry.layout.memory import KVMemory
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "RowsPlan"]
 
 
 class Plan(Protocol):
@@ -34,3 +36,34 @@ class Plan(Protocol):
     whole_pages: bool
 
     def page_selectors(self) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+@dataclass(frozen=True, eq=False)
+class RowsPlan:
+    """A plan built from explicit rows that are pieces of pages (head slices across TP sizes, token ranges
+    between page sizes): what ``Plan`` asks of it but the selectors, which each kind refuses in its own words.
+    ``row_buffer_ids``: int64 [N], each row's buffer as an index into ``Layout.buffers``."""
+
+    src_memory: KVMemory
+    dst_memory: KVMemory
+    src_descs: np.ndarray      # uint64 [N, 3] (address, length, device), read-only
+    dst_descs: np.ndarray
+    row_buffer_ids: np.ndarray
+
+    @property
+    def num_descriptors(self) -> int:
+        return len(self.src_descs)
+
+    @cached_property
+    def nbytes(self) -> int:
+        return int(self.src_descs[:, 1].sum())
+
+    @cached_property
+    def buffer_names(self) -> tuple[str, ...]:
+        """Buffers this plan writes, in row order."""
+        names = [b.name for b in self.src_memory.layout.buffers]
+        return tuple(names[i] for i in dict.fromkeys(self.row_buffer_ids.tolist()))
+
+    @property
+    def whole_pages(self) -> bool:
+        return False

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -33,6 +32,7 @@ from kvferry.errors import PlanError
 from kvferry.layout.compare import translation_difference
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Pool
+from kvferry.plan.contract import RowsPlan
 from kvferry.plan.pages import as_pages, check_pages
 from kvferry.plan.planner import select_buffers
 
@@ -187,33 +187,10 @@ def _rows(vec: _PoolVectors, seg: tuple[np.ndarray, ...]) -> tuple[np.ndarray, n
 
 
 @dataclass(frozen=True, eq=False)
-class TokenPlan:
+class TokenPlan(RowsPlan):
     """Rows from ``src_memory`` into ``dst_memory`` whose pools may differ in tokens per page: row i of
     ``src_descs`` is copied to row i of ``dst_descs``. The surface transports post (``Plan``); rows are pieces
     of pages, so it goes over NIXL as a per-request descriptor list, never as prepared per-page indices."""
-
-    src_memory: KVMemory
-    dst_memory: KVMemory
-    src_descs: np.ndarray      # uint64 [N, 3] (address, length, device), read-only
-    dst_descs: np.ndarray
-    row_buffer_ids: np.ndarray  # int64 [N]
-
-    @property
-    def num_descriptors(self) -> int:
-        return len(self.src_descs)
-
-    @cached_property
-    def nbytes(self) -> int:
-        return int(self.src_descs[:, 1].sum())
-
-    @cached_property
-    def buffer_names(self) -> tuple[str, ...]:
-        names = [b.name for b in self.src_memory.layout.buffers]
-        return tuple(names[i] for i in dict.fromkeys(self.row_buffer_ids.tolist()))
-
-    @property
-    def whole_pages(self) -> bool:
-        return False
 
     def page_selectors(self) -> tuple[np.ndarray, np.ndarray]:
         raise PlanError("a plan between different page sizes moves pieces of pages: it cannot index per-page "

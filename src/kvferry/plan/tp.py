@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 
@@ -36,6 +35,7 @@ from kvferry.errors import PlanError
 from kvferry.layout.compare import model_difference
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Buffer
+from kvferry.plan.contract import RowsPlan
 from kvferry.plan.pages import PagesArg, validate_pairs
 from kvferry.plan.planner import coalesce_runs, select_buffers
 
@@ -269,7 +269,7 @@ class PlannedPool:
 
 
 @dataclass(frozen=True, eq=False)
-class TPPlan:
+class TPPlan(RowsPlan):
     """An executable transfer between two ranks: row i of ``src_descs`` is copied to row i of ``dst_descs``.
 
     The same surface as ``TransferPlan`` as far as transports go; built from explicit descriptor arrays.
@@ -277,11 +277,6 @@ class TPPlan:
     (``kvferry.integrity.digests.digest_plan``) without tracing rows back.
     """
 
-    src_memory: KVMemory
-    dst_memory: KVMemory
-    src_descs: np.ndarray     # uint64 [N, 3] (addr, len, dev), read-only
-    dst_descs: np.ndarray
-    row_buffer_ids: np.ndarray  # int64 [N]: index into Layout.buffers of each row's buffer
     pool_pages: tuple[PlannedPool, ...] = ()
     slices: Mapping[str, PageSlice] = field(default_factory=dict)  # the planner's: buffer -> its slice
 
@@ -303,20 +298,6 @@ class TPPlan:
     def dst_rank(self) -> int:
         return self.dst_memory.layout.tp_rank
 
-    @property
-    def num_descriptors(self) -> int:
-        return len(self.src_descs)
-
-    @cached_property
-    def nbytes(self) -> int:
-        return int(self.src_descs[:, 1].sum())
-
-    @cached_property
-    def buffer_names(self) -> tuple[str, ...]:
-        """Buffers this plan writes, in row order."""
-        names = [b.name for b in self.src_memory.layout.buffers]
-        return tuple(names[i] for i in dict.fromkeys(self.row_buffer_ids.tolist()))
-
     def row(self, index: int) -> SliceRow:
         """Map row ``index`` back to its buffer, pages and offsets (diagnostics, not hot paths)."""
         if not 0 <= index < self.num_descriptors:
@@ -329,10 +310,6 @@ class TPPlan:
         dp, do = divmod(dst_addr - self.dst_memory.regions[gid].address,
                         self.dst_memory.layout.buffers[gid].page_bytes)
         return SliceRow(index, buf.name, sp, so, dp, do, s, dst_addr, n)
-
-    @property
-    def whole_pages(self) -> bool:
-        return False
 
     def page_selectors(self) -> tuple[np.ndarray, np.ndarray]:
         """Not available: TP rows are slices of pages, not whole pages (post with ``descriptors="dlist"``)."""
