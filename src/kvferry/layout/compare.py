@@ -45,15 +45,15 @@ def _shape_attrs(lb: Buffer, rb: Buffer) -> Iterator[tuple[str, object, object]]
         yield attr, getattr(lb, attr), getattr(rb, attr)
 
 
-def _token_attrs(lb: Buffer, rb: Buffer) -> Iterator[tuple[str, object, object]]:
-    """``_shape_attrs`` for a buffer whose page size is translated (its geometry checked by ``_translatable``)."""
+def _named_attrs(lb: Buffer, rb: Buffer) -> Iterator[tuple[str, object, object]]:
+    """What must match whatever the geometry: across TP sizes, and for a buffer whose page size is translated
+    (its geometry then checked by ``_translatable``)."""
     for attr in ("name", "dtype", "kind", "layer"):
         yield attr, getattr(lb, attr), getattr(rb, attr)
 
 
 def _model_attrs(lb: Buffer, rb: Buffer, ltp: int, rtp: int) -> Iterator[tuple[str, object, object]]:
-    for attr in ("name", "dtype", "kind", "layer"):
-        yield attr, getattr(lb, attr), getattr(rb, attr)
+    yield from _named_attrs(lb, rb)
     lh, rh = lb.heads, rb.heads
     if lh is None or rh is None:
         yield "head geometry", lh, rh
@@ -89,7 +89,7 @@ def _first_difference(local: Layout, remote: Layout, attrs: Callable[[Buffer, Bu
                 return (f"pool {lp.name!r}: {attr} differs: local {getattr(lp, attr)}, "
                         f"remote {getattr(rp, attr)}")
         for lb, rb in zip(lp.buffers, rp.buffers):
-            for attr, lv, rv in attrs(lb, rb) if not translated else _token_attrs(lb, rb):
+            for attr, lv, rv in attrs(lb, rb) if not translated else _named_attrs(lb, rb):
                 if lv != rv:
                     return (f"pool {lp.name!r}, buffer {lb.name!r}: {attr} differs: "
                             f"local {lv!r}, remote {rv!r}")
@@ -114,9 +114,7 @@ def translation_difference(local: Layout, remote: Layout) -> str | None:
 
 
 def _translatable(lp: Pool, rp: Pool) -> Iterator[tuple[str, object, object]]:
-    """The differences that make a pool's page sizes untranslatable (empty when they are equal or can be)."""
-    if lp.tokens_per_page == rp.tokens_per_page:
-        return
+    """The differences that make a pool's differing page sizes untranslatable (empty when they can be)."""
     if lp.tokens_per_page is None or rp.tokens_per_page is None:
         yield "tokens_per_page (a state pool has none to translate)", lp.tokens_per_page, rp.tokens_per_page
         return

@@ -123,5 +123,4 @@ def _check_prefill_rank(memory: KVMemory, link: Link, remote: KVMemory) -> str |
                 f"{other.tp_size}, not rank {other.tp_rank}")
     link.rank, link.tp_size = other.tp_rank, other.tp_size
     link.planner = TPPlanner(remote, memory) if local.tp_size != other.tp_size else None
-    link.slices = link.planner.slices if link.planner is not None else None
     return None

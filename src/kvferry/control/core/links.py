@@ -43,9 +43,8 @@ class Link:
         self.rank, self.tp_size = 0, 1
         self.expect: tuple[int, int] | None = None
         self.retry_at = 0.0   # once dead with quarantined pages: when decode may next try to reconnect
-        # Across TP sizes: buffer -> the slice of each page this prefill rank writes here (digest checks), and
-        # the planner of the slices read from it in pull mode (prefill rank's memory -> this rank's).
-        self.slices: dict[str, PageSlice] | None = None
+        # Across TP sizes: the planner of this prefill rank's slices of our pages (its memory -> ours): what
+        # pull mode reads, and, as ``slices``, what its digests cover.
         self.planner: TPPlanner | None = None
         # Transfer mode asked for ("push": prefill writes; "pull": decode reads, see ``pull``). In pull
         # mode: prefill's memory as its Welcome describes it (what reads come from), the fence (the
@@ -54,6 +53,11 @@ class Link:
         self.remote: KVMemory | None = None
         self.fence_s = 0.0
         self.expired = False
+
+    @property
+    def slices(self) -> dict[str, PageSlice] | None:
+        """Across TP sizes: buffer -> the slice of each page this prefill rank writes here (digest checks)."""
+        return self.planner.slices if self.planner is not None else None
 
     def move(self, new: LinkState) -> None:
         """Move to ``new``; ``InternalError`` when the table does not allow it (a kvferry bug)."""

@@ -30,6 +30,7 @@ from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_parallel
 
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
+from kvferry.control.pull import DECODE_MODES
 from kvferry.errors import HandshakeError, IncompatiblePeer, KVFerryError, LayoutError, PeerLost, UsageError
 from kvferry.integrations.sglang.layout import PoolNames, chunk_pages, kvargs_memory, rank_kv_heads, request_pages
 from kvferry.integrity.binding import Binding, token_binding
@@ -68,13 +69,12 @@ SGLANG_TRANSPORTS = ("nixl", "mooncake")
 # on another host dies, docs/fencing.md) or "auto" (the default: push to a prefill on a loopback address, pull
 # to any other). Read on decode, which chooses per connection; a prefill accepts either.
 MODE_ENV = "KVFERRY_SGLANG_MODE"
-SGLANG_MODES = ("auto", "push", "pull")
 
 
 def _decode_mode() -> str:
     mode = os.environ.get(MODE_ENV, "auto") or "auto"
-    if mode not in SGLANG_MODES:
-        raise UsageError(f"kvferry backend: {MODE_ENV} must be one of {SGLANG_MODES}, got {mode!r}")
+    if mode not in DECODE_MODES:
+        raise UsageError(f"kvferry backend: {MODE_ENV} must be one of {DECODE_MODES}, got {mode!r}")
     return mode
 
 
@@ -181,8 +181,7 @@ class KVFerryKVManager(CommonKVManager):
         """Bind the prefill endpoint on this rank's IP and register its port as the rank port."""
         if self.prefill_endpoint is None:
             self.prefill_endpoint = PrefillEndpoint(self.kvferry_memory, _transport(self.local_ip, self.server_args),
-                                                    host=self.local_ip, options=self.kvferry_options,
-                                                    mode=("push", "pull"))
+                                                    host=self.local_ip, options=self.kvferry_options)
         self.rank_port = int(self.prefill_endpoint.address.rsplit(":", 1)[1])
         super().register_to_bootstrap()
 

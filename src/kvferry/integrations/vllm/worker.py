@@ -33,7 +33,6 @@ __all__ = ["WorkerConfig", "WorkerSide"]
 log = logging.getLogger("kvferry.vllm")
 
 ROLES = ("producer", "consumer", "both")
-MODES = ("push", "pull")
 # The first back-off from a prefill whose handshake failed (DecodeEndpoint.connect_needed doubles it per
 # failure in a row; a refused layout is never retried).
 RETRY_AFTER = 5.0
@@ -136,7 +135,7 @@ class WorkerSide:
         if config.role in ("producer", "both"):
             self.prefill = PrefillEndpoint(memory, config.make_transport("prefill"), host=config.host,
                                            port=config.port, secret=config.secret,
-                                           digest_mode=config.digest_mode, options=options, mode=MODES)
+                                           digest_mode=config.digest_mode, options=options)
         if config.role in ("consumer", "both"):
             self.decode = DecodeEndpoint(memory, config.make_transport("decode"), secret=config.secret,
                                          digest_mode=config.digest_mode, options=options, mode=config.mode)
