@@ -33,6 +33,8 @@ from kvferry.integrations.vllm.layout import (
 from kvferry.integrations.vllm.scheduler import HELD_BACK_KEY, SchedulerSide
 from kvferry.integrations.vllm.worker import WorkerConfig, WorkerSide
 
+from .test_vllm_adapter import Instance
+
 # -- vLLM's memory, in numpy ----------------------------------------------------------------------------
 NUM_BLOCKS = 24
 BLOCK = 16                               # attention tokens per block
@@ -72,8 +74,9 @@ def page_bytes(caches: dict[str, np.ndarray], slot: int, block: int) -> np.ndarr
     return np.lib.stride_tricks.as_strided(base, (NUM_BLOCKS, PAGE), (PAGE, 1))[block].view(np.uint8)
 
 
-class Side:
-    """One instance's two connector halves over ``vllm_caches``, stepped by hand as vLLM's engine would."""
+class Side(Instance):
+    """One instance's two connector halves over ``vllm_caches``, stepped by hand as vLLM's engine would
+    (``Instance.step``, test_vllm_adapter's)."""
 
     def __init__(self, role: str, seed: int | None, kinds: dict[str, str] | None = None, tp_size: int = 1,
                  **extra: Any) -> None:
@@ -84,14 +87,6 @@ class Side:
         self.sending: set[str] = set()
         self.recving: set[str] = set()
         self.failed: set[str] = set()
-
-    def step(self) -> None:
-        self.worker.start(self.scheduler.take_plan())
-        sending, recving, failed = self.worker.results()
-        self.scheduler.on_worker_output(tuple(sending), tuple(recving))
-        self.sending |= sending
-        self.recving |= recving
-        self.failed |= failed
 
 
 @pytest.fixture
