@@ -24,6 +24,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,7 @@ from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
 from kvferry.plan.planner import PoolPlan, TransferPlan
 
-__all__ = ["RowBuffer", "TransferHandle", "Transport", "already_registered", "check_plan_in_regions",
+__all__ = ["BackendHandle", "RowBuffer", "TransferHandle", "Transport", "already_registered", "check_plan_in_regions",
            "check_rows_in_regions", "pages_in_regions", "short_runs"]
 
 
@@ -72,6 +73,51 @@ class TransferHandle(ABC):
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.release()
+
+
+class BackendHandle(TransferHandle):
+    """A write (or read) a backend posted and this side polls: the state every backend's handle keeps, and
+    the order ``poll`` and ``release`` check it in (a failed handle keeps raising; one released is not
+    polled). Subclasses say how the backend reports progress (``_progress``) and what it frees (``_free``).
+    """
+
+    def __init__(self, transport: Any, peer: str, label: str, done: bool) -> None:
+        self.peer = peer
+        self.label = label
+        self._transport = transport   # its ``_handles``: the handles not released yet
+        self._done = done
+        self._error: TransportError | None = None
+        self._released = False
+
+    def poll(self) -> bool:
+        if self._error is not None:
+            raise self._error
+        if self._done:
+            return True
+        if self._released:
+            raise TransportError(f"{self._describe()} to peer {self.peer!r}: polled after release")
+        return self._progress()
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._transport._handles.discard(self)
+        self._free()
+
+    def _describe(self) -> str:
+        return f"write {self.label!r}"
+
+    @abstractmethod
+    def _progress(self) -> bool:
+        """Ask the backend once: True when done; on failure set ``_error`` and raise it."""
+
+    def _free(self) -> None:
+        """Free what the backend holds for this handle (after ``release`` marked it released)."""
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "done" if self._done else "in flight"
+        return f"{type(self).__name__}(peer={self.peer!r}, label={self.label!r}, {state})"
 
 
 class Transport(ABC):

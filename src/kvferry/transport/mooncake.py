@@ -83,7 +83,13 @@ from kvferry.codec import decode_versioned, encode
 from kvferry.errors import PeerLost, TransferTimeout, TransportError, UsageError
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
-from kvferry.transport.base import RowBuffer, TransferHandle, Transport, already_registered, check_plan_in_regions
+from kvferry.transport.base import (
+    BackendHandle,
+    RowBuffer,
+    Transport,
+    already_registered,
+    check_plan_in_regions,
+)
 
 __all__ = ["ENV_DEFAULTS", "PROTOCOLS", "WILDCARDS", "MooncakeHandle", "MooncakeTransport", "check_address"]
 
@@ -165,29 +171,22 @@ def _reachable(session: str) -> bool:
 
 
 # -- handle --------------------------------------------------------------------------------------------
-class MooncakeHandle(TransferHandle):
-    """One posted batch. ``poll`` reads its wait's result; see ``TransferHandle``."""
+class MooncakeHandle(BackendHandle):
+    """One posted batch. ``poll`` reads its wait's result; see ``TransferHandle``. A batch in flight cannot
+    be cancelled: ``release`` frees nothing, and the transport's ``close`` waits for every batch's wait."""
 
     def __init__(self, transport: MooncakeTransport, wait: concurrent.futures.Future[tuple[int, str]] | None,
-                 peer: str,
-                 label: str, notif: bytes | None, what: str) -> None:
-        self.peer = peer
-        self.label = label
-        self._transport = transport
+                 peer: str, label: str, notif: bytes | None, what: str) -> None:
+        super().__init__(transport, peer, label, done=wait is None)
+        self._transport: MooncakeTransport = transport
         self._wait = wait            # None: an empty plan, done at once
         self._notif = notif          # sent to the peer once the batch completed (writes only)
         self._what = what
-        self._done = wait is None
-        self._error: TransportError | None = None
-        self._released = False
 
-    def poll(self) -> bool:
-        if self._error is not None:
-            raise self._error
-        if self._done:
-            return True
-        if self._released:
-            raise TransportError(f"{self._what} to peer {self.peer!r}: polled after release")
+    def _describe(self) -> str:
+        return self._what
+
+    def _progress(self) -> bool:
         assert self._wait is not None
         if not self._wait.done():
             return False
@@ -220,17 +219,6 @@ class MooncakeHandle(TransferHandle):
             self._transport._notify(self.peer, self._notif, self._what)
             self._notif = None
         return True
-
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        self._transport._handles.discard(self)
-        # A batch in flight cannot be cancelled: close() waits for its wait before freeing anything.
-
-    def __repr__(self) -> str:
-        state = "released" if self._released else "done" if self._done else "in flight"
-        return f"MooncakeHandle(peer={self.peer!r}, label={self.label!r}, {state})"
 
 
 # -- transport -----------------------------------------------------------------------------------------

@@ -70,8 +70,8 @@ from kvferry.errors import PeerLost, TransportError, UsageError
 from kvferry.layout.memory import KVMemory
 from kvferry.plan.contract import Plan
 from kvferry.transport.base import (
+    BackendHandle,
     RowBuffer,
-    TransferHandle,
     Transport,
     already_registered,
     check_plan_in_regions,
@@ -190,25 +190,15 @@ def _nixl_errors(what: str, peer: str) -> Iterator[None]:
 
 
 # -- handle --------------------------------------------------------------------------------------------
-class NixlHandle(TransferHandle):
+class NixlHandle(BackendHandle):
     """One posted NIXL write. ``poll`` drives this side's progress; see ``TransferHandle``."""
 
     def __init__(self, transport: NixlTransport, xfer: Any, peer: str, label: str, done: bool) -> None:
-        self.peer = peer
-        self.label = label
-        self._transport = transport
+        super().__init__(transport, peer, label, done)
+        self._transport: NixlTransport = transport
         self._xfer = xfer          # nixl_xfer_handle, or None for an empty plan
-        self._done = done
-        self._error: TransportError | None = None
-        self._released = False
 
-    def poll(self) -> bool:
-        if self._error is not None:
-            raise self._error
-        if self._done:
-            return True
-        if self._released:
-            raise TransportError(f"write {self.label!r} to peer {self.peer!r}: polled after release")
+    def _progress(self) -> bool:
         status = "ERR"
         try:
             with _nixl_errors(f"write {self.label!r}", self.peer):
@@ -222,11 +212,7 @@ class NixlHandle(TransferHandle):
         self._done = status == "DONE"
         return self._done
 
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        self._transport._handles.discard(self)
+    def _free(self) -> None:
         if self._xfer is None:
             return
         try:
@@ -236,10 +222,6 @@ class NixlHandle(TransferHandle):
             # caller can do now, and raising from release() (often in a finally) would hide the cause.
             log.warning("write %r to peer %r: NIXL could not release its handle: %s",
                         self.label, self.peer, exc)
-
-    def __repr__(self) -> str:
-        state = "released" if self._released else "done" if self._done else "in flight"
-        return f"NixlHandle(peer={self.peer!r}, label={self.label!r}, {state})"
 
 
 # -- transport -----------------------------------------------------------------------------------------
