@@ -31,12 +31,12 @@ from kvferry.arrays import readonly
 from kvferry.errors import PlanError
 from kvferry.layout.compare import translation_difference
 from kvferry.layout.memory import KVMemory
-from kvferry.layout.spec import Pool
+from kvferry.layout.spec import HeadGeometry, Pool
 from kvferry.plan.contract import RowsPlan
 from kvferry.plan.pages import as_pages, check_pages
 from kvferry.plan.planner import select_buffers
 
-__all__ = ["TokenPlan", "TokenPlanner", "TokenSpan", "plan_token_transfer"]
+__all__ = ["TokenPlan", "TokenPlanner", "TokenSpan", "entry_pieces", "plan_token_transfer"]
 
 _U64 = np.uint64
 
@@ -60,14 +60,39 @@ class TokenSpan:
     stop: int | None = None
 
 
+def entry_pieces(heads: HeadGeometry | None, page_bytes: int, entries: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where one entry's bytes lie in a page of ``entries`` entries: (coef, unit), uint64, one element per
+    *piece*; entry ``e``'s bytes of piece ``i`` are ``unit[i]`` bytes at ``coef[i] x entries + e x unit[i]``.
+
+    A head of a head-major page is one piece per row of its parts (``HeadGeometry.parts``; one row without
+    parts), in address order; a token-major page's entry row is one piece; a page without head geometry
+    (moved whole: ``entries`` is 1) is one piece of the whole page."""
+    if heads is None:
+        return np.zeros(1, dtype=_U64), np.full(1, page_bytes // entries, dtype=_U64)
+    if heads.major == "token":
+        return np.zeros(1, dtype=_U64), np.full(1, heads.num_heads * heads.head_bytes, dtype=_U64)
+    if heads.parts is None:
+        raise PlanError(f"a head geometry without declared parts ({heads}) cannot say where an entry lies")
+    parts = heads.parts or ((1, heads.head_bytes),)
+    rows = np.array([r for r, _ in parts], dtype=np.int64)
+    units = np.array([u for _, u in parts], dtype=np.int64)
+    before = np.concatenate(([0], np.cumsum(rows * units)[:-1]))   # a part's first byte, per entry
+    part = np.repeat(np.arange(len(parts)), rows)
+    row = np.arange(len(part)) - np.repeat(np.cumsum(rows) - rows, rows)
+    in_head = before[part] + row * units[part]
+    coef = (np.arange(heads.num_heads)[:, None] * heads.head_bytes + in_head[None, :]).ravel()
+    return coef.astype(_U64), np.tile(units[part], heads.num_heads).astype(_U64)
+
+
 @dataclass(frozen=True, eq=False)
 class _PoolVectors:
-    """Per-buffer vectors of one pool, aligned, in units of each buffer's *pieces*: a head of a head-major
-    page, or the whole entry row of a token-major page."""
+    """Per-buffer vectors of one pool, aligned, and per-piece vectors (``entry_pieces``), each buffer's
+    ``pieces`` in a row: a row of a head of a head-major page, or the whole entry row of a token-major page."""
 
     buffer_ids: np.ndarray   # int64: index into Layout.buffers
-    pieces: np.ndarray       # int64: pieces per entry row (heads when head-major, 1 when token-major)
-    piece_bytes: np.ndarray  # uint64: bytes of one piece of one entry
+    pieces: np.ndarray       # int64: pieces per entry (heads x rows when head-major, 1 when token-major)
+    piece_coef: np.ndarray   # uint64, per piece: its start in a page is coef x entries per page
+    piece_unit: np.ndarray   # uint64, per piece: bytes of one entry in it
     src_base: np.ndarray     # uint64: region addresses
     dst_base: np.ndarray
     src_page: np.ndarray     # uint64: page bytes
@@ -100,14 +125,15 @@ class _PoolVectors:
         per_entry = {src_tpp // e for e in entries_src} | {dst_tpp // e for e in entries_dst}
         if len(per_entry) != 1:
             raise PlanError(f"pool {src_pool.name!r}: buffers differ in tokens per entry {sorted(per_entry)}")
-        head_major = [g[0] is not None and g[0].major == "head" for g in geoms]
-        pieces = [g[0].num_heads if hm else 1 for g, hm in zip(geoms, head_major)]
-        piece_bytes = [sb[i].page_bytes // (e * n) for i, e, n in zip(ids, entries_src, pieces)]
+        # parts are equal on both sides (translation_difference), so the source's say where pieces lie
+        per_buffer = [entry_pieces(g[0], sb[i].page_bytes, e) for g, i, e in zip(geoms, ids, entries_src)]
+        pieces = np.array([len(coef) for coef, _ in per_buffer], dtype=np.int64)
 
         def u(values: Iterable[int]) -> np.ndarray:
             return np.fromiter(values, dtype=_U64)
 
-        return cls(ids, np.array(pieces, dtype=np.int64), u(piece_bytes),
+        return cls(ids, pieces, np.concatenate([c for c, _ in per_buffer]),
+                   np.concatenate([unit for _, unit in per_buffer]),
                    u(src.regions[i].address for i in ids), u(dst.regions[i].address for i in ids),
                    u(sb[i].page_bytes for i in ids), u(db[i].page_bytes for i in ids),
                    u(entries_src), u(entries_dst),
@@ -118,8 +144,13 @@ class _PoolVectors:
         if selected is None:
             return self
         keep = np.isin(self.buffer_ids, selected)
+        per_piece = np.repeat(keep, self.pieces)
         fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        return _PoolVectors(**{k: v[keep] if isinstance(v, np.ndarray) else v for k, v in fields.items()})
+        return _PoolVectors(**{k: (v[per_piece] if k in _PER_PIECE else v[keep]) if isinstance(v, np.ndarray) else v
+                               for k, v in fields.items()})
+
+
+_PER_PIECE = frozenset({"piece_coef", "piece_unit"})
 
 
 def _segments(span: TokenSpan, vec: _PoolVectors, pool: str, src_pages: np.ndarray, dst_pages: np.ndarray,
@@ -157,16 +188,16 @@ def _rows(vec: _PoolVectors, seg: tuple[np.ndarray, ...]) -> tuple[np.ndarray, n
     buffer ids)."""
     sp, so, dp, do, n = (a.astype(_U64) for a in seg)
     nseg = len(n)
-    # One entry per (buffer, piece): which buffer, which piece of its entry row
+    # One element per (buffer, piece): which buffer, which piece of its entries
     owner = np.repeat(np.arange(len(vec.pieces)), vec.pieces)
-    piece = (np.arange(len(owner)) - np.repeat(np.cumsum(vec.pieces) - vec.pieces, vec.pieces)).astype(_U64)
-    pb = vec.piece_bytes[owner][:, None]
+    piece = np.arange(len(owner)) - np.repeat(np.cumsum(vec.pieces) - vec.pieces, vec.pieces)
+    pb = vec.piece_unit[:, None]
 
     def side(base: np.ndarray, page: np.ndarray, entries: np.ndarray, pages: np.ndarray,
              offsets: np.ndarray) -> np.ndarray:
-        # piece p of entry e of a page: p x entries x piece bytes + e x piece bytes (token-major: p is 0)
+        # entry e of piece i of a page: coef_i x entries + e x unit_i (entry_pieces)
         return (base[owner][:, None] + pages[None, :] * page[owner][:, None]
-                + (piece * entries[owner])[:, None] * pb + offsets[None, :] * pb).ravel()
+                + (vec.piece_coef * entries[owner])[:, None] + offsets[None, :] * pb).ravel()
 
     # Rows in (buffer, segment, piece) order: a whole page's pieces, then the next page's, are adjacent
     order = np.lexsort((np.repeat(piece, nseg), np.tile(np.arange(nseg), len(owner)), np.repeat(owner, nseg)))
