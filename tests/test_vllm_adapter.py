@@ -446,7 +446,7 @@ def swap(unbound: bool) -> tuple[Instance, Instance]:
 def test_swapped_transfer_params_are_refused_and_reported_failed(caplog: pytest.LogCaptureFixture) -> None:
     """Issue 31 at the connector's level: both swapped requests are reported failed (vLLM fails or
     recomputes them), their blocks zeroed, never filled with the other prompt's KV; prefill frees its
-    blocks; the log names both vLLM request ids and block 1. The control, with the test-only flag: decode
+    blocks; the log names both vLLM request ids and binding block 2. The control, with the test-only flag: decode
     announces unbound and the swap is served, the other prompt's KV verified."""
     with caplog.at_level(logging.WARNING, "kvferry.vllm"):
         prefill, decode = swap(unbound=False)
@@ -454,7 +454,7 @@ def test_swapped_transfer_params_are_refused_and_reported_failed(caplog: pytest.
         assert decode.failed == {"d-a", "d-b"}
         assert not decode.caches[LAYERS[0]][[10, 11, 12, 20, 21, 22]].any()
         assert "decode's request 'd-a'" in caplog.text and "prefill's request 'p-b'" in caplog.text
-        assert "block 1 differs" in caplog.text
+        assert "block 2 differs" in caplog.text   # token 40, in binding blocks of BINDING_TOKENS (16)
         assert prefill.worker.prefill.num_live_handles == 0
     finally:
         decode.worker.close()
