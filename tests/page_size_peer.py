@@ -3,9 +3,10 @@
 As a module: ``layout`` (a pool of K/V and indexer buffers at some tokens per page, head- or token-major),
 ``request`` (one request's source pages, decode's lease and prefill's chunks) and ``expected`` (decode's
 buffers once the request landed, token by token: the slow, obvious way). As a program
-(``python tests/page_size_peer.py '<json>'``, keys ``tokens``, ``major``, ``mode``, ``digest_mode``,
-``seed``): a prefill endpoint over NIXL; prints ``{"address": ...}``, then answers JSON lines: ``send``
-(``rid``, ``chunks``: [[pages, offset], ...], the last marked last), ``wait`` (``rid``), ``exit``.
+(``python tests/page_size_peer.py '<json list>'``, each item with keys ``tokens``, ``major``, ``mode``,
+``digest_mode``, ``seed``): one prefill endpoint over NIXL per item; prints ``{"addresses": [...]}``, then
+answers JSON lines: ``send`` (``index`` of the endpoint, ``rid``, ``chunks``: [[pages, offset], ...], the
+last marked last), ``wait`` (``index``, ``rid``), ``exit``.
 """
 
 from __future__ import annotations
@@ -45,13 +46,14 @@ def filled(lay: Layout, seed: int) -> KVMemory:
 
 
 def request(ts: int, td: int, tokens: int, prefix: int, seed: int, *, src_cap: int = 37, dst_cap: int = 57,
-            chunks: int = 3) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, int]]]:
-    """(prefill's pages of the whole request, decode's lease past its ``prefix`` pages, prefill's chunks as
-    (pages, position)): pages drawn at random, chunks cut at random source page positions."""
+            chunks: int = 3, taken: Any = ()) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, int]]]:
+    """(prefill's pages of the whole request, decode's lease past its ``prefix`` pages, none of ``taken``,
+    prefill's chunks as (pages, position)): pages drawn at random, chunks cut at random source positions."""
     rng = np.random.default_rng(seed)
     ns, nd = -(-tokens // ts), -(-tokens // td) - prefix
     src = rng.permutation(src_cap)[:ns]
-    dst = rng.permutation(dst_cap)[:nd]
+    free = np.setdiff1d(np.arange(dst_cap), np.asarray(taken, dtype=np.int64))
+    dst = rng.permutation(free)[:nd]
     cuts = sorted({0, ns, *rng.integers(1, max(ns, 2), size=chunks - 1).tolist()})
     return src, dst, [(src[a:b], a) for a, b in itertools.pairwise(cuts)]
 
@@ -81,17 +83,19 @@ def expected(src: KVMemory, dst: KVMemory, src_pages: np.ndarray, dst_pages: np.
     return out
 
 
-def _serve(cfg: dict[str, Any]) -> None:
+def _serve(cfgs: list[dict[str, Any]]) -> None:
     from kvferry.control import EndpointOptions, PrefillEndpoint
 
-    mem = filled(layout(cfg["tokens"], major=cfg.get("major", "head")), cfg.get("seed", 1))
-    with PrefillEndpoint(mem, "nixl", options=EndpointOptions(**TIMEOUTS), mode=cfg.get("mode", "push"),
-                         digest_mode=cfg.get("digest_mode", "full")) as ep:
-        _reply({"address": ep.address})
+    eps = [PrefillEndpoint(filled(layout(cfg["tokens"], major=cfg.get("major", "head")), cfg.get("seed", 1)),
+                           "nixl", options=EndpointOptions(**TIMEOUTS), mode=cfg.get("mode", "push"),
+                           digest_mode=cfg.get("digest_mode", "full")) for cfg in cfgs]
+    try:
+        _reply({"addresses": [ep.address for ep in eps]})
         for line in sys.stdin:
             cmd = json.loads(line)
             if cmd["op"] == "exit":
                 break
+            ep = eps[cmd.get("index", 0)]
             try:
                 if cmd["op"] == "send":
                     chunks = cmd["chunks"]
@@ -103,6 +107,9 @@ def _serve(cfg: dict[str, Any]) -> None:
                 _reply({"ok": True})
             except Exception as exc:  # reported to the test, which reads it
                 _reply({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        for ep in eps:
+            ep.close()
     _reply({"ok": True})
 
 

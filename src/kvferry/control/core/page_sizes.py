@@ -84,7 +84,8 @@ def _check_covered(layout: Layout, planner: PageSizePlanner, rec: PrefillRequest
         gaps = [full & ~written for written in cov]
         if need <= leased - td or any(gaps):
             b = next((i for i, gap in enumerate(gaps) if gap), 0)
-            token = (gaps[b] & -gaps[b]).bit_length() - 1 if gaps[b] else need
+            # a gap, or else the first leased page prefill's tokens never reached
+            token = (gaps[b] & -gaps[b]).bit_length() - 1 if gaps[b] else -(-need // td) * td
             buf = layout.pool(pool).buffers[b].name
             raise PlanError(f"request {rec.request_id!r}: last chunk sent but pool {pool!r}, buffer {buf!r}, "
                             f"destination page {int(dst[token // td])} was never written in full (token "
