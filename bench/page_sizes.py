@@ -8,13 +8,14 @@ time, and GB/s end to end (write posted to decode's notification seen) of kvferr
 raw NIXL posting the same rows (no planning, no checks), in the same run, round-robin. Decode's bytes are
 checked against the token-by-token reference before anything is timed.
 
-Then the same through the endpoints (``--endpoints``, on by default): a ``PrefillEndpoint`` and a
+Then the same through the endpoints (``--no-endpoints`` skips it): a ``PrefillEndpoint`` and a
 ``DecodeEndpoint`` over NIXL (one process, an agent each), decode announcing the request and prefill sending
 it in one chunk, push mode, digests off; timed from ``send`` to decode's ``wait`` returning (the handshake's
 ``PageSizePlanner`` plans it, the write and its notification land, decode's progress thread sees it DONE).
-Beside it, in the same run and round-robin, raw NIXL posting the very rows the session plans, from prefill's
-agent to decode's, timed to the write's completion on prefill. Decode's bytes are checked token by token
-first. ``--quick`` shrinks it to a smoke run (a test runs it so, as a subprocess, and checks its exit status).
+Beside it, in the same run and round-robin, raw NIXL posting the very rows the session plans between a pair
+of agents of its own over the same memory (the target's polled between polls of the write), timed to the write's
+completion. Decode's bytes are checked token by token first. ``--quick`` shrinks it to a smoke run (a test
+runs it so, as a subprocess, and checks its exit status).
 
 Prints Markdown tables; ``--json PATH`` also writes the figures.
 """
@@ -106,7 +107,7 @@ def tokens_of(pages: np.ndarray, tpp: int, major: str) -> np.ndarray:
 def endpoint_case(src_t: int, dst_t: int, major: str, tokens: int, repeats: int, rng: np.random.Generator) -> dict:
     """One pair through the endpoints (push), against raw NIXL posting the session's rows; median seconds."""
     from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint
-    from kvferry.transport.nixl import NixlHandle
+    from kvferry.transport.nixl import NixlHandle, NixlTransport
 
     cap_tokens = 4 * tokens
     src = KVMemory.allocate(llama(src_t, cap_tokens // src_t, major))
@@ -136,20 +137,28 @@ def endpoint_case(src_t: int, dst_t: int, major: str, tokens: int, repeats: int,
             prefill.wait(rid, 60.0)
             return elapsed
 
-        xport = prefill.transport
-        agent = xport.agent   # prefill's own agent and connection: only the descriptors differ
-        peer = next(iter(xport._peers))
+        # Raw NIXL: a pair of agents of its own over the same memory (an endpoint's agent belongs to its
+        # progress thread; a second thread posting on it races it inside UCX). The target's agent is polled
+        # meanwhile, as decode's loop polls its own while a write is due.
+        raw_src, raw_dst = NixlTransport(), NixlTransport()
+        src_meta = raw_src.register(src)
+        peer = raw_src.add_peer(raw_dst.register(dst))
+        raw_dst.add_peer(src_meta)
+        agent = raw_src.agent
 
         def raw() -> float:
             t0 = time.perf_counter()
             xfer = agent.initialize_xfer("WRITE", agent.get_xfer_descs(plan.src_descs, "DRAM"),
-                                         agent.get_xfer_descs(plan.dst_descs, "DRAM"), peer, b"")
+                                         agent.get_xfer_descs(plan.dst_descs, "DRAM"), peer, b"raw")
             status = agent.transfer(xfer)
             if status == "ERR":
                 xfer.release()
                 raise RuntimeError("raw NIXL write failed")
-            with NixlHandle(xport, xfer, peer, "raw", done=status == "DONE") as handle:
-                handle.wait(60.0)
+            with NixlHandle(raw_src, xfer, peer, "raw", done=status == "DONE") as handle:
+                while not handle.poll():   # both agents' progress from this thread, busy
+                    if time.perf_counter() - t0 > 60.0:
+                        raise RuntimeError("raw NIXL write not done after 60 s")
+                    raw_dst.agent.get_new_notifs()
             return time.perf_counter() - t0
 
         kvferry()
@@ -162,6 +171,8 @@ def endpoint_case(src_t: int, dst_t: int, major: str, tokens: int, repeats: int,
         for _ in range(repeats):   # round-robin: load that comes and goes hits both alike
             samples["kvferry"].append(kvferry())
             samples["raw"].append(raw())
+        raw_src.close()
+        raw_dst.close()
     med = {k: float(np.median(v)) for k, v in samples.items()}
     return {"src_tokens": src_t, "dst_tokens": dst_t, "major": major, "tokens": tokens,
             "rows": plan.num_descriptors, "nbytes": plan.nbytes,

@@ -247,3 +247,18 @@ def test_every_token_lands_where_decode_keeps_it_over_nixl_between_processes() -
     finally:
         peer.close()
     assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.nixl
+def test_the_page_sizes_bench_runs_the_endpoints_and_exits_0() -> None:
+    """``bench/page_sizes.py --quick --no-planner`` as a user runs it: the endpoints between page sizes over
+    NIXL against raw NIXL (decode's bytes checked token by token inside), exit status 0, a row per pair."""
+    pytest.importorskip("nixl")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    proc = subprocess.run([sys.executable, str(root / "bench" / "page_sizes.py"), "--quick", "--no-planner"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 16 -> 64") or
+            line.startswith("| 64 -> 16") or line.startswith("| 16 -> 16")]
+    assert len(rows) == 6 and all("GB/s" in row for row in rows), proc.stdout
