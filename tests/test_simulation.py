@@ -624,6 +624,20 @@ def test_the_command_reports_seeds_throughput_and_failures(capsys: pytest.Captur
     assert "expected P:D, each one of 1, 2, 4, 8, got '3:1'" in capsys.readouterr().err
 
 
+def test_the_command_replays_a_page_size_seed_at_its_pair(capsys: pytest.CaptureFixture[str]) -> None:
+    """A page-size seed's failure names its pair in the replay line, and the line replays it; a pair that is
+    not tokens per page is a usage error."""
+    assert main(["simulate", "--seed", "1", "--mutate", "page_index_paired", "--trace", "3"]) == 1
+    out = capsys.readouterr().out
+    assert "seed 1: invariant b_done_bytes broken" in out and "(48 -> 32 tokens per page)" in out
+    assert "replay: kvferry simulate --seed 1 --page-sizes 48:32 --mutate page_index_paired" in out
+    assert main(["simulate", "--seed", "1", "--page-sizes", "48:32", "--mutate", "page_index_paired"]) == 1
+    assert main(["simulate", "--seed", "1", "--page-share", "0", "--mutate", "page_index_paired"]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--page-sizes", "48:7"]) == 2
+    assert "expected TS:TD, tokens per page each a multiple of 16, got '48:7'" in capsys.readouterr().err
+
+
 def test_the_storm_script_exits_0_and_1_with_a_bug_named() -> None:
     """bench/simulate_storm.py as it is run: its seeds pass (1:2 of 192 requests, 4:1 of 96), and a
     patched-in bug fails it, named."""
