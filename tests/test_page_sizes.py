@@ -264,18 +264,20 @@ def test_the_page_sizes_bench_runs_the_endpoints_and_exits_0() -> None:
     assert len(rows) == 6 and all("GB/s" in row for row in rows), proc.stdout
 
 
+@pytest.mark.parametrize("per_entry", [1, 4])
 @pytest.mark.parametrize("mode", ["push", "pull"])
-def test_a_state_pool_moves_whole_beside_a_translated_pool(mode: str) -> None:
+def test_a_state_pool_moves_whole_beside_a_translated_pool(mode: str, per_entry: int) -> None:
     """16 -> 64 in the kv pool, a state pool (no tokens) beside it: the state page moves whole to decode's
-    leased slot by position, the kv tokens by token, in two chunks, byte for byte; nothing else changes."""
+    leased slot by position, the kv tokens by token, in two chunks, byte for byte; nothing else changes.
+    ``per_entry`` 4: a compressed pool (an entry per 4 tokens on both sides)."""
     from kvferry import KVMemory
 
     from .conftest import fill_random
     from .test_tokens_plan import layout as planner_layout
     from .test_tokens_plan import reference
 
-    src_mem = KVMemory.allocate(planner_layout(16, extra_pool=True, pages=20))
-    dst_mem = KVMemory.allocate(planner_layout(64, extra_pool=True, pages=30))
+    src_mem = KVMemory.allocate(planner_layout(16, extra_pool=True, pages=20, per_entry=per_entry))
+    dst_mem = KVMemory.allocate(planner_layout(64, extra_pool=True, pages=30, per_entry=per_entry))
     fill_random(src_mem, 1)
     fill_random(dst_mem, 2)
     want = reference(src_mem, dst_mem, token_plan.TokenSpan([3, 1, 4, 5, 9], [7, 2]))
