@@ -247,3 +247,48 @@ def test_every_token_lands_where_decode_keeps_it_over_nixl_between_processes() -
     finally:
         peer.close()
     assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.nixl
+def test_the_page_sizes_bench_runs_the_endpoints_and_exits_0() -> None:
+    """``bench/page_sizes.py --quick --no-planner`` as a user runs it: the endpoints between page sizes over
+    NIXL against raw NIXL (decode's bytes checked token by token inside), exit status 0, a row per pair."""
+    pytest.importorskip("nixl")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    proc = subprocess.run([sys.executable, str(root / "bench" / "page_sizes.py"), "--quick", "--no-planner"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 16 -> 64") or
+            line.startswith("| 64 -> 16") or line.startswith("| 16 -> 16")]
+    assert len(rows) == 6 and all("GB/s" in row for row in rows), proc.stdout
+
+
+@pytest.mark.parametrize("per_entry", [1, 4])
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_state_pool_moves_whole_beside_a_translated_pool(mode: str, per_entry: int) -> None:
+    """16 -> 64 in the kv pool, a state pool (no tokens) beside it: the state page moves whole to decode's
+    leased slot by position, the kv tokens by token, in two chunks, byte for byte; nothing else changes.
+    ``per_entry`` 4: a compressed pool (an entry per 4 tokens on both sides)."""
+    from kvferry import KVMemory
+
+    from .conftest import fill_random
+    from .test_tokens_plan import layout as planner_layout
+    from .test_tokens_plan import reference
+
+    src_mem = KVMemory.allocate(planner_layout(16, extra_pool=True, pages=20, per_entry=per_entry))
+    dst_mem = KVMemory.allocate(planner_layout(64, extra_pool=True, pages=30, per_entry=per_entry))
+    fill_random(src_mem, 1)
+    fill_random(dst_mem, 2)
+    want = reference(src_mem, dst_mem, token_plan.TokenSpan([3, 1, 4, 5, 9], [7, 2]))
+    want["state"][4] = src_mem.array("state")[2]
+    with PrefillEndpoint(src_mem, "local", options=OPTS, digest_mode="full") as prefill, \
+            DecodeEndpoint(dst_mem, "local", options=OPTS, digest_mode="full", mode=mode) as decode:
+        decode.connect(prefill.address)
+        decode.announce("r", {"kv": [7, 2], "state": [4]})
+        prefill.send("r", {"kv": [3, 1]}, last=False)
+        prefill.send("r", {"kv": [4, 5, 9], "state": [2]}, offset={"kv": 2, "state": 0}, last=True)
+        decode.wait("r", 5)
+        prefill.wait("r", 5)
+    for name, arr in want.items():
+        assert np.array_equal(dst_mem.array(name), arr), name

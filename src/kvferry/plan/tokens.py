@@ -318,7 +318,8 @@ def plan_token_transfer(src: KVMemory, dst: KVMemory, spans: Mapping[str, TokenS
 # -- chunks of a request between page sizes (the control plane's view) ----------------------------------------
 def chunk_span(pool: str, sizes: tuple[int, int] | None, src_pages: np.ndarray, position: int,
                dst_pages: np.ndarray | None, prefix: int, request: str = "") -> TokenSpan | None:
-    """One pool's part of one chunk as a ``TokenSpan``, or None when every token of it is in decode's prefix.
+    """One pool's part of one chunk as a ``TokenSpan``, or None when it has no page or every token of it is in
+    decode's prefix.
 
     ``src_pages`` sit at prefill page ``position`` of the request, so they hold tokens ``[position x Ts,
     (position + n) x Ts)``; decode holds the first ``prefix`` pages of its own (tokens ``prefix x Td``) and
@@ -330,12 +331,14 @@ def chunk_span(pool: str, sizes: tuple[int, int] | None, src_pages: np.ndarray, 
     Prefill (writing) and decode (reading, pull mode) compute the same span from the same numbers."""
     n = len(src_pages)
     what = f"request {request!r}, pool {pool!r}" if request else f"pool {pool!r}"
+    if n == 0:
+        return None
     if sizes is None:
         have = 0 if dst_pages is None else len(dst_pages)
         if position + n > have:
             raise PlanError(f"{what}: chunk covers destination positions {position}..{position + n - 1} but "
                             f"decode leased {have} pages")
-        return TokenSpan(src_pages, dst_pages, position, 0)
+        return TokenSpan(src_pages, dst_pages, position, 0, position, position + n)
     ts, td = sizes
     held = prefix * td
     src_first = position * ts
