@@ -566,3 +566,16 @@ def test_a_send_kvferry_refuses_still_lets_vllm_free_prefills_blocks(pair: tuple
         prefill.step()
     assert "p-r" in prefill.sending
     assert "kvferry: prefill request p-r not sent" in caplog.text
+
+
+def test_only_full_attention_declares_its_kernels_order() -> None:
+    """A sliding-window group's block list starts at its window's first block, at a token that differs between
+    block sizes, and the hybrid pool interleaves groups: both declare no order (parts None), so the handshake
+    refuses another block size there; a full-attention group declares the kernel's parts."""
+    declared = {"place": RankPlace(kv_heads=2), "head_parts": dict.fromkeys(LAYERS, KERNEL_PARTS)}
+    full = memory_from_kv_caches(kv_caches(10), groups(), 10, **declared)
+    assert {b.heads.parts for b in full.layout.buffers} == {KERNEL_PARTS}
+    window = memory_from_kv_caches(kv_caches(10), (GroupSpec(LAYERS, 32, sliding_window=64),), 10, **declared)
+    assert {b.heads.parts for b in window.layout.buffers} == {None}
+    hybrid = memory_from_kv_caches(kv_caches(10), (SLIDING, FULL), 10, **declared)
+    assert [b.heads.parts for b in hybrid.layout.buffers] == [None, None]
