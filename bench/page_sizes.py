@@ -8,7 +8,16 @@ time, and GB/s end to end (write posted to decode's notification seen) of kvferr
 raw NIXL posting the same rows (no planning, no checks), in the same run, round-robin. Decode's bytes are
 checked against the token-by-token reference before anything is timed.
 
-Prints a Markdown table; ``--json PATH`` also writes the figures.
+Then the same through the endpoints (``--no-endpoints`` skips it): a ``PrefillEndpoint`` and a
+``DecodeEndpoint`` over NIXL (one process, an agent each), decode announcing the request and prefill sending
+it in one chunk, push mode, digests off; timed from ``send`` to decode's ``wait`` returning (the handshake's
+``PageSizePlanner`` plans it, the write and its notification land, decode's progress thread sees it DONE).
+Beside it, in the same run and round-robin, raw NIXL posting the very rows the session plans between a pair
+of agents of its own over the same memory (the target's polled between polls of the write), timed to the write's
+completion. Decode's bytes are checked token by token first. ``--quick`` shrinks it to a smoke run (a test
+runs it so, as a subprocess, and checks its exit status).
+
+Prints Markdown tables; ``--json PATH`` also writes the figures.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvferry import Buffer, KVMemory, Layout, Pool
 from kvferry.benchmark.suite import _NixlPeer, _round_robin, nixl_available
 from kvferry.layout import HeadGeometry
-from kvferry.plan.tokens import TokenPlanner, TokenSpan
+from kvferry.plan.tokens import PageSizePlanner, TokenPlanner, TokenSpan
 
 LAYERS, HEADS, HEAD_BYTES = 32, 8, 128 * 2   # Llama 3.1 8B config.json, bf16
 PAIRS = ((16, 64), (64, 16), (16, 16), (64, 64))
@@ -95,24 +104,120 @@ def tokens_of(pages: np.ndarray, tpp: int, major: str) -> np.ndarray:
     return shaped.reshape(len(pages) * tpp, HEADS, HEAD_BYTES)
 
 
+def endpoint_case(src_t: int, dst_t: int, major: str, tokens: int, repeats: int, rng: np.random.Generator) -> dict:
+    """One pair through the endpoints (push), against raw NIXL posting the session's rows; median seconds."""
+    from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint
+    from kvferry.transport.nixl import NixlHandle, NixlTransport
+
+    cap_tokens = 4 * tokens
+    src = KVMemory.allocate(llama(src_t, cap_tokens // src_t, major))
+    dst = KVMemory.allocate(llama(dst_t, cap_tokens // dst_t, major))
+    for buf in src.layout.buffers:
+        src.array(buf.name)[...] = rng.integers(0, 256, size=(buf.num_pages, buf.page_bytes), dtype=np.uint8)
+    src_pages = rng.permutation(cap_tokens // src_t)[:tokens // src_t]
+    dst_pages = rng.permutation(cap_tokens // dst_t)[:tokens // dst_t]
+    opts = EndpointOptions(request_timeout=3600.0)
+    with PrefillEndpoint(src, "nixl", digest_mode="off", options=opts) as prefill, \
+            DecodeEndpoint(dst, "nixl", digest_mode="off", options=opts) as decode:
+        decode.connect(prefill.address)
+        # A request decode waits for throughout (its pages apart, never sent): decode's loop then polls as it
+        # does while a write is due, for both methods alike (UCX needs the target's progress to finish a write)
+        spare = np.setdiff1d(np.arange(cap_tokens // dst_t), dst_pages)[:1]
+        decode.announce("keepalive", {"kv": spare})
+        plan = PageSizePlanner(src, dst).plan({"kv": TokenSpan(src_pages, dst_pages, 0, 0, 0, tokens)})
+        count = iter(range(1 << 30))
+
+        def kvferry() -> float:
+            rid = f"r{next(count)}"
+            decode.announce(rid, {"kv": dst_pages})
+            t0 = time.perf_counter()
+            prefill.send(rid, {"kv": src_pages}, last=True)
+            decode.wait(rid, 60.0)
+            elapsed = time.perf_counter() - t0
+            prefill.wait(rid, 60.0)
+            return elapsed
+
+        # Raw NIXL: a pair of agents of its own over the same memory (an endpoint's agent belongs to its
+        # progress thread; a second thread posting on it races it inside UCX). The target's agent is polled
+        # meanwhile, as decode's loop polls its own while a write is due.
+        raw_src, raw_dst = NixlTransport(), NixlTransport()
+        src_meta = raw_src.register(src)
+        peer = raw_src.add_peer(raw_dst.register(dst))
+        raw_dst.add_peer(src_meta)
+        agent = raw_src.agent
+
+        def raw() -> float:
+            t0 = time.perf_counter()
+            xfer = agent.initialize_xfer("WRITE", agent.get_xfer_descs(plan.src_descs, "DRAM"),
+                                         agent.get_xfer_descs(plan.dst_descs, "DRAM"), peer, b"raw")
+            status = agent.transfer(xfer)
+            if status == "ERR":
+                xfer.release()
+                raise RuntimeError("raw NIXL write failed")
+            with NixlHandle(raw_src, xfer, peer, "raw", done=status == "DONE") as handle:
+                while not handle.poll():   # both agents' progress from this thread, busy
+                    if time.perf_counter() - t0 > 60.0:
+                        raise RuntimeError("raw NIXL write not done after 60 s")
+                    raw_dst.agent.get_new_notifs()
+            return time.perf_counter() - t0
+
+        kvferry()
+        for name in ("L0.k", f"L{LAYERS - 1}.v"):
+            got = tokens_of(dst.array(name)[dst_pages], dst_t, major)
+            if not np.array_equal(got, tokens_of(src.array(name)[src_pages], src_t, major)):
+                raise RuntimeError(f"{name}: decode's tokens differ from prefill's ({src_t} -> {dst_t}, {major})")
+        raw()
+        samples: dict[str, list[float]] = {"kvferry": [], "raw": []}
+        for _ in range(repeats):   # round-robin: load that comes and goes hits both alike
+            samples["kvferry"].append(kvferry())
+            samples["raw"].append(raw())
+        raw_src.close()
+        raw_dst.close()
+    med = {k: float(np.median(v)) for k, v in samples.items()}
+    return {"src_tokens": src_t, "dst_tokens": dst_t, "major": major, "tokens": tokens,
+            "rows": plan.num_descriptors, "nbytes": plan.nbytes,
+            "endpoints_gbps": plan.nbytes / med["kvferry"] / 1e9, "raw_nixl_rows_gbps": plan.nbytes / med["raw"] / 1e9,
+            "endpoints_ms": med["kvferry"] * 1e3, "raw_ms": med["raw"] * 1e3, "ratio": med["raw"] / med["kvferry"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per request (default 1024: 128 MiB)")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--no-planner", action="store_true", help="skip the planner's table (TokenPlanner alone)")
+    parser.add_argument("--no-endpoints", action="store_true", help="skip the endpoints' table")
+    parser.add_argument("--quick", action="store_true", help="64 tokens, one repeat: a smoke run")
     args = parser.parse_args()
+    if args.quick:
+        args.tokens, args.repeats = 64, 1
     if not nixl_available():
         print("nixl is not installed: nothing to measure")
         return 1
     rng = np.random.default_rng(0)
-    rows = [case(s, d, major, args.tokens, args.repeats, rng) for major in ("head", "token") for s, d in PAIRS]
-    print("| pages (prefill -> decode tokens) | major | rows posted | plan | kvferry | raw NIXL, same rows | ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['src_tokens']} -> {r['dst_tokens']} | {r['major']} | {r['rows']:,} | {r['plan_us']:,.0f} us "
-              f"| {r['kvferry_gbps']:.2f} GB/s | {r['raw_nixl_rows_gbps']:.2f} GB/s | {r['ratio']:.2f}x |")
+    out: dict[str, list[dict]] = {}
+    if not args.no_planner:
+        rows = out["planner"] = [case(s, d, major, args.tokens, args.repeats, rng)
+                                 for major in ("head", "token") for s, d in PAIRS]
+        print("| pages (prefill -> decode tokens) | major | rows posted | plan | kvferry | raw NIXL, same rows "
+              "| ratio |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['src_tokens']} -> {r['dst_tokens']} | {r['major']} | {r['rows']:,} | {r['plan_us']:,.0f} us "
+                  f"| {r['kvferry_gbps']:.2f} GB/s | {r['raw_nixl_rows_gbps']:.2f} GB/s | {r['ratio']:.2f}x |")
+    if not args.no_endpoints:
+        rows = out["endpoints"] = [endpoint_case(s, d, major, args.tokens, args.repeats, rng)
+                                   for major in ("head", "token") for s, d in PAIRS[:3]]
+        print()
+        print("| endpoints (prefill -> decode tokens) | major | rows posted | send -> decode DONE | "
+              "raw NIXL, same rows | ratio |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['src_tokens']} -> {r['dst_tokens']} | {r['major']} | {r['rows']:,} | "
+                  f"{r['endpoints_gbps']:.2f} GB/s ({r['endpoints_ms']:.1f} ms) | {r['raw_nixl_rows_gbps']:.2f} GB/s "
+                  f"({r['raw_ms']:.1f} ms) | {r['ratio']:.2f}x |")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        args.json.write_text(json.dumps(out, indent=1))
     return 0
 
 

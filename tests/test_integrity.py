@@ -16,7 +16,7 @@ from kvferry.integrity import (
     digest_plan,
     verify_digests,
 )
-from kvferry.integrity.digests import _DigestsMsg
+from kvferry.integrity.digests import DIGESTS_VERSION, _DigestsMsg
 from kvferry.plan import plan_decode_rank
 
 from .conftest import fill_random, memmove_plan
@@ -138,7 +138,7 @@ def test_round_trip_and_merge_of_chunks(moved) -> None:
 
 
 def _msg(**over: object) -> bytes:
-    fields = dict(version=1, mode="full", shape="", buffer_names=["c4.kv.L0"],
+    fields = dict(version=DIGESTS_VERSION, mode="full", shape="", buffer_names=["c4.kv.L0"],
                   buffer_ids=np.zeros(2, "<u4").tobytes(), pages=np.array([1, 2], "<i8").tobytes(),
                   digests=np.array([7, 8], "<u8").tobytes())
     fields.update(over)

@@ -33,7 +33,7 @@ from kvferry.layout.memory import KVMemory
 from kvferry.plan import plan_decode_rank
 from kvferry.simulation import MUTATIONS, SimConfig, run_many, run_seed, shrink
 from kvferry.simulation.cluster import World
-from kvferry.simulation.config import DATA_STORM, FAULT_KINDS, READ_STORM, Swarm
+from kvferry.simulation.config import DATA_STORM, FAULT_KINDS, PAGE_PAIRS, READ_STORM, Swarm, draw_page_sizes
 from kvferry.simulation.decode_node import DecodeNode
 from kvferry.simulation.mutations import EXPECTED
 from kvferry.simulation.node import FRAMES, QUEUED
@@ -68,6 +68,7 @@ def test_seeds_with_faults_break_no_invariant() -> None:
     assert len(results) >= 20   # 192 requests each (SimConfig), TP groups of up to 8 nodes
     assert sum(r.done for r in results) > 0 and sum(r.failed for r in results) > 0
     assert {r.tp for r in results} == set(TP_PAIRS)   # every TP pair drawn
+    assert any(r.page_sizes for r in results)   # and some seeds with different page sizes on the two sides
 
 
 def test_wide_seeds_with_faults_break_no_invariant() -> None:
@@ -161,6 +162,29 @@ def test_a_wide_seed_replays_at_its_pair() -> None:
     again = run_seed(FRESH_FROM, SimConfig(tp=drawn.tp, requests=16))
     assert (again.events, again.done, again.failed, again.sim_time) == (drawn.events, drawn.done, drawn.failed,
                                                                          drawn.sim_time)
+
+
+@pytest.mark.parametrize("pair", PAGE_PAIRS)
+def test_every_page_size_pair_lands_every_token_and_replays(pair: tuple[int, int]) -> None:
+    """A seed at each (prefill, decode) page-size pair: without faults every request is DONE (every token of
+    every leased page checked by ``b_done_bytes``); with faults no invariant breaks, and the seed replays with
+    ``--page-sizes TS:TD``."""
+    clean = run_seed(0, SimConfig(page_sizes=pair, faults=False, requests=16))
+    assert clean.ok, clean.violation
+    assert clean.page_sizes == pair and clean.tp == (1, 1) and clean.done == clean.requests and clean.failed == 0
+    faulty = run_seed(1, SimConfig(page_sizes=pair, requests=24))
+    assert faulty.ok, f"{faulty.violation}\n" + "\n".join(faulty.trace)
+    assert f"--page-sizes {pair[0]}:{pair[1]}" in faulty.replay_command()
+
+
+def test_page_sizes_leave_every_other_seed_as_it_was() -> None:
+    """A share of the seeds draws a page-size pair (and runs TP 1:1), from a stream of its own: a seed that
+    draws none at one share draws none at a smaller one, and one that draws a pair draws it at a larger."""
+    seeds = range(4000)
+    quarter, half = [draw_page_sizes(s, 0.25) for s in seeds], [draw_page_sizes(s, 0.5) for s in seeds]
+    assert all(q is None or h == q for q, h in zip(quarter, half))
+    assert 900 < sum(q is not None for q in quarter) < 1100 and {q for q in quarter if q} == set(PAGE_PAIRS)
+    assert all(draw_page_sizes(s, 0.0) is None for s in seeds)
 
 
 @pytest.mark.parametrize("tp", [*TP_PAIRS[1:], *WIDE_PAIRS, (1, 8), (8, 1)])
@@ -598,6 +622,20 @@ def test_the_command_reports_seeds_throughput_and_failures(capsys: pytest.Captur
     for bad in (["--tp", "3:1"], ["--tp", "16:8"], ["--tp", "4"], ["--wide-tp", "2"]):
         assert main(["simulate", *bad]) == 2
     assert "expected P:D, each one of 1, 2, 4, 8, got '3:1'" in capsys.readouterr().err
+
+
+def test_the_command_replays_a_page_size_seed_at_its_pair(capsys: pytest.CaptureFixture[str]) -> None:
+    """A page-size seed's failure names its pair in the replay line, and the line replays it; a pair that is
+    not tokens per page is a usage error."""
+    assert main(["simulate", "--seed", "1", "--mutate", "page_index_paired", "--trace", "3"]) == 1
+    out = capsys.readouterr().out
+    assert "seed 1: invariant b_done_bytes broken" in out and "(48 -> 32 tokens per page)" in out
+    assert "replay: kvferry simulate --seed 1 --page-sizes 48:32 --mutate page_index_paired" in out
+    assert main(["simulate", "--seed", "1", "--page-sizes", "48:32", "--mutate", "page_index_paired"]) == 1
+    assert main(["simulate", "--seed", "1", "--page-share", "0", "--mutate", "page_index_paired"]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--page-sizes", "48:7"]) == 2
+    assert "expected TS:TD, tokens per page each a multiple of 16, got '48:7'" in capsys.readouterr().err
 
 
 def test_the_storm_script_exits_0_and_1_with_a_bug_named() -> None:

@@ -13,6 +13,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvferry import Buffer, KVMemory, Layout, PlanError, Pool
+from kvferry.errors import LayoutError
 from kvferry.layout import HeadGeometry, shape_difference
 from kvferry.layout.compare import translation_difference
 from kvferry.plan.tokens import TokenPlanner, TokenSpan, plan_token_transfer
@@ -20,14 +21,20 @@ from kvferry.transport import LocalTransport, check_rows_in_regions
 
 from .conftest import fill_random, memmove_plan, snapshot
 
+# A head's block as vLLM's CPU kernel keeps it, scaled down (head_bytes 8): 2 rows of 2 bytes (K's dims, each
+# a row of tokens), then one of 4 (V, token by token)
+KERNEL_PARTS = ((2, 2), (1, 4))
+
 
 def layout(tokens: int, *, heads: int = 2, head_bytes: int = 8, major: str = "head", per_entry: int = 1,
-           pages: int = 24, layers: int = 2, extra_pool: bool = False) -> Layout:
-    """A pool of K/V buffers (and an fp8 indexer buffer of another page count) at ``tokens`` per page."""
+           pages: int = 24, layers: int = 2, extra_pool: bool = False,
+           parts: tuple[tuple[int, int], ...] | None = ()) -> Layout:
+    """A pool of K/V buffers (and an fp8 indexer buffer of another page count) at ``tokens`` per page;
+    ``parts``: the K/V buffers' order inside a head's block (``HeadGeometry.parts``)."""
     entries = tokens // per_entry
     bufs = []
     for i in range(layers):
-        geo = HeadGeometry(heads, head_bytes, entries, major)
+        geo = HeadGeometry(heads, head_bytes, entries, major, parts=parts)
         bufs += [Buffer(f"L{i}.k", geo.page_bytes, pages, "bf16", "k", i, geo),
                  Buffer(f"L{i}.v", geo.page_bytes, pages + 3, "bf16", "v", i, geo)]
         idx = HeadGeometry(1, 4, entries, major)
@@ -58,13 +65,26 @@ def reference(src: KVMemory, dst: KVMemory, span: TokenSpan, pool: str = "kv") -
             dpage = span.dst_pages[(t - span.dst_first) // td]
             de = (t - span.dst_first) % td // c
             for h in range(sh.num_heads):
-                hb = sh.head_bytes
-                if sh.major == "head":
-                    so, do = h * sh.tokens_per_page * hb + se * hb, h * dh.tokens_per_page * hb + de * hb
-                else:
-                    so, do = (se * sh.num_heads + h) * hb, (de * dh.num_heads + h) * hb
-                out[db.name][dpage, do:do + hb] = src_arr[spage, so:so + hb]
+                for (so, do, n) in token_pieces(sh, dh, h, se, de):
+                    out[db.name][dpage, do:do + n] = src_arr[spage, so:so + n]
     return out
+
+
+def token_pieces(sh: HeadGeometry, dh: HeadGeometry, h: int, se: int, de: int) -> list[tuple[int, int, int]]:
+    """Head ``h`` of entry ``se`` of a source page and ``de`` of a destination page: (source offset,
+    destination offset, bytes) per piece, spelled out per layout."""
+    hb, ts, td = sh.head_bytes, sh.tokens_per_page, dh.tokens_per_page
+    if sh.major == "token":
+        return [((se * sh.num_heads + h) * hb, (de * dh.num_heads + h) * hb, hb)]
+    if not sh.parts:
+        return [(h * ts * hb + se * hb, h * td * hb + de * hb, hb)]
+    pieces, before = [], 0   # before: bytes of a token in the parts before this one
+    for rows, unit in sh.parts:
+        for r in range(rows):
+            pieces.append((h * ts * hb + ts * (before + r * unit) + se * unit,
+                           h * td * hb + td * (before + r * unit) + de * unit, unit))
+        before += rows * unit
+    return pieces
 
 
 def written_once(plan, dst: KVMemory) -> None:
@@ -86,9 +106,10 @@ def cases(draw: st.DrawFn) -> tuple[Layout, Layout, TokenSpan]:
     sizes = [per_entry * k for k in (1, 2, 3, 4, 8, 16)]
     ts, td = draw(st.sampled_from(sizes)), draw(st.sampled_from(sizes))
     major = draw(st.sampled_from(("head", "token")))
+    parts = draw(st.sampled_from(((), KERNEL_PARTS, ((1, 2), (3, 2))))) if major == "head" else ()
     heads = draw(st.integers(1, 3))
-    src_l = layout(ts, heads=heads, major=major, per_entry=per_entry, pages=20)
-    dst_l = layout(td, heads=heads, major=major, per_entry=per_entry, pages=30)
+    src_l = layout(ts, heads=heads, major=major, per_entry=per_entry, pages=20, parts=parts)
+    dst_l = layout(td, heads=heads, major=major, per_entry=per_entry, pages=30, parts=parts)
     src_first = draw(st.integers(0, 3)) * ts
     dst_first = draw(st.integers(0, 3)) * td
     lo = max(src_first, dst_first)
@@ -218,3 +239,33 @@ def test_the_handshake_check_accepts_what_may_differ_and_names_what_may_not() ->
                                        b.kind, b.layer, b.heads) for b in layout(64).buffers], 64)])
     assert translation_difference(layout(32), other) == ("pool 'kv', buffer 'L0.k': dtype differs: local 'bf16', "
                                                          "remote 'fp8'")
+
+
+def test_a_head_blocks_parts_are_declared_carried_and_compared() -> None:
+    """Parts round-trip through the manifest (a geometry without them keeps version 2's five fields and its
+    fingerprint), must add up to the head's bytes, and a page size is translated only between equal,
+    declared parts."""
+    with_parts = layout(32, parts=KERNEL_PARTS)
+    assert Layout.from_manifest(with_parts.to_manifest()) == with_parts
+    assert Layout.from_manifest(layout(32, parts=None).to_manifest()) == layout(32, parts=None)
+    plain = layout(32)
+    assert Layout.from_manifest(plain.to_manifest()) == plain
+    assert b"parts" not in repr(plain.shape_key()).encode()
+    assert with_parts.shape_fingerprint != plain.shape_fingerprint
+    with pytest.raises(LayoutError, match=r"parts \[\(2, 2\), \(1, 2\)\] hold 6 bytes per token, head_bytes is 8"):
+        HeadGeometry(2, 8, 32, parts=((2, 2), (1, 2)))
+    with pytest.raises(LayoutError, match="parts describe a head's block of a head-major page, major is 'token'"):
+        HeadGeometry(2, 8, 32, "token", parts=KERNEL_PARTS)
+    with pytest.raises(LayoutError, match=r"part 1: unit bytes must be in 1\.\."):
+        HeadGeometry(2, 8, 32, parts=((2, 4), (1, 0)))
+    with pytest.raises(LayoutError, match="pieces per token, more than the limit"):
+        HeadGeometry(1 << 20, 8, 32, parts=((8, 1),))
+    assert translation_difference(with_parts, layout(64, parts=KERNEL_PARTS)) is None
+    diff = translation_difference(with_parts, layout(64))
+    assert diff == ("pool 'kv': buffer 'L0.k': parts (tokens per page differ, each token's bytes must not) cannot "
+                    "be translated: local ((2, 2), (1, 4)), remote ()")
+    diff = translation_difference(layout(32, parts=None), layout(64, parts=None))
+    assert diff == ("pool 'kv': tokens_per_page (buffer 'L0.k': its kernel's order of a token's bytes inside a head "
+                    "is not declared, head geometry parts None) cannot be translated: local 32, remote 64")
+    # equal page sizes move whole pages: undeclared parts are no obstacle
+    assert translation_difference(layout(32, parts=None), layout(32, parts=None)) is None

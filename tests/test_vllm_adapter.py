@@ -19,6 +19,8 @@ from kvferry.errors import LayoutError, UsageError
 from kvferry.integrations.vllm.layout import (
     HYBRID_POOL,
     GroupSpec,
+    RankPlace,
+    cpu_kernel_parts,
     decode_pages,
     memory_from_kv_caches,
     request_pages,
@@ -52,10 +54,13 @@ class Instance:
     """One side's two connector halves over a numpy KV cache, stepped by hand as vLLM's engine would."""
 
     def __init__(self, role: str, caches: dict[str, np.ndarray], block_size: int = 32,
-                 specs: tuple[GroupSpec, ...] | None = None, **extra: Any) -> None:
+                 specs: tuple[GroupSpec, ...] | None = None, kernel: bool = False, **extra: Any) -> None:
+        """``kernel``: the buffers say how vLLM-CPU's kernel cuts a block into heads and keeps a token in a
+        head's block (as the connector's ``register_kv_caches`` does), so blocks of other sizes translate."""
         self.caches = caches
         specs = specs or groups(block_size)
-        memory = memory_from_kv_caches(caches, specs, len(caches[LAYERS[0]]))
+        declared = {"place": RankPlace(kv_heads=2), "head_parts": dict.fromkeys(LAYERS, KERNEL_PARTS)} if kernel else {}
+        memory = memory_from_kv_caches(caches, specs, len(caches[LAYERS[0]]), **declared)
         self.worker = WorkerSide(WorkerConfig.from_extra(role, {"transport": "local", **extra}), memory)
         self.scheduler = SchedulerSide(specs, self.worker.address,
                                        unbound_for_tests=self.worker.config.unbound_for_tests)
@@ -205,7 +210,8 @@ def test_a_page_corrupted_in_flight_is_reported_failed_not_received(caplog: pyte
         prefill.worker.close()
 
 
-def test_another_block_size_is_refused_naming_the_difference(caplog: pytest.LogCaptureFixture) -> None:
+def test_another_block_size_is_refused_where_a_blocks_order_is_not_declared(caplog: pytest.LogCaptureFixture,
+                                                                              ) -> None:
     prefill = Instance("producer", kv_caches(32, block_size=64), block_size=64)
     decode = Instance("consumer", kv_caches(48, seed=None))
     try:
@@ -214,7 +220,70 @@ def test_another_block_size_is_refused_naming_the_difference(caplog: pytest.LogC
         with caplog.at_level(logging.WARNING, "kvferry.vllm"):
             decode.step()
         assert decode.failed == {"d-r"}
-        assert "pool 'group0': tokens_per_page differs" in caplog.text
+        assert ("pool 'group0': tokens_per_page (buffer 'model.layers.0.self_attn.attn' has no head geometry: "
+                "nothing says where a token lies in its page) cannot be translated: local 64, remote 32") in caplog.text
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
+
+
+# vLLM-CPU's kernel, head size 32, fp32 (layout.cpu_kernel_parts; read off the kernel: test_vllm_block_sizes.py)
+KERNEL_PARTS = cpu_kernel_parts("vec", 32, "float32")
+
+
+def kernel_tokens(caches: dict[str, np.ndarray], table: list[int], num_tokens: int) -> list[np.ndarray]:
+    """Each layer's K and V of a request's first ``num_tokens`` tokens, ``[2, heads, token, dim]``, read out of
+    its blocks as vLLM-CPU's kernel keeps them: per head, K ``[dim][token]`` then V ``[token][dim]``."""
+    out = []
+    for layer in LAYERS:
+        blocks = caches[layer][table]                      # [n, heads, block_size, 64]
+        n, heads, size, _ = blocks.shape
+        flat = blocks.reshape(n, heads, 2, 32 * size)
+        k = flat[:, :, 0].reshape(n, heads, 32, size).transpose(1, 0, 3, 2).reshape(heads, n * size, 32)
+        v = flat[:, :, 1].reshape(n, heads, size, 32).transpose(1, 0, 2, 3).reshape(heads, n * size, 32)
+        out.append(np.stack([k, v])[:, :, :num_tokens])
+    return out
+
+
+@pytest.mark.parametrize(("ts", "td", "mode"), [(64, 32, "push"), (32, 64, "push"), (32, 128, "push"),
+                                                (128, 32, "push"), (64, 32, "pull")])
+def test_another_block_size_is_translated_token_by_token(ts: int, td: int, mode: str) -> None:
+    """Prefill and decode of different block sizes, the kernel's order declared: each request's tokens arrive
+    where decode's kernel reads them, digests on (full); a prompt under a block, at one, over several; one
+    with decode holding its first block already (a prefix-cache hit, in decode's blocks): that block keeps
+    its bytes. Nothing else of decode's cache is written."""
+    prefill = Instance("producer", kv_caches(40, block_size=ts), block_size=ts, kernel=True, digest_mode="full")
+    decode = Instance("consumer", kv_caches(60, block_size=td, seed=None), block_size=td, kernel=True, mode=mode)
+    big = max(ts, td)
+    # (tokens, prefill's blocks, decode's blocks, decode's hit in tokens)
+    requests = {"under": (20, [3], [7], 0), "at": (big, [5, 4, 6, 9][:big // ts], [11, 10, 13, 12][:big // td], 0),
+                "over": (2 * big + 9, [20, 1, 22, 23, 30, 31, 35, 2, 33][:-(-(2 * big + 9) // ts)],
+                         [40, 41, 43, 42, 45, 44, 47, 46, 50][:-(-(2 * big + 9) // td)], 0),
+                "hit": (2 * big + 9, [24, 25, 26, 27, 28, 29, 36, 37, 38][:-(-(2 * big + 9) // ts)],
+                        [51, 52, 53, 54, 55, 56, 57, 58, 59][:-(-(2 * big + 9) // td)], td)}
+    for layer in LAYERS:
+        decode.caches[layer][51] = 7.0   # the hit's block: decode's own, shared with other requests in vLLM
+    try:
+        for name, (n, src, dst, hit) in requests.items():
+            delay, params = prefill.scheduler.finished(f"p-{name}", {"do_remote_decode": True}, (src,), n,
+                                                       completed=True)
+            assert delay and params is not None
+            assert decode.scheduler.matched_tokens(f"d-{name}", n, params, hit) == (n - hit, True)
+            decode.scheduler.after_alloc(f"d-{name}", params, (dst,), n - hit)
+        wait_for(lambda: (prefill.step(), decode.step(), len(decode.recving) == len(requests))[-1])
+        wait_for(lambda: (prefill.step(), len(prefill.sending) == len(requests))[-1])
+        assert not decode.failed
+        for name, (n, src, dst, hit) in requests.items():
+            got = kernel_tokens(decode.caches, dst, n)
+            sent = kernel_tokens(prefill.caches, src, n)
+            for layer, g, w in zip(LAYERS, got, sent):
+                np.testing.assert_array_equal(g[:, :, hit:], w[:, :, hit:], err_msg=f"{name} {layer}")
+        for layer in LAYERS:
+            assert (decode.caches[layer][51] == 7.0).all()
+            used = sorted({b for _, _, dst, _ in requests.values() for b in dst} - {51})
+            unused = np.setdiff1d(np.arange(60), used)
+            assert not decode.caches[layer][unused[unused != 51]].any()
+        assert not prefill.scheduler.has_pending_work() and not decode.scheduler.has_pending_work()
     finally:
         decode.worker.close()
         prefill.worker.close()
@@ -446,7 +515,7 @@ def swap(unbound: bool) -> tuple[Instance, Instance]:
 def test_swapped_transfer_params_are_refused_and_reported_failed(caplog: pytest.LogCaptureFixture) -> None:
     """Issue 31 at the connector's level: both swapped requests are reported failed (vLLM fails or
     recomputes them), their blocks zeroed, never filled with the other prompt's KV; prefill frees its
-    blocks; the log names both vLLM request ids and block 1. The control, with the test-only flag: decode
+    blocks; the log names both vLLM request ids and binding block 2. The control, with the test-only flag: decode
     announces unbound and the swap is served, the other prompt's KV verified."""
     with caplog.at_level(logging.WARNING, "kvferry.vllm"):
         prefill, decode = swap(unbound=False)
@@ -454,7 +523,7 @@ def test_swapped_transfer_params_are_refused_and_reported_failed(caplog: pytest.
         assert decode.failed == {"d-a", "d-b"}
         assert not decode.caches[LAYERS[0]][[10, 11, 12, 20, 21, 22]].any()
         assert "decode's request 'd-a'" in caplog.text and "prefill's request 'p-b'" in caplog.text
-        assert "block 1 differs" in caplog.text
+        assert "block 2 differs" in caplog.text   # token 40, in binding blocks of BINDING_TOKENS (16)
         assert prefill.worker.prefill.num_live_handles == 0
     finally:
         decode.worker.close()
@@ -497,3 +566,16 @@ def test_a_send_kvferry_refuses_still_lets_vllm_free_prefills_blocks(pair: tuple
         prefill.step()
     assert "p-r" in prefill.sending
     assert "kvferry: prefill request p-r not sent" in caplog.text
+
+
+def test_only_full_attention_declares_its_kernels_order() -> None:
+    """A sliding-window group's block list starts at its window's first block, at a token that differs between
+    block sizes, and the hybrid pool interleaves groups: both declare no order (parts None), so the handshake
+    refuses another block size there; a full-attention group declares the kernel's parts."""
+    declared = {"place": RankPlace(kv_heads=2), "head_parts": dict.fromkeys(LAYERS, KERNEL_PARTS)}
+    full = memory_from_kv_caches(kv_caches(10), groups(), 10, **declared)
+    assert {b.heads.parts for b in full.layout.buffers} == {KERNEL_PARTS}
+    window = memory_from_kv_caches(kv_caches(10), (GroupSpec(LAYERS, 32, sliding_window=64),), 10, **declared)
+    assert {b.heads.parts for b in window.layout.buffers} == {None}
+    hybrid = memory_from_kv_caches(kv_caches(10), (SLIDING, FULL), 10, **declared)
+    assert [b.heads.parts for b in hybrid.layout.buffers] == [None, None]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from kvferry.cli.args import emit_json, positive_int, progress_bar
 from kvferry.simulation import MUTATIONS, RunResult, SimConfig, run_seed, shrink
-from kvferry.simulation.config import FAULT_KINDS
+from kvferry.simulation.config import FAULT_KINDS, PAGE_PAIRS
 from kvferry.simulation.tp import TP_PAIRS, TP_SIZES, WIDE_PAIRS
 
 __all__ = ["add_parser", "run_simulate"]
@@ -46,6 +46,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help=f"the share of seeds (0 to 1) drawing a pair with TP 4 or 8 instead, weighted to TP 4: "
                         f"{_pairs(WIDE_PAIRS)} (default 0: every seed draws as it always did, and at any share "
                         "the other seeds still do; a wide seed's replay line names its pair)")
+    p.add_argument("--page-sizes", type=_page_pair, default=None, metavar="TS:TD",
+                   help="every node at TP 1 with the kv pool at TS tokens per page on prefill and TD on decode "
+                        f"(default: drawn for a share of the seeds among {_pairs(PAGE_PAIRS)}, see --page-share)")
+    p.add_argument("--page-share", type=_share, default=SimConfig().page_share, metavar="SHARE",
+                   help=f"the share of seeds (0 to 1, default {SimConfig().page_share}) whose kv pool differs in "
+                        "page size between prefill and decode (TP 1:1; its replay line names the pair); seeds "
+                        "given --tp draw none")
     p.add_argument("--mutate", choices=sorted(MUTATIONS), default=None,
                    help="switch on a known bug (docs/simulation.md): the run should find it")
     p.add_argument("--without", action="append", choices=FAULT_KINDS, default=[], metavar="KIND",
@@ -69,6 +76,16 @@ def _tp_pair(text: str) -> tuple[int, int]:
         pair = ()
     if len(pair) != 2 or not all(size in TP_SIZES for size in pair):
         raise argparse.ArgumentTypeError(f"expected P:D, each one of {', '.join(map(str, TP_SIZES))}, got {text!r}")
+    return pair  # type: ignore[return-value]
+
+
+def _page_pair(text: str) -> tuple[int, int]:
+    try:
+        pair = tuple(int(x) for x in text.split(":"))
+    except ValueError:
+        pair = ()
+    if len(pair) != 2 or not all(size > 0 and size % 16 == 0 for size in pair):
+        raise argparse.ArgumentTypeError(f"expected TS:TD, tokens per page each a multiple of 16, got {text!r}")
     return pair  # type: ignore[return-value]
 
 
@@ -220,7 +237,7 @@ class _Totals:
 
 def run_simulate(args: argparse.Namespace) -> int:
     cfg = replace(SimConfig(), requests=args.requests, max_events=max(0, args.steps), faults=not args.no_faults,
-                  tp=args.tp, wide_tp=args.wide_tp)
+                  tp=args.tp, wide_tp=args.wide_tp, page_sizes=args.page_sizes, page_share=args.page_share)
     seeds = range(args.seed, args.seed + (args.seeds or 1))
     start = time.process_time()
     totals = _Totals()

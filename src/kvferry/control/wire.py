@@ -96,7 +96,11 @@ __all__ = ["BATCH_BYTES", "KINDS", "MAX_BATCH", "PROTOCOL_VERSION", "Abort", "Ac
 #    echo (read after every message decode sent before it: one connection is ordered) lets the posts go on.
 #    A v7 decode would ignore the probe and every stalled session would end a peer_timeout later than
 #    before, so the version changes.
-PROTOCOL_VERSION = 8
+# 9: a pool's tokens_per_page may differ between the two sides (equal TP sizes, every token's bytes alike):
+#    a chunk's positions stay prefill's page positions in the whole request and land by token in decode's
+#    leased pages past its prefix (plan.tokens); its digests cover entry ranges of decode's pages (digests
+#    version 2); a Ready's offset for such a session is its first source page's position in the request.
+PROTOCOL_VERSION = 9
 
 # Caps on untrusted input, far above real use and far below what exhausts memory.
 MAX_ID_LEN = 256
@@ -256,7 +260,8 @@ class Chunk(_ChunkHead):
 
 class Ready(_ChunkHead):
     """Pull mode, prefill -> decode: a chunk's source pages are ready to be read. ``pages`` are prefill's
-    source pages per pool, read into decode's leased pages from ``offsets[pool]`` on; ``buffers`` names
+    source pages per pool, read into decode's leased pages from ``offsets[pool]`` on (between page sizes:
+    ``offsets[pool]`` is the first source page's position in the whole request, read by token); ``buffers`` names
     the buffers the chunk covers (empty: all). Prefill holds these pages until decode's Result or Abort for
     the generation, or until a while after the session died (docs/fencing.md)."""
 

@@ -19,6 +19,11 @@ destination page), the slice of the page the pair moves, and decode passes that 
 (``TPPlanner(prefill memory, memory).slices``) to ``verify_digests``. Several prefill ranks each digest
 their own slice of one decode page; each link's digests are checked with that link's slices.
 
+Between page sizes a prefill page is not a decode page either, and one decode page may be written by two
+chunks: ``digest_plan`` given a ``tokens.TokenPlan`` hashes, per (buffer, segment of one source and one
+destination page), the entries the segment moves, and keys it by destination page and entry range
+(``PageDigests.spans``); decode hashes the same entries of its page (``hashing.hash_entries``).
+
 Modes: ``off`` (nothing), ``sampled`` (``samples_per_buffer`` pages per buffer, chosen independently per
 buffer from the plan's pages with ``seed``, so different buffers cover different pages) and ``full``.
 """
@@ -38,20 +43,22 @@ import numpy as np
 from kvferry.arrays import readonly
 from kvferry.codec import decode_versioned, encode
 from kvferry.errors import IntegrityError, KVFerryError, PageMismatchError, UsageError
-from kvferry.integrity.hashing import hash_cells, hash_index, hash_pages
+from kvferry.integrity.hashing import entry_shape, hash_cells, hash_entries, hash_index, hash_pages
 from kvferry.integrity.sampling import PageSampler, SampleShape, draw
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import MAX_BUFFERS, MAX_NAME_LEN
 from kvferry.plan.contract import Plan
 from kvferry.plan.planner import TransferPlan
 from kvferry.plan.ranks import PageSlice
+from kvferry.plan.tokens import TokenPlan
 from kvferry.plan.tp import TPPlan
 
 __all__ = ["DIGESTS_VERSION", "DigestMode", "PageDigests", "PageMismatch", "PageMismatchError", "SourceDigests",
            "digest_pages", "digest_plan", "hash_pages", "verify_digests"]
 
 # Bump when the wire fields, their encoding or the hash function change; decoders refuse other versions.
-DIGESTS_VERSION = 1
+# 2: entry ranges of pages (``spans``), for writes between page sizes.
+DIGESTS_VERSION = 2
 # Caps on untrusted digest messages: 4M entries is 20 x a 128k-token DeepSeek request in full mode.
 MAX_ENTRIES = 1 << 22
 MAX_MESSAGE_BYTES = 128 << 20
@@ -108,7 +115,9 @@ class PageDigests:
     """Digests of destination pages, buffer by buffer.
 
     Entry i says: page ``pages[i]`` of buffer ``buffer_names[buffer_ids[i]]`` must hash to ``digests[i]``.
-    ``shape`` is the layout's shape fingerprint ("" when unknown), checked by ``verify_digests``.
+    ``shape`` is the layout's shape fingerprint ("" when unknown), checked by ``verify_digests``. ``spans``
+    (between page sizes; None otherwise): int64 [N, 2], entry i covers only entries ``[first, first +
+    count)`` of its page (``hashing.hash_entries``; count 0: the whole page).
     """
 
     mode: DigestMode
@@ -117,6 +126,7 @@ class PageDigests:
     pages: np.ndarray        # int64 [N]: destination page
     digests: np.ndarray      # uint64 [N]: xxh3-64 of the page bytes
     shape: str = ""
+    spans: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.digests)
@@ -148,7 +158,12 @@ class PageDigests:
         mode = min((p.mode for p in parts), key=order.index)
         pages = readonly(np.concatenate([p.pages for p in parts]))
         digests = readonly(np.concatenate([p.digests for p in parts]))
-        return cls(mode, tuple(names), readonly(np.concatenate(ids)), pages, digests, shapes.pop() if shapes else "")
+        spans = None
+        if any(p.spans is not None for p in parts):
+            spans = readonly(np.concatenate([p.spans if p.spans is not None else np.zeros((len(p), 2), np.int64)
+                                             for p in parts]))
+        return cls(mode, tuple(names), readonly(np.concatenate(ids)), pages, digests, shapes.pop() if shapes else "",
+                   spans)
 
     # -- wire ------------------------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
@@ -156,7 +171,7 @@ class PageDigests:
         return encode(_DigestsMsg(
             DIGESTS_VERSION, self.mode.value, self.shape, list(self.buffer_names),
             self.buffer_ids.astype("<u4").tobytes(), self.pages.astype("<i8").tobytes(),
-            self.digests.astype("<u8").tobytes()))
+            self.digests.astype("<u8").tobytes(), b"" if self.spans is None else self.spans.astype("<i8").tobytes()))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PageDigests:
@@ -192,8 +207,17 @@ def _from_msg(msg: _DigestsMsg) -> PageDigests:
                              f"{len(msg.buffer_names)} buffer names")
     if n and int(np.minimum.reduce(pages)) < 0:
         raise IntegrityError(f"malformed page digests: negative page {int(np.minimum.reduce(pages))}")
+    spans = None
+    if msg.spans:
+        if len(msg.spans) != 16 * n:
+            raise IntegrityError(f"malformed page digests: {len(msg.spans)} B of entry ranges for {n} entries")
+        spans = np.frombuffer(msg.spans, dtype="<i8").astype(np.int64, copy=False).reshape(n, 2)
+        if n and int(np.minimum.reduce(spans.ravel())) < 0:
+            raise IntegrityError("malformed page digests: a negative entry range")
+        spans = readonly(spans)
     return PageDigests(mode, tuple(msg.buffer_names), readonly(ids), readonly(pages),
-                       readonly(np.frombuffer(msg.digests, dtype="<u8").astype(np.uint64, copy=False)), msg.shape)
+                       readonly(np.frombuffer(msg.digests, dtype="<u8").astype(np.uint64, copy=False)), msg.shape,
+                       spans)
 
 
 # -- prefill side ------------------------------------------------------------------------------------------
@@ -208,6 +232,8 @@ def digest_plan(plan: Plan, mode: DigestMode | str, *, seed: int = 0,
     pages. For a ``TPPlan`` (across TP sizes), the digests cover the slice of each page the plan writes
     and carry the *destination* layout's shape; decode checks them with that plan's ``slices``.
     """
+    if isinstance(plan, TokenPlan):
+        return _digest_token_plan(plan, mode, seed, samples_per_buffer)
     if not plan.whole_pages:
         return _digest_tp_plan(cast(TPPlan, plan), mode, seed, samples_per_buffer)
     plan = cast(TransferPlan, plan)
@@ -223,6 +249,38 @@ def _digest_tp_plan(plan: TPPlan, mode: DigestMode | str, seed: int, k: int) -> 
     source = _digest_cells(plan.src_memory, cells, mode, seed, k, plan.slices,
                            plan.dst_memory.layout.shape_fingerprint)
     return source.keyed({pool_plan.pool: pool_plan.dst_pages for pool_plan in plan.pool_pages})
+
+
+def _digest_token_plan(plan: TokenPlan, mode: DigestMode | str, seed: int, k: int) -> PageDigests:
+    """Per (buffer, segment) cell of the plan (``TokenPlan.segments``; ``k`` per buffer and pool when
+    sampled), the source entries it moves hashed, keyed by destination page and entry range."""
+    mode = DigestMode.parse(mode)
+    shape = plan.dst_memory.layout.shape_fingerprint
+    if mode is DigestMode.OFF or not plan.segments:
+        return PageDigests.empty(mode, shape)
+    if mode is DigestMode.SAMPLED and k < 1:
+        raise UsageError(f"samples_per_buffer must be >= 1, got {k}")
+    rng = np.random.default_rng(seed % (1 << 64))
+    gids, seg_parts = [], []
+    for cells in plan.segments:
+        nb, ns = len(cells.buffer_ids), len(cells.entries)
+        if mode is DigestMode.FULL or ns <= k:
+            pick = np.tile(np.arange(ns), nb)
+            owner = np.repeat(cells.buffer_ids, ns)
+        else:   # k segments per buffer, drawn apart for each buffer (different buffers cover different pages)
+            pick = np.argsort(rng.random((nb, ns)), axis=1)[:, :k].ravel()
+            owner = np.repeat(cells.buffer_ids, k)
+        count = np.zeros(len(pick), np.int64) if cells.whole else cells.entries[pick]
+        gids.append(owner)
+        seg_parts.append((cells.src_page[pick], cells.src_entry[pick] * (count > 0), cells.dst_page[pick],
+                          cells.dst_entry[pick] * (count > 0), count))
+    gid = np.concatenate(gids).astype(np.int64)
+    sp, so, dp, do, n = (np.concatenate([p[i] for p in seg_parts]) for i in range(5))
+    digests = hash_entries(plan.src_memory, gid, sp, so, n)
+    used, local = np.unique(gid, return_inverse=True)
+    names = tuple(plan.src_memory.layout.buffers[g].name for g in used.tolist())
+    return PageDigests(mode, names, readonly(local.astype(np.uint32)), readonly(dp.astype(np.int64)),
+                       readonly(digests), shape, readonly(np.stack([do, n], axis=1).astype(np.int64)))
 
 
 def digest_pages(memory: KVMemory, pages: Mapping[str, np.ndarray], mode: DigestMode | str, *,
@@ -422,7 +480,11 @@ def verify_digests(memory: KVMemory, digests: PageDigests,
     _check_page_range(memory, digests, gids)
     if slices is not None:
         _check_written(memory, gids, slices)
-    actual = hash_cells(memory, gids, digests.pages, slices, "dst")
+    if digests.spans is not None:
+        _check_entry_range(memory, digests, gids)
+        actual = hash_entries(memory, gids, digests.pages, digests.spans[:, 0], digests.spans[:, 1])
+    else:
+        actual = hash_cells(memory, gids, digests.pages, slices, "dst")
     differ = actual != digests.digests
     if differ.any():
         bad = np.flatnonzero(differ)
@@ -453,6 +515,19 @@ def _check_page_range(memory: KVMemory, digests: PageDigests, gids: np.ndarray) 
                              "pages on this side")
 
 
+def _check_entry_range(memory: KVMemory, digests: PageDigests, gids: np.ndarray) -> None:
+    """Every entry range (untrusted) inside its page on this side."""
+    assert digests.spans is not None
+    entries = np.array([entry_shape(memory, g)[1] for g in range(len(memory.layout.buffers))], dtype=np.int64)[gids]
+    first, count = digests.spans[:, 0], digests.spans[:, 1]
+    bad = (first > entries) | (count > entries - first) | ((count == 0) & (first != 0))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise IntegrityError(f"page digests name entries [{int(first[i])}, {int(first[i] + count[i])}) of page "
+                             f"{int(digests.pages[i])} of buffer {digests.buffer_names[int(digests.buffer_ids[i])]!r}, "
+                             f"whose pages hold {int(entries[i])} entries on this side")
+
+
 def _check_written(memory: KVMemory, gids: np.ndarray, slices: Mapping[str, PageSlice]) -> None:
     for g in np.unique(gids).tolist():
         name = memory.layout.buffers[g].name
@@ -479,6 +554,7 @@ class _DigestsMsg(msgspec.Struct, forbid_unknown_fields=True):
     buffer_ids: Annotated[bytes, msgspec.Meta(max_length=4 * MAX_ENTRIES)]  # little-endian uint32
     pages: Annotated[bytes, msgspec.Meta(max_length=8 * MAX_ENTRIES)]       # little-endian int64
     digests: Annotated[bytes, msgspec.Meta(max_length=8 * MAX_ENTRIES)]     # little-endian uint64
+    spans: Annotated[bytes, msgspec.Meta(max_length=16 * MAX_ENTRIES)] = b""  # little-endian int64 pairs
 
 
 _DIGESTS_DECODER = msgspec.msgpack.Decoder(_DigestsMsg)

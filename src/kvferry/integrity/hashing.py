@@ -27,11 +27,13 @@ import xxhash
 from kvferry.arrays import readonly
 from kvferry.errors import LayoutError
 from kvferry.layout.memory import KVMemory
+from kvferry.plan.tokens import entry_pieces
 
 if TYPE_CHECKING:
     from kvferry.plan.tp import PageSlice
 
-__all__ = ["HashIndex", "hash_cells", "hash_index", "hash_pages", "hash_slices", "read_pages"]
+__all__ = ["HashIndex", "entry_shape", "hash_cells", "hash_entries", "hash_index", "hash_pages", "hash_slices",
+           "read_pages"]
 
 _HASH_SEED = 0  # fixed: both sides must hash alike; sampling, not hashing, is what digests' ``seed`` varies
 
@@ -169,3 +171,51 @@ def read_pages(memory: KVMemory, buffer: str, pages: np.ndarray) -> np.ndarray |
     flat = tensor.view(torch.uint8).reshape(-1, page_bytes)
     index = torch.as_tensor(np.ascontiguousarray(pages), device=flat.device)
     return flat.index_select(0, index).cpu().numpy()
+
+
+def entry_shape(memory: KVMemory, gid: int) -> tuple[int, int, int]:
+    """Buffer ``gid``'s page as (pieces, entries, piece bytes): a head-major page is ``heads`` pieces of
+    ``entries`` entries each, a token-major one a single piece of ``entries`` entry rows, a buffer without
+    head geometry one entry (``plan.tokens`` cuts pages the same way)."""
+    buf = memory.layout.buffers[gid]
+    heads = buf.heads
+    if heads is None:
+        return 1, 1, buf.page_bytes
+    pieces = heads.num_heads if heads.major == "head" else 1
+    return pieces, heads.tokens_per_page, buf.page_bytes // (heads.tokens_per_page * pieces)
+
+
+def hash_entries(memory: KVMemory, gids: np.ndarray, pages: np.ndarray, first: np.ndarray,
+                 count: np.ndarray) -> np.ndarray:
+    """xxh3-64 of entries ``[first[i], first[i] + count[i])`` of page ``pages[i]`` of buffer ``gids[i]``, as
+    uint64: the bytes a write between page sizes moved into (or out of) one page for one token range, piece
+    by piece (``entry_shape``) concatenated. ``count[i]`` 0: the whole page (``hash_pages``). Entries must
+    be in range (the caller checks what came from the wire)."""
+    out = np.zeros(len(gids), dtype=np.uint64)
+    fn = xxhash.xxh3_64_intdigest
+    bufs = memory.layout.buffers
+    for g in np.unique(gids).tolist():
+        at = np.flatnonzero(gids == g)
+        name = bufs[g].name
+        rows = read_pages(memory, name, pages[at])  # GPU: a host copy of the chosen pages; host: None
+        arr, index = (memory.array(name), pages[at]) if rows is None else (rows, np.arange(len(at)))
+        arr = arr.reshape(len(arr), -1)
+        pieces, entries, piece = entry_shape(memory, g)
+        heads = bufs[g].heads
+        if heads is not None and heads.parts:   # a kernel's own order inside a head: gathered piece by piece
+            coef, unit = (a.astype(np.int64) for a in entry_pieces(heads, bufs[g].page_bytes, entries))
+            out[at] = [fn(arr[p], _HASH_SEED) if c == 0 else fn(arr[p, _entry_bytes(coef, unit, entries, f, c)],
+                                                                 _HASH_SEED)
+                       for p, f, c in zip(index.tolist(), first[at].tolist(), count[at].tolist())]
+            continue
+        view = arr.reshape(len(arr), pieces, entries, piece)
+        out[at] = [fn(arr[p], _HASH_SEED) if c == 0 else fn(np.ascontiguousarray(view[p, :, f:f + c]), _HASH_SEED)
+                   for p, f, c in zip(index.tolist(), first[at].tolist(), count[at].tolist())]
+    return out
+
+
+def _entry_bytes(coef: np.ndarray, unit: np.ndarray, entries: int, first: int, count: int) -> np.ndarray:
+    """Byte offsets in a page of entries ``[first, first + count)``, piece by piece (``plan.tokens.entry_pieces``)."""
+    starts = coef * entries + first * unit
+    lengths = count * unit
+    return np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))

@@ -104,8 +104,9 @@ def translation_difference(local: Layout, remote: Layout) -> str | None:
 
     What must match: pools, buffer names, dtypes, kinds, layers and TP size; for a pool with equal page
     sizes the whole buffer shape; for a pool whose page sizes differ, each buffer's head geometry but for
-    its tokens per page (heads, bytes per head, token- or head-major) and the tokens each entry of a page
-    stands for (one, or four or 128 for a compressed pool), so that bytes per token are equal.
+    its tokens per page (heads, bytes per head, token- or head-major, the parts of a head's block, which
+    must be declared) and the tokens each entry of a page stands for (one, or four or 128 for a compressed
+    pool), so that bytes per token are equal and lie alike.
     """
     if local.tp_size != remote.tp_size:
         return (f"tp_size differs: local {local.tp_size}, remote {remote.tp_size} (page sizes are translated "
@@ -124,11 +125,15 @@ def _translatable(lp: Pool, rp: Pool) -> Iterator[tuple[str, object, object]]:
             yield (f"tokens_per_page (buffer {lb.name!r} has no head geometry: nothing says where a token "
                    "lies in its page)", lp.tokens_per_page, rp.tokens_per_page)
             return
-        for attr in ("num_heads", "head_bytes", "major", "replicated"):
+        for attr in ("num_heads", "head_bytes", "major", "replicated", "parts"):
             if getattr(lh, attr) != getattr(rh, attr):
                 yield f"buffer {lb.name!r}: {attr} (tokens per page differ, each token's bytes must not)", \
                     getattr(lh, attr), getattr(rh, attr)
                 return
+        if lh.parts is None:
+            yield (f"tokens_per_page (buffer {lb.name!r}: its kernel's order of a token's bytes inside a head is "
+                   "not declared, head geometry parts None)", lp.tokens_per_page, rp.tokens_per_page)
+            return
         lc, rc = divmod(lp.tokens_per_page, lh.tokens_per_page), divmod(rp.tokens_per_page, rh.tokens_per_page)
         if lc[1] or rc[1] or lc[0] != rc[0]:
             yield (f"buffer {lb.name!r}: tokens per entry (pool tokens_per_page / the buffer's entries per page; "

@@ -9,17 +9,30 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["MANIFEST_VERSION", "BufferMsg", "HeadsMsg", "LayoutMsg", "MemoryMsg", "PoolMsg", "PoolMsgV2",
+__all__ = ["MANIFEST_VERSION", "BufferMsg", "HeadsMsg", "HeadsMsgV2", "LayoutMsg", "MemoryMsg", "PoolMsg", "PoolMsgV2",
            "RegionMsg"]
 
 # Bump when the manifest's fields or their meaning change; decoders refuse other versions.
 # 2: buffers carry optional head geometry; layouts carry tp_size and tp_rank. Pools' optional
 # window_tokens came later without a bump: it is written only when set (see ``_pool_msg``), so manifests
-# without windows are unchanged and older peers read them; a windowed one they refuse as malformed.
+# without windows are unchanged and older peers read them; a windowed one they refuse as malformed. Head
+# geometries' parts came the same way (``HeadsMsg.parts``, written only when not the default).
 MANIFEST_VERSION = 2
 
 
 class HeadsMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    num_heads: int
+    head_bytes: int
+    tokens_per_page: int
+    major: str
+    replicated: bool
+    # (rows, unit bytes) per part of a head's block; None: not declared (see ``HeadGeometry.parts``)
+    parts: tuple[tuple[int, int], ...] | None = ()
+
+
+class HeadsMsgV2(msgspec.Struct, array_like=True):
+    """A head geometry with default parts, encoded as version 2 first defined it (decoded as a ``HeadsMsg``)."""
+
     num_heads: int
     head_bytes: int
     tokens_per_page: int

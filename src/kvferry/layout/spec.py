@@ -18,7 +18,7 @@ from functools import cached_property
 
 from kvferry.codec import decode_versioned, encode
 from kvferry.errors import LayoutError
-from kvferry.layout.manifest import MANIFEST_VERSION, BufferMsg, HeadsMsg, LayoutMsg, PoolMsg, PoolMsgV2
+from kvferry.layout.manifest import MANIFEST_VERSION, BufferMsg, HeadsMsg, HeadsMsgV2, LayoutMsg, PoolMsg, PoolMsgV2
 
 __all__ = ["Buffer", "HeadGeometry", "Layout", "Pool"]
 
@@ -30,6 +30,8 @@ MAX_PAGE_BYTES = 1 << 40
 MAX_PAGES = 1 << 40
 MAX_NAME_LEN = 256
 MAX_TP_SIZE = 1 << 16
+MAX_HEAD_PARTS = 64
+MAX_HEAD_PIECES = 1 << 20   # heads x rows per head: what a page-size translation plans per entry, bounded
 HEAD_MAJORS = ("head", "token")
 
 
@@ -55,6 +57,15 @@ class HeadGeometry:
     contiguous), ``major="token"`` as ``[token][head][bytes]``. A *sharded* buffer holds ``num_heads`` of
     the model's ``num_heads x tp_size`` heads: rank ``r`` holds heads ``[r * num_heads, (r+1) * num_heads)``.
     A *replicated* buffer (MLA latent, indexer keys, state slots) holds the same bytes on every rank.
+
+    ``parts`` says where a token's bytes lie inside a head's block of a head-major page, which an attention
+    kernel may order its own way. ``()`` (the default): ``[token][head_bytes]``. Otherwise the block is the
+    parts one after another, part ``(rows, unit)`` holding ``[rows][token][unit bytes]``, and a token's
+    ``head_bytes`` are its ``unit`` bytes of every row of every part (``sum(rows x unit) == head_bytes``).
+    vLLM's CPU kernel, head size ``d`` of ``e``-byte elements: ``((d, e), (1, d x e))``, K stored
+    ``[dim][token]`` then V ``[token][dim]``. ``None``: the kernel's order inside a head is not known;
+    whole heads still cut (TP), a page size cannot be translated. Parts do not depend on tokens per page,
+    so one kernel's pages of any size share them.
     """
 
     num_heads: int
@@ -62,6 +73,7 @@ class HeadGeometry:
     tokens_per_page: int
     major: str = "head"
     replicated: bool = False
+    parts: tuple[tuple[int, int], ...] | None = ()
 
     def __post_init__(self) -> None:
         where = "head geometry"
@@ -72,6 +84,8 @@ class HeadGeometry:
             raise LayoutError(f"{where}: major must be one of {HEAD_MAJORS}, got {self.major!r}")
         if not isinstance(self.replicated, bool):
             raise LayoutError(f"{where}: replicated must be a bool, got {self.replicated!r}")
+        if self.parts is not None:
+            object.__setattr__(self, "parts", _checked_parts(where, self))
 
     @classmethod
     def whole_page(cls, page_bytes: int) -> HeadGeometry:
@@ -82,13 +96,50 @@ class HeadGeometry:
     def page_bytes(self) -> int:
         return self.num_heads * self.head_bytes * self.tokens_per_page
 
+    @property
+    def rows_per_head(self) -> int:
+        """Pieces of one token's bytes in a head's block: the parts' rows (1 without parts)."""
+        return sum(rows for rows, _ in self.parts) if self.parts else 1
+
     def key(self) -> tuple[object, ...]:
-        return (self.num_heads, self.head_bytes, self.tokens_per_page, self.major, self.replicated)
+        return (self.num_heads, self.head_bytes, self.tokens_per_page, self.major, self.replicated,
+                *self._parts_key())
 
     def model_key(self, tp_size: int) -> tuple[object, ...]:
         """What must match across TP sizes: total heads when sharded, the rank's own heads when replicated."""
         heads = self.num_heads if self.replicated else self.num_heads * tp_size
-        return (heads, self.head_bytes, self.tokens_per_page, self.major, self.replicated)
+        return (heads, self.head_bytes, self.tokens_per_page, self.major, self.replicated, *self._parts_key())
+
+    def _parts_key(self) -> tuple[object, ...]:
+        # Appended only when not the default, so geometries without parts keep their fingerprints.
+        return () if self.parts == () else (("parts", self.parts),)
+
+
+def _checked_parts(where: str, geometry: HeadGeometry) -> tuple[tuple[int, int], ...]:
+    """``geometry.parts`` as a tuple of (rows, unit) int pairs, or ``LayoutError`` naming what is wrong."""
+    parts = geometry.parts
+    if not isinstance(parts, (tuple, list)) or len(parts) > MAX_HEAD_PARTS:
+        raise LayoutError(f"{where}: parts must be None or a sequence of at most {MAX_HEAD_PARTS} (rows, unit "
+                          f"bytes) pairs, got {parts!r}")
+    pairs = []
+    for i, part in enumerate(parts):
+        if not isinstance(part, (tuple, list)) or len(part) != 2:
+            raise LayoutError(f"{where}: part {i} must be a (rows, unit bytes) pair, got {part!r}")
+        _check_count(f"{where}, part {i}", "rows", part[0], MAX_PAGE_BYTES)
+        _check_count(f"{where}, part {i}", "unit bytes", part[1], MAX_PAGE_BYTES)
+        pairs.append((part[0], part[1]))
+    if not pairs:
+        return ()
+    if geometry.major != "head":
+        raise LayoutError(f"{where}: parts describe a head's block of a head-major page, major is {geometry.major!r}")
+    total = sum(rows * unit for rows, unit in pairs)
+    if total != geometry.head_bytes:
+        raise LayoutError(f"{where}: parts {pairs} hold {total} bytes per token, head_bytes is {geometry.head_bytes}")
+    pieces = geometry.num_heads * sum(rows for rows, _ in pairs)
+    if pieces > MAX_HEAD_PIECES:
+        raise LayoutError(f"{where}: {geometry.num_heads} heads x {pieces // geometry.num_heads} rows = {pieces} "
+                          f"pieces per token, more than the limit {MAX_HEAD_PIECES}")
+    return tuple(pairs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,16 +419,19 @@ def _replace_pages(buf: Buffer, num_pages: int) -> Buffer:
     return Buffer(buf.name, buf.page_bytes, num_pages, buf.dtype, buf.kind, buf.layer, buf.heads)
 
 
-def _heads_msg(heads: HeadGeometry | None) -> HeadsMsg | None:
+def _heads_msg(heads: HeadGeometry | None) -> HeadsMsg | HeadsMsgV2 | None:
     if heads is None:
         return None
-    return HeadsMsg(heads.num_heads, heads.head_bytes, heads.tokens_per_page, heads.major, heads.replicated)
+    if heads.parts == ():   # the five elements every version-2 decoder expects
+        return HeadsMsgV2(heads.num_heads, heads.head_bytes, heads.tokens_per_page, heads.major, heads.replicated)
+    return HeadsMsg(heads.num_heads, heads.head_bytes, heads.tokens_per_page, heads.major, heads.replicated,
+                    heads.parts)
 
 
 def _heads_of(msg: HeadsMsg | None) -> HeadGeometry | None:
     if msg is None:
         return None
-    return HeadGeometry(msg.num_heads, msg.head_bytes, msg.tokens_per_page, msg.major, msg.replicated)
+    return HeadGeometry(msg.num_heads, msg.head_bytes, msg.tokens_per_page, msg.major, msg.replicated, msg.parts)
 
 
 def _digest(key: object) -> str:

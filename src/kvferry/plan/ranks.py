@@ -66,7 +66,7 @@ def _shard_buffer(buf: Buffer, tp_size: int) -> Buffer:
     if h.num_heads % tp_size:
         raise LayoutError(f"buffer {buf.name!r}: {h.num_heads} KV heads do not divide evenly over tp_size "
                           f"{tp_size}; shard only evenly, or declare the heads replicated")
-    heads = HeadGeometry(h.num_heads // tp_size, h.head_bytes, h.tokens_per_page, h.major, False)
+    heads = HeadGeometry(h.num_heads // tp_size, h.head_bytes, h.tokens_per_page, h.major, False, h.parts)
     return Buffer(buf.name, heads.page_bytes, buf.num_pages, buf.dtype, buf.kind, buf.layer, heads)
 
 

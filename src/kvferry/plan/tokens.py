@@ -31,12 +31,13 @@ from kvferry.arrays import readonly
 from kvferry.errors import PlanError
 from kvferry.layout.compare import translation_difference
 from kvferry.layout.memory import KVMemory
-from kvferry.layout.spec import Pool
+from kvferry.layout.spec import HeadGeometry, Pool
 from kvferry.plan.contract import RowsPlan
 from kvferry.plan.pages import as_pages, check_pages
 from kvferry.plan.planner import select_buffers
 
-__all__ = ["TokenPlan", "TokenPlanner", "TokenSpan", "plan_token_transfer"]
+__all__ = ["PageSizePlanner", "Segments", "TokenPlan", "TokenPlanner", "TokenSpan", "chunk_span", "entry_pieces",
+           "plan_token_transfer"]
 
 _U64 = np.uint64
 
@@ -60,14 +61,39 @@ class TokenSpan:
     stop: int | None = None
 
 
+def entry_pieces(heads: HeadGeometry | None, page_bytes: int, entries: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where one entry's bytes lie in a page of ``entries`` entries: (coef, unit), uint64, one element per
+    *piece*; entry ``e``'s bytes of piece ``i`` are ``unit[i]`` bytes at ``coef[i] x entries + e x unit[i]``.
+
+    A head of a head-major page is one piece per row of its parts (``HeadGeometry.parts``; one row without
+    parts), in address order; a token-major page's entry row is one piece; a page without head geometry
+    (moved whole: ``entries`` is 1) is one piece of the whole page."""
+    if heads is None:
+        return np.zeros(1, dtype=_U64), np.full(1, page_bytes // entries, dtype=_U64)
+    if heads.major == "token":
+        return np.zeros(1, dtype=_U64), np.full(1, heads.num_heads * heads.head_bytes, dtype=_U64)
+    if heads.parts is None:
+        raise PlanError(f"a head geometry without declared parts ({heads}) cannot say where an entry lies")
+    parts = heads.parts or ((1, heads.head_bytes),)
+    rows = np.array([r for r, _ in parts], dtype=np.int64)
+    units = np.array([u for _, u in parts], dtype=np.int64)
+    before = np.concatenate(([0], np.cumsum(rows * units)[:-1]))   # a part's first byte, per entry
+    part = np.repeat(np.arange(len(parts)), rows)
+    row = np.arange(len(part)) - np.repeat(np.cumsum(rows) - rows, rows)
+    in_head = before[part] + row * units[part]
+    coef = (np.arange(heads.num_heads)[:, None] * heads.head_bytes + in_head[None, :]).ravel()
+    return coef.astype(_U64), np.tile(units[part], heads.num_heads).astype(_U64)
+
+
 @dataclass(frozen=True, eq=False)
 class _PoolVectors:
-    """Per-buffer vectors of one pool, aligned, in units of each buffer's *pieces*: a head of a head-major
-    page, or the whole entry row of a token-major page."""
+    """Per-buffer vectors of one pool, aligned, and per-piece vectors (``entry_pieces``), each buffer's
+    ``pieces`` in a row: a row of a head of a head-major page, or the whole entry row of a token-major page."""
 
     buffer_ids: np.ndarray   # int64: index into Layout.buffers
-    pieces: np.ndarray       # int64: pieces per entry row (heads when head-major, 1 when token-major)
-    piece_bytes: np.ndarray  # uint64: bytes of one piece of one entry
+    pieces: np.ndarray       # int64: pieces per entry (heads x rows when head-major, 1 when token-major)
+    piece_coef: np.ndarray   # uint64, per piece: its start in a page is coef x entries per page
+    piece_unit: np.ndarray   # uint64, per piece: bytes of one entry in it
     src_base: np.ndarray     # uint64: region addresses
     dst_base: np.ndarray
     src_page: np.ndarray     # uint64: page bytes
@@ -81,10 +107,12 @@ class _PoolVectors:
     dst_tokens: int
 
     @classmethod
-    def build(cls, src: KVMemory, dst: KVMemory, src_pool: Pool, dst_pool: Pool) -> _PoolVectors:
+    def build(cls, src: KVMemory, dst: KVMemory, src_pool: Pool, dst_pool: Pool, *,
+              whole: bool = False) -> _PoolVectors:
+        """``whole``: a state pool's pages as one token each (moved whole, paired by position)."""
         ids = np.array([src.buffer_index[b.name] for b in src_pool.buffers], dtype=np.int64)
         sb, db = src.layout.buffers, dst.layout.buffers
-        src_tpp, dst_tpp = src_pool.tokens_per_page, dst_pool.tokens_per_page
+        src_tpp, dst_tpp = (1, 1) if whole else (src_pool.tokens_per_page, dst_pool.tokens_per_page)
         if src_tpp is None or dst_tpp is None:
             raise PlanError(f"pool {src_pool.name!r} is a state pool: it has no tokens to map")
         geoms = [(sb[i].heads, db[i].heads) for i in ids]
@@ -100,14 +128,15 @@ class _PoolVectors:
         per_entry = {src_tpp // e for e in entries_src} | {dst_tpp // e for e in entries_dst}
         if len(per_entry) != 1:
             raise PlanError(f"pool {src_pool.name!r}: buffers differ in tokens per entry {sorted(per_entry)}")
-        head_major = [g[0] is not None and g[0].major == "head" for g in geoms]
-        pieces = [g[0].num_heads if hm else 1 for g, hm in zip(geoms, head_major)]
-        piece_bytes = [sb[i].page_bytes // (e * n) for i, e, n in zip(ids, entries_src, pieces)]
+        # parts are equal on both sides (translation_difference), so the source's say where pieces lie
+        per_buffer = [entry_pieces(g[0], sb[i].page_bytes, e) for g, i, e in zip(geoms, ids, entries_src)]
+        pieces = np.array([len(coef) for coef, _ in per_buffer], dtype=np.int64)
 
         def u(values: Iterable[int]) -> np.ndarray:
             return np.fromiter(values, dtype=_U64)
 
-        return cls(ids, np.array(pieces, dtype=np.int64), u(piece_bytes),
+        return cls(ids, pieces, np.concatenate([c for c, _ in per_buffer]),
+                   np.concatenate([unit for _, unit in per_buffer]),
                    u(src.regions[i].address for i in ids), u(dst.regions[i].address for i in ids),
                    u(sb[i].page_bytes for i in ids), u(db[i].page_bytes for i in ids),
                    u(entries_src), u(entries_dst),
@@ -118,8 +147,13 @@ class _PoolVectors:
         if selected is None:
             return self
         keep = np.isin(self.buffer_ids, selected)
+        per_piece = np.repeat(keep, self.pieces)
         fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        return _PoolVectors(**{k: v[keep] if isinstance(v, np.ndarray) else v for k, v in fields.items()})
+        return _PoolVectors(**{k: (v[per_piece] if k in _PER_PIECE else v[keep]) if isinstance(v, np.ndarray) else v
+                               for k, v in fields.items()})
+
+
+_PER_PIECE = frozenset({"piece_coef", "piece_unit"})
 
 
 def _segments(span: TokenSpan, vec: _PoolVectors, pool: str, src_pages: np.ndarray, dst_pages: np.ndarray,
@@ -157,16 +191,16 @@ def _rows(vec: _PoolVectors, seg: tuple[np.ndarray, ...]) -> tuple[np.ndarray, n
     buffer ids)."""
     sp, so, dp, do, n = (a.astype(_U64) for a in seg)
     nseg = len(n)
-    # One entry per (buffer, piece): which buffer, which piece of its entry row
+    # One element per (buffer, piece): which buffer, which piece of its entries
     owner = np.repeat(np.arange(len(vec.pieces)), vec.pieces)
-    piece = (np.arange(len(owner)) - np.repeat(np.cumsum(vec.pieces) - vec.pieces, vec.pieces)).astype(_U64)
-    pb = vec.piece_bytes[owner][:, None]
+    piece = np.arange(len(owner)) - np.repeat(np.cumsum(vec.pieces) - vec.pieces, vec.pieces)
+    pb = vec.piece_unit[:, None]
 
     def side(base: np.ndarray, page: np.ndarray, entries: np.ndarray, pages: np.ndarray,
              offsets: np.ndarray) -> np.ndarray:
-        # piece p of entry e of a page: p x entries x piece bytes + e x piece bytes (token-major: p is 0)
+        # entry e of piece i of a page: coef_i x entries + e x unit_i (entry_pieces)
         return (base[owner][:, None] + pages[None, :] * page[owner][:, None]
-                + (piece * entries[owner])[:, None] * pb + offsets[None, :] * pb).ravel()
+                + (vec.piece_coef * entries[owner])[:, None] + offsets[None, :] * pb).ravel()
 
     # Rows in (buffer, segment, piece) order: a whole page's pieces, then the next page's, are adjacent
     order = np.lexsort((np.repeat(piece, nseg), np.tile(np.arange(nseg), len(owner)), np.repeat(owner, nseg)))
@@ -186,11 +220,32 @@ def _rows(vec: _PoolVectors, seg: tuple[np.ndarray, ...]) -> tuple[np.ndarray, n
     return src_descs, dst_descs, ids[heads]
 
 
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """One pool's part of a ``TokenPlan`` as its digests see it: each (buffer, segment) cell is entries
+    ``[src_entry, src_entry + entries)`` of source page ``src_page`` and ``[dst_entry, ...)`` of destination
+    page ``dst_page`` (int64 arrays, one element per segment), in every buffer of ``buffer_ids``. ``whole``:
+    the pool's page sizes are equal (or it is a state pool): each segment is one whole page, whatever its
+    buffers' head geometry says."""
+
+    pool: str
+    buffer_ids: np.ndarray
+    src_page: np.ndarray
+    src_entry: np.ndarray
+    dst_page: np.ndarray
+    dst_entry: np.ndarray
+    entries: np.ndarray
+    whole: bool
+
+
 @dataclass(frozen=True, eq=False)
 class TokenPlan(RowsPlan):
     """Rows from ``src_memory`` into ``dst_memory`` whose pools may differ in tokens per page: row i of
     ``src_descs`` is copied to row i of ``dst_descs``. The surface transports post (``Plan``); rows are pieces
-    of pages, so it goes over NIXL as a per-request descriptor list, never as prepared per-page indices."""
+    of pages, so it goes over NIXL as a per-request descriptor list, never as prepared per-page indices.
+    ``segments``: per pool, the cells the rows move (what ``integrity.digest_plan`` hashes)."""
+
+    segments: tuple[Segments, ...] = ()
 
     def page_selectors(self) -> tuple[np.ndarray, np.ndarray]:
         raise PlanError("a plan between different page sizes moves pieces of pages: it cannot index per-page "
@@ -207,13 +262,16 @@ class TokenPlanner:
     each pool's per-buffer vectors; ``plan`` is then vectorised over segments, pieces and buffers.
     """
 
-    def __init__(self, src: KVMemory, dst: KVMemory) -> None:
+    def __init__(self, src: KVMemory, dst: KVMemory, *, state_pools: bool = False) -> None:
+        """``state_pools``: plan state pools too, their pages moved whole and paired by position (a span's
+        tokens are then pages: ``TokenSpan(src, dst, src_first=position, dst_first=0)``)."""
         diff = translation_difference(src.layout, dst.layout)
         if diff is not None:
             raise PlanError(f"prefill and decode layouts cannot be translated: {diff}")
         self.src, self.dst = src, dst
-        self._pools = {sp.name: (sp, dp, _PoolVectors.build(src, dst, sp, dp))
-                       for sp, dp in zip(src.layout.pools, dst.layout.pools) if sp.tokens_per_page is not None}
+        self._pools = {sp.name: (sp, dp, _PoolVectors.build(src, dst, sp, dp, whole=sp.tokens_per_page is None))
+                       for sp, dp in zip(src.layout.pools, dst.layout.pools)
+                       if sp.tokens_per_page is not None or state_pools}
 
     def plan(self, spans: Mapping[str, TokenSpan], buffers: Iterable[str] | None = None) -> TokenPlan:
         """Rows for ``spans`` (pool -> ``TokenSpan``); ``buffers`` restricts them to those buffers.
@@ -222,7 +280,7 @@ class TokenPlanner:
         unique, the token range covered by both lists; ``PlanError`` naming pool, side and values otherwise.
         """
         selected = select_buffers(self.src, buffers)
-        parts = []
+        parts, cells = [], []
         for pool, span in spans.items():
             if pool not in self._pools:
                 raise PlanError(f"pool {pool!r}: no such token pool in the layout "
@@ -236,18 +294,104 @@ class TokenPlanner:
             seg = _segments(span, vec, pool, src_pages, dst_pages)
             if len(seg[0]) and len(vec.buffer_ids):
                 parts.append(_rows(vec, seg))
-        return _plan_of(self.src, self.dst, parts)
+                whole = src_pool.tokens_per_page is None or vec.src_tokens == vec.dst_tokens
+                cells.append(Segments(pool, vec.buffer_ids, *(readonly(np.asarray(a, dtype=np.int64)) for a in seg),
+                                      whole))
+        return _plan_of(self.src, self.dst, parts, tuple(cells))
 
 
-def _plan_of(src: KVMemory, dst: KVMemory, parts: Sequence[tuple[np.ndarray, ...]]) -> TokenPlan:
+def _plan_of(src: KVMemory, dst: KVMemory, parts: Sequence[tuple[np.ndarray, ...]],
+             cells: tuple[Segments, ...] = ()) -> TokenPlan:
     if not parts:
         empty = np.zeros((0, 3), dtype=_U64)
         return TokenPlan(src, dst, readonly(empty), readonly(empty.copy()), readonly(np.zeros(0, dtype=np.int64)))
     src_descs, dst_descs, ids = (np.concatenate([p[i] for p in parts]) for i in range(3))
-    return TokenPlan(src, dst, readonly(src_descs), readonly(dst_descs), readonly(ids))
+    return TokenPlan(src, dst, readonly(src_descs), readonly(dst_descs), readonly(ids), cells)
 
 
 def plan_token_transfer(src: KVMemory, dst: KVMemory, spans: Mapping[str, TokenSpan],
                         buffers: Iterable[str] | None = None) -> TokenPlan:
     """One plan in one call (``TokenPlanner(src, dst).plan(...)``); keep the planner to plan again."""
     return TokenPlanner(src, dst).plan(spans, buffers)
+
+
+# -- chunks of a request between page sizes (the control plane's view) ----------------------------------------
+def chunk_span(pool: str, sizes: tuple[int, int] | None, src_pages: np.ndarray, position: int,
+               dst_pages: np.ndarray | None, prefix: int, request: str = "") -> TokenSpan | None:
+    """One pool's part of one chunk as a ``TokenSpan``, or None when it has no page or every token of it is in
+    decode's prefix.
+
+    ``src_pages`` sit at prefill page ``position`` of the request, so they hold tokens ``[position x Ts,
+    (position + n) x Ts)``; decode holds the first ``prefix`` pages of its own (tokens ``prefix x Td``) and
+    leased ``dst_pages`` for the rest. Source pages wholly inside the prefix leave the span, one straddling
+    it moves only its tokens past it; tokens past the lease's end (the garbage tail of prefill's last
+    page) do not move. ``sizes`` (Ts, Td), or None for a state pool: its pages pair by position in decode's
+    list, whole. ``PlanError`` (naming the request, the pool and both ranges) when the chunk reaches past the
+    lease: a source page that begins past decode's last leased token, or a state page past its list.
+    Prefill (writing) and decode (reading, pull mode) compute the same span from the same numbers."""
+    n = len(src_pages)
+    what = f"request {request!r}, pool {pool!r}" if request else f"pool {pool!r}"
+    if n == 0:
+        return None
+    if sizes is None:
+        have = 0 if dst_pages is None else len(dst_pages)
+        if position + n > have:
+            raise PlanError(f"{what}: chunk covers destination positions {position}..{position + n - 1} but "
+                            f"decode leased {have} pages")
+        return TokenSpan(src_pages, dst_pages, position, 0, position, position + n)
+    ts, td = sizes
+    held = prefix * td
+    src_first = position * ts
+    skip = max(0, min(n, (held - src_first) // ts))   # source pages wholly inside the prefix
+    src_pages, src_first, n = src_pages[skip:], src_first + skip * ts, n - skip
+    if n == 0:
+        return None
+    if dst_pages is None:
+        raise PlanError(f"{what}: decode leased no pages for tokens past its prefix of {held}, the chunk has "
+                        f"tokens [{src_first}, {src_first + n * ts})")
+    dst_end = held + len(dst_pages) * td
+    if src_first + (n - 1) * ts >= dst_end:
+        raise PlanError(f"{what}: chunk covers tokens [{src_first}, {src_first + n * ts}) ({ts} per page) but "
+                        f"decode leased pages for tokens [{held}, {dst_end}) ({td} per page)")
+    start = max(src_first, held)
+    return TokenSpan(src_pages, dst_pages, src_first, held, start, min(src_first + n * ts, dst_end))
+
+
+class PageSizePlanner:
+    """The planner of a session (prefill) or link (decode) whose pools' page sizes may differ: chunks of a
+    request, at prefill's page positions, mapped by token into decode's leased pages past its prefix.
+
+    Built once per peer at the handshake over ``TokenPlanner`` (state pools included, moved whole); what
+    ``TPPlanner`` is across TP sizes, this is across page sizes. ``sizes``: token pool -> (prefill's, decode's)
+    tokens per page; ``translated``: the pools where they differ."""
+
+    def __init__(self, src: KVMemory, dst: KVMemory) -> None:
+        self.tokens = TokenPlanner(src, dst, state_pools=True)
+        self.src, self.dst = src, dst
+        self.sizes: dict[str, tuple[int, int] | None] = {
+            sp.name: None if sp.tokens_per_page is None or dp.tokens_per_page is None
+            else (sp.tokens_per_page, dp.tokens_per_page)
+            for sp, dp in zip(src.layout.pools, dst.layout.pools)}
+        self.translated = frozenset(p for p, s in self.sizes.items() if s is not None and s[0] != s[1])
+
+    def spans(self, src: Mapping[str, np.ndarray], positions: Mapping[str, int], dst: Mapping[str, np.ndarray],
+              prefix: Mapping[str, int], request: str = "") -> dict[str, TokenSpan]:
+        """Each pool's span of a chunk (``chunk_span``), pools wholly inside decode's prefix left out."""
+        out = {}
+        for pool, pages in src.items():
+            span = chunk_span(pool, self.sizes[pool], pages, positions[pool], dst.get(pool), prefix.get(pool, 0),
+                              request)
+            if span is not None:
+                out[pool] = span
+        return out
+
+    def position(self, pool: str, span: TokenSpan) -> int:
+        """Where ``span``'s first source page sits: its prefill page position in the request (a state pool:
+        its position in decode's list). ``chunk_span`` given it and the same pages gives ``span`` again."""
+        sizes = self.sizes[pool]
+        return span.src_first if sizes is None else span.src_first // sizes[0]
+
+    def plan(self, spans: Mapping[str, TokenSpan], buffer_ids: np.ndarray | None = None) -> TokenPlan:
+        """Rows for ``spans`` (``buffer_ids``: the buffers as ``select_buffers`` chose them; None: all)."""
+        names = None if buffer_ids is None else [self.src.layout.buffers[i].name for i in buffer_ids.tolist()]
+        return self.tokens.plan(spans, names)

@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvferry.control.core.states import RequestState
-from kvferry.simulation.config import LAYERS, SimConfig, Swarm
+from kvferry.simulation.config import LAYERS, SimConfig, Swarm, draw_page_sizes
 from kvferry.simulation.decode_node import DecodeNode
 from kvferry.simulation.node import DEADLINE_SLACK, Node
 from kvferry.simulation.prefill_node import PrefillNode
-from kvferry.simulation.tp import DecodeGroup, draw_tp, needed_ranks, rank_name
+from kvferry.simulation.tp import TP_PAIRS, DecodeGroup, draw_tp, needed_ranks, rank_name
 from kvferry.simulation.world import Net, Sim, Transport, copy_rows
 
 __all__ = ["Chunk", "Request", "World"]
@@ -66,16 +66,28 @@ class Request:
     decode_abort: float | None   # seconds after its announce, or None
     cancel: bool                 # decode never announces it, and says so
     leased: Mapping[str, int]    # pages per pool decode leases: the total less the prefix
+    # A page-size seed's kv tokens (0: pages are alike on both sides): ``total`` is then prefill's pages,
+    # ``prefix`` and ``leased`` decode's.
+    tokens: int = 0
 
 
-def make_workload(sim: Sim, cfg: SimConfig, swarm: Swarm) -> list[Request]:
+def make_workload(sim: Sim, cfg: SimConfig, swarm: Swarm, page_sizes: tuple[int, int] | None = None) -> list[Request]:
+    """The requests; ``page_sizes`` (prefill's, decode's kv tokens per page): each request's kv pool is a
+    token count, in prefill's pages (chunks, positions) on one side and decode's (prefix, lease) on the other."""
     rng = sim.rng_work
     out = []
     for i in range(cfg.requests):
-        total = {"kv": rng.randint(1, 4)}
+        tokens, dst_kv = 0, 0
+        if page_sizes is None:
+            total = {"kv": rng.randint(1, 4)}
+            dst_kv = total["kv"]
+        else:
+            tokens = rng.randint(1, 2 * max(page_sizes))
+            total = {"kv": -(-tokens // page_sizes[0])}
+            dst_kv = -(-tokens // page_sizes[1])
         if rng.random() < 0.6:
             total["c"] = rng.randint(1, 2)
-        prefix = {"kv": rng.randint(1, total["kv"] - 1)} if total["kv"] > 1 and rng.random() < swarm.prefix else {}
+        prefix = {"kv": rng.randint(1, dst_kv - 1)} if dst_kv > 1 and rng.random() < swarm.prefix else {}
         if rng.random() < swarm.layered:
             chunks = tuple(Chunk({p: (0, n) for p, n in total.items()}, layer) for layer in LAYERS)
         elif rng.random() < swarm.chunked and total["kv"] > 1:
@@ -89,13 +101,14 @@ def make_workload(sim: Sim, cfg: SimConfig, swarm: Swarm) -> list[Request]:
             chunks = (Chunk({p: (0, n) for p, n in total.items()}),)
         arrive = rng.random() * cfg.arrival_span
         faults = cfg.faults
-        leased = {p: n - prefix.get(p, 0) for p, n in total.items() if n > prefix.get(p, 0)}
+        dst_total = {**total, "kv": dst_kv}
+        leased = {p: n - prefix.get(p, 0) for p, n in dst_total.items() if n > prefix.get(p, 0)}
         out.append(Request(
             f"r{i}", rng.randrange(cfg.decodes), rng.randrange(cfg.prefills), arrive, total, prefix, chunks,
             max(0.0, arrive + rng.uniform(-0.05, 0.3)),
             _abort_after(rng) if faults and rng.random() < swarm.prefill_abort else None,
             _abort_after(rng) if faults and rng.random() < swarm.decode_abort else None,
-            faults and rng.random() < swarm.cancel, leased))
+            faults and rng.random() < swarm.cancel, leased, tokens))
     return out
 
 
@@ -116,7 +129,13 @@ class World:
         # (prefill TP, decode TP): each group of ``cfg.prefills`` and ``cfg.decodes`` runs that many ranks, a
         # node each (``simulation.tp``); a request goes to one prefill group and one decode group. From a
         # stream of its own: drawing it first moves nothing else.
-        self.tp = cfg.tp or draw_tp(seed, cfg.wide_tp)
+        # Page sizes (issue 50), from a stream of their own: a page-size seed runs TP 1:1, its kv pool at
+        # another page size on each side; every other seed draws what it drew before.
+        # A wide seed stays wide, and a seed given its TP pair draws none.
+        drawn_tp = cfg.tp or draw_tp(seed, cfg.wide_tp)
+        self.page_sizes = cfg.page_sizes or (draw_page_sizes(seed, cfg.page_share)
+                                             if cfg.tp is None and drawn_tp in TP_PAIRS else None)
+        self.tp = (1, 1) if self.page_sizes else drawn_tp
         drawn = Swarm.draw(self.sim.rng_fault, cfg.faults)   # always drawn: the fault stream stays the same
         if cfg.faults:
             drawn = drawn.with_liveness(self.sim.rng_live).with_data_path(self.sim.rng_data).with_fabric(
@@ -151,7 +170,7 @@ class World:
         for engine in self.engines:
             for node in engine.ranks:
                 node.group = engine
-        self.requests = make_workload(self.sim, cfg, self.swarm)
+        self.requests = make_workload(self.sim, cfg, self.swarm, self.page_sizes)
         for req in self.requests:
             for node in self.decode_groups[req.decode]:
                 node.plan_announce(req, req.arrive)

@@ -11,9 +11,10 @@ import random
 from dataclasses import dataclass, fields, replace
 
 from kvferry.control.core.options import EndpointOptions
-from kvferry.layout.spec import Buffer, Layout, Pool
+from kvferry.layout.spec import Buffer, HeadGeometry, Layout, Pool
 
-__all__ = ["DATA_STORM", "DATA_TIMEOUT", "OPTIONS", "READ_STORM", "SimConfig", "Swarm", "sim_layout"]
+__all__ = ["DATA_STORM", "DATA_TIMEOUT", "OPTIONS", "PAGE_PAIRS", "READ_STORM", "SimConfig", "Swarm",
+           "draw_page_sizes", "page_layout", "sim_layout"]
 
 # Short timers: a run covers many peer timeouts, deadlines and grace periods in a few simulated seconds.
 # ``transport_liveness`` is each seed's (``Swarm.zmtp``): the world copies these with it set.
@@ -42,6 +43,36 @@ def sim_layout(side: str, pages: int = 128) -> Layout:
 
 LAYERS = (("kv.L0", "idx.L0", "c.L0"), ("kv.L1", "c.L1"))
 
+# (prefill's, decode's) tokens per page of the kv pool a page-size seed draws among (``SimConfig.page_share``):
+# both directions, ratios of 2 and 4, and one that does not divide (a page straddles the other side's pages).
+PAGE_PAIRS: tuple[tuple[int, int], ...] = ((16, 64), (64, 16), (16, 32), (32, 16), (48, 32), (32, 48))
+_KV_TOKENS = 4096   # decode's kv pool in tokens on a page-size seed (prefill's a quarter more), whatever its pages
+
+
+def draw_page_sizes(seed: int, share: float) -> tuple[int, int] | None:
+    """Seed ``seed``'s page sizes when it is one of the ``share`` of seeds that runs different page sizes on
+    the two sides (None: equal, as before). From a stream of its own, so that every other draw of the seed
+    is what it was, and a seed that draws a pair at one share draws the same at every larger share."""
+    rng = random.Random(seed * 4 + (4 << 40))
+    pick, pair = rng.random(), rng.choice(PAGE_PAIRS)
+    return pair if pick < share else None
+
+
+def page_layout(side: str, tokens: int, pages: int = 128) -> Layout:
+    """``sim_layout`` with its kv pool at ``tokens`` per page, its buffers' head geometry saying where each
+    token lies (so that the two sides' page sizes translate): K of 8 heads head-major, an indexer of one
+    2-byte head, V of 8 heads token-major, a byte per head and token; as many tokens as 128 pages of 32."""
+    kv = -(-_KV_TOKENS * pages // 128 // tokens) * (5 if side == "prefill" else 4) // 4
+    k, idx, v = HeadGeometry(8, 1, tokens, "head"), HeadGeometry(1, 2, tokens), HeadGeometry(8, 1, tokens, "token")
+    return Layout([
+        Pool("kv", [
+            Buffer("kv.L0", k.page_bytes, kv, "fp8_e4m3", "kv", 0, k),
+            Buffer("idx.L0", idx.page_bytes, kv + 8, "bf16", "index_k", 0, idx),
+            Buffer("kv.L1", v.page_bytes, kv, "fp8_e4m3", "kv", 1, v),
+        ], tokens_per_page=tokens),
+        sim_layout(side, pages).pool("c"),
+    ])
+
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
@@ -63,6 +94,10 @@ class SimConfig:
     # The share of seeds (when ``tp`` is None) that draw a pair with TP 4 or 8 (``tp.WIDE_PAIRS``) instead; 0:
     # every seed runs the pair it always drew (``tp.TP_PAIRS``), and at any share the other seeds still do.
     wide_tp: float = 0.0
+    # Page sizes (issue 50): the kv pool's (prefill, decode) tokens per page of every node (TP 1:1); None:
+    # drawn per seed, ``page_share`` of the seeds (when ``tp`` is not set) drawing one of ``PAGE_PAIRS``.
+    page_sizes: tuple[int, int] | None = None
+    page_share: float = 0.25
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from kvferry.simulation.tp import (
     needed_ranks,
     page_rows,
     rank_layout,
+    token_rows,
 )
 from kvferry.simulation.world import PageMap
 
@@ -60,7 +61,8 @@ class DecodeNode(Node):
 
     def start(self) -> None:
         world = self.world
-        self.memory = KVMemory.allocate(rank_layout("decode", world.tp, self.rank, world.cfg.pages))
+        self.memory = KVMemory.allocate(rank_layout("decode", world.tp, self.rank, world.cfg.pages,
+                                                    world.page_sizes[1] if world.page_sizes else None))
         world.graveyard.append(self.memory)
         self.pages = PageMap(self.memory)
         self.slice_prov = SliceProvenance(self.memory)
@@ -279,6 +281,32 @@ class DecodeNode(Node):
                     self.abort(t, att)
         self.call_at(now, abort_here)
 
+    def check_tokens(self, rec: Any, tag: int, req: Any, pages: np.ndarray) -> None:
+        """(b) on a page-size seed: every byte of the leased kv pages that holds a token prefill sent (its
+        pages' tokens; past them, the tail of decode's last page is the request's garbage on both sides)
+        was last written by this request and is the source's byte of that token, head and place."""
+        ts = self.world.page_sizes[0]
+        sent = req.total["kv"] * ts
+        first = req.prefix.get("kv", 0)
+        for buf in self.memory.layout.pool("kv").buffers:
+            want, tokens = token_rows(rec.request_id, first, len(pages), self.pages.layout_index[buf.name], buf)
+            mask = tokens < sent
+            got = self.pages.arrays[buf.name].take(pages, axis=0)
+            tags = self.slice_prov.rows[buf.name].take(pages, axis=0)
+            stale = mask & (tags != tag)
+            if stale.any():
+                i, byte = (int(x) for x in np.argwhere(stale)[0])
+                self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE but "
+                              f"{buf.name} page {int(pages[i])} byte {byte} (token {int(tokens[i, byte])}) was last "
+                              f"written by {self.world.tag_name(int(tags[i, byte]))}")
+            wrong = mask & (got != want)
+            if wrong.any():
+                i, byte = (int(x) for x in np.argwhere(wrong)[0])
+                self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE but "
+                              f"{buf.name} page {int(pages[i])} byte {byte} differs from the source's byte of "
+                              f"token {int(tokens[i, byte])} ({self.world.page_sizes[0]} -> "
+                              f"{self.world.page_sizes[1]} tokens per page)")
+
     def allocate(self, att: DAttempt) -> bool:
         req = att.req
         if any(len(self.free[pool]) < n for pool, n in req.leased.items()):
@@ -347,6 +375,9 @@ class DecodeNode(Node):
         layout = self.memory.layout
         for pool, pages in att.pages.items():
             first = att.req.prefix.get(pool, 0)
+            if att.req.tokens and pool == "kv":   # a page-size seed: token by token (``check_tokens``)
+                self.check_tokens(rec, tag, att.req, pages)
+                continue
             for buf in layout.pool(pool).buffers:
                 prov = self.pages.prov[buf.name].take(pages)
                 if not all_are(prov, tag):

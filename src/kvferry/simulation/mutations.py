@@ -33,6 +33,13 @@ Two only a pull decode stopped inside a read's post can show (``Swarm.stall_read
 shell carries on with the rest of its iteration and takes the read's completion before reading what came
 meanwhile; docs/fencing.md, "The source hold, and decode's fence"):
 
+One only different page sizes on the two sides can show (``SimConfig.page_share``):
+
+12. ``page_index_paired``: the planner between page sizes pairs page indices instead of token ranges:
+    prefill's page ``k`` of a chunk goes to decode's page ``k`` of the lease, from its first token, as many
+    tokens as the smaller page holds (vLLM's NixlConnector at 32 -> 64, issue 50). The digests do not help:
+    they describe the rows the same planner made.
+
 10. ``pull_fence_off``: decode's pull fence removed (``fenced`` never objects): a read posted after prefill
     released its source pages (it declared decode dead during the stop, and its Bye or the dropped
     connection is not read yet) is accepted.
@@ -60,6 +67,7 @@ from kvferry.control.core.holds import SourceHolds
 from kvferry.control.core.prefill_announces import Announces
 from kvferry.control.core.prefill_writer import Writer
 from kvferry.layout.memory import KVMemory
+from kvferry.plan import tokens as plan_tokens
 from kvferry.plan import tp as plan_tp
 
 __all__ = ["EXPECTED", "MUTATIONS", "mutation"]
@@ -149,6 +157,18 @@ def _slice_offset(orig: Callable[..., Any]) -> Callable[..., Any]:
     return slice_of
 
 
+def _page_index_paired(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def segments(span: Any, vec: Any, pool: str, src_pages: np.ndarray, dst_pages: np.ndarray) -> Any:
+        if vec.src_tokens == vec.dst_tokens:
+            return orig(span, vec, pool, src_pages, dst_pages)
+        # the bug: source page k of the span to destination page k, from its start, the smaller page's worth
+        n = min(len(src_pages), len(dst_pages))
+        per = min(vec.src_tokens, vec.dst_tokens) // vec.tokens_per_entry
+        zero = np.zeros(n, dtype=np.int64)
+        return src_pages[:n], zero, dst_pages[:n], zero, np.full(n, per, dtype=np.int64)
+    return segments
+
+
 def _group_done_early(rec: Any) -> bool:
     return True   # the bug: this decode rank's verdict stands for the group's
 
@@ -185,6 +205,7 @@ MUTATIONS: dict[str, tuple[Any, str, Callable[[Any], Any]]] = {
     "announce_copy_answered": (Announces, "on_announce", _announce_copy_answered),
     "pull_fence_off": (decode_reader, "fenced", lambda orig: _fence_off),
     "pull_fence_link_only": (decode_reader, "fenced", lambda orig: _fence_link_only),
+    "page_index_paired": (plan_tokens, "_segments", _page_index_paired),
 }
 
 # The invariants each mutation must be caught by (any one of them).
@@ -208,6 +229,8 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     # A read of source pages prefill had given back, accepted.
     "pull_fence_off": ("a_source_released_under_read",),
     "pull_fence_link_only": ("a_source_released_under_read",),
+    # Tokens at the wrong place in decode's pages (or never written), or rows past the lease.
+    "page_index_paired": ("b_done_bytes", "a_lease"),
 }
 
 assert core_decode is not None

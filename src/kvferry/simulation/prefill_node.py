@@ -58,7 +58,8 @@ class PrefillNode(Node):
 
     def start(self) -> None:
         world = self.world
-        self.memory = KVMemory.allocate(rank_layout("prefill", world.tp, self.rank, world.cfg.pages))
+        self.memory = KVMemory.allocate(rank_layout("prefill", world.tp, self.rank, world.cfg.pages,
+                                                    world.page_sizes[0] if world.page_sizes else None))
         world.graveyard.append(self.memory)   # late copies never touch freed memory
         self.pages = PageMap(self.memory)
         self.src_owner = {p.name: np.full(p.min_pages, -1, dtype=np.int64) for p in self.memory.layout.pools}
@@ -206,7 +207,8 @@ class PrefillNode(Node):
         rid_id = self.world.rid_id(req.rid)
         for pool, n in req.total.items():
             pages = self.free[pool].take(n)
-            fill_content(self.memory, req.rid, pool, pages, 0, self.pages.arrays)
+            fill_content(self.memory, req.rid, pool, pages, 0, self.pages.arrays,
+                         by_token=self.world.page_sizes is not None and pool == "kv")
             self.src_owner[pool][pages] = rid_id
             att.src[pool] = pages
         return True

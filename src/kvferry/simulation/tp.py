@@ -30,13 +30,13 @@ import numpy as np
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Buffer, HeadGeometry, Layout, Pool
 from kvferry.plan.ranks import shard_layout, source_ranks
-from kvferry.simulation.config import sim_layout
+from kvferry.simulation.config import page_layout, sim_layout
 
 if TYPE_CHECKING:
     from kvferry.simulation.decode_node import DecodeNode
 
 __all__ = ["TP_PAIRS", "TP_SIZES", "WIDE_PAIRS", "DecodeGroup", "SliceProvenance", "all_are", "draw_tp",
-           "fill_content", "needed_ranks", "page_content", "page_rows", "rank_layout", "rank_name"]
+           "fill_content", "needed_ranks", "page_content", "page_rows", "rank_layout", "rank_name", "token_rows"]
 
 # The (prefill TP, decode TP) pairs every seed draws among: equal sizes (rank to rank, whole pages, pull
 # allowed), decode wider (a prefill rank writes one request to two decode ranks: a request group) and prefill
@@ -94,9 +94,12 @@ def _with_heads(buf: Buffer) -> Buffer:
     return Buffer(buf.name, buf.page_bytes, buf.num_pages, buf.dtype, buf.kind, buf.layer, heads)
 
 
-def rank_layout(side: str, tp: tuple[int, int], rank: int, pages: int) -> Layout:
+def rank_layout(side: str, tp: tuple[int, int], rank: int, pages: int, tokens: int | None = None) -> Layout:
     """Rank ``rank``'s layout on ``side`` of a deployment at ``tp`` (prefill TP, decode TP). At (1, 1) the
-    simulator's original layout (no head geometry): those seeds run as they did before TP groups."""
+    simulator's original layout (no head geometry): those seeds run as they did before TP groups.
+    ``tokens``: a page-size seed's kv pool at that many tokens per page on this side (TP 1:1)."""
+    if tokens is not None:
+        return page_layout(side, tokens, pages)
     if tp == (1, 1):
         return sim_layout(side, pages)
     size = tp[0] if side == "prefill" else tp[1]
@@ -164,18 +167,50 @@ def page_content(rid: str, pos: int, buffer_index: int, buf: Buffer, tp_rank: in
 
 
 def fill_content(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first_pos: int,
-                 arrays: Mapping[str, np.ndarray] | None = None) -> None:
+                 arrays: Mapping[str, np.ndarray] | None = None, by_token: bool = False) -> None:
     """Write the request's content (this rank's heads) into ``pages`` (positions ``first_pos`` on) of every
     buffer of ``pool``: what the engine's prefill computed. ``arrays``: the memory's buffer views, when the
-    caller holds them (``memory.array`` makes a view per call)."""
+    caller holds them (``memory.array`` makes a view per call). ``by_token``: each token's bytes a function
+    of the token (``token_rows``), whatever the page size."""
     index, rank = memory.buffer_index, memory.layout.tp_rank
     page_list = pages.tolist()
     for buf in memory.layout.pool(pool).buffers:
         view = memory.array(buf.name) if arrays is None else arrays[buf.name]
+        if by_token:
+            view[pages] = token_rows(rid, first_pos, len(page_list), index[buf.name], buf)[0]
+            continue
         table = _table(buf.page_bytes, buf.heads, rank)
         # ``page_rows``, a page at a time: a request has a few pages, which numpy's fancy indexing costs more
         for page, start in zip(page_list, _starts(rid, first_pos, len(page_list), index[buf.name])):
             view[page] = table[start]
+
+
+@lru_cache(maxsize=64)
+def _token_index(heads: HeadGeometry) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each byte of a page of ``heads`` geometry, in the page's own order: (its head, its entry, its byte)."""
+    nh, t, hb = heads.num_heads, heads.tokens_per_page, heads.head_bytes
+    h, e, b = np.meshgrid(np.arange(nh), np.arange(t), np.arange(hb), indexing="ij")   # [head][entry][byte]
+    if heads.major == "token":
+        h, e, b = (a.transpose(1, 0, 2) for a in (h, e, b))                            # [entry][head][byte]
+    out = tuple(np.ascontiguousarray(a).reshape(-1).astype(np.int64) for a in (h, e, b))
+    for a in out:
+        a.flags.writeable = False
+    return out   # type: ignore[return-value]
+
+
+def token_rows(rid: str, first_pos: int, n: int, buffer_index: int, buf: Buffer) -> tuple[np.ndarray, np.ndarray]:
+    """A page-size seed's content of the request's pages ``first_pos .. first_pos + n - 1`` in ``buf`` (its
+    head geometry says where each token lies), one row each, and the request token each byte belongs to.
+    Byte ``b`` of head ``h`` at token ``e`` is ``(h x 1009 + e x head_bytes + b + start) % 251 + 1``: a
+    function of the token, not of the page, so two page sizes hold the same bytes at each token, and a
+    token at the wrong place or of the wrong head differs."""
+    assert buf.heads is not None
+    h, e, b = _token_index(buf.heads)
+    entries = buf.heads.tokens_per_page
+    tokens = (np.arange(first_pos, first_pos + n, dtype=np.int64)[:, None] * entries + e[None, :])
+    start = _rid_start(rid) + buffer_index * 13
+    rows = ((h[None, :] * 1009 + tokens * buf.heads.head_bytes + b[None, :] + start) % 251 + 1).astype(np.uint8)
+    return rows, tokens
 
 
 def all_are(values: np.ndarray, value: int) -> bool:

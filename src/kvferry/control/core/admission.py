@@ -18,12 +18,13 @@ from kvferry.control import wire
 from kvferry.control.core.links import Link
 from kvferry.control.core.sessions import Session
 from kvferry.errors import HandshakeError, IncompatiblePeer, KVFerryError, LayoutError, UsageError
-from kvferry.layout.compare import model_difference, shape_difference
+from kvferry.layout.compare import model_difference, shape_difference, translation_difference
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Layout
+from kvferry.plan.tokens import PageSizePlanner
 from kvferry.plan.tp import TPPlanner, source_ranks
 
-__all__ = ["as_secret", "auth_mac", "check_auth", "check_hello", "check_welcome", "layout_difference"]
+__all__ = ["as_secret", "auth_mac", "check_auth", "check_hello", "check_welcome", "layout_difference", "translates"]
 
 
 def auth_mac(secret: bytes, role: bytes, nonce_a: bytes, nonce_b: bytes, hello: bytes) -> bytes:
@@ -42,11 +43,25 @@ def as_secret(secret: str | bytes | None) -> bytes | None:
 
 
 def layout_difference(local: Layout, other: Layout) -> str | None:
-    """The first difference that forbids writing between the two layouts, or None: the shapes must match
-    at equal TP sizes; across TP sizes the two must be one model (heads are sliced between them)."""
+    """The first difference that forbids writing between the two layouts, or None: at equal TP sizes the
+    shapes must match but for pools' page sizes, which are translated where every token's bytes match
+    (``translation_difference``); across TP sizes the two must be one model (heads are sliced between them)
+    with equal page sizes."""
     if local.tp_size != other.tp_size:
+        for lp, rp in zip(local.pools, other.pools):
+            if lp.name == rp.name and lp.tokens_per_page != rp.tokens_per_page:
+                return (f"pool {lp.name!r}: tokens_per_page differs (local {lp.tokens_per_page}, remote "
+                        f"{rp.tokens_per_page}) and tp_size differs (local {local.tp_size}, remote "
+                        f"{other.tp_size}): page sizes are translated between equal TP sizes only")
         return model_difference(local, other)
-    return shape_difference(local, other)
+    if shape_difference(local, other) is None:
+        return None
+    return translation_difference(local, other)
+
+
+def translates(local: Layout, other: Layout) -> bool:
+    """Whether a pool's page size differs between the two (admitted) layouts: plans map token ranges."""
+    return any(lp.tokens_per_page != rp.tokens_per_page for lp, rp in zip(local.pools, other.pools))
 
 
 # -- prefill admits decode -------------------------------------------------------------------------------
@@ -85,6 +100,11 @@ def _check_decode_rank(memory: KVMemory, descriptors: str, session: Session, rem
         if descriptors == "prepped":  # "auto" posts TP plans as rows
             return "cross-TP writes move slices of pages: the transport must use descriptors='dlist' or 'auto'"
         session.planner = TPPlanner(memory, remote)  # slices derived once per session
+    elif translates(local, other):
+        if descriptors == "prepped":
+            return ("writes between page sizes move pieces of pages: the transport must use descriptors='dlist' "
+                    "or 'auto'")
+        session.translator = PageSizePlanner(memory, remote)  # per-buffer vectors built once per session
     return None
 
 
@@ -123,4 +143,5 @@ def _check_prefill_rank(memory: KVMemory, link: Link, remote: KVMemory) -> str |
                 f"{other.tp_size}, not rank {other.tp_rank}")
     link.rank, link.tp_size = other.tp_rank, other.tp_size
     link.planner = TPPlanner(remote, memory) if local.tp_size != other.tp_size else None
+    link.translator = PageSizePlanner(remote, memory) if link.planner is None and translates(local, other) else None
     return None

@@ -155,7 +155,8 @@ class DecodeCore(CoreBase):
             raise LeaseError(f"request {request_id!r} is already live ({old.state.value})")
         gen = next(self.generations)
         leased = self.leases.acquire(gen, request_id, pages)
-        rec = DecodeRequest(request_id, now + self.options.request_timeout, gen, links, self.options.lease_grace, now)
+        rec = DecodeRequest(request_id, now + self.options.request_timeout, gen, links, self.options.lease_grace, now,
+                            dict(held))
         self.remember(rec)
         self.by_gen[gen] = rec
         self.deadlines.push(rec)

@@ -57,13 +57,16 @@ class DecodeRequest(RequestRecord):
     """A request on this decode rank: one lease (its id is ``generation``), one part per prefill rank it
     needs (one at equal TP)."""
 
-    __slots__ = ("generation", "parts")
+    __slots__ = ("generation", "parts", "prefix")
 
     def __init__(self, request_id: str, deadline: float, generation: int, links: list[Link],
-                 lease_grace: float, now: float) -> None:
+                 lease_grace: float, now: float, prefix: dict[str, int] | None = None) -> None:
         super().__init__(request_id, RequestState.BOOTSTRAPPING, deadline, now)
         self.generation = generation
         self.parts = {link: Part(link, lease_grace) for link in links}
+        # Pool -> leading pages of the request this decode holds (its announce's prefix): where a pull read
+        # between page sizes begins in decode's tokens.
+        self.prefix: dict[str, int] = prefix or {}
 
     def settle(self, part: Part) -> bool:
         """``part`` can write no more; True once every part is settled (the lease may end)."""

@@ -17,6 +17,7 @@ from kvferry.errors import KVFerryError, PeerLost, UsageError
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Layout
+from kvferry.plan.tokens import PageSizePlanner
 from kvferry.plan.tp import PageSlice, TPPlanner, source_ranks
 
 __all__ = ["Link", "pick_links"]
@@ -46,6 +47,9 @@ class Link:
         # Across TP sizes: the planner of this prefill rank's slices of our pages (its memory -> ours): what
         # pull mode reads, and, as ``slices``, what its digests cover.
         self.planner: TPPlanner | None = None
+        # Between page sizes (equal TP): the planner of that prefill's chunks into our pages, by token (what
+        # pull mode reads).
+        self.translator: PageSizePlanner | None = None
         # Transfer mode asked for ("push": prefill writes; "pull": decode reads, see ``pull``). In pull
         # mode: prefill's memory as its Welcome describes it (what reads come from), the fence (the
         # longest gap between our own messages after which no read is accepted) and whether it tripped.

@@ -172,12 +172,12 @@ class PrefillCore(CoreBase):
 
     def preplan_target(self, request_id: str) -> tuple[Session, int, dict[str, np.ndarray]] | None:
         """Where a chunk of ``request_id`` sent now would go, when the caller may plan it on its own thread
-        (decode announced it, one rank, equal TP, no prefix); None otherwise (the loop plans it)."""
+        (decode announced it, one rank, equal TP and page sizes, no prefix); None otherwise (the loop plans it)."""
         rec = self.records.get(request_id)
         if not isinstance(rec, PrefillRequest) or not rec.is_live or len(rec.group) > 1 or rec.prefix:
             return None
         session = rec.session
-        if session is None or session.planner is not None or session.remote is None:
+        if session is None or session.planner is not None or session.translator is not None or session.remote is None:
             return None
         return session, rec.generation, rec.dst
 

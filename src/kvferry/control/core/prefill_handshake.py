@@ -102,8 +102,9 @@ class Handshake:
 
     def note_sessions(self) -> None:
         """After an established session came or went: whether ``send`` should hash source pages. Whole-page
-        digests hashed in ``send`` serve only equal-TP peers; when every connected peer is a cross-TP rank
-        they would be thrown away (its chunks get slice digests from the plan)."""
+        digests hashed in ``send`` serve only peers of equal TP and page sizes; when every connected peer is
+        a cross-TP rank or translates page sizes they would be thrown away (its chunks get digests from the
+        plan)."""
         core = self.core
         sessions = [s for s in core.sessions.values() if s.established]
-        core.hash_in_send = not sessions or any(s.planner is None for s in sessions)
+        core.hash_in_send = not sessions or any(s.planner is None and s.translator is None for s in sessions)

@@ -17,6 +17,7 @@ from kvferry.control import wire
 from kvferry.control.core.base import FlushNow
 from kvferry.control.core.coverage import cover
 from kvferry.control.core.digests import chunk_digests
+from kvferry.control.core.page_sizes import chunk_spans, cover_tokens
 from kvferry.control.core.prefill_requests import ChunkSpec, PrefillRequest, chunk_pairs, group_done, past_prefix
 from kvferry.control.core.sessions import Session
 from kvferry.control.core.states import RequestState
@@ -52,16 +53,28 @@ class Writer:
         core = self.core
         session = rec.session
         assert session is not None and session.remote is not None
-        spec = past_prefix(rec, sent)
-        if spec is None:
-            return   # wholly inside decode's prefix: nothing moves, and no chunk is counted
-        planned = spec.planned
-        if planned is not None and planned.matches(rec):
-            pairs, plan = planned.pairs, planned.plan
+        translator = session.translator
+        if translator is not None:   # page sizes differ: the chunk's tokens, past decode's prefix
+            spans = chunk_spans(translator, rec, sent)
+            if spans is None:
+                return   # wholly inside decode's prefix: nothing moves, and no chunk is counted
+            spec = sent
+            pairs = {pool: (span.src_pages, span.dst_pages) for pool, span in spans.items()}
+            plan = translator.plan(spans, spec.buffer_ids)
+            cover_tokens(core.memory.layout, translator, rec, spec, spans)
+            positions = {pool: translator.position(pool, span) for pool, span in spans.items()}
         else:
-            pairs = chunk_pairs(rec.request_id, rec.dst, spec)
-            plan = core.plan(session, pairs, spec.buffer_ids)
-        cover(core.memory.layout, rec, spec)
+            spec = past_prefix(rec, sent)
+            if spec is None:
+                return   # wholly inside decode's prefix: nothing moves, and no chunk is counted
+            planned = spec.planned
+            if planned is not None and planned.matches(rec):
+                pairs, plan = planned.pairs, planned.plan
+            else:
+                pairs = chunk_pairs(rec.request_id, rec.dst, spec)
+                plan = core.plan(session, pairs, spec.buffer_ids)
+            cover(core.memory.layout, rec, spec)
+            positions = {pool: spec.offsets[pool] for pool in pairs}
         index = rec.next_chunk
         rec.next_chunk += 1
         mode = core.digest_mode.stronger(session.digest_mode)
@@ -70,7 +83,7 @@ class Writer:
                            digests)
         self.check_current(rec, session)
         if session.mode == "pull":
-            self.offer(rec, session, spec, pairs, chunk)   # decode reads it: this side writes nothing
+            self.offer(rec, session, spec, pairs, positions, chunk)   # decode reads it: this side writes nothing
         else:
             queued = Queued(rec, plan, wire.encode(chunk), f"{rec.request_id}#{index}")
             if core.batches.wanted() and core.options.batch_chunks > 1 and joinable(plan):
@@ -85,12 +98,13 @@ class Writer:
             core.set_state(rec, RequestState.TRANSFERRING)
 
     def offer(self, rec: PrefillRequest, session: Session, spec: ChunkSpec,
-              pairs: dict[str, tuple[np.ndarray, np.ndarray]], chunk: wire.Chunk) -> None:
-        """Pull mode: tell decode the chunk's source pages are ready (instead of writing them); hold them."""
+              pairs: dict[str, tuple[np.ndarray, np.ndarray]], positions: dict[str, int], chunk: wire.Chunk) -> None:
+        """Pull mode: tell decode the chunk's source pages are ready (instead of writing them); hold them.
+        ``positions``: per pool, where decode's read begins (``wire.Ready``'s offsets)."""
         core = self.core
         src = {pool: pages for pool, (pages, _) in pairs.items()}
         ready = wire.Ready(rec.request_id, rec.generation, chunk.chunk, chunk.last, chunk.num_chunks,
-                           wire.encode_pages(src), {pool: spec.offsets[pool] for pool in src},
+                           wire.encode_pages(src), {pool: positions[pool] for pool in src},
                            list(spec.buffers or ()), chunk.digests)
         core.holds.hold(rec)
         if not session.read_once:

@@ -96,10 +96,16 @@ def fenced(link: Link, now: float) -> str | None:
 def read_plan(memory: KVMemory, leases: LeaseTable, rec: DecodeRequest, link: Link, msg: wire.Ready) -> Plan:
     """The read of one chunk: prefill's pages (untrusted: checked against its layout) into the leased pages
     from each pool's offset on (bounded by the lease). Across TP sizes, only the head slices this decode rank
-    needs from that prefill rank (the link's ``TPPlanner``, built at the handshake), as push writes them."""
+    needs from that prefill rank (the link's ``TPPlanner``, built at the handshake), as push writes them.
+    Between page sizes, the offset is the first source page's position in the whole request, and its tokens
+    land by token past decode's prefix (the link's ``PageSizePlanner``), as push writes them."""
     assert link.remote is not None
     src = validate_pages(link.remote.layout, "source", wire.decode_pages(msg.pages), PlanError, unique=False)
     leased = leases.pages(rec.generation)
+    if link.translator is not None:   # page sizes differ: the chunk's tokens (prefill positions) past our prefix
+        positions = {pool: msg.offsets.get(pool, 0) for pool in src}
+        spans = link.translator.spans(src, positions, leased, rec.prefix, rec.request_id)
+        return link.translator.plan(spans, select_buffers(memory, msg.buffers or None))
     pairs = {}
     for pool, pages in src.items():
         dst, offset = leased.get(pool), msg.offsets.get(pool, 0)

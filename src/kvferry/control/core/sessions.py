@@ -19,6 +19,7 @@ from kvferry.control.core.timers import PeerClock
 from kvferry.integrity import DigestMode
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Pool
+from kvferry.plan.tokens import PageSizePlanner
 from kvferry.plan.tp import TPPlanner
 
 if TYPE_CHECKING:
@@ -46,6 +47,8 @@ class Session:
         self.digest_mode = DigestMode.OFF
         # Set at the handshake when decode runs another TP size: plans (and digests) are per head slice.
         self.planner: TPPlanner | None = None
+        # Set at the handshake when a pool's page size differs on decode (equal TP): chunks map token ranges.
+        self.translator: PageSizePlanner | None = None
         self._writes: dict[str, np.ndarray] = {}
         self.clock = clock   # when we last heard from this decode, and it from us (core.timers)
         # Set when this process sent it nothing for longer than peer_timeout (a stall, or a starved thread):

@@ -30,7 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvferry.errors import UsageError
-from kvferry.integrations.vllm.layout import GroupSpec, RankPlace, memory_from_kv_caches, rank_kv_heads
+from kvferry.integrations.vllm.layout import (
+    GroupSpec,
+    RankPlace,
+    cpu_kernel_parts,
+    memory_from_kv_caches,
+    rank_kv_heads,
+)
 from kvferry.integrations.vllm.scheduler import SchedulerSide, StepPlan
 from kvferry.integrations.vllm.stats import KVFerryConnectorStats, KVFerryPromMetrics, StatsTaker
 from kvferry.integrations.vllm.worker import WorkerConfig, WorkerSide
@@ -98,7 +104,8 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         place = _rank_place(self._vllm_config)
         kinds = _kinds(self._vllm_config, kv_caches, self._groups) | _state_kinds(self._kv_cache_config)
         memory = memory_from_kv_caches(kv_caches, self._groups, self._kv_cache_config.num_blocks,
-                                       cache_dtype=cache_dtype, kinds=kinds, place=place)
+                                       cache_dtype=cache_dtype, kinds=kinds, place=place,
+                                       head_parts=_head_parts(self._vllm_config, kv_caches, cache_dtype))
         self._worker = WorkerSide(self._config.for_rank(place.tp_rank), memory)
         log.info("kvferry: %s registered %d buffers in %d pools (%.1f MiB), prefill address %s",
                  self._config.role, len(memory.layout.buffers), len(memory.layout.pools),
@@ -338,3 +345,20 @@ def _kinds(vllm_config: VllmConfig, kv_caches: dict[str, Any], groups: tuple[Gro
         window = f"/window{windows[layer]}" if windows.get(layer) is not None else ""   # compared too
         kinds[layer] = f"kv/{backend}{isa}{window}"
     return kinds
+
+
+def _head_parts(vllm_config: VllmConfig, kv_caches: dict[str, Any], cache_dtype: str,
+                ) -> dict[str, tuple[tuple[int, int], ...] | None]:
+    """Each CPU attention layer's order inside a head's block (``layout.cpu_kernel_parts``), from the ISA
+    vLLM's CPU backend chose for it (``layer.isa``, set before the KV cache is registered). Other devices'
+    kernels were not read: their layers declare none, and move between equal block sizes only."""
+    context = vllm_config.compilation_config.static_forward_context
+    parts: dict[str, tuple[tuple[int, int], ...] | None] = {}
+    for layer, tensor in kv_caches.items():
+        shape = tuple(tensor.shape)
+        if tensor.device.type != "cpu" or cache_dtype != "auto" or len(shape) != 4:
+            parts[layer] = None
+            continue
+        isa = getattr(context.get(layer), "isa", None)
+        parts[layer] = cpu_kernel_parts(isa, shape[3] // 2, str(tensor.dtype).removeprefix("torch."))
+    return parts

@@ -15,10 +15,17 @@ attention block of another layer would use. Its block table is not per token: wi
 every step and final once the request stops. So a state group adds one page per request to the pool's list,
 after the token-paged groups' pages (see ``request_pages``), and the page moves whole, padding included.
 
-Pages are whole blocks. What a block holds inside depends on the attention kernel (the CPU fp32 kernel
-stores each head's K transposed, then its V), so slicing tokens or heads out of a block by the tensor's
-shape would be wrong; copying whole blocks between two instances of the same kernel is always right, and
-the kernel's name goes into each buffer's ``kind`` so the handshake refuses two different ones.
+Pages are whole blocks. What a block holds inside depends on the attention kernel, so slicing tokens out
+of a block by the tensor's shape would be wrong; copying whole blocks between two instances of the same
+kernel is always right, and the kernel's name goes into each buffer's ``kind`` so the handshake refuses two
+different ones. Between two block sizes whole blocks do not pair, and a token's bytes must be found inside
+a block: vLLM-CPU's tensor is ``[num_blocks, kv_heads, block_size, 2 x head_size]``, but its kernel (ISAs
+``vec`` and ``vec16``, read off ``cpu_attn_reshape_and_cache`` for fp32, bf16 and fp16 at block sizes 32,
+64 and 128: tests/test_vllm_block_sizes.py) keeps each head's block as K ``[head_size][block_size]`` (a
+token's K is one element in each of ``head_size`` rows) and then V ``[block_size][head_size]``. The buffers
+declare that as their head geometry's parts (``cpu_kernel_parts``), and ``kvferry.plan.tokens`` maps token
+ranges by them. A kernel not read that way (AMX, NEON, ...), a sliding-window group or several groups
+declare none (parts None): their blocks move between equal block sizes only.
 
 No vLLM import here: tensors are duck-typed (``shape``, ``dtype``, ``data_ptr``), so numpy arrays work too.
 """
@@ -37,8 +44,9 @@ from kvferry.errors import LayoutError
 from kvferry.layout import Buffer, HeadGeometry, KVMemory, Layout, Pool
 from kvferry.layout.spec import MAX_NAME_LEN
 
-__all__ = ["HYBRID_POOL", "NULL_BLOCK", "GroupSpec", "RankPlace", "decode_pages", "memory_from_kv_caches",
-           "num_blocks_for", "pool_name", "rank_kv_heads", "request_pages", "single_pool", "token_block_size"]
+__all__ = ["CPU_KERNEL_ISAS", "HYBRID_POOL", "NULL_BLOCK", "GroupSpec", "RankPlace", "cpu_kernel_parts", "decode_pages",
+           "memory_from_kv_caches", "num_blocks_for", "pool_name", "rank_kv_heads", "request_pages", "single_pool",
+           "token_block_size"]
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
@@ -118,13 +126,31 @@ def rank_kv_heads(total_kv_heads: int, tp_size: int) -> int | None:
     return total_kv_heads // tp_size
 
 
-def _heads(view: Any, page_bytes: int, block_size: int, place: RankPlace) -> HeadGeometry | None:
+# vLLM-CPU attention ISAs whose block order was read off the kernel (see the module docstring)
+CPU_KERNEL_ISAS = ("vec", "vec16")
+_PROBED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def cpu_kernel_parts(isa: str | None, head_size: int, dtype: str) -> tuple[tuple[int, int], ...] | None:
+    """A head's block of vLLM-CPU's attention kernel as ``HeadGeometry.parts``: K as ``head_size`` rows of a
+    token's one element each, then V token by token; None for an ISA or element type not read (the kernel's
+    order there is unknown: no page-size translation)."""
+    if isa not in CPU_KERNEL_ISAS or dtype not in _PROBED_DTYPES:
+        return None
+    itemsize = 4 if dtype == "float32" else 2
+    return ((head_size, itemsize), (1, head_size * itemsize))
+
+
+def _heads(view: Any, page_bytes: int, block_size: int, place: RankPlace,
+           parts: tuple[tuple[int, int], ...] | None = None) -> HeadGeometry | None:
     """How one block of ``view`` (``[num_blocks, ...]``) cuts into this rank's KV heads, or None.
 
     Head-major ``[num_blocks, heads, block_size, ...]`` (the CPU kernels: each head's part of a block is
-    contiguous, whatever it holds inside) or token-major ``[num_blocks, block_size, heads, ...]`` (the CUDA
-    flash-attention K and V views). Whole heads are what moves between TP sizes, so the order inside a
-    head's part never matters; a shape that could be either (as many heads as tokens per block) gets none."""
+    contiguous; ``parts`` says what it holds inside, None when unknown) or token-major ``[num_blocks,
+    block_size, heads, ...]`` (the CUDA flash-attention K and V views: a token's bytes lie where the shape
+    says, unless ``parts`` is None). Whole heads are what moves between TP sizes, so the order inside a
+    head's part matters only between block sizes; a shape that could be either (as many heads as tokens
+    per block) gets none."""
     if place.replicated:
         return HeadGeometry.whole_page(page_bytes)
     heads = place.kv_heads
@@ -133,9 +159,9 @@ def _heads(view: Any, page_bytes: int, block_size: int, place: RankPlace) -> Hea
         return None
     head_bytes = page_bytes // (heads * block_size)
     if shape[1] == heads:
-        return HeadGeometry(heads, head_bytes, block_size, "head")
+        return HeadGeometry(heads, head_bytes, block_size, "head", parts=parts)
     if shape[1] == block_size and shape[2] == heads:
-        return HeadGeometry(heads, head_bytes, block_size, "token")
+        return HeadGeometry(heads, head_bytes, block_size, "token", parts=None if parts is None else ())
     return None
 
 
@@ -248,7 +274,8 @@ def _position_major(columns: Sequence[tuple[int, list[int]]], need: int) -> list
 
 def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSpec], num_blocks: int, *,
                           cache_dtype: str = "auto", kinds: Mapping[str, str] | None = None,
-                          place: RankPlace = RankPlace()) -> KVMemory:
+                          place: RankPlace = RankPlace(),
+                          head_parts: Mapping[str, tuple[tuple[int, int], ...] | None] | None = None) -> KVMemory:
     """Bind vLLM's per-layer KV tensors as a ``KVMemory``: a buffer per tensor, a pool per group.
 
     A tensor is ``[num_blocks, ...]`` (one buffer named after the layer) or ``[2, num_blocks, ...]`` (K and
@@ -267,6 +294,11 @@ def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSp
     ``place``: the worker's TP rank; each buffer then says how its blocks cut into this rank's KV heads
     (``_heads``), which lets kvferry's TP planner move KV between prefill and decode of different TP sizes.
     A buffer holding state has none: state moves between equal TP sizes only.
+
+    ``head_parts``: per layer, where a token's bytes lie inside a head's block (``cpu_kernel_parts``; a
+    token-major layer needs only ``()``: the shape says it). A layer without, a sliding-window group, and
+    several groups declare none (parts None): the handshake then refuses a prefill or decode of another
+    block size, since their block lists do not start at token 0 on both sides alike (a window's first block).
     """
     if not single_pool(groups):
         return _hybrid_memory(kv_caches, groups, num_blocks, cache_dtype, kinds or {}, place)
@@ -280,8 +312,9 @@ def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSp
             kind = (kinds or {}).get(layer, "kv")
             for name, view in _block_views(layer, kv_caches[layer], num_blocks):
                 page_bytes = _nbytes(view) // num_blocks
+                parts = (head_parts or {}).get(layer) if group.sliding_window is None else None
                 buffers.append(Buffer(name, page_bytes, num_blocks, _dtype(view, cache_dtype), kind,
-                                      _layer_index(layer), _heads(view, page_bytes, group.block_size, place)))
+                                      _layer_index(layer), _heads(view, page_bytes, group.block_size, place, parts)))
                 arrays[name] = view
         pools.append(Pool(pool_name(index), buffers, tokens_per_page=group.block_size))
     return KVMemory.from_arrays(Layout(pools, place.tp_size, place.tp_rank), arrays)

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.errors import LayoutError, UsageError
-from kvferry.integrations.vllm.layout import GroupSpec, decode_pages, request_pages, token_block_size
+from kvferry.integrations.vllm.layout import GroupSpec, decode_pages, request_pages
 from kvferry.integrity.binding import Binding, token_binding
 
-__all__ = ["HELD_BACK_KEY", "RecvSpec", "SchedulerSide", "SendSpec", "StepPlan", "transfer_params"]
+__all__ = ["BINDING_TOKENS", "HELD_BACK_KEY", "RecvSpec", "SchedulerSide", "SendSpec", "StepPlan", "transfer_params"]
 
 # The keys kvferry adds to a request's kv_transfer_params (the rest are vLLM's own PD conventions).
 ADDRESS_KEY = "kvferry_address"
@@ -44,6 +44,8 @@ NUM_TOKENS_KEY = "remote_num_tokens"
 SKIPPED_KEY = "kvferry_not_sent"   # why prefill sent nothing (decode then prefills the request itself)
 # Prefill's own mark on a request whose last prompt token it held back (a model with state groups).
 HELD_BACK_KEY = "kvferry_held_back"
+# Tokens per binding entry (integrity.binding), whatever either side's block size.
+BINDING_TOKENS = 16
 # Tests only: a request whose params carry this key is announced unbound, on a decode whose extra config sets
 # ``unbound_for_tests`` (the negative control of tests/test_vllm.py: the swap it refuses, served).
 UNBOUND_KEY = "kvferry_unbound_for_tests"
@@ -207,12 +209,12 @@ class SchedulerSide:
                                   "between equal TP sizes only")
 
     def _binding(self, request_id: str, prompt_token_ids: Sequence[int] | None) -> Binding | None:
-        """The prompt's binding, in vLLM's blocks (equal on both sides: the handshake compares them), named
-        by this side's request id; None without the tokens (an unbound hand-off)."""
+        """The prompt's binding, in ``BINDING_TOKENS`` (not vLLM's blocks: prefill and decode may run
+        different block sizes, and both must state the same entries), named by this side's request id; None
+        without the tokens (an unbound hand-off)."""
         if prompt_token_ids is None:
             return None
-        block_tokens = token_block_size(self.groups) or self.groups[0].block_size
-        return token_binding(prompt_token_ids, block_tokens, label=request_id)
+        return token_binding(prompt_token_ids, BINDING_TOKENS, label=request_id)
 
     # -- both ------------------------------------------------------------------------------------------
     def finished(self, request_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[Sequence[int]],
