@@ -30,3 +30,17 @@ def sglang_gateway_argv(python: str, policy: str, prefills: Sequence[tuple[str, 
     for url in decodes:
         cmd += ["--decode", url]
     return [*cmd, "--host", "127.0.0.1", "--port", str(port)]
+
+
+def dynamo_frontend_argv(python: str, port: int) -> list[str]:
+    """NVIDIA Dynamo's HTTP frontend (its router: a prefill, then a decode, per request); one machine, its file
+    discovery (no etcd or NATS)."""
+    return [python, "-m", "dynamo.frontend", "--http-port", str(port), "--discovery-backend", "file"]
+
+
+def dynamo_worker_argv(python: str, model: str, mode: str, kv_transfer_config: str,
+                       extra: Sequence[str] = ()) -> list[str]:
+    """Dynamo's vLLM worker as a ``prefill`` or ``decode`` with kvferry's connector: the plain ``dynamo.vllm``
+    (kvferry's vLLM plugin registers it as a PD connector there). ``extra``: engine flags (a CPU's)."""
+    return [python, "-m", "dynamo.vllm", "--model", model, "--discovery-backend", "file", "--disaggregation-mode",
+            mode, "--kv-transfer-config", kv_transfer_config, *extra]
