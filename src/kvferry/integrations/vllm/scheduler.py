@@ -159,8 +159,8 @@ class SchedulerSide:
         if str(count).rstrip("0") != "1":   # 1, 10, 100, ...: the first says it, the rest say it goes on
             return None
         return (f"kvferry decode: request {request_id} came with {why}: this instance computes its "
-                f"{num_prompt_tokens} prompt tokens itself, none arrive from a prefill ({count} such requests "
-                "so far). The router in front did not hand it off from a kvferry prefill; behind smg, register "
+                f"{num_prompt_tokens} prompt tokens itself, none arrive from a prefill ({count} so far on this "
+                "instance). The router in front did not hand it off from a kvferry prefill; behind smg, register "
                 'the vLLM workers with "kv_connector": "NixlConnector" (docs/deploy.md). Expected only where '
                 "this instance serves some requests whole on purpose.")
 
