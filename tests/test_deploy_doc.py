@@ -7,11 +7,19 @@ word the same. A page edited without the tests, or the tests without the page, f
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
 
-from .deploy_commands import sglang_gateway_argv, vllm_router_argv
+from .deploy_commands import (
+    dynamo_frontend_argv,
+    dynamo_worker_argv,
+    sglang_gateway_argv,
+    smg_argv,
+    smg_worker,
+    vllm_router_argv,
+)
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
 
@@ -62,3 +70,33 @@ def test_each_server_line_names_kvferry() -> None:
         else:
             assert argv[argv.index("--disaggregation-transfer-backend") + 1] == "kvferry", argv
     assert '"kv_connector": "KVFerryConnector"' in page and "export SGLANG_PLUGINS=kvferry" in page
+
+
+def test_the_dynamo_lines_are_the_tested_ones() -> None:
+    """The frontend and both workers as tests/test_dynamo.py builds them (its CPU flags after the page's words),
+    the prefill with ``$KV`` (kvferry's connector), the decode with its consumer twin."""
+    [frontend] = [c for c in commands() if c[:3] == ["python", "-m", "dynamo.frontend"]]
+    [[port]] = values(frontend, "--http-port")
+    assert frontend == dynamo_frontend_argv("python", int(port))
+    workers = {values(c, "--disaggregation-mode")[0][0]: c for c in commands()
+               if c[:3] == ["python", "-m", "dynamo.vllm"]}
+    assert sorted(workers) == ["decode", "prefill"]
+    assert workers["prefill"] == dynamo_worker_argv("python", "MODEL", "prefill", "$KV")
+    assert workers["decode"] == dynamo_worker_argv("python", "MODEL", "decode", "${KV/kv_producer/kv_consumer}")
+
+
+def test_the_smg_lines_are_the_tested_ones() -> None:
+    """smg started without workers, then every vLLM server of the page registered with the body
+    tests/test_smg.py posts (kvferry's hand-off under NixlConnector's name)."""
+    [launch] = [c for c in commands() if c[:2] == ["smg", "launch"]]
+    [[port]], [[metrics]] = values(launch, "--port"), values(launch, "--prometheus-port")
+    assert launch == smg_argv("smg", int(port), int(metrics))
+    posts = [c for c in commands() if c[:3] == ["curl", "-X", "POST"]]
+    assert len(posts) == 4
+    for argv in posts:
+        assert argv[3] == f"http://127.0.0.1:{port}/workers"
+        [[body]] = values(argv, "-d")
+        got = json.loads(body)
+        assert got == smg_worker(got["url"], got["worker_type"]), got
+    kinds = sorted(json.loads(values(c, "-d")[0][0])["worker_type"] for c in posts)
+    assert kinds == ["decode", "decode", "prefill", "prefill"]

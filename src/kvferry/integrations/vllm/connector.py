@@ -176,9 +176,15 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
 
     def on_new_request(self, request: Request) -> None:
         """Prefill of a model with state groups: take the prompt's last token off a request that hands its KV
-        to a decode, which computes that token over the state (``SchedulerSide.hold_back``)."""
+        to a decode, which computes that token over the state (``SchedulerSide.hold_back``). Decode-only: warn
+        when requests come without a hand-off (``SchedulerSide.unhanded``)."""
         if self._scheduler is None:
             raise UsageError('kvferry connector: a scheduler-side hook was called on the worker-side instance')
+        if self._config.role == "consumer":   # decode-only: say when the router handed nothing off
+            warning = self._scheduler.unhanded(request.request_id, request.kv_transfer_params,
+                                               request.num_prompt_tokens)
+            if warning is not None:
+                log.warning("%s", warning)
         tokens = request.prompt_token_ids
         has_ids = (tokens is not None and request.prompt_embeds is None and request.num_computed_tokens == 0
                    and getattr(request, "prompt_is_token_ids", None) is None)   # not embeddings, not mixed

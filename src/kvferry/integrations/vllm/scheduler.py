@@ -34,7 +34,8 @@ from kvferry.errors import LayoutError, UsageError
 from kvferry.integrations.vllm.layout import GroupSpec, decode_pages, request_pages
 from kvferry.integrity.binding import Binding, token_binding
 
-__all__ = ["BINDING_TOKENS", "HELD_BACK_KEY", "RecvSpec", "SchedulerSide", "SendSpec", "StepPlan", "transfer_params"]
+__all__ = ["BINDING_TOKENS", "HELD_BACK_KEY", "RecvSpec", "SchedulerSide", "SendSpec", "StepPlan", "missing_handoff",
+           "transfer_params"]
 
 # The keys kvferry adds to a request's kv_transfer_params (the rest are vLLM's own PD conventions).
 ADDRESS_KEY = "kvferry_address"
@@ -120,6 +121,7 @@ class SchedulerSide:
     _loading: set[str] = field(default_factory=set)     # decode: announce staged, not yet reported back
     _holding: set[str] = field(default_factory=set)     # blocks vLLM keeps until the worker reports them
     _taken: set[str] = field(default_factory=set)       # decode: KV already asked for, never twice
+    unhanded_requests: int = 0   # decode-only: requests that came without a kvferry hand-off (``unhanded``)
 
     @property
     def backoff(self) -> int:
@@ -147,6 +149,23 @@ class SchedulerSide:
         return True
 
     # -- decode ----------------------------------------------------------------------------------------
+    def unhanded(self, request_id: str, params: Mapping[str, Any] | None, num_prompt_tokens: int) -> str | None:
+        """A decode-only instance (``kv_consumer``) got a request that carries no hand-off from a kvferry
+        prefill: vLLM computes its whole prompt here, and nothing else says so (the client's answer is the
+        same, only slower). The warning to log, on the 1st, 10th, 100th, ... such request, else None."""
+        why = missing_handoff(params)
+        if why is None:
+            return None
+        self.unhanded_requests += 1
+        count = self.unhanded_requests
+        if str(count).rstrip("0") != "1":   # 1, 10, 100, ...: the first says it, the rest say it goes on
+            return None
+        return (f"kvferry decode: request {request_id} came with {why}: this instance computes its "
+                f"{num_prompt_tokens} prompt tokens itself, none arrive from a prefill ({count} so far on this "
+                "instance). The router in front did not hand it off from a kvferry prefill; behind smg, register "
+                'the vLLM workers with "kv_connector": "NixlConnector" (docs/deploy.md). Expected only where '
+                "this instance serves some requests whole on purpose.")
+
     def matched_tokens(self, request_id: str, num_prompt_tokens: int, params: Mapping[str, Any] | None,
                        num_computed_tokens: int) -> tuple[int, bool]:
         """vLLM's ``get_num_new_matched_tokens``: every prompt token of a remote-prefilled request past
@@ -263,6 +282,18 @@ class SchedulerSide:
     def has_pending_work(self) -> bool:
         """Whether vLLM must keep stepping: staged work, or blocks held for a transfer still in flight."""
         return bool(self._sends or self._recvs or self._aborts or self._failures or self._issues or self._holding)
+
+
+def missing_handoff(params: Mapping[str, Any] | None) -> str | None:
+    """What a decode's request lacks to receive its KV from a kvferry prefill, or None: it has kvferry's
+    hand-off, or its prefill said why it sent none (``SKIPPED_KEY``: decode prefills it, as planned)."""
+    if not params:
+        return "no kv_transfer_params"
+    if _wants_remote_prefill(params) or SKIPPED_KEY in params:
+        return None
+    if params.get("do_remote_prefill"):
+        return f"another connector's kv_transfer_params (keys {sorted(params)}, no {ADDRESS_KEY})"
+    return f"kv_transfer_params that ask for no remote prefill (keys {sorted(params)})"
 
 
 def _wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:
