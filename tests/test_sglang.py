@@ -273,6 +273,16 @@ def test_kvferry_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_
     _kvferry_ranks_all_exact(pool, prefill_tp, decode_tp)
 
 
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
+def test_kvferry_backend_hybrid_state_across_tp_sizes(prefill_tp: int, decode_tp: int) -> None:
+    """SGLang's own hybrid pools (tests/sglang_peer.py ``build_gdn_pool``: a HybridLinearKVPool, full attention
+    beside a MambaPool of gated-delta-net state, Qwen3-Next's layout scaled down) between attention TP sizes,
+    a process per rank. Decode checks every state slot channel by channel: each of its conv channels, sub-block
+    by sub-block (q, k, v each sharded on its own), and each recurrent-state head from the prefill rank holding
+    it, at its place there; the KV pages head by head; every other slot untouched."""
+    _kvferry_ranks_all_exact("gdn", prefill_tp, decode_tp)
+
+
 @pytest.mark.slow   # as above
 @pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), [("mha", 2, 1), ("mha", 1, 2), ("mha", 4, 2)])
 def test_sglang_nixl_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:

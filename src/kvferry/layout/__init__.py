@@ -1,7 +1,8 @@
 """The layout layer: what KV memory holds (buffers, pools, layouts), where it is (``KVMemory``), presets.
 
 Above ``errors``, ``arrays`` and ``codec``; below ``plan``. Inside, bottom to top: ``manifest`` (wire
-structs), ``state`` (how a state page is cut across TP ranks), ``spec`` (``Buffer``, ``Pool``, ``Layout``), ``compare`` (first difference between two layouts),
+structs), ``state`` (how a state page is cut across TP ranks), ``spec`` (``Buffer``, ``Pool``, ``Layout``),
+``compare`` (first difference between two layouts),
 ``memory`` (the binding of buffers to addresses), ``presets`` (six model families).
 """
 
