@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields, replace
 from kvferry.control.core.options import EndpointOptions
 from kvferry.layout.spec import Buffer, Layout, Pool
 
-__all__ = ["DATA_STORM", "DATA_TIMEOUT", "OPTIONS", "READ_STORM", "SimConfig", "Swarm", "sim_layout"]
+__all__ = ["DATA_STORM", "DATA_TIMEOUT", "OPTIONS", "READ_STORM", "STATE_LAYERS", "SimConfig", "Swarm",
+           "sim_layout"]
 
 # Short timers: a run covers many peer timeouts, deadlines and grace periods in a few simulated seconds.
 # ``transport_liveness`` is each seed's (``Swarm.zmtp``): the world copies these with it set.
@@ -41,6 +42,8 @@ def sim_layout(side: str, pages: int = 128) -> Layout:
 
 
 LAYERS = (("kv.L0", "idx.L0", "c.L0"), ("kv.L1", "c.L1"))
+# With the state pool (TP seeds, ``simulation.tp.STATE_POOL``): each layer's send carries its state buffer.
+STATE_LAYERS = (("kv.L0", "idx.L0", "c.L0", "s.L0"), ("kv.L1", "c.L1", "s.L1"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +66,10 @@ class SimConfig:
     # The share of seeds (when ``tp`` is None) that draw a pair with TP 4 or 8 (``tp.WIDE_PAIRS``) instead; 0:
     # every seed runs the pair it always drew (``tp.TP_PAIRS``), and at any share the other seeds still do.
     wide_tp: float = 0.0
+    # The share of seeds at a TP pair other than 1:1 whose layouts also hold a state pool (``tp.STATE_POOL``:
+    # Mamba/GDN-like channel sections sliced across TP), decided by a stream of its own: every other seed runs
+    # as it did before state pools.
+    state_share: float = 0.5
 
 
 @dataclass(frozen=True, slots=True)

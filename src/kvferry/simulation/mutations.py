@@ -21,6 +21,9 @@ Two only a TP group of another size can show (``simulation.tp``):
    heads, or past the page. Digests do not help: decode checks the slices the same planner derived.
 8. ``group_done_early``: a prefill rank reports a request DONE once its own decode rank verified it,
    without waiting for the other decode ranks of the request's group.
+12. ``tp_state_slice``: the TP planner cuts a state buffer's channel sections for the next decode rank
+    (``(d + 1) % D``) instead of decode rank ``d``: rank 0's channels land on rank 1, a replicated section
+    comes from another prefill rank's election, and some channels are never written.
 
 One only copied messages can show (``Swarm.duplicate``):
 
@@ -60,6 +63,7 @@ from kvferry.control.core.holds import SourceHolds
 from kvferry.control.core.prefill_announces import Announces
 from kvferry.control.core.prefill_writer import Writer
 from kvferry.layout.memory import KVMemory
+from kvferry.plan import ranks as plan_ranks
 from kvferry.plan import tp as plan_tp
 
 __all__ = ["EXPECTED", "MUTATIONS", "mutation"]
@@ -149,6 +153,12 @@ def _slice_offset(orig: Callable[..., Any]) -> Callable[..., Any]:
     return slice_of
 
 
+def _state_slice(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def state_slice_of(sb: Any, db: Any, gid: int, r: int, d: int, ptp: int, dtp: int) -> Any:
+        return orig(sb, db, gid, r, (d + 1) % dtp, ptp, dtp)   # the bug: the next decode rank's channels
+    return state_slice_of
+
+
 def _group_done_early(rec: Any) -> bool:
     return True   # the bug: this decode rank's verdict stands for the group's
 
@@ -182,6 +192,7 @@ MUTATIONS: dict[str, tuple[Any, str, Callable[[Any], Any]]] = {
     "pull_release_early": (SourceHolds, "hold", lambda orig: _no_hold),
     "tp_slice_offset": (plan_tp, "slice_of", _slice_offset),
     "group_done_early": (prefill_writer, "group_done", lambda orig: _group_done_early),
+    "tp_state_slice": (plan_ranks, "state_slice_of", _state_slice),
     "announce_copy_answered": (Announces, "on_announce", _announce_copy_answered),
     "pull_fence_off": (decode_reader, "fenced", lambda orig: _fence_off),
     "pull_fence_link_only": (decode_reader, "fenced", lambda orig: _fence_link_only),
@@ -202,6 +213,8 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     # Another rank's heads overwritten (or never written: a_lease when the slice runs past the page).
     "tp_slice_offset": ("b_done_bytes", "a_lease"),
     "group_done_early": ("b_group_verdict",),
+    # Another decode rank's channels where this rank's belong (or none written there).
+    "tp_state_slice": ("b_done_bytes",),
     # Writes into pages decode freed (at the copy's Fail) or leased again (a late copy), or a request the
     # copy opened that nothing will end.
     "announce_copy_answered": ("a_lease", "e_at_rest"),
