@@ -280,3 +280,15 @@ def test_digests_cover_a_state_slice_section_by_section() -> None:
     arr[2, geo.sections[1].offset + geo.sections[1].stride] ^= 1   # section 1 (replicated B), row 1
     with pytest.raises(PageMismatchError, match=r"buffer 'L0.state' \(layer 0\), page 2"):
         verify_digests(dst, digests, plan.slices)
+
+
+def test_a_manifest_with_too_many_state_rows_is_refused_before_any_is_built() -> None:
+    import msgspec
+
+    from kvferry.layout.manifest import MANIFEST_VERSION, BufferMsg, LayoutMsg, PoolMsg, StateSectionMsg
+
+    sections = [StateSectionMsg(i * 8, 1, 4, 1 << 16, 1 << 20, True) for i in range(2)]
+    bufs = [BufferMsg(f"b{i}", 1 << 38, 1, "f32", "state", None, None, sections) for i in range(9)]
+    data = msgspec.msgpack.encode(LayoutMsg(MANIFEST_VERSION, [PoolMsg("s", None, bufs)]))
+    with pytest.raises(LayoutError, match="state section rows, more than the limit"):
+        Layout.from_manifest(data)

@@ -41,6 +41,7 @@ MAX_PAGES = 1 << 40
 MAX_NAME_LEN = 256
 MAX_TP_SIZE = 1 << 16
 HEAD_MAJORS = ("head", "token")
+MAX_STATE_ROWS = 1 << 20   # state section rows over a whole manifest
 
 
 def _check_name(what: str, name: object) -> None:
@@ -378,6 +379,12 @@ class Layout:
     def from_wire(cls, pools: list[PoolMsg], tp_size: int = 1, tp_rank: int = 0) -> Layout:
         if len(pools) > MAX_POOLS or sum(len(p.buffers) for p in pools) > MAX_BUFFERS:
             raise LayoutError("manifest: too many pools or buffers")
+        # State sections are expanded row by row to check them (``StateGeometry``): bounded over the manifest
+        # before any is built, so an untrusted one cannot make that cost large.
+        rows = sum(max(0, int(m.repeats)) for p in pools for b in p.buffers if getattr(b, "state", None)
+                   for m in b.state)
+        if rows > MAX_STATE_ROWS:
+            raise LayoutError(f"manifest: {rows} state section rows, more than the limit {MAX_STATE_ROWS}")
         return cls([
             Pool(p.name, [Buffer(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer, _heads_of(b.heads),
                                  _state_of(b.state))
