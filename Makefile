@@ -82,7 +82,9 @@ test-vllm-slow: setup-vllm
 # a CPU torch (tests/test_sglang*.py) and real servers, prefill + decode + SGLang's router
 # (tests/test_sglang_server.py). `make test` runs all but the tests marked slow (the heavier prefix cases, the
 # 64-session soak, the server faults, the nixl-backend bench, the cross-TP cases beyond one per direction and
-# pool kind, the pull-mode server set, 2P2D behind SGLang's gateway: 4 min 15 s at load ~30 on 2026-12-05); `make test-sglang-slow` runs those.
+# pool kind, the pull-mode server set, 2P2D behind SGLang's gateway: 4 min 15 s at load ~30 on 2026-12-05;
+# pull mode on the hybrid Mamba pools 2 -> 1 added 29 s the same day); `make test-sglang-slow` runs those. The
+# hybrid pools across TP sizes in push mode (1 -> 2, 2 -> 1) stay in make test: 27 s for both.
 test: test-sglang
 
 SGLANG_PYTEST = .venv-sglang/bin/python -m pytest -q

@@ -37,7 +37,12 @@ DEADLINE = 90.0
 # The MHA model: KV heads over all ranks, K and V head dims (mha_v: V narrower than K, mha_vw: wider), tokens
 # per page.
 MHA_KV_HEADS, MHA_PAGE = 4, 16
-MHA_DIMS = {"mha": (32, 32), "mha_v": (32, 16), "mha_vw": (16, 32)}
+MHA_DIMS = {"mha": (32, 32), "mha_v": (32, 16), "mha_vw": (16, 32), "gdn": (32, 32)}
+# The hybrid model (``gdn``): SGLang's HybridLinearKVPool, full attention (an MHA pool of MHA_KV_HEADS heads) on
+# layers 1 and 3, gated delta net state (its MambaPool) on layers 0 and 2, Qwen3-Next's shape scaled down: conv
+# state ``[q | k | v]`` (key heads x head dim twice, value heads x head dim), kernel 4, bf16; recurrent state
+# ``[value heads, head dim, head dim]`` fp32.
+GDN_KEY_HEADS, GDN_VALUE_HEADS, GDN_HEAD_DIM, GDN_KERNEL, GDN_SLOTS = 4, 8, 16, 4, 96
 
 
 def is_mha(kind: str) -> bool:
@@ -95,6 +100,8 @@ def build_pool(kind: str, tp_size: int = 1) -> Any:
     from sglang.srt.mem_cache.index_key_cache import IndexKeyCache
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, MLATokenToKVPool
 
+    if kind == "gdn":
+        return build_gdn_pool(tp_size)
     if is_mha(kind):
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
@@ -131,6 +138,26 @@ def build_pool(kind: str, tp_size: int = 1) -> Any:
     raise ValueError(kind)
 
 
+def build_gdn_pool(tp_size: int) -> Any:
+    """SGLang's own hybrid pools at ``tp_size``: a MambaPool built from the Mamba2CacheParams SGLang's Qwen3-Next
+    config makes (qwen3_next.py ``mamba2_cache_params``: sub-blocks ``[key_dim, key_dim, value_dim]``), inside a
+    HybridLinearKVPool whose full-attention layers are an MHA pool."""
+    import torch
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+
+    key_dim, value_dim = GDN_KEY_HEADS * GDN_HEAD_DIM, GDN_VALUE_HEADS * GDN_HEAD_DIM
+    shape = Mamba2StateShape.create(tp_world_size=tp_size, intermediate_size=value_dim, n_groups=GDN_KEY_HEADS,
+                                    num_heads=GDN_VALUE_HEADS, head_dim=GDN_HEAD_DIM, state_size=GDN_HEAD_DIM,
+                                    conv_kernel=GDN_KERNEL, conv_shard_groups=[key_dim, key_dim, value_dim])
+    params = Mamba2CacheParams(shape=shape, layers=[0, 2],
+                               dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
+    mamba = MambaPool(size=GDN_SLOTS, spec_state_size=0, cache_params=params, mamba_layer_ids=[0, 2], device="cpu")
+    return HybridLinearKVPool(size=2048, dtype=torch.bfloat16, page_size=MHA_PAGE, head_num=MHA_KV_HEADS // tp_size,
+                              head_dim=MHA_DIMS["gdn"][0], full_attention_layer_ids=[1, 3], device="cpu",
+                              mamba_pool=mamba)
+
+
 def build_kv_args(pool: Any, aux: Any, rank: int = 0, heads: bool = False) -> Any:
     from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos, setup_state_kv_args
@@ -162,6 +189,8 @@ class Buf:
     ptr: int
     nbytes: int
     item: int
+    dim: int = 0                  # mamba entries: this rank's channels on the sliced axis (SGLang's KVArgs)
+    subs: tuple[int, ...] = ()    # and the model-wide sub-block sizes of a conv state (GDN's q, k, v)
 
     def view(self) -> np.ndarray:
         import ctypes
@@ -174,7 +203,10 @@ def buffers(args: Any) -> list[Buf]:
     out = [Buf("kv", p, n, i) for p, n, i in zip(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)]
     out += [Buf("aux", p, n, i) for p, n, i in zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)]
     for c, (ptrs, lens, items) in enumerate(zip(args.state_data_ptrs, args.state_data_lens, args.state_item_lens)):
-        out += [Buf(f"state{c}", p, n, i) for p, n, i in zip(ptrs, lens, items)]
+        dims = list(args.state_dim_per_tensor[c]) or [0] * len(ptrs)
+        subs = list(args.state_conv_shard_groups[c]) or [None] * len(ptrs)
+        out += [Buf(f"state{c}", p, n, i, int(d), tuple(g or ()))
+                for p, n, i, d, g in zip(ptrs, lens, items, dims, subs)]
     return out
 
 
@@ -708,6 +740,8 @@ class Sources:
         return [self.page(bi, b, src_page)]
 
     def page(self, bi: int, b: Buf, src_page: int) -> np.ndarray:
+        if b.dim and tp_of(self.cfg, "prefill") != tp_of(self.cfg, "decode"):
+            return self.state_page(bi, b, src_page)
         if not (self.mha and b.group == "kv"):
             return self.fills[src_rank(self.cfg, self.rank)][bi][src_page]
         dst_heads = MHA_KV_HEADS // tp_of(self.cfg, "decode")
@@ -719,6 +753,21 @@ class Sources:
             src = self.fills[g // src_heads][bi][src_page].reshape(MHA_PAGE, src_heads, head_bytes)
             rows[:, j] = src[:, g % src_heads]
         return rows.reshape(-1)
+
+    def state_page(self, bi: int, b: Buf, src_page: int) -> np.ndarray:
+        """A mamba slot channel by channel: each of the decode rank's channels of each sub-block (the whole
+        axis when there are none) from the prefill rank holding that model-wide channel, at its place there."""
+        ptp, dtp = tp_of(self.cfg, "prefill"), tp_of(self.cfg, "decode")
+        cb = b.item // b.dim
+        out, src_base = [], 0
+        for full in b.subs or (b.dim * dtp,):
+            dsub, psub = full // dtp, full // ptp
+            for j in range(dsub):
+                g = self.rank * dsub + j
+                at = (src_base + g % psub) * cb
+                out.append(self.fills[g // psub][bi][src_page][at:at + cb])
+            src_base += psub
+        return np.concatenate(out)
 
 
 def check_bytes(bufs: list[Buf], cfg: dict[str, Any], reqs: list[dict[str, Any]],

@@ -220,13 +220,14 @@ def test_kvferry_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: 
 # make test keeps the seed's pool at equal TP and MHA's sharded heads across TP; the replicated pools across TP
 # (MLA 2 -> 1, DSA 1 -> 2) run in make test-sglang-slow
 @pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"),
-                         _slow_but([("v4", 1, 1), ("mha", 4, 2), ("mla", 2, 1), ("dsa_bf16", 1, 2)],
+                         _slow_but([("v4", 1, 1), ("mha", 4, 2), ("mla", 2, 1), ("dsa_bf16", 1, 2), ("gdn", 2, 1)],
                                    [("v4", 1, 1), ("mha", 4, 2)]))
 def test_kvferry_backend_in_pull_mode(pool: str, prefill_tp: int, decode_tp: int) -> None:
     """``KVFERRY_SGLANG_MODE=pull``: decode ranks read what they need from the prefill ranks holding it (no
     quarantine on decode; prefill holds its pages until decode's verdict), at equal and different TP sizes:
     every rank concludes every request, every slot exact (MHA: each decode rank's KV heads, token row by token
-    row, from the prefill ranks holding them), and only decode posted transfers."""
+    row, from the prefill ranks holding them; gdn: each decode rank's state channels, as in push), and only
+    decode posted transfers."""
     prefills, decodes = run_ranks("kvferry", pool, prefill_tp=prefill_tp, decode_tp=decode_tp,
                                   env={"KVFERRY_SGLANG_MODE": "pull"})
     for p in prefills:
@@ -271,6 +272,16 @@ def test_kvferry_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_
     the prefill rank holding that head, K and V each by its own head dim (mha_v: V 16 wide, K 32), aux from
     one rank, every other page untouched."""
     _kvferry_ranks_all_exact(pool, prefill_tp, decode_tp)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
+def test_kvferry_backend_hybrid_state_across_tp_sizes(prefill_tp: int, decode_tp: int) -> None:
+    """SGLang's own hybrid pools (tests/sglang_peer.py ``build_gdn_pool``: a HybridLinearKVPool, full attention
+    beside a MambaPool of gated-delta-net state, Qwen3-Next's layout scaled down) between attention TP sizes,
+    a process per rank. Decode checks every state slot channel by channel: each of its conv channels, sub-block
+    by sub-block (q, k, v each sharded on its own), and each recurrent-state head from the prefill rank holding
+    it, at its place there; the KV pages head by head; every other slot untouched."""
+    _kvferry_ranks_all_exact("gdn", prefill_tp, decode_tp)
 
 
 @pytest.mark.slow   # as above

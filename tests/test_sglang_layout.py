@@ -213,3 +213,39 @@ def test_mha_draft_entries_and_uneven_heads_get_no_geometry() -> None:
         in str(model_difference(src.layout, dst.layout))
     assert [rank_kv_heads(t, tp) for t, tp in [(8, 2), (4, 4), (2, 4), (6, 4), (None, 2), (0, 1)]] == \
         [4, 1, None, None, None, None]
+
+
+def _mamba_args(tp: int, groups: bool = True) -> SimpleNamespace:
+    """A GDN component as SGLang's MambaPool states it at attention TP ``tp``: conv ``[q | k | v]`` (64, 64, 128
+    channels over all ranks, 3 bf16 each) and recurrent state (8 heads of 1 KiB), one layer; without
+    ``groups``, a Mamba2 conv whose sub-blocks KVArgs does not state."""
+    conv, ssm = np.zeros((5, 256 // tp * 6), np.uint8), np.zeros((5, 8 // tp * 1024), np.uint8)
+    arrays = {"kv": [np.zeros((40, 584), np.uint8)], "aux": [np.zeros((8, 64), np.uint8)]}
+    args = _kvargs(arrays, [("mamba", [conv, ssm])])
+    args.state_dim_per_tensor = [[256 // tp, 8 // tp]]
+    args.state_conv_shard_groups = [[[64, 64, 128] if groups else None, None]]
+    args.state_slice_outer_counts = [[1, 1]]
+    args._keep = (conv, ssm, arrays)
+    return args
+
+
+def test_mamba_state_is_cut_by_sglangs_own_dims_and_sub_blocks() -> None:
+    """The conv entry becomes three sections (q, k, v each sharded on its own), the recurrent state one; a TP-2
+    rank pairs with a TP-1 one, and the planner gives decode rank 1 the second half of each sub-block. A Mamba2
+    conv (no sub-block sizes in KVArgs) gets no geometry: refused across TP sizes, naming the buffer."""
+    from kvferry.layout.compare import model_difference
+    from kvferry.plan.tp import TPPlanner
+
+    one, _ = kvargs_memory(_mamba_args(1), tp_size=1, tp_rank=0, replicated=True)
+    two, _ = kvargs_memory(_mamba_args(2), tp_size=2, tp_rank=1, replicated=True)
+    conv = two.layout.buffer("state0.mamba.0").state
+    assert [(s.offset, s.channels, s.channel_bytes) for s in conv.sections] == [(0, 32, 6), (192, 32, 6), (384, 64, 6)]
+    assert two.layout.buffer("state0.mamba.1").state.sections[0].channels == 4
+    assert model_difference(one.layout, two.layout) is None
+    piece = TPPlanner(one, two).slices["state0.mamba.0"]
+    assert [(p.src_offset, p.dst_offset, p.nbytes) for p in piece.pieces] == [
+        (32 * 6, 0, 32 * 6), (96 * 6, 32 * 6, 32 * 6), (192 * 6, 64 * 6, 64 * 6)]
+    flat, _ = kvargs_memory(_mamba_args(2, groups=False), tp_size=2, tp_rank=0, replicated=True)
+    assert flat.layout.buffer("state0.mamba.0").state is None
+    assert "buffer 'state0.mamba.0': tp_size (the buffer has no head geometry" in str(
+        model_difference(flat.layout, kvargs_memory(_mamba_args(1, groups=False), replicated=True)[0].layout))

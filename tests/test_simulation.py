@@ -37,7 +37,15 @@ from kvferry.simulation.config import DATA_STORM, FAULT_KINDS, PAGE_PAIRS, READ_
 from kvferry.simulation.decode_node import DecodeNode
 from kvferry.simulation.mutations import EXPECTED
 from kvferry.simulation.node import FRAMES, QUEUED
-from kvferry.simulation.tp import TP_PAIRS, WIDE_PAIRS, draw_tp, fill_content, page_content, rank_layout
+from kvferry.simulation.tp import (
+    STATE_POOL,
+    TP_PAIRS,
+    WIDE_PAIRS,
+    draw_tp,
+    fill_content,
+    page_content,
+    rank_layout,
+)
 from kvferry.simulation.world import Net, Pending, Rows, Sim, Transport, some_rows
 
 REGRESSIONS = Path(__file__).with_name("simulation_regressions.txt")
@@ -191,24 +199,25 @@ def test_page_sizes_leave_every_other_seed_as_it_was() -> None:
 def test_rank_content_is_what_the_real_planner_moves(tp: tuple[int, int]) -> None:
     """The simulator's content model agrees with ``plan_decode_rank``: prefill ranks filled with their
     heads of a request, copied by the real TP plans, give each decode rank exactly ``page_content``, and a
-    slice shifted by one head would not."""
-    srcs = [KVMemory.allocate(rank_layout("prefill", tp, r, 32)) for r in range(tp[0])]
-    pages = {"kv": (np.array([3, 1, 4]), np.array([7, 0, 2])), "c": (np.array([5]), np.array([9]))}
+    slice shifted by one head would not; the state pool's channel sections likewise, section by section."""
+    srcs = [KVMemory.allocate(rank_layout("prefill", tp, r, 32, state=True)) for r in range(tp[0])]
+    pages = {"kv": (np.array([3, 1, 4]), np.array([7, 0, 2])), "c": (np.array([5]), np.array([9])),
+             STATE_POOL: (np.array([2]), np.array([6]))}
     for mem in srcs:
         for pool, (src, _) in pages.items():
             fill_content(mem, "r9", pool, src, 2)
     for d in range(tp[1]):
-        dst = KVMemory.allocate(rank_layout("decode", tp, d, 32))
+        dst = KVMemory.allocate(rank_layout("decode", tp, d, 32, state=True))
         for plan in plan_decode_rank(srcs, dst, pages).values():
             for (s, n, _), (t, _, _) in zip(plan.src_descs.tolist(), plan.dst_descs.tolist()):
                 ctypes.memmove(t, s, n)
         for pool, (_, dst_pages) in pages.items():
             for buf in dst.layout.pool(pool).buffers:
                 for i, page in enumerate(dst_pages.tolist()):
-                    want = page_content("r9", 2 + i, dst.buffer_index[buf.name], buf, d)
+                    want = page_content("r9", 2 + i, dst.buffer_index[buf.name], buf, d, tp[1])
                     assert np.array_equal(dst.array(buf.name)[page], want), (tp, d, buf.name, page)
-                    if buf.heads is not None and not buf.heads.replicated:
-                        other = page_content("r9", 2 + i, dst.buffer_index[buf.name], buf, d + 1)
+                    if buf.state is not None or (buf.heads is not None and not buf.heads.replicated):
+                        other = page_content("r9", 2 + i, dst.buffer_index[buf.name], buf, d + 1, tp[1])
                         assert not np.array_equal(dst.array(buf.name)[page], other)
 
 

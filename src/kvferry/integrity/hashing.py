@@ -138,6 +138,8 @@ def hash_slices(memory: KVMemory, buffer: str, pages: np.ndarray, piece: PageSli
     """xxh3-64 of ``piece`` of each page of ``buffer`` in ``pages`` (``side``: "src" or "dst" offsets)."""
     if piece.whole:
         return hash_pages(memory, buffer, pages)
+    if piece.pieces:
+        return _hash_pieces(memory, buffer, pages, piece.pieces, side)
     offset, stride = (piece.src_offset, piece.src_stride) if side == "src" else (piece.dst_offset, piece.dst_stride)
     rows = read_pages(memory, buffer, pages)  # GPU: a host copy of the chosen pages; host: None
     arr, index = (memory.array(buffer), pages) if rows is None else (rows, np.arange(len(pages)))
@@ -147,6 +149,19 @@ def hash_slices(memory: KVMemory, buffer: str, pages: np.ndarray, piece: PageSli
         view = arr.reshape(len(arr), piece.num_tokens, stride)[:, :, offset:offset + piece.nbytes]
     # Fancy indexing copies only the slice bytes, contiguous per page: one hash call per page.
     block = np.ascontiguousarray(view[index]).reshape(len(index), -1)
+    fn = xxhash.xxh3_64_intdigest
+    return np.array([fn(row, _HASH_SEED) for row in block], dtype=np.uint64)
+
+
+def _hash_pieces(memory: KVMemory, buffer: str, pages: np.ndarray, pieces: tuple[PageSlice, ...],
+                 side: str) -> np.ndarray:
+    """A state slice's digest: its pieces' rows in order, gathered by byte index (a state page is small)."""
+    at = [np.add.outer((p.src_offset if side == "src" else p.dst_offset)
+                       + np.arange(p.num_tokens, dtype=np.int64) * (p.src_stride if side == "src" else p.dst_stride),
+                       np.arange(p.nbytes, dtype=np.int64)).reshape(-1) for p in pieces]
+    rows = read_pages(memory, buffer, pages)
+    arr, index = (memory.array(buffer), pages) if rows is None else (rows, np.arange(len(pages)))
+    block = np.ascontiguousarray(arr[index][:, np.concatenate(at)])
     fn = xxhash.xxh3_64_intdigest
     return np.array([fn(row, _HASH_SEED) for row in block], dtype=np.uint64)
 

@@ -41,7 +41,7 @@ def tp_compatible(a: Layout, b: Layout) -> bool:
 
 
 def _shape_attrs(lb: Buffer, rb: Buffer) -> Iterator[tuple[str, object, object]]:
-    for attr in ("name", "page_bytes", "dtype", "kind", "layer", "heads"):
+    for attr in ("name", "page_bytes", "dtype", "kind", "layer", "heads", "state"):
         yield attr, getattr(lb, attr), getattr(rb, attr)
 
 
@@ -54,6 +54,9 @@ def _named_attrs(lb: Buffer, rb: Buffer) -> Iterator[tuple[str, object, object]]
 
 def _model_attrs(lb: Buffer, rb: Buffer, ltp: int, rtp: int) -> Iterator[tuple[str, object, object]]:
     yield from _named_attrs(lb, rb)
+    if lb.state is not None or rb.state is not None:
+        yield from _state_attrs(lb, rb, ltp, rtp)
+        return
     lh, rh = lb.heads, rb.heads
     if lh is None or rh is None:
         yield "head geometry", lh, rh
@@ -67,6 +70,25 @@ def _model_attrs(lb: Buffer, rb: Buffer, ltp: int, rtp: int) -> Iterator[tuple[s
         yield "num_heads (replicated)", lh.num_heads, rh.num_heads
     else:
         yield "total heads (num_heads x tp_size)", lh.num_heads * ltp, rh.num_heads * rtp
+
+
+def _state_attrs(lb: Buffer, rb: Buffer, ltp: int, rtp: int) -> Iterator[tuple[str, object, object]]:
+    """A state buffer's sections across TP sizes: equal in number, and each of equal rows, bytes per channel and
+    model-wide channels. A section replicated on one side and sharded over several ranks on the other is
+    refused: a decode rank would need every prefill rank's channels, and it reaches only those overlapping
+    it. Offsets, strides and padding are each rank's own."""
+    ls, rs = lb.state, rb.state
+    if ls is None or rs is None:
+        yield "state geometry", ls, rs
+        return
+    yield "state sections (count)", len(ls.sections), len(rs.sections)
+    for i, (a, b) in enumerate(zip(ls.sections, rs.sections)):
+        yield f"state section {i}: repeats (rows)", a.repeats, b.repeats
+        yield f"state section {i}: channel_bytes", a.channel_bytes, b.channel_bytes
+        yield (f"state section {i}: model channels (channels x tp_size when sharded)", a.total_channels(ltp),
+               b.total_channels(rtp))
+        if a.sharded != b.sharded and (ltp if a.sharded else rtp) > 1:
+            yield f"state section {i}: sharded (over more than one rank on one side only)", a.sharded, b.sharded
 
 
 def _first_difference(local: Layout, remote: Layout, attrs: Callable[[Buffer, Buffer], Iterable[

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["MANIFEST_VERSION", "BufferMsg", "HeadsMsg", "HeadsMsgV2", "LayoutMsg", "MemoryMsg", "PoolMsg", "PoolMsgV2",
-           "RegionMsg"]
+__all__ = ["MANIFEST_VERSION", "BufferMsg", "BufferMsgV2", "HeadsMsg", "HeadsMsgV2", "LayoutMsg", "MemoryMsg",
+           "PoolMsg", "PoolMsgV2", "RegionMsg", "StateSectionMsg"]
 
 # Bump when the manifest's fields or their meaning change; decoders refuse other versions.
 # 2: buffers carry optional head geometry; layouts carry tp_size and tp_rank. Pools' optional
 # window_tokens came later without a bump: it is written only when set (see ``_pool_msg``), so manifests
 # without windows are unchanged and older peers read them; a windowed one they refuse as malformed. Head
-# geometries' parts came the same way (``HeadsMsg.parts``, written only when not the default).
+# geometries' parts came the same way (``HeadsMsg.parts``, written only when not the default), and buffers'
+# optional state sections (``BufferMsgV2`` when unset, see ``spec._buffer_msg``).
 MANIFEST_VERSION = 2
 
 
@@ -40,7 +41,29 @@ class HeadsMsgV2(msgspec.Struct, array_like=True):
     replicated: bool
 
 
+class StateSectionMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    offset: int
+    channels: int
+    channel_bytes: int
+    repeats: int
+    stride: int
+    sharded: bool
+
+
 class BufferMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    name: str
+    page_bytes: int
+    num_pages: int
+    dtype: str
+    kind: str
+    layer: int | None
+    heads: HeadsMsg | None = None
+    state: list[StateSectionMsg] | None = None
+
+
+class BufferMsgV2(msgspec.Struct, array_like=True):
+    """A buffer without state sections, encoded as version 2 first defined it (decoded as a ``BufferMsg``)."""
+
     name: str
     page_bytes: int
     num_pages: int

@@ -18,9 +18,20 @@ from functools import cached_property
 
 from kvferry.codec import decode_versioned, encode
 from kvferry.errors import LayoutError
-from kvferry.layout.manifest import MANIFEST_VERSION, BufferMsg, HeadsMsg, HeadsMsgV2, LayoutMsg, PoolMsg, PoolMsgV2
+from kvferry.layout.manifest import (
+    MANIFEST_VERSION,
+    BufferMsg,
+    BufferMsgV2,
+    HeadsMsg,
+    HeadsMsgV2,
+    LayoutMsg,
+    PoolMsg,
+    PoolMsgV2,
+    StateSectionMsg,
+)
+from kvferry.layout.state import StateGeometry, StateSection
 
-__all__ = ["Buffer", "HeadGeometry", "Layout", "Pool"]
+__all__ = ["Buffer", "HeadGeometry", "Layout", "Pool", "StateGeometry", "StateSection"]
 
 
 # Generous caps on untrusted manifests: far above any real model, far below what exhausts memory.
@@ -33,6 +44,7 @@ MAX_TP_SIZE = 1 << 16
 MAX_HEAD_PARTS = 64
 MAX_HEAD_PIECES = 1 << 20   # heads x rows per head: what a page-size translation plans per entry, bounded
 HEAD_MAJORS = ("head", "token")
+MAX_STATE_ROWS = 1 << 20   # state section rows over a whole manifest
 
 
 def _check_name(what: str, name: object) -> None:
@@ -150,7 +162,9 @@ class Buffer:
     type as a string (``bf16``, ``fp8_e4m3``...). Both are compared at handshake: a decode side that reads
     the bytes as another dtype must be refused before a byte moves. ``heads`` (optional) says how a page is
     cut into attention heads; it is what lets ``kvferry.plan.tp`` move KV between different TP sizes, and when
-    given, ``page_bytes`` must equal ``heads.page_bytes``.
+    given, ``page_bytes`` must equal ``heads.page_bytes``. ``state`` (optional, never beside ``heads``) says
+    how a per-request state page (Mamba conv/SSM, GDN) is cut into channel sections across TP ranks
+    (``layout.state``); its sections must lie inside the page.
     """
 
     name: str
@@ -160,6 +174,7 @@ class Buffer:
     kind: str = "kv"
     layer: int | None = None
     heads: HeadGeometry | None = None
+    state: StateGeometry | None = None
 
     def __post_init__(self) -> None:
         _check_name("buffer", self.name)
@@ -174,6 +189,18 @@ class Buffer:
                                        or self.layer < 0):
             raise LayoutError(f"{where}: layer must be None or an int >= 0, got {self.layer!r}")
         self._check_heads(where)
+        self._check_state(where)
+
+    def _check_state(self, where: str) -> None:
+        if self.state is None:
+            return
+        if not isinstance(self.state, StateGeometry):
+            raise LayoutError(f"{where}: state must be a StateGeometry or None, got {type(self.state).__name__}")
+        if self.heads is not None:
+            raise LayoutError(f"{where}: declares both head geometry and state geometry; a buffer is cut one way")
+        if self.state.extent > self.page_bytes:
+            raise LayoutError(f"{where}: state sections end at byte {self.state.extent}, past the page of "
+                              f"{self.page_bytes} bytes")
 
     def _check_heads(self, where: str) -> None:
         if self.heads is None:
@@ -192,12 +219,16 @@ class Buffer:
     def shape_key(self) -> tuple[object, ...]:
         """Fields that must be equal on both sides of a transfer (capacity excluded)."""
         base = (self.name, self.page_bytes, self.dtype, self.kind, self.layer)
-        # Appended only when declared, so layouts without head geometry keep their fingerprints.
+        # Appended only when declared, so layouts without head or state geometry keep their fingerprints.
+        if self.state is not None:
+            return (*base, ("state", self.state.key()))
         return base if self.heads is None else (*base, self.heads.key())
 
     def model_key(self, tp_size: int) -> tuple[object, ...]:
         """Fields that must be equal between two TP sizes of one model (page_bytes of sharded buffers,
         which scale with 1 / tp_size, excluded)."""
+        if self.state is not None:   # page sizes scale with the sharded sections: left out
+            return (self.name, None, self.dtype, self.kind, self.layer, ("state", self.state.model_key(tp_size)))
         if self.heads is None:
             return (self.name, self.page_bytes, self.dtype, self.kind, self.layer, None)
         page = self.page_bytes if self.heads.replicated else None
@@ -392,8 +423,7 @@ class Layout:
 
     def to_wire(self) -> list[PoolMsg | PoolMsgV2]:
         return [
-            _pool_msg(p, [BufferMsg(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer, _heads_msg(b.heads))
-                          for b in p.buffers])
+            _pool_msg(p, [_buffer_msg(b) for b in p.buffers])
             for p in self.pools
         ]
 
@@ -401,8 +431,15 @@ class Layout:
     def from_wire(cls, pools: list[PoolMsg], tp_size: int = 1, tp_rank: int = 0) -> Layout:
         if len(pools) > MAX_POOLS or sum(len(p.buffers) for p in pools) > MAX_BUFFERS:
             raise LayoutError("manifest: too many pools or buffers")
+        # State sections are expanded row by row to check them (``StateGeometry``): bounded over the manifest
+        # before any is built, so an untrusted one cannot make that cost large.
+        rows = sum(max(0, int(m.repeats)) for p in pools for b in p.buffers if getattr(b, "state", None)
+                   for m in b.state)
+        if rows > MAX_STATE_ROWS:
+            raise LayoutError(f"manifest: {rows} state section rows, more than the limit {MAX_STATE_ROWS}")
         return cls([
-            Pool(p.name, [Buffer(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer, _heads_of(b.heads))
+            Pool(p.name, [Buffer(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer, _heads_of(b.heads),
+                                 _state_of(b.state))
                           for b in p.buffers],
                  p.tokens_per_page, p.window_tokens)
             for p in pools
@@ -416,7 +453,22 @@ def _pool_msg(pool: Pool, buffers: list[BufferMsg]) -> PoolMsg | PoolMsgV2:
 
 
 def _replace_pages(buf: Buffer, num_pages: int) -> Buffer:
-    return Buffer(buf.name, buf.page_bytes, num_pages, buf.dtype, buf.kind, buf.layer, buf.heads)
+    return Buffer(buf.name, buf.page_bytes, num_pages, buf.dtype, buf.kind, buf.layer, buf.heads, buf.state)
+
+
+def _buffer_msg(b: Buffer) -> BufferMsg | BufferMsgV2:
+    if b.state is None:   # the seven elements every version-2 decoder expects
+        return BufferMsgV2(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer, _heads_msg(b.heads))
+    sections = [StateSectionMsg(s.offset, s.channels, s.channel_bytes, s.repeats, s.stride, s.sharded)
+                for s in b.state.sections]
+    return BufferMsg(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer, _heads_msg(b.heads), sections)
+
+
+def _state_of(msg: list[StateSectionMsg] | None) -> StateGeometry | None:
+    if msg is None:
+        return None
+    return StateGeometry(tuple(StateSection(m.offset, m.channels, m.channel_bytes, m.repeats, m.stride, m.sharded)
+                               for m in msg))
 
 
 def _heads_msg(heads: HeadGeometry | None) -> HeadsMsg | HeadsMsgV2 | None:

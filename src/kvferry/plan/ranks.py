@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from kvferry.errors import LayoutError, PlanError
 from kvferry.layout.spec import Buffer, HeadGeometry, Layout
+from kvferry.layout.state import StateSection
 
-__all__ = ["PageSlice", "replica_source", "shard_layout", "slice_of", "source_ranks"]
+__all__ = ["PageSlice", "replica_source", "shard_layout", "slice_of", "source_ranks", "state_slice_of"]
 
 
 # -- rank arithmetic -----------------------------------------------------------------------------------
@@ -57,6 +58,10 @@ def shard_layout(layout: Layout, tp_size: int, tp_rank: int) -> Layout:
 
 
 def _shard_buffer(buf: Buffer, tp_size: int) -> Buffer:
+    if buf.state is not None:   # sharded sections keep 1/tp_size of their channels; padding stays
+        state = buf.state.resharded(tp_size)
+        pad = buf.page_bytes - buf.state.extent
+        return Buffer(buf.name, state.extent + pad, buf.num_pages, buf.dtype, buf.kind, buf.layer, None, state)
     h = buf.heads
     if h is None:
         raise LayoutError(f"buffer {buf.name!r} has no head geometry: cannot split it over {tp_size} ranks "
@@ -75,7 +80,11 @@ def _shard_buffer(buf: Buffer, tp_size: int) -> Buffer:
 class PageSlice:
     """What one buffer contributes to one pair's rows: ``num_tokens`` rows per page of ``nbytes`` each, at
     ``page * page_bytes + token * token_stride + offset`` on each side. Also what a page digest of a
-    cross-TP write covers (``kvferry.integrity.digests`` slice digests): those rows, concatenated."""
+    cross-TP write covers (``kvferry.integrity.digests`` slice digests): those rows, concatenated.
+
+    A state buffer's slice is several such pieces (one per channel section it shares, ``state_slice_of``):
+    then ``pieces`` holds them (each a plain slice of the same buffer) and ``nbytes`` their bytes per page;
+    its digest covers the pieces' rows in order."""
 
     buffer_id: int
     num_tokens: int
@@ -85,11 +94,21 @@ class PageSlice:
     src_stride: int
     dst_stride: int
     whole: bool = False  # the whole page on both sides
+    pieces: tuple[PageSlice, ...] = ()
+
+    @property
+    def parts(self) -> tuple[PageSlice, ...]:
+        """The plain slices the planner turns into rows: the pieces of a state slice, else this one."""
+        return self.pieces or (self,)
 
 
 def slice_of(sb: Buffer, db: Buffer, gid: int, r: int, d: int, ptp: int, dtp: int) -> PageSlice | None:
     """The part of buffer ``sb`` (prefill rank ``r``) that decode rank ``d`` needs, or None."""
     whole = PageSlice(gid, 1, sb.page_bytes, 0, 0, 0, 0, whole=True)
+    if sb.state is not None and db.state is not None:
+        if ptp == dtp and sb.page_bytes == db.page_bytes and sb.state == db.state:
+            return whole if r == d else None   # one layout on both ranks: rank to rank, padding and all
+        return state_slice_of(sb, db, gid, r, d, ptp, dtp)
     sh, dh = sb.heads, db.heads
     if sh is None or dh is None:  # only between equal TP sizes (model_difference), rank to rank
         return whole if r == d else None
@@ -105,3 +124,33 @@ def slice_of(sb: Buffer, db: Buffer, gid: int, r: int, d: int, ptp: int, dtp: in
         t = sh.tokens_per_page
         return PageSlice(gid, 1, shared * t * hb, hs * t * hb, hd * t * hb, 0, 0)
     return PageSlice(gid, sh.tokens_per_page, shared * hb, hs * hb, hd * hb, sh.num_heads * hb, dh.num_heads * hb)
+
+
+def _channel_range(sec: StateSection, rank: int) -> tuple[int, int]:
+    """The model-wide channels ``[lo, hi)`` of ``sec`` that ``rank`` holds (all of them when replicated)."""
+    return (rank * sec.channels, (rank + 1) * sec.channels) if sec.sharded else (0, sec.channels)
+
+
+def state_slice_of(sb: Buffer, db: Buffer, gid: int, r: int, d: int, ptp: int, dtp: int) -> PageSlice | None:
+    """The channels of state buffer ``sb`` (prefill rank ``r``) that decode rank ``d`` needs, section by section.
+
+    Per section: decode rank ``d`` needs its channels (all, when replicated there); a sharded prefill section
+    gives the channels it holds of those, a replicated one gives them from ``replica_source`` only, so every
+    destination byte has one writer. One piece per section the pair shares, ``repeats`` rows each. None when
+    the pair shares no channel."""
+    assert sb.state is not None and db.state is not None
+    replica = r == replica_source(d, ptp, dtp)
+    pieces = []
+    for ss, ds in zip(sb.state.sections, db.state.sections):
+        if not ss.sharded and not replica:
+            continue
+        (slo, shi), (dlo, dhi) = _channel_range(ss, r), _channel_range(ds, d)
+        lo, hi = max(slo, dlo), min(shi, dhi)
+        if lo >= hi:
+            continue
+        cb = ss.channel_bytes
+        pieces.append(PageSlice(gid, ss.repeats, (hi - lo) * cb, ss.offset + (lo - slo) * cb,
+                                ds.offset + (lo - dlo) * cb, ss.stride, ds.stride))
+    if not pieces:
+        return None
+    return PageSlice(gid, 1, sum(p.nbytes * p.num_tokens for p in pieces), 0, 0, 0, 0, pieces=tuple(pieces))

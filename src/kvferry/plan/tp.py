@@ -113,7 +113,8 @@ class TPPlanner:
             slices = [slice_of(src_buf, dst_buf, ids[src_buf.name], src_layout.tp_rank, dst_layout.tp_rank,
                                src_layout.tp_size, dst_layout.tp_size)
                       for src_buf, dst_buf in zip(src_pool.buffers, dst_pool.buffers)]
-            kept = [x for x in slices if x is not None]
+            # A state buffer's slice is several pieces (one per channel section): each its own geometry row.
+            kept = [part for x in slices if x is not None for part in x.parts]
             self.slices.update({b.name: x for b, x in zip(src_pool.buffers, slices) if x is not None})
             if kept:
                 self._pools[src_pool.name] = _PoolGeometry.build(kept, src, dst)
@@ -173,7 +174,7 @@ class _PoolRows:
     first plan of the selection (``TPPlanner._compile``); ``rows`` then broadcasts the pages in."""
 
     def __init__(self, geo: _PoolGeometry, buffers: Sequence[Buffer]) -> None:
-        self.names = tuple(buffers[i].name for i in geo.buffer_ids.tolist())
+        self.names = tuple(dict.fromkeys(buffers[i].name for i in geo.buffer_ids.tolist()))
         self.whole = _WholeRows(geo.select(geo.whole)) if geo.whole.any() else None
         partial = ~geo.whole
         # Sliced rows never merge: a slice that is not the whole page on both sides leaves a gap between one

@@ -30,11 +30,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvferry.control.core.states import RequestState
-from kvferry.simulation.config import LAYERS, SimConfig, Swarm, draw_page_sizes
+from kvferry.simulation.config import LAYERS, STATE_LAYERS, SimConfig, Swarm, draw_page_sizes
 from kvferry.simulation.decode_node import DecodeNode
 from kvferry.simulation.node import DEADLINE_SLACK, Node
 from kvferry.simulation.prefill_node import PrefillNode
-from kvferry.simulation.tp import TP_PAIRS, DecodeGroup, draw_tp, needed_ranks, rank_name
+from kvferry.simulation.tp import STATE_POOL, TP_PAIRS, DecodeGroup, draw_state, draw_tp, needed_ranks, rank_name
 from kvferry.simulation.world import Net, Sim, Transport, copy_rows
 
 __all__ = ["Chunk", "Request", "World"]
@@ -71,11 +71,16 @@ class Request:
     tokens: int = 0
 
 
-def make_workload(sim: Sim, cfg: SimConfig, swarm: Swarm, page_sizes: tuple[int, int] | None = None) -> list[Request]:
+def make_workload(sim: Sim, cfg: SimConfig, swarm: Swarm, page_sizes: tuple[int, int] | None = None,
+                  state: bool = False) -> list[Request]:
     """The requests; ``page_sizes`` (prefill's, decode's kv tokens per page): each request's kv pool is a
-    token count, in prefill's pages (chunks, positions) on one side and decode's (prefix, lease) on the other."""
+    token count, in prefill's pages (chunks, positions) on one side and decode's (prefix, lease) on the other.
+    ``state``: the layouts have the state pool (``simulation.tp.STATE_POOL``): every request holds one slot
+    of it, sent with its last chunk (each layer's with that layer's send). Drawn from no stream: a seed's
+    other draws are what they were without it."""
     rng = sim.rng_work
     out = []
+    layers = STATE_LAYERS if state else LAYERS
     for i in range(cfg.requests):
         tokens, dst_kv = 0, 0
         if page_sizes is None:
@@ -87,15 +92,18 @@ def make_workload(sim: Sim, cfg: SimConfig, swarm: Swarm, page_sizes: tuple[int,
             dst_kv = -(-tokens // page_sizes[1])
         if rng.random() < 0.6:
             total["c"] = rng.randint(1, 2)
+        if state:
+            total[STATE_POOL] = 1
         prefix = {"kv": rng.randint(1, dst_kv - 1)} if dst_kv > 1 and rng.random() < swarm.prefix else {}
         if rng.random() < swarm.layered:
-            chunks = tuple(Chunk({p: (0, n) for p, n in total.items()}, layer) for layer in LAYERS)
+            chunks = tuple(Chunk({p: (0, n) for p, n in total.items()}, layer) for layer in layers)
         elif rng.random() < swarm.chunked and total["kv"] > 1:
             cut = rng.randint(1, total["kv"] - 1)
             first = {"kv": (0, cut)}
             rest = {"kv": (cut, total["kv"])}
-            if "c" in total:
-                rest["c"] = (0, total["c"])
+            for pool in ("c", STATE_POOL):
+                if pool in total:
+                    rest[pool] = (0, total[pool])
             chunks = (Chunk(first), Chunk(rest))
         else:
             chunks = (Chunk({p: (0, n) for p, n in total.items()}),)
@@ -136,6 +144,7 @@ class World:
         self.page_sizes = cfg.page_sizes or (draw_page_sizes(seed, cfg.page_share)
                                              if cfg.tp is None and drawn_tp in TP_PAIRS else None)
         self.tp = (1, 1) if self.page_sizes else drawn_tp
+        self.state = draw_state(seed, self.tp, cfg.state_share)   # a state pool beside the paged ones (TP pairs)
         drawn = Swarm.draw(self.sim.rng_fault, cfg.faults)   # always drawn: the fault stream stays the same
         if cfg.faults:
             drawn = drawn.with_liveness(self.sim.rng_live).with_data_path(self.sim.rng_data).with_fabric(
@@ -170,7 +179,7 @@ class World:
         for engine in self.engines:
             for node in engine.ranks:
                 node.group = engine
-        self.requests = make_workload(self.sim, cfg, self.swarm, self.page_sizes)
+        self.requests = make_workload(self.sim, cfg, self.swarm, self.page_sizes, self.state)
         for req in self.requests:
             for node in self.decode_groups[req.decode]:
                 node.plan_announce(req, req.arrive)

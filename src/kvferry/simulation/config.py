@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields, replace
 from kvferry.control.core.options import EndpointOptions
 from kvferry.layout.spec import Buffer, HeadGeometry, Layout, Pool
 
-__all__ = ["DATA_STORM", "DATA_TIMEOUT", "OPTIONS", "PAGE_PAIRS", "READ_STORM", "SimConfig", "Swarm",
+__all__ = ["DATA_STORM", "DATA_TIMEOUT", "OPTIONS", "PAGE_PAIRS", "READ_STORM", "STATE_LAYERS", "SimConfig", "Swarm",
            "draw_page_sizes", "page_layout", "sim_layout"]
 
 # Short timers: a run covers many peer timeouts, deadlines and grace periods in a few simulated seconds.
@@ -42,6 +42,8 @@ def sim_layout(side: str, pages: int = 128) -> Layout:
 
 
 LAYERS = (("kv.L0", "idx.L0", "c.L0"), ("kv.L1", "c.L1"))
+# With the state pool (TP seeds, ``simulation.tp.STATE_POOL``): each layer's send carries its state buffer.
+STATE_LAYERS = (("kv.L0", "idx.L0", "c.L0", "s.L0"), ("kv.L1", "c.L1", "s.L1"))
 
 # (prefill's, decode's) tokens per page of the kv pool a page-size seed draws among (``SimConfig.page_share``):
 # both directions, ratios of 2 and 4, and one that does not divide (a page straddles the other side's pages).
@@ -98,6 +100,10 @@ class SimConfig:
     # drawn per seed, ``page_share`` of the seeds (when ``tp`` is not set) drawing one of ``PAGE_PAIRS``.
     page_sizes: tuple[int, int] | None = None
     page_share: float = 0.25
+    # The share of seeds at a TP pair other than 1:1 whose layouts also hold a state pool (``tp.STATE_POOL``:
+    # Mamba/GDN-like channel sections sliced across TP), decided by a stream of its own: every other seed runs
+    # as it did before state pools.
+    state_share: float = 0.5
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,8 @@ class DecodeNode(Node):
     def start(self) -> None:
         world = self.world
         self.memory = KVMemory.allocate(rank_layout("decode", world.tp, self.rank, world.cfg.pages,
-                                                    world.page_sizes[1] if world.page_sizes else None))
+                                                    world.page_sizes[1] if world.page_sizes else None,
+                                                    world.state))
         world.graveyard.append(self.memory)
         self.pages = PageMap(self.memory)
         self.slice_prov = SliceProvenance(self.memory)
@@ -391,7 +392,8 @@ class DecodeNode(Node):
                     self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE but "
                                   f"{buf.name} page {page} byte {byte} was last written by {self.world.tag_name(by)}")
                 got = self.pages.arrays[buf.name].take(pages, axis=0)
-                want = page_rows(rec.request_id, first, len(pages), self.pages.layout_index[buf.name], buf, self.rank)
+                want = page_rows(rec.request_id, first, len(pages), self.pages.layout_index[buf.name], buf, self.rank,
+                                 layout.tp_size)
                 if got.tobytes() != want.tobytes():   # cheaper than numpy's comparison on a few small rows
                     page = int(pages[np.flatnonzero((got != want).any(axis=1))[0]])
                     self.sim.fail("b_done_bytes", f"{self.name}: {rec.request_id!r} gen {rec.generation} DONE "

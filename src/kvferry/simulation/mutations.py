@@ -14,13 +14,16 @@ Part of ``simulation``, at its bottom. Each mutation is a bug class the protocol
 6. ``pull_release_early``: prefill never holds a pull-mode source: its pages go back to the engine while
    decode's read of them is in flight.
 
-Two only a TP group of another size can show (``simulation.tp``):
+Three only a TP group of another size can show (``simulation.tp``):
 
 7. ``tp_slice_offset``: the TP planner puts a prefill rank's head slice at its offset in the *source* page
    (its heads' place on prefill) instead of its place in decode's page: the slice lands on another rank's
    heads, or past the page. Digests do not help: decode checks the slices the same planner derived.
 8. ``group_done_early``: a prefill rank reports a request DONE once its own decode rank verified it,
    without waiting for the other decode ranks of the request's group.
+12. ``tp_state_slice``: the TP planner cuts a state buffer's channel sections for the next decode rank
+    (``(d + 1) % D``) instead of decode rank ``d``: rank 0's channels land on rank 1, a replicated section
+    comes from another prefill rank's election, and some channels are never written.
 
 One only copied messages can show (``Swarm.duplicate``):
 
@@ -33,19 +36,19 @@ Two only a pull decode stopped inside a read's post can show (``Swarm.stall_read
 shell carries on with the rest of its iteration and takes the read's completion before reading what came
 meanwhile; docs/fencing.md, "The source hold, and decode's fence"):
 
-One only different page sizes on the two sides can show (``SimConfig.page_share``):
-
-12. ``page_index_paired``: the planner between page sizes pairs page indices instead of token ranges:
-    prefill's page ``k`` of a chunk goes to decode's page ``k`` of the lease, from its first token, as many
-    tokens as the smaller page holds (vLLM's NixlConnector at 32 -> 64, issue 50). The digests do not help:
-    they describe the rows the same planner made.
-
 10. ``pull_fence_off``: decode's pull fence removed (``fenced`` never objects): a read posted after prefill
     released its source pages (it declared decode dead during the stop, and its Bye or the dropped
     connection is not read yet) is accepted.
 11. ``pull_fence_link_only``: the fence reduced to the link's state (established, prefill heard within
     ``peer_timeout``), decode's own stall not checked (F1): frames that arrived before prefill's connection
     dropped, read after the stop, make prefill look alive while the drop notice waits for the next poll.
+
+One only different page sizes on the two sides can show (``SimConfig.page_share``):
+
+13. ``page_index_paired``: the planner between page sizes pairs page indices instead of token ranges:
+    prefill's page ``k`` of a chunk goes to decode's page ``k`` of the lease, from its first token, as many
+    tokens as the smaller page holds (vLLM's NixlConnector at 32 -> 64, issue 50). The digests do not help:
+    they describe the rows the same planner made.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from kvferry.control.core.holds import SourceHolds
 from kvferry.control.core.prefill_announces import Announces
 from kvferry.control.core.prefill_writer import Writer
 from kvferry.layout.memory import KVMemory
+from kvferry.plan import ranks as plan_ranks
 from kvferry.plan import tokens as plan_tokens
 from kvferry.plan import tp as plan_tp
 
@@ -169,6 +173,12 @@ def _page_index_paired(orig: Callable[..., Any]) -> Callable[..., Any]:
     return segments
 
 
+def _state_slice(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def state_slice_of(sb: Any, db: Any, gid: int, r: int, d: int, ptp: int, dtp: int) -> Any:
+        return orig(sb, db, gid, r, (d + 1) % dtp, ptp, dtp)   # the bug: the next decode rank's channels
+    return state_slice_of
+
+
 def _group_done_early(rec: Any) -> bool:
     return True   # the bug: this decode rank's verdict stands for the group's
 
@@ -202,6 +212,7 @@ MUTATIONS: dict[str, tuple[Any, str, Callable[[Any], Any]]] = {
     "pull_release_early": (SourceHolds, "hold", lambda orig: _no_hold),
     "tp_slice_offset": (plan_tp, "slice_of", _slice_offset),
     "group_done_early": (prefill_writer, "group_done", lambda orig: _group_done_early),
+    "tp_state_slice": (plan_ranks, "state_slice_of", _state_slice),
     "announce_copy_answered": (Announces, "on_announce", _announce_copy_answered),
     "pull_fence_off": (decode_reader, "fenced", lambda orig: _fence_off),
     "pull_fence_link_only": (decode_reader, "fenced", lambda orig: _fence_link_only),
@@ -223,6 +234,8 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     # Another rank's heads overwritten (or never written: a_lease when the slice runs past the page).
     "tp_slice_offset": ("b_done_bytes", "a_lease"),
     "group_done_early": ("b_group_verdict",),
+    # Another decode rank's channels where this rank's belong (or none written there).
+    "tp_state_slice": ("b_done_bytes",),
     # Writes into pages decode freed (at the copy's Fail) or leased again (a late copy), or a request the
     # copy opened that nothing will end.
     "announce_copy_answered": ("a_lease", "e_at_rest"),

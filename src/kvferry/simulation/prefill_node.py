@@ -59,7 +59,8 @@ class PrefillNode(Node):
     def start(self) -> None:
         world = self.world
         self.memory = KVMemory.allocate(rank_layout("prefill", world.tp, self.rank, world.cfg.pages,
-                                                    world.page_sizes[0] if world.page_sizes else None))
+                                                    world.page_sizes[0] if world.page_sizes else None,
+                                                    world.state))
         world.graveyard.append(self.memory)   # late copies never touch freed memory
         self.pages = PageMap(self.memory)
         self.src_owner = {p.name: np.full(p.min_pages, -1, dtype=np.int64) for p in self.memory.layout.pools}

@@ -15,6 +15,12 @@ own order (``[head][token][bytes]`` or ``[token][head][bytes]``), so a slice of 
 or at the wrong offset differs from what decode's rank must hold (two heads' bytes differ by a constant that
 is never a multiple of 251). Without head geometry (TP 1 on both sides) the index is the page's own byte
 order (the content the simulator gave before TP groups).
+
+State: seeds at other TP pairs also have a state pool (``STATE_POOL``: one slot per request, no tokens) whose
+two buffers are cut by channel sections (``layout.state``): a Mamba2-like conv state stored window-major,
+``[x | B | C]`` with B and C the same on every rank, beside its SSM heads, and a GDN-like ``[q | k | v]``
+conv, each sub-block sharded on its own, beside its recurrent state. A state byte's index is its place in
+the whole model's (TP 1) page, so a rank's channels put at another rank's place differ from what decode holds.
 """
 
 from __future__ import annotations
@@ -29,14 +35,16 @@ import numpy as np
 
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Buffer, HeadGeometry, Layout, Pool
+from kvferry.layout.state import StateGeometry
 from kvferry.plan.ranks import shard_layout, source_ranks
 from kvferry.simulation.config import page_layout, sim_layout
 
 if TYPE_CHECKING:
     from kvferry.simulation.decode_node import DecodeNode
 
-__all__ = ["TP_PAIRS", "TP_SIZES", "WIDE_PAIRS", "DecodeGroup", "SliceProvenance", "all_are", "draw_tp",
-           "fill_content", "needed_ranks", "page_content", "page_rows", "rank_layout", "rank_name", "token_rows"]
+__all__ = ["STATE_POOL", "TP_PAIRS", "TP_SIZES", "WIDE_PAIRS", "DecodeGroup", "SliceProvenance", "all_are",
+           "draw_state", "draw_tp", "fill_content", "needed_ranks", "page_content", "page_rows", "rank_layout",
+           "rank_name", "token_rows"]
 
 # The (prefill TP, decode TP) pairs every seed draws among: equal sizes (rank to rank, whole pages, pull
 # allowed), decode wider (a prefill rank writes one request to two decode ranks: a request group) and prefill
@@ -65,13 +73,39 @@ def draw_tp(seed: int, wide: float = 0.0) -> tuple[int, int]:
     return random.Random(seed * 4 + (2 << 40)).choice(TP_PAIRS)
 
 
-def head_layout(side: str, pages: int) -> Layout:
+def draw_state(seed: int, tp: tuple[int, int], share: float) -> bool:
+    """Whether seed ``seed`` (at ``tp``) runs with the state pool: a share ``share`` of the seeds at pairs other
+    than 1:1, from a stream of its own (every other draw of the seed is what it was)."""
+    return tp != (1, 1) and share > 0.0 and random.Random(seed * 4 + (5 << 40)).random() < share
+
+
+def head_layout(side: str, pages: int, state: bool = False) -> Layout:
     """``config.sim_layout`` with head geometry (TP 1: every head), the same page sizes and capacities:
-    head-major and token-major sharded buffers, and replicated ones (an indexer's keys, an MLA-like latent)."""
+    head-major and token-major sharded buffers, and replicated ones (an indexer's keys, an MLA-like latent);
+    with ``state``, the state pool (``STATE_POOL``) beside them."""
     pools = []
     for pool in sim_layout(side, pages).pools:
         pools.append(Pool(pool.name, [_with_heads(b) for b in pool.buffers], pool.tokens_per_page))
-    return Layout(pools)
+    return Layout([*pools, _state_pool(side, pages)] if state else pools)
+
+
+STATE_POOL = "s"
+# The model's (TP 1) state pages, channels over all ranks: sharded counts divide by every size of TP_SIZES.
+# s.L0: Mamba2-like, conv window-major (3 rows of x 16 channels, B and C 2 each, the same on every rank), then
+# 8 SSM heads of 4 bytes; s.L1: GDN-like, conv [q 8 | k 8 | v 16] of 3 bytes a channel, then 8 heads of 2.
+_STATE_PARTS = {
+    "s.L0": [(3, [(16, 1, True), (2, 1, False), (2, 1, False)]), (1, [(8, 4, True)])],
+    "s.L1": [(1, [(8, 3, True), (8, 3, True), (16, 3, True)]), (1, [(8, 2, True)])],
+}
+
+
+def _state_pool(side: str, pages: int) -> Pool:
+    slots = pages * 5 // 8 if side == "prefill" else pages // 2
+    bufs = []
+    for layer, (name, parts) in enumerate(_STATE_PARTS.items()):
+        geo = StateGeometry.packed(parts)
+        bufs.append(Buffer(name, geo.extent, slots + layer, "f32", "state", layer, state=geo))
+    return Pool(STATE_POOL, bufs)
 
 
 # buffer -> (heads, major) of the whole model; None: replicated (every rank holds the whole page). 8 heads,
@@ -94,16 +128,17 @@ def _with_heads(buf: Buffer) -> Buffer:
     return Buffer(buf.name, buf.page_bytes, buf.num_pages, buf.dtype, buf.kind, buf.layer, heads)
 
 
-def rank_layout(side: str, tp: tuple[int, int], rank: int, pages: int, tokens: int | None = None) -> Layout:
-    """Rank ``rank``'s layout on ``side`` of a deployment at ``tp`` (prefill TP, decode TP). At (1, 1) the
-    simulator's original layout (no head geometry): those seeds run as they did before TP groups.
-    ``tokens``: a page-size seed's kv pool at that many tokens per page on this side (TP 1:1)."""
+def rank_layout(side: str, tp: tuple[int, int], rank: int, pages: int, tokens: int | None = None,
+                state: bool = False) -> Layout:
+    """Rank ``rank``'s layout on ``side`` of a deployment at ``tp`` (prefill TP, decode TP), with the state pool
+    when ``state``. At (1, 1) the simulator's original layout (no head geometry): those seeds run as they did
+    before TP groups. ``tokens``: a page-size seed's kv pool at that many tokens per page on this side (TP 1:1)."""
     if tokens is not None:
         return page_layout(side, tokens, pages)
     if tp == (1, 1):
         return sim_layout(side, pages)
     size = tp[0] if side == "prefill" else tp[1]
-    return shard_layout(head_layout(side, pages), size, rank)
+    return shard_layout(head_layout(side, pages, state), size, rank)
 
 
 def rank_name(kind: str, group: int, rank: int, size: int) -> str:
@@ -119,8 +154,12 @@ def needed_ranks(decode_rank: int, tp: tuple[int, int]) -> range:
 
 # -- content ------------------------------------------------------------------------------------------------
 @lru_cache(maxsize=512)
-def _canonical_index(page_bytes: int, heads: HeadGeometry | None, tp_rank: int) -> np.ndarray:
-    """Each byte of a rank's page: its index in the whole model's ``[head][token][bytes]`` page."""
+def _canonical_index(page_bytes: int, heads: HeadGeometry | StateGeometry | None, tp_rank: int,
+                     tp_size: int = 1) -> np.ndarray:
+    """Each byte of a rank's page: its index in the whole model's ``[head][token][bytes]`` page (a state page:
+    its place in the model's page, ``_state_index``)."""
+    if isinstance(heads, StateGeometry):
+        return _state_index(heads, tp_rank, tp_size)
     if heads is None or heads.replicated:
         return np.arange(page_bytes, dtype=np.int64)
     nh, t, hb = heads.num_heads, heads.tokens_per_page, heads.head_bytes
@@ -135,10 +174,27 @@ def _canonical_index(page_bytes: int, heads: HeadGeometry | None, tp_rank: int) 
     return out
 
 
+def _state_index(geo: StateGeometry, tp_rank: int, tp_size: int) -> np.ndarray:
+    """Each byte of a rank's state page (``geo``, packed): its offset in the model's page (sharded sections'
+    channels times ``tp_size``, packed), where its section, row and model-wide channel lie."""
+    full = StateGeometry.packed([(rep, [(c * tp_size if sh else c, cb, sh) for c, cb, sh in secs])
+                                 for rep, secs in geo.parts()])
+    out = np.zeros(geo.extent, dtype=np.int64)
+    for sec, whole in zip(geo.sections, full.sections):
+        first = tp_rank * sec.channels if sec.sharded else 0
+        rows = np.arange(sec.repeats, dtype=np.int64)[:, None]
+        local = sec.offset + rows * sec.stride + np.arange(sec.row_bytes, dtype=np.int64)[None, :]
+        out[local] = whole.offset + rows * whole.stride + first * sec.channel_bytes + \
+            np.arange(sec.row_bytes, dtype=np.int64)[None, :]
+    out.flags.writeable = False
+    return out
+
+
 @lru_cache(maxsize=512)
-def _table(page_bytes: int, heads: HeadGeometry | None, tp_rank: int) -> np.ndarray:
+def _table(page_bytes: int, heads: HeadGeometry | StateGeometry | None, tp_rank: int,
+           tp_size: int = 1) -> np.ndarray:
     """Row ``s``: a page's bytes when its start is ``s`` (one of 251), so a page is a row, not arithmetic."""
-    index = _canonical_index(page_bytes, heads, tp_rank)
+    index = _canonical_index(page_bytes, heads, tp_rank, tp_size)
     out = ((index[None, :] + np.arange(251, dtype=np.int64)[:, None]) % 251 + 1).astype(np.uint8)
     out.flags.writeable = False
     return out
@@ -155,15 +211,21 @@ def _starts(rid: str, first_pos: int, n: int, buffer_index: int) -> list[int]:
     return [(c + pos * 31) % 251 for pos in range(first_pos, first_pos + n)]
 
 
-def page_rows(rid: str, first_pos: int, n: int, buffer_index: int, buf: Buffer, tp_rank: int) -> np.ndarray:
-    """The bytes rank ``tp_rank`` holds of the request's pages ``first_pos .. first_pos + n - 1`` in ``buf``
-    (its layout's buffer), one row each."""
-    return _table(buf.page_bytes, buf.heads, tp_rank).take(_starts(rid, first_pos, n, buffer_index), axis=0)
+def _geometry(buf: Buffer) -> HeadGeometry | StateGeometry | None:
+    return buf.state if buf.state is not None else buf.heads
 
 
-def page_content(rid: str, pos: int, buffer_index: int, buf: Buffer, tp_rank: int) -> np.ndarray:
+def page_rows(rid: str, first_pos: int, n: int, buffer_index: int, buf: Buffer, tp_rank: int,
+              tp_size: int = 1) -> np.ndarray:
+    """The bytes rank ``tp_rank`` (of ``tp_size``) holds of the request's pages ``first_pos .. first_pos + n - 1``
+    in ``buf`` (its layout's buffer), one row each."""
+    table = _table(buf.page_bytes, _geometry(buf), tp_rank, tp_size)
+    return table.take(_starts(rid, first_pos, n, buffer_index), axis=0)
+
+
+def page_content(rid: str, pos: int, buffer_index: int, buf: Buffer, tp_rank: int, tp_size: int = 1) -> np.ndarray:
     """The bytes rank ``tp_rank`` holds of the request's page ``pos`` in ``buf`` (its layout's buffer)."""
-    return page_rows(rid, pos, 1, buffer_index, buf, tp_rank)[0]
+    return page_rows(rid, pos, 1, buffer_index, buf, tp_rank, tp_size)[0]
 
 
 def fill_content(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first_pos: int,
@@ -172,14 +234,14 @@ def fill_content(memory: KVMemory, rid: str, pool: str, pages: np.ndarray, first
     buffer of ``pool``: what the engine's prefill computed. ``arrays``: the memory's buffer views, when the
     caller holds them (``memory.array`` makes a view per call). ``by_token``: each token's bytes a function
     of the token (``token_rows``), whatever the page size."""
-    index, rank = memory.buffer_index, memory.layout.tp_rank
+    index, rank, size = memory.buffer_index, memory.layout.tp_rank, memory.layout.tp_size
     page_list = pages.tolist()
     for buf in memory.layout.pool(pool).buffers:
         view = memory.array(buf.name) if arrays is None else arrays[buf.name]
         if by_token:
             view[pages] = token_rows(rid, first_pos, len(page_list), index[buf.name], buf)[0]
             continue
-        table = _table(buf.page_bytes, buf.heads, rank)
+        table = _table(buf.page_bytes, _geometry(buf), rank, size)
         # ``page_rows``, a page at a time: a request has a few pages, which numpy's fancy indexing costs more
         for page, start in zip(page_list, _starts(rid, first_pos, len(page_list), index[buf.name])):
             view[page] = table[start]

@@ -11,7 +11,17 @@ Across attention TP sizes (MLA pools only): every buffer of an MLA model (the la
 the state components, aux) holds the same bytes on every TP rank, so each is declared replicated, whole
 pages (``HeadGeometry.whole_page``), and the layout placed at the rank's ``(tp_size, tp_rank)``; kvferry's
 TP planner then has exactly one prefill rank write each decode rank (``plan.ranks.replica_source``).
-Head-sharded state (``HEAD_SHARDED_STATE_TYPES``) is the exception: it moves rank to rank only.
+Head-sharded state (``HEAD_SHARDED_STATE_TYPES``) is the exception: it is cut by channels, not moved whole.
+
+Mamba state across TP sizes: SGLang's ``MambaPool`` states, per entry, the channels this rank holds on its
+sliced axis (``state_dim_per_tensor``, 0 for a slot replicated over the attention-TP group), the rows
+before that axis (``state_slice_outer_counts``: Kimi's ``[K-1, dim]`` conv) and, for a conv state made of
+independently sharded sub-blocks, their model-wide sizes (``state_conv_shard_groups``: GDN's
+``[key_dim, key_dim, value_dim]``). Each entry is then declared a ``StateGeometry`` (``_mamba_geometry``),
+and kvferry's TP planner moves each decode rank exactly its channels. A Mamba2 conv state (``[x | B | C]``,
+each sharded on its own, or B and C the same on every rank when the groups do not divide) comes with no
+sub-block sizes in ``KVArgs``: a contiguous cut would misplace them, so such a component gets no geometry
+and moves between equal TP sizes only.
 
 Across attention TP sizes (MHA/GQA pools, ``kv_heads`` given): SGLang's ``MHATokenToKVPool`` entries are
 ``[slots * page_size, heads, head_dim]``, token-major, rank ``r`` holding KV heads ``[r * h, (r+1) * h)``.
@@ -31,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from kvferry.errors import LayoutError, UsageError
-from kvferry.layout import Buffer, HeadGeometry, KVMemory, Layout, Pool
+from kvferry.layout import Buffer, HeadGeometry, KVMemory, Layout, Pool, StateGeometry
 
 __all__ = [
     "AUX_POOL",
@@ -118,8 +128,10 @@ def _token_heads(item: int, page_size: int, heads: int) -> HeadGeometry | None:
 
 def _pool(name: str, kind: str, dtype: str, entries: list[tuple[int, int, int]],
           layer_ids: Sequence[int] | None, tokens_per_page: int | None,
-          heads: Sequence[HeadGeometry | None]) -> Pool:
-    buffers = [Buffer(f"{name}.{i}", item, nbytes // item, dtype, kind, _layer(layer_ids, i, len(entries)), heads[i])
+          heads: Sequence[HeadGeometry | None], states: Sequence[StateGeometry | None] | None = None) -> Pool:
+    states = states or [None] * len(entries)
+    buffers = [Buffer(f"{name}.{i}", item, nbytes // item, dtype, kind, _layer(layer_ids, i, len(entries)), heads[i],
+                      states[i])
                for i, (_, nbytes, item) in enumerate(entries)]
     return Pool(name, buffers, tokens_per_page=tokens_per_page)
 
@@ -173,7 +185,7 @@ def kvargs_memory(args: Any, *, device: str = "cpu", device_id: int = 0, tp_size
         entries += aux_entries
     states: list[str | None] = []
     for i, st in enumerate(getattr(args, "state_types", None) or []):
-        pool, comp = _state_pool(args, i, _type_value(st), replicated)
+        pool, comp = _state_pool(args, i, _type_value(st), replicated, tp_size)
         states.append(pool.name if pool is not None else None)
         if pool is not None:
             pools.append(pool)
@@ -184,8 +196,8 @@ def kvargs_memory(args: Any, *, device: str = "cpu", device_id: int = 0, tp_size
     return memory, PoolNames(KV_POOL, aux, tuple(states))
 
 
-def _state_pool(args: Any, i: int, state_type: str,
-                replicated: bool) -> tuple[Pool | None, list[tuple[int, int, int]]]:
+def _state_pool(args: Any, i: int, state_type: str, replicated: bool,
+                tp_size: int = 1) -> tuple[Pool | None, list[tuple[int, int, int]]]:
     ptrs = _nth(getattr(args, "state_data_ptrs", None), i)
     if not ptrs:
         return None, []
@@ -195,8 +207,43 @@ def _state_pool(args: Any, i: int, state_type: str,
     comp = _entries(ptrs, _nth(args.state_data_lens, i), _nth(args.state_item_lens, i), f"state_data[{i}]")
     kind = "index_k" if state_type == "dsa" else "state"
     name = state_pool_name(i, state_type)
-    return _pool(name, kind, state_type, comp, _nth(getattr(args, "state_layer_ids", None), i), None,
+    layers = _nth(getattr(args, "state_layer_ids", None), i)
+    if state_type == "mamba":
+        geometry = _mamba_geometry(args, i, comp, tp_size)
+        if geometry is not None:
+            heads = [HeadGeometry.whole_page(item) if g is None else None for (_, _, item), g in zip(comp, geometry)]
+            return _pool(name, kind, state_type, comp, layers, None, heads, geometry), comp
+    return _pool(name, kind, state_type, comp, layers, None,
                  _whole_pages(comp, replicated and state_type not in HEAD_SHARDED_STATE_TYPES)), comp
+
+
+def _mamba_geometry(args: Any, i: int, entries: list[tuple[int, int, int]],
+                    tp_size: int) -> list[StateGeometry | None] | None:
+    """Each entry of mamba component ``i`` as channel sections (None for an entry replicated over the group:
+    a whole page from one rank), or None for the component when ``KVArgs`` does not say how to cut it
+    (no per-entry dims, or a conv state without its sub-block sizes: a Mamba2 ``[x | B | C]``)."""
+    dims = list(_nth(getattr(args, "state_dim_per_tensor", None), i))
+    groups = list(_nth(getattr(args, "state_conv_shard_groups", None), i)) or [None] * len(entries)
+    outers = list(_nth(getattr(args, "state_slice_outer_counts", None), i)) or [1] * len(entries)
+    if not (len(dims) == len(groups) == len(outers) == len(entries)) or not any(groups):
+        return None
+    out: list[StateGeometry | None] = []
+    for (_, _, item), dim, sub, outer in zip(entries, dims, groups, outers):
+        if int(dim) == 0:
+            out.append(None)
+            continue
+        dim, outer = int(dim), int(outer or 1)
+        if dim < 0 or outer <= 0 or item % (dim * outer):
+            return None
+        cb = item // (dim * outer)
+        if sub and sum(sub) == dim * tp_size and all(int(g) % tp_size == 0 for g in sub):
+            sections = [(int(g) // tp_size, cb, True) for g in sub]
+        elif sub:   # sub-blocks that do not add up to this rank's channels: nothing says how to cut it
+            return None
+        else:
+            sections = [(dim, cb, True)]
+        out.append(StateGeometry.packed([(outer, sections)]))
+    return out
 
 
 def _nth(lists: Sequence[Any] | None, i: int) -> Any:
