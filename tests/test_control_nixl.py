@@ -8,12 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +19,7 @@ from kvferry import KVMemory, PeerLost
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
 from kvferry.errors import IncompatiblePeer, RequestFailed, UsageError
 from kvferry.transport import mooncake_available
+from tests.json_peer import JsonPeer
 
 from .control_peer import announce, fill, make_layout, run_prefill, snapshot, verify, wait_all, workload
 
@@ -40,51 +35,13 @@ KINDS = pytest.mark.parametrize("kind", ["nixl", pytest.param("mooncake", marks=
     not mooncake_available(), reason="Mooncake's Transfer Engine is not installed (kvferry[mooncake])"))])
 
 
-class Peer:
+class Peer(JsonPeer):
     """An endpoint in a child process, driven by JSON lines (see tests/control_peer.py)."""
 
     def __init__(self, role: str, **cfg: Any) -> None:
         cfg = {"options": TIMEOUTS, "seed": SEED, **cfg}
-        env = {**os.environ, "PYTHONPATH": str(PEER.parent.parent / "src")}
-        self.proc = subprocess.Popen([sys.executable, str(PEER), role, json.dumps(cfg)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.address = self._next(30)["address"]
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self._lines.put(line)
-        self._lines.put("")
-
-    def _next(self, timeout: float) -> dict[str, Any]:
-        line = self._lines.get(timeout=timeout)
-        if not line:
-            raise AssertionError(f"peer exited with {self.proc.wait(5)}")
-        return json.loads(line)
-
-    def __call__(self, op: str, timeout: float = 30, **args: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._next(timeout)
-        assert "error" not in reply, reply
-        return reply
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(AssertionError, queue.Empty, BrokenPipeError):
-                self("exit", timeout=10)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        super().__init__(PEER, [role, json.dumps(cfg)], ready_timeout=30, timeout=30)
+        self.address = self.first["address"]
 
 
 @pytest.fixture

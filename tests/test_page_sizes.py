@@ -9,13 +9,10 @@ that cannot be translated is refused at connect time by name; a wrong mapping is
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import queue
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,7 @@ from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint
 from kvferry.errors import PlanError, RequestFailed
 from kvferry.layout import HeadGeometry
 from kvferry.plan import tokens as token_plan
+from tests.json_peer import JsonPeer
 
 from .page_size_peer import TIMEOUTS, expected, filled, layout, request
 
@@ -174,46 +172,15 @@ def test_different_page_sizes_and_tp_sizes_together_are_refused_clearly() -> Non
 
 
 # -- over NIXL, prefill in another process ------------------------------------------------------------------
-class _Peer:
+class _Peer(JsonPeer):
     """Prefill endpoints in a child process (tests/page_size_peer.py), one per configuration."""
 
     def __init__(self, cfgs: list[dict[str, Any]]) -> None:
-        env = {**os.environ, "PYTHONPATH": str(PEER.parent.parent / "src")}
-        self.proc = subprocess.Popen([sys.executable, str(PEER), json.dumps(cfgs)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.addresses = self._next(60)["addresses"]
+        super().__init__(PEER, [json.dumps(cfgs)], ready_timeout=60, timeout=60)
+        self.addresses = self.first["addresses"]
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self._lines.put(line)
-        self._lines.put("")
-
-    def _next(self, timeout: float) -> dict[str, Any]:
-        line = self._lines.get(timeout=timeout)
-        if not line:
-            raise AssertionError(f"peer exited with {self.proc.wait(5)}")
-        return json.loads(line)
-
-    def __call__(self, op: str, **args: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._next(60)
-        assert "error" not in reply, reply
-        return reply
-
-    def close(self) -> None:
-        with contextlib.suppress(AssertionError, queue.Empty, BrokenPipeError):
-            self("exit")
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+    def close(self, wait: float = 20) -> None:
+        super().close(wait)
 
 
 # One prefill endpoint per (pair, major), push and pull alternating so that each ratio goes both ways.
