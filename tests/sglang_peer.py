@@ -480,9 +480,16 @@ def room_tokens(room: int, pages: int, page_size: int) -> list[int]:
     return np.random.default_rng(room).integers(3, 1000, pages * page_size - 1).tolist()
 
 
+def _input_ids(room: int, r: dict[str, Any], pages: int, page_size: int) -> list[int]:
+    """Room ``room``'s input ids: ``room_tokens``, or between page sizes the request's ``tokens`` of them."""
+    if "tokens" in r:
+        return np.random.default_rng(room).integers(3, 1000, r["tokens"]).tolist()
+    return room_tokens(room, pages, page_size)
+
+
 def _bind_sender(cfg: dict[str, Any], s: Any, args: Any, r: dict[str, Any]) -> None:
     if cfg.get("bind"):
-        s.bind_tokens(room_tokens(r["room"], len(r["src"]["kv"]), int(args.page_size)), f"prefill-req-{r['room']}")
+        s.bind_tokens(_input_ids(r["room"], r, len(r["src"]["kv"]), int(args.page_size)), f"prefill-req-{r['room']}")
 
 
 def _bind_receiver(cfg: dict[str, Any], rec: Any, args: Any, r: dict[str, Any]) -> None:
@@ -491,7 +498,7 @@ def _bind_receiver(cfg: dict[str, Any], rec: Any, args: Any, r: dict[str, Any]) 
     owner = r["room"]
     for a, b in cfg.get("crossed", ()):
         owner = b if owner == a else a if owner == b else owner
-    rec.bind_tokens(room_tokens(owner, len(r["dst"]["kv"]), int(args.page_size)), f"decode-req-{owner}")
+    rec.bind_tokens(_input_ids(owner, r, len(r["dst"]["kv"]), int(args.page_size)), f"decode-req-{owner}")
 
 
 def _outcome(obj: Any, state: Any) -> str:
