@@ -88,7 +88,7 @@ test-vllm-slow: setup-vllm
 test: test-sglang
 
 SGLANG_PYTEST = .venv-sglang/bin/python -m pytest -q
-SGLANG_TESTS = tests/test_sglang.py tests/test_sglang_prefix.py tests/test_sglang_server.py \
+SGLANG_TESTS = tests/test_sglang.py tests/test_sglang_page_sizes.py tests/test_sglang_prefix.py tests/test_sglang_server.py \
 	tests/test_sglang_gateway.py
 
 setup-sglang: setup

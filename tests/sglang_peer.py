@@ -43,6 +43,9 @@ MHA_DIMS = {"mha": (32, 32), "mha_v": (32, 16), "mha_vw": (16, 32), "gdn": (32, 
 # state ``[q | k | v]`` (key heads x head dim twice, value heads x head dim), kernel 4, bf16; recurrent state
 # ``[value heads, head dim, head dim]`` fp32.
 GDN_KEY_HEADS, GDN_VALUE_HEADS, GDN_HEAD_DIM, GDN_KERNEL, GDN_SLOTS = 4, 8, 16, 4, 96
+# Different page sizes on the two sides (``cfg["pages"]``: [prefill's, decode's]): pools of this many tokens,
+# requests of 1 to MAX_REQUEST_TOKENS tokens.
+PAGED_TOKENS, MAX_REQUEST_TOKENS = 4096, 160
 
 
 def is_mha(kind: str) -> bool:
@@ -94,7 +97,9 @@ def fill_seed(cfg: dict[str, Any], role: str, rank: int) -> int:
     return cfg["seed"] + 1000 * rank + (0 if role == "prefill" else 1)
 
 
-def build_pool(kind: str, tp_size: int = 1) -> Any:
+def build_pool(kind: str, tp_size: int = 1, page: int | None = None) -> Any:
+    """SGLang's pool ``kind`` at attention TP ``tp_size``; ``page`` (MHA and MLA, the page-size cases): its
+    page size, on a pool of PAGED_TOKENS tokens."""
     import torch
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
     from sglang.srt.mem_cache.index_key_cache import IndexKeyCache
@@ -106,11 +111,12 @@ def build_pool(kind: str, tp_size: int = 1) -> Any:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
         head_dim, v_head_dim = MHA_DIMS[kind]
-        return MHATokenToKVPool(size=2048, page_size=MHA_PAGE, dtype=torch.bfloat16,
+        return MHATokenToKVPool(size=PAGED_TOKENS if page else 2048, page_size=page or MHA_PAGE, dtype=torch.bfloat16,
                                 head_num=MHA_KV_HEADS // tp_size, head_dim=head_dim, v_head_dim=v_head_dim,
                                 layer_num=2, device="cpu", enable_memory_saver=False)
     if kind == "mla":
-        return MLATokenToKVPool(size=8192, page_size=64, dtype=torch.bfloat16, kv_lora_rank=64,
+        return MLATokenToKVPool(size=PAGED_TOKENS if page else 8192, page_size=page or 64, dtype=torch.bfloat16,
+                                kv_lora_rank=64,
                                 qk_rope_head_dim=16, layer_num=2, device="cpu", enable_memory_saver=False)
     if kind.startswith("dsa"):
         class BF16IndexKeyCache(IndexKeyCache):
@@ -424,7 +430,7 @@ def run_prefill(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, A
                 s.abort()  # e.g. the prefill scheduler aborted the request before its forward pass
                 sent.add(room)
             elif state == KVPoll.WaitingForInput and room not in sent:
-                popped[str(room)] = _send_request(s, args, r, chunk)
+                popped[str(room)] = (_send_tokens if "tokens" in r else _send_request)(s, args, r, chunk)
                 sent.add(room)
                 if cfg.get("die_after") and len(sent) >= cfg["die_after"]:
                     # A prefill crash with writes in flight: decode must fail what did not finish.
@@ -474,9 +480,16 @@ def room_tokens(room: int, pages: int, page_size: int) -> list[int]:
     return np.random.default_rng(room).integers(3, 1000, pages * page_size - 1).tolist()
 
 
+def _input_ids(room: int, r: dict[str, Any], pages: int, page_size: int) -> list[int]:
+    """Room ``room``'s input ids: ``room_tokens``, or between page sizes the request's ``tokens`` of them."""
+    if "tokens" in r:
+        return np.random.default_rng(room).integers(3, 1000, r["tokens"]).tolist()
+    return room_tokens(room, pages, page_size)
+
+
 def _bind_sender(cfg: dict[str, Any], s: Any, args: Any, r: dict[str, Any]) -> None:
     if cfg.get("bind"):
-        s.bind_tokens(room_tokens(r["room"], len(r["src"]["kv"]), int(args.page_size)), f"prefill-req-{r['room']}")
+        s.bind_tokens(_input_ids(r["room"], r, len(r["src"]["kv"]), int(args.page_size)), f"prefill-req-{r['room']}")
 
 
 def _bind_receiver(cfg: dict[str, Any], rec: Any, args: Any, r: dict[str, Any]) -> None:
@@ -485,7 +498,7 @@ def _bind_receiver(cfg: dict[str, Any], rec: Any, args: Any, r: dict[str, Any]) 
     owner = r["room"]
     for a, b in cfg.get("crossed", ()):
         owner = b if owner == a else a if owner == b else owner
-    rec.bind_tokens(room_tokens(owner, len(r["dst"]["kv"]), int(args.page_size)), f"decode-req-{owner}")
+    rec.bind_tokens(_input_ids(owner, r, len(r["dst"]["kv"]), int(args.page_size)), f"decode-req-{owner}")
 
 
 def _outcome(obj: Any, state: Any) -> str:
@@ -506,10 +519,13 @@ def run_decode(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, An
 
     addr = f"127.0.0.1:{cfg['port']}"
     t0 = time.perf_counter()
-    while not mgr.try_ensure_parallel_info(addr):
-        if time.perf_counter() - t0 > 60:
-            raise SystemExit("prefill never registered")
-        time.sleep(0.1)
+    try:
+        while not mgr.try_ensure_parallel_info(addr):
+            if time.perf_counter() - t0 > 60:
+                raise SystemExit("prefill never registered")
+            time.sleep(0.1)
+    except RuntimeError as exc:   # SGLang's own checks (its page size, dtype): raised in its decode scheduler
+        return {"role": "decode", "refused": f"{type(exc).__name__}: {exc}"}
     cls = dutils.get_kv_class(dutils.TransferBackend(cfg["backend"]), dutils.KVClassType.RECEIVER)
     receivers = {r["room"]: cls(mgr, addr, r["room"]) for r in reqs}
     for r in reqs:
@@ -544,6 +560,89 @@ def run_decode(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[str, An
     elapsed = time.perf_counter() - start
     return {"role": "decode", "outcomes": {str(k): v for k, v in done.items()}, "seconds": elapsed,
             "mean_latency_s": float(np.mean(list(latency.values()))) if latency else None}
+
+
+# Different page sizes (``cfg["pages"]``: [Ts, Td], prefill's and decode's): each request has ``tokens``
+# tokens, prefill's pages at Ts (``whole``: the page of every position) and decode's at Td past a prefix of
+# ``prefix`` decode pages (every third request none, a third some, a third all but its last partial page).
+# Both sides draw the same requests from the seed.
+def page_capacity(page: int) -> int:
+    return PAGED_TOKENS // page   # SGLang allocates one page more (its padding page): not used here
+
+
+def token_requests(cfg: dict[str, Any], n: int, seed: int) -> list[dict[str, Any]]:
+    ts, td = cfg["pages"]
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(n):
+        tokens = int(rng.integers(1, MAX_REQUEST_TOKENS + 1))
+        most = (tokens - 1) // td if cfg.get("prefix") else 0   # decode's radix match stops before the last token
+        prefix = (0, most // 2, most)[i % 3]
+        reqs.append({"room": 1000 + i, "tokens": tokens, "prefix": prefix,
+                     "whole": rng.integers(0, page_capacity(ts), -(-tokens // ts)).tolist(),
+                     "aux_src": i % AUX_SLOTS, "aux_dst": AUX_SLOTS - 1 - i % AUX_SLOTS})
+    need = sum(-(-r["tokens"] // td) - r["prefix"] for r in reqs)
+    dst = rng.permutation(page_capacity(td))[:need]
+    if len(dst) < need:
+        raise ValueError(f"{need} destination pages of {td} tokens needed, {len(dst)} in the pool")
+    at = 0
+    for r in reqs:
+        k = -(-r["tokens"] // td) - r["prefix"]
+        r["dst"], at = {"kv": dst[at:at + k].tolist()}, at + k
+        r["src"] = {"kv": r["whole"]}
+    return reqs
+
+
+def _send_tokens(s: Any, args: Any, r: dict[str, Any], chunk: int) -> int:
+    """SGLang's prefill for one request between page sizes (prefill.py ``finalize_bootstrap``,
+    ``_send_kv_chunk``): the prefix popped, ``init`` with ``kv_to_page_num(len - popped)``, the pages of the
+    tokens from ``popped`` on (``kv_to_page_indices``: the page of every Ts-th token) in chunks. Returns
+    the popped prefix."""
+    page = int(args.page_size)
+    popped = int(s.pop_decode_prefix_len())
+    s.init(-(-(r["tokens"] - popped) // page), r["aux_src"])
+    kv = np.asarray(r["whole"], dtype=np.int32)[np.arange(popped, r["tokens"], page) // page]
+    for k in range(0, max(len(kv), 1), chunk):
+        s.send(kv[k:k + chunk], [] if k + chunk >= len(kv) else None)
+    return popped
+
+
+def check_tokens(bufs: list[Buf], cfg: dict[str, Any], reqs: list[dict[str, Any]],
+                 outcomes: dict[str, str]) -> dict[str, Any]:
+    """Between page sizes, token by token: in every KV entry, each token decode leased past its prefix and
+    prefill's pages reach holds that token's row of prefill's page (``[page * Ts + t][heads][dim]``); aux pages
+    whole; every other row of decode's memory its own fill. Tokens of failed requests are not judged."""
+    import torch
+
+    ts, td = cfg["pages"]
+    aux = torch.zeros(AUX_SLOTS, AUX_ITEM, dtype=torch.uint8)
+    src_shapes = [Buf(b.group, 0, b.nbytes, b.item)
+                  for b in buffers(build_kv_args(build_pool(cfg["pool"], 1, ts), aux))]
+    src_fills = _fills(src_shapes, fill_seed(cfg, "prefill", 0))
+    before = _fills(bufs, fill_seed(cfg, "decode", 0))
+    report: dict[str, Any] = {"tokens_checked": 0, "rows_checked": 0, "bytes_checked": 0, "num_bad_rows": 0,
+                              "bad_rows": []}
+    for bi, b in enumerate(bufs):
+        per = td if b.group == "kv" else 1
+        got = b.view().reshape(-1, b.item // per)
+        expect = before[bi].reshape(len(got), -1).copy()
+        src = src_fills[bi].reshape(-1, src_shapes[bi].item // (ts if b.group == "kv" else 1))
+        for r in reqs:
+            if outcomes.get(str(r["room"])) != "ok":
+                continue
+            if b.group == "aux":
+                expect[r["aux_dst"]] = src[r["aux_src"]]
+                continue
+            t = np.arange(r["prefix"] * td, min(len(r["whole"]) * ts, (r["prefix"] + len(r["dst"]["kv"])) * td))
+            dst_rows = np.asarray(r["dst"]["kv"])[t // td - r["prefix"]] * td + t % td
+            expect[dst_rows] = src[np.asarray(r["whole"])[t // ts] * ts + t % ts]
+            report["tokens_checked"] += len(t)
+        bad = np.flatnonzero(np.any(got != expect, axis=1))
+        report["num_bad_rows"] += len(bad)
+        report["bad_rows"] += [{"buffer": bi, "row": int(x)} for x in bad[:3]]
+        report["rows_checked"] += len(got)
+        report["bytes_checked"] += got.size
+    return report
 
 
 # Failure propagation (``cfg["faults"]``, issue 26): room ``1000 + i`` fails at step FAULT_STEPS[i % 8], on
@@ -695,6 +794,8 @@ def run_decode_faults(cfg: dict[str, Any], mgr: Any, args: Any, reqs: list[dict[
 def _prefix_kwargs(cfg: dict[str, Any], args: Any, r: dict[str, Any]) -> dict[str, int]:
     """``decode_prefix_len`` as SGLang's decode passes it (tokens); every ``unaligned_every``-th request
     one token more than its whole pages."""
+    if "tokens" in r:
+        return {"decode_prefix_len": r["prefix"] * int(args.page_size)}
     if "prefix" not in r or cfg.get("claim_none"):
         return {}
     extra = cfg.get("unaligned_every") and (r["room"] - 1000) % cfg["unaligned_every"] == 1
@@ -890,7 +991,8 @@ def main() -> None:
 
     setup_context(cfg, tp_of(cfg, role), rank, role)
     kind = cfg.get(f"{role}_pool", cfg["pool"])
-    pool = build_pool(kind, tp_of(cfg, role))
+    page = cfg["pages"][role == "decode"] if cfg.get("pages") else None
+    pool = build_pool(kind, tp_of(cfg, role), page)
     aux = torch.zeros(AUX_SLOTS, AUX_ITEM, dtype=torch.uint8)
     heads = is_mha(kind) and (role == "prefill" or cfg.get("decode_kv_heads", False))
     args = build_kv_args(pool, aux, rank, heads)
@@ -900,7 +1002,9 @@ def main() -> None:
         args.kv_data_mem_kinds = ["VRAM"] * len(args.kv_data_ptrs)
     bufs = buffers(args)
     fill(bufs, fill_seed(cfg, role, rank))
-    if cfg.get("prefix"):
+    if cfg.get("pages"):
+        reqs = token_requests(cfg, cfg["n"], cfg["seed"] + 7)
+    elif cfg.get("prefix"):
         reqs = prefix_requests(capacities(bufs), group_types(args), cfg["n"], cfg["seed"] + 7,
                                cfg.get("past_every", 0), cfg.get("full_every", 0))
         if role == "decode":
@@ -916,8 +1020,12 @@ def main() -> None:
         out = (run_prefill_faults if role == "prefill" else run_decode_faults)(cfg, mgr, args, reqs)
     else:
         out = run_prefill(cfg, mgr, args, reqs) if role == "prefill" else run_decode(cfg, mgr, args, reqs)
+    if "refused" in out:
+        print(json.dumps(out), flush=True)
+        os._exit(0)
     if role == "decode":
-        out["check"] = check_bytes(bufs, cfg, reqs, out["outcomes"], rank)
+        out["check"] = (check_tokens(bufs, cfg, reqs, out["outcomes"]) if cfg.get("pages") else
+                        check_bytes(bufs, cfg, reqs, out["outcomes"], rank))
         out["capacities"] = capacities(bufs)
     out["slots"] = [b.nbytes // b.item for b in bufs]
     if cfg["backend"] == "kvferry":   # SGLang's own managers have no kvferry endpoint

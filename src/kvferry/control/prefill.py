@@ -171,6 +171,19 @@ class PrefillEndpoint(EndpointBase):
                 return None
             return dict(rec.prefix)
 
+    def decode_prefix_tokens(self, request_id: str) -> dict[str, int] | None:
+        """``decode_prefix`` in tokens (pool -> leading tokens decode holds: its pages times decode's tokens
+        per page, which may differ from this side's), or None before decode announced it. A pool without
+        token pages (state) counts its pages."""
+        with self._lock:
+            rec = self.core.records.get(request_id)
+            if not isinstance(rec, PrefillRequest) or rec.session is None:
+                return None
+            remote = rec.session.remote
+            return {pool: pages * int((remote.layout.pool(pool).tokens_per_page if remote is not None else None)
+                                      or 1)
+                    for pool, pages in rec.prefix.items()}
+
     def holds_source(self, request_id: str) -> bool:
         """Non-blocking: whether the request's source pages may still be read (pull mode: until decode
         said it is done with them, see ``core.holds``; push mode: while a write of them is in flight).

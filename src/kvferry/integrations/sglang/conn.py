@@ -47,8 +47,8 @@ _POLL = {RequestState.BOOTSTRAPPING: KVPoll.Bootstrapping, RequestState.WAITING_
 
 # What an endpoint raises for a request id it has not heard of (the peer has not announced it yet).
 _UNKNOWN = (KeyError, UsageError)
-# Tokens per binding block (integrity.binding): a whole number of KV pages of at least this many tokens.
-# SGLang's pages are often one token; one digest per token would cost a hash call and 16 bytes each.
+# Tokens per binding block (integrity.binding), the same on both sides whatever their page sizes. SGLang's
+# pages are often one token; one digest per token would cost a hash call and 16 bytes each.
 BIND_TOKENS = 64
 
 
@@ -206,16 +206,17 @@ class KVFerryKVManager(CommonKVManager):
         return int(self.kvferry_memory.layout.pool(self.pool_names.kv).tokens_per_page or 1)
 
     def endpoint_prefix(self, room: int) -> dict[str, int]:
-        """Prefill: the pages per pool decode announced it holds for ``room`` (none before the announce)."""
+        """Prefill: the tokens per pool decode announced it holds for ``room`` (its pages at its own page
+        size, which may differ from this side's; none before the announce)."""
         if self.prefill_endpoint is None:
             raise UsageError("kvferry backend: this manager has no prefill endpoint (not a prefill instance)")
-        return self.prefill_endpoint.decode_prefix(_room_id(room)) or {}
+        return self.prefill_endpoint.decode_prefix_tokens(_room_id(room)) or {}
 
     def bind(self, token_ids: Any, label: str) -> Binding:
-        """The binding of a request's input ids (``integrity.binding``), in blocks of whole KV pages: equal
-        on both sides, since the handshake compared the page sizes."""
-        page = self.tokens_per_page
-        return token_binding(token_ids, page * max(1, -(-BIND_TOKENS // page)), label=label)
+        """The binding of a request's input ids (``integrity.binding``), in blocks of ``BIND_TOKENS``
+        tokens whatever this side's page size: prefill and decode may page differently and must still
+        state the same binding."""
+        return token_binding(token_ids, BIND_TOKENS, label=label)
 
     def fail(self, room: int, reason: str) -> None:
         self.record_failure(room, reason)
@@ -277,10 +278,14 @@ class KVFerryKVSender(CommonKVSender):
         self.binding = self.kv_mgr.bind(token_ids, label or f"room {self.bootstrap_room}")
 
     def pop_decode_prefix_len(self) -> int:
-        """Decode's prefix in tokens (whole KV pages: kvferry refused any other at the announce), from
-        kvferry's announce; 0 before it arrived, and then kvferry skips the prefix in what is sent."""
-        held = self.kv_mgr.endpoint_prefix(self.bootstrap_room)
-        self.prefix_pages = held.get(self.kv_mgr.pool_names.kv, 0)
+        """Where SGLang's prefill starts sending (``start_send_idx``): decode's prefix in tokens (whole
+        pages of decode's size: kvferry refused any other at the announce), from kvferry's announce, cut
+        down to whole pages of this side's size. SGLang lists a request's pages from there
+        (``kv_to_page_indices`` takes the page of every ``page_size``-th token), which misses a page when
+        the start falls inside one; kvferry maps the pages sent by token and skips what decode holds of
+        the first. 0 before the announce arrived, and then kvferry skips the whole prefix."""
+        held = self.kv_mgr.endpoint_prefix(self.bootstrap_room).get(self.kv_mgr.pool_names.kv, 0)
+        self.prefix_pages = held // self.kv_mgr.tokens_per_page
         return self.prefix_pages * self.kv_mgr.tokens_per_page
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
@@ -528,4 +533,18 @@ class KVFerryKVReceiver(CommonKVReceiver):
 
 
 class KVFerryKVBootstrapServer(CommonKVBootstrapServer):
-    """SGLang's bootstrap server as is: it maps (dp, cp, tp, pp) ranks to the kvferry endpoint ports."""
+    """SGLang's bootstrap server: it maps (dp, cp, tp, pp) ranks to the kvferry endpoint ports.
+
+    It does not state prefill's page size to decode: SGLang's decode (``CommonKVManager.
+    try_ensure_parallel_info``) raises ``RuntimeError("Page size mismatch ...")`` in its scheduler for any
+    other page size than its own, and skips the check when none is stated. kvferry's handshake compares
+    the page sizes pool by pool instead: it translates them where every token's bytes lie alike (MHA and
+    MLA pools) and refuses any other difference by name (docs/sglang.md)."""
+
+    @property
+    def page_size(self) -> int | None:
+        return None
+
+    @page_size.setter
+    def page_size(self, value: int | None) -> None:
+        self.registered_page_size = value   # what a prefill rank registered (kept, never routed)

@@ -140,13 +140,28 @@ def _whole_pages(entries: list[tuple[int, int, int]], replicated: bool) -> list[
     return [HeadGeometry.whole_page(item) if replicated else None for _, _, item in entries]
 
 
+def _replicated_tokens(item: int, page_size: int) -> HeadGeometry:
+    """An MLA entry's page (``[slot][1][dim]``: ``page_size`` token rows, the same on every rank) as one
+    replicated head of token rows, so that another page size translates token by token; an item that
+    does not split into ``page_size`` rows stays a whole page (equal page sizes only)."""
+    if item % page_size:
+        return HeadGeometry.whole_page(item)
+    return HeadGeometry(1, item // page_size, page_size, "token", True)
+
+
 def _kv_heads(args: Any, entries: list[tuple[int, int, int]], page_size: int, replicated: bool,
               kv_heads: int | None) -> list[HeadGeometry | None]:
-    """Each KV entry's geometry: replicated whole pages (MLA), token-major head rows for the target model's
+    """Each KV entry's geometry: replicated token rows (MLA), token-major head rows for the target model's
     entries of an MHA pool whose heads are known (draft entries, the last ``num_draft_entries``, get none),
-    else none."""
-    if replicated or kv_heads is None:
-        return _whole_pages(entries, replicated)
+    else none. Either says where each token lies in a page, which lets the two sides' page sizes differ."""
+    if replicated and any(int(r or 0) > 1 for r in getattr(args, "mla_compression_ratios", None) or []):
+        # DeepSeek-V4's entries hold one row per 4 or 128 tokens, which KVArgs does not say entry by entry:
+        # whole pages, so its page sizes must be equal (the handshake refuses otherwise).
+        return _whole_pages(entries, True)
+    if replicated:
+        return [_replicated_tokens(item, page_size) for _, _, item in entries]
+    if kv_heads is None:
+        return _whole_pages(entries, False)
     num_target = len(entries) - int(getattr(args, "num_draft_entries", 0) or 0)
     return [_token_heads(item, page_size, kv_heads) if i < num_target else None
             for i, (_, _, item) in enumerate(entries)]
