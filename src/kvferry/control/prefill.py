@@ -180,9 +180,8 @@ class PrefillEndpoint(EndpointBase):
             if not isinstance(rec, PrefillRequest) or rec.session is None:
                 return None
             remote = rec.session.remote
-            return {pool: pages * int((remote.layout.pool(pool).tokens_per_page if remote is not None else None)
-                                      or 1)
-                    for pool, pages in rec.prefix.items()}
+            per_page = {p.name: p.tokens_per_page or 1 for p in remote.layout.pools} if remote is not None else {}
+            return {pool: pages * per_page.get(pool, 1) for pool, pages in rec.prefix.items()}
 
     def holds_source(self, request_id: str) -> bool:
         """Non-blocking: whether the request's source pages may still be read (pull mode: until decode

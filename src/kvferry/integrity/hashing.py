@@ -141,16 +141,13 @@ def hash_slices(memory: KVMemory, buffer: str, pages: np.ndarray, piece: PageSli
     if piece.pieces:
         return _hash_pieces(memory, buffer, pages, piece.pieces, side)
     offset, stride = (piece.src_offset, piece.src_stride) if side == "src" else (piece.dst_offset, piece.dst_stride)
-    rows = read_pages(memory, buffer, pages)  # GPU: a host copy of the chosen pages; host: None
-    arr, index = (memory.array(buffer), pages) if rows is None else (rows, np.arange(len(pages)))
+    arr, index = _host_pages(memory, buffer, pages)
     if piece.num_tokens == 1:  # head-major: one contiguous segment per page
         view = arr[:, offset:offset + piece.nbytes]
     else:  # token-major: a page is num_tokens rows of ``stride`` bytes; the slice is a column band of them
         view = arr.reshape(len(arr), piece.num_tokens, stride)[:, :, offset:offset + piece.nbytes]
     # Fancy indexing copies only the slice bytes, contiguous per page: one hash call per page.
-    block = np.ascontiguousarray(view[index]).reshape(len(index), -1)
-    fn = xxhash.xxh3_64_intdigest
-    return np.array([fn(row, _HASH_SEED) for row in block], dtype=np.uint64)
+    return _hash_rows(np.ascontiguousarray(view[index]).reshape(len(index), -1))
 
 
 def _hash_pieces(memory: KVMemory, buffer: str, pages: np.ndarray, pieces: tuple[PageSlice, ...],
@@ -159,9 +156,19 @@ def _hash_pieces(memory: KVMemory, buffer: str, pages: np.ndarray, pieces: tuple
     at = [np.add.outer((p.src_offset if side == "src" else p.dst_offset)
                        + np.arange(p.num_tokens, dtype=np.int64) * (p.src_stride if side == "src" else p.dst_stride),
                        np.arange(p.nbytes, dtype=np.int64)).reshape(-1) for p in pieces]
+    arr, index = _host_pages(memory, buffer, pages)
+    return _hash_rows(np.ascontiguousarray(arr[index][:, np.concatenate(at)]))
+
+
+def _host_pages(memory: KVMemory, buffer: str, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(array, index)``: ``array[index]`` are ``pages`` of ``buffer`` as uint8 rows on the host (host
+    memory in place, GPU pages a host copy of the chosen ones, ``read_pages``)."""
     rows = read_pages(memory, buffer, pages)
-    arr, index = (memory.array(buffer), pages) if rows is None else (rows, np.arange(len(pages)))
-    block = np.ascontiguousarray(arr[index][:, np.concatenate(at)])
+    return (memory.array(buffer), pages) if rows is None else (rows, np.arange(len(pages)))
+
+
+def _hash_rows(block: np.ndarray) -> np.ndarray:
+    """xxh3-64 of each row of a contiguous 2-D uint8 block, as uint64."""
     fn = xxhash.xxh3_64_intdigest
     return np.array([fn(row, _HASH_SEED) for row in block], dtype=np.uint64)
 
@@ -212,8 +219,7 @@ def hash_entries(memory: KVMemory, gids: np.ndarray, pages: np.ndarray, first: n
     for g in np.unique(gids).tolist():
         at = np.flatnonzero(gids == g)
         name = bufs[g].name
-        rows = read_pages(memory, name, pages[at])  # GPU: a host copy of the chosen pages; host: None
-        arr, index = (memory.array(name), pages[at]) if rows is None else (rows, np.arange(len(at)))
+        arr, index = _host_pages(memory, name, pages[at])
         arr = arr.reshape(len(arr), -1)
         pieces, entries, piece = entry_shape(memory, g)
         heads = bufs[g].heads

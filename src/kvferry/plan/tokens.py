@@ -385,6 +385,11 @@ class PageSizePlanner:
                 out[pool] = span
         return out
 
+    def page_tokens(self, pool: str) -> tuple[int, int]:
+        """(prefill's, decode's) tokens per page of ``pool``; (1, 1) for a state pool (a page a request)."""
+        sizes = self.sizes.get(pool)
+        return sizes if sizes is not None else (1, 1)
+
     def position(self, pool: str, span: TokenSpan) -> int:
         """Where ``span``'s first source page sits: its prefill page position in the request (a state pool:
         its position in decode's list). ``chunk_span`` given it and the same pages gives ``span`` again."""

@@ -11,7 +11,7 @@ page received every token prefill sent up to its end, and that decode's prefix i
 
 from __future__ import annotations
 
-from kvferry.control.core.prefill_requests import ChunkSpec, PrefillRequest
+from kvferry.control.core.prefill_requests import ChunkSpec, PrefillRequest, note_request_end
 from kvferry.errors import PlanError
 from kvferry.layout.spec import Layout
 from kvferry.plan.prefix import prefix_past_request
@@ -25,12 +25,10 @@ def chunk_spans(planner: PageSizePlanner, rec: PrefillRequest, spec: ChunkSpec) 
     chunk wholly inside the prefix that is not the last (nothing to post). Records how far the request's
     tokens reach (``rec.request_pages``: per pool, the end in prefill pages) and on the last chunk refuses
     a prefix past the request."""
-    for pool, src in spec.src.items():
-        rec.request_pages[pool] = max(rec.request_pages.get(pool, 0), spec.offsets[pool] + len(src))
+    note_request_end(rec, spec)
     if spec.last:
         for pool, held in rec.prefix.items():
-            sizes = planner.sizes.get(pool)
-            ts, td = sizes if sizes is not None else (1, 1)
+            ts, td = planner.page_tokens(pool)
             if held * td > rec.request_pages.get(pool, 0) * ts:
                 raise prefix_past_request(rec.request_id, pool, held, -(-rec.request_pages.get(pool, 0) * ts // td))
     spans = planner.spans(spec.src, spec.offsets, rec.dst, rec.prefix, rec.request_id)
@@ -73,8 +71,7 @@ def _rows(layout: Layout, pool: str, buffers: tuple[str, ...] | None) -> list[in
 def _check_covered(layout: Layout, planner: PageSizePlanner, rec: PrefillRequest) -> None:
     """Every leased token up to the end of what prefill sent is written, and every leased page got some."""
     for pool, dst in rec.dst.items():
-        sizes = planner.sizes.get(pool)
-        ts, td = sizes if sizes is not None else (1, 1)
+        ts, td = planner.page_tokens(pool)
         first = rec.prefix.get(pool, 0) * td
         sent = rec.request_pages.get(pool, 0) * ts - first     # tokens prefill has past the prefix
         leased = len(dst) * td

@@ -28,7 +28,7 @@ from kvferry.plan.prefix import prefix_past_request, split_prefix
 from kvferry.plan.ranks import source_ranks
 
 __all__ = ["ChunkSpec", "Planned", "PrefillRequest", "can_join", "chunk_pairs", "group_done", "make_spec",
-           "may_free", "num_decode_ranks", "past_prefix", "source_in_use"]
+           "may_free", "note_request_end", "num_decode_ranks", "past_prefix", "source_in_use"]
 
 
 class ChunkSpec:
@@ -130,8 +130,7 @@ def past_prefix(rec: PrefillRequest, spec: ChunkSpec) -> ChunkSpec | None:
     posting hashes its plan instead."""
     if not rec.prefix:
         return spec
-    for pool, src in spec.src.items():
-        rec.request_pages[pool] = max(rec.request_pages.get(pool, 0), spec.offsets[pool] + len(src))
+    note_request_end(rec, spec)
     if spec.last:
         for pool, held in rec.prefix.items():
             if held > rec.request_pages.get(pool, 0):
@@ -148,6 +147,13 @@ def past_prefix(rec: PrefillRequest, spec: ChunkSpec) -> ChunkSpec | None:
         return None
     return ChunkSpec({p: pages for p, (pages, _) in cut.items()}, {p: off for p, (_, off) in cut.items()},
                      spec.last, spec.buffers, spec.buffer_ids)
+
+
+def note_request_end(rec: PrefillRequest, spec: ChunkSpec) -> None:
+    """Record how far the request reaches in each pool (``rec.request_pages``: the end of its chunks, in
+    prefill's page positions), what the last chunk's prefix check compares decode's prefix with."""
+    for pool, src in spec.src.items():
+        rec.request_pages[pool] = max(rec.request_pages.get(pool, 0), spec.offsets[pool] + len(src))
 
 
 def chunk_pairs(request_id: str, dst: Mapping[str, np.ndarray],
