@@ -113,6 +113,52 @@ def test_a_chunk_past_the_lease_and_a_leased_page_left_unwritten_fail_the_reques
         prefill.wait("whole", 5)
 
 
+def test_a_token_written_twice_fails_the_request_naming_buffer_page_and_both_chunks() -> None:
+    """16 -> 64: a chunk of prefill pages 0-1 (tokens 0..31), then one at page 1 again (tokens 16..31) that
+    names only buffer L0.v: refused, naming that buffer, the earlier chunk's tokens and decode's page; a
+    chunk of other buffers over the same tokens is not a rewrite."""
+    src_mem, dst_mem = filled(layout(16), 1), filled(layout(64), 2)
+    with PrefillEndpoint(src_mem, "local", options=OPTS) as prefill, \
+            DecodeEndpoint(dst_mem, "local", options=OPTS) as decode:
+        decode.connect(prefill.address)
+        decode.announce("twice", {"kv": [4, 6]})
+        prefill.send("twice", {"kv": [1, 2]}, last=False)
+        prefill.send("twice", {"kv": [3]}, offset=1, last=True, buffers=["L0.v"])
+        with pytest.raises(RequestFailed) as info:
+            prefill.wait("twice", 5)
+        assert isinstance(info.value.__cause__, PlanError)
+        assert ("request 'twice', pool 'kv', buffer 'L0.v': a chunk writes tokens [16, 32) of the request but an "
+                "earlier chunk wrote [0, 32): destination page 4 would receive token 16 twice"
+                in str(info.value.__cause__))
+        decode.announce("apart", {"kv": [7]})
+        names = [b.name for b in src_mem.layout.buffers]
+        prefill.send("apart", {"kv": [1, 2]}, buffers=names[:1], last=False)
+        prefill.send("apart", {"kv": [1, 2]}, buffers=names[1:], last=True)
+        decode.wait("apart", 5)
+        prefill.wait("apart", 5)
+
+
+def test_a_gap_inside_a_leased_page_fails_the_request_naming_the_first_missing_token() -> None:
+    """16 -> 64, one leased page: chunks at prefill pages 0 and 2 leave tokens 16..31 unwritten in every
+    buffer; chunks of pages 0-1 of which the second names only L0.k leave L0.v short from token 16."""
+    src_mem, dst_mem = filled(layout(16), 1), filled(layout(64), 2)
+    with PrefillEndpoint(src_mem, "local", options=OPTS) as prefill, \
+            DecodeEndpoint(dst_mem, "local", options=OPTS) as decode:
+        decode.connect(prefill.address)
+        decode.announce("hole", {"kv": [5]})
+        prefill.send("hole", {"kv": [1]}, last=False)
+        prefill.send("hole", {"kv": [3]}, offset=2, last=True)
+        with pytest.raises(RequestFailed, match="pool 'kv', buffer 'L0.k', destination page 5 was never written "
+                                                "in full \\(token 16 of the request missing; prefill sent 3 pages"):
+            prefill.wait("hole", 5)
+        decode.announce("part", {"kv": [6]})
+        prefill.send("part", {"kv": [1]}, last=False)
+        prefill.send("part", {"kv": [2]}, offset=1, buffers=["L0.k"], last=True)
+        with pytest.raises(RequestFailed, match="pool 'kv', buffer 'L0.v', destination page 6 was never written "
+                                                "in full \\(token 16 of the request missing"):
+            prefill.wait("part", 5)
+
+
 def _pair_page_indices(vec: Any, seg: tuple[np.ndarray, ...]) -> Any:
     """The motivating bug's mapping: every source page's tokens land at the start of their destination page,
     as if prefill's page were decode's (the digests still describe the token mapping)."""

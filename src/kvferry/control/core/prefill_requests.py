@@ -77,7 +77,9 @@ class PrefillRequest(RequestRecord):
         # request's pages per pool as far as prefill has sent them (to refuse a prefix past the request).
         self.prefix: dict[str, int] = {}
         self.request_pages: dict[str, int] = {}
-        self.coverage: dict[str, list[int]] = {}      # pool -> per buffer, destination positions written (bits)
+        # pool -> what it has written: per buffer, destination positions (bits; coverage.py), or between page
+        # sizes one token interval per chunk (page_sizes.TokenCover)
+        self.coverage: dict[str, Any] = {}
         self.pending: deque[ChunkSpec] = deque()
         self.handles: list[Any] = []   # tickets of writes in flight (the shell holds the transfer handles)
         # True from the decision to write a chunk of this record until the write is posted (between events,
