@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from kvferry.cli import main
 from kvferry.control.core.prefill_announces import Announces
 from kvferry.control.core.prefill_writer import Writer
+from kvferry.control.core.states import RequestState
 from kvferry.errors import ProtocolError
 from kvferry.layout.memory import KVMemory
 from kvferry.plan import plan_decode_rank
@@ -194,6 +195,27 @@ def test_page_sizes_leave_every_other_seed_as_it_was() -> None:
     assert 900 < sum(q is not None for q in quarter) < 1100 and {q for q in quarter if q} == set(PAGE_PAIRS)
     assert all(draw_page_sizes(s, 0.0) is None for s in seeds)
 
+
+
+def test_a_chunk_skipped_by_the_engine_fails_its_request_on_page_size_seeds_only() -> None:
+    """Page-size seeds with faults have prefill engines skip a chunk of some requests (``Swarm.skip_chunk``,
+    from a stream of its own): seed 1 (48 -> 32) skips some, and requests left short fail instead of
+    reaching DONE (no invariant breaks); with ``page_gap_accepted`` (the coverage check between page sizes
+    off) the same seed breaks ``b_done_bytes`` on tokens no write of the request reached. Seeds at equal
+    sizes, and ``--without skip_chunk``, skip none, and draw what they drew."""
+    world, whole = World(1, SimConfig()), World(1, SimConfig(), without=("skip_chunk",))
+    assert world.page_sizes == (48, 32) and world.swarm.skip_chunk > 0 and whole.swarm.skip_chunk == 0
+    skipped = {a.rid for a, b in zip(world.requests, whole.requests) if a.chunks != b.chunks}
+    assert skipped and all(len(a.chunks) == len(b.chunks) - (a.rid in skipped)
+                           for a, b in zip(world.requests, whole.requests))
+    world.run()
+    done = {rid for (_, rid, _), state in world.outcome_d.items() if state is RequestState.DONE}
+    assert skipped - done   # some requests left short failed (one whose skipped chunk lay in decode's prefix may not)
+    assert World(0, SimConfig()).swarm.skip_chunk == 0 and World(0, SimConfig()).page_sizes is None
+    found = run_seed(1, mutate="page_gap_accepted")
+    assert found.violation is not None and found.violation.invariant == "b_done_bytes"
+    assert "was last written by" in found.violation.detail
+    assert run_seed(1, mutate="page_gap_accepted", without=("skip_chunk",)).ok
 
 @pytest.mark.parametrize("tp", [*TP_PAIRS[1:], *WIDE_PAIRS, (1, 8), (8, 1)])
 def test_rank_content_is_what_the_real_planner_moves(tp: tuple[int, int]) -> None:

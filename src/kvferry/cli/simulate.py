@@ -109,6 +109,7 @@ FAULT_LABELS = {
     "fabric_rate": "data paths cut alone (messages still flowing)",
     "oneway": "one way only", "duplicate": "messages copied",
     "stall_read": "stops inside a read's post (the rest of the iteration on resume)",
+    "skip_chunk": "chunks a prefill engine skipped (page-size seeds)",
 }
 
 

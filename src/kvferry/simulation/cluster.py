@@ -107,6 +107,10 @@ def make_workload(sim: Sim, cfg: SimConfig, swarm: Swarm, page_sizes: tuple[int,
             chunks = (Chunk(first), Chunk(rest))
         else:
             chunks = (Chunk({p: (0, n) for p, n in total.items()}),)
+        if swarm.skip_chunk and len(chunks) > 1 and sim.rng_skip.random() < swarm.skip_chunk:
+            gone = sim.rng_skip.randrange(len(chunks) - 1)   # never the last: the request still ends
+            chunks = chunks[:gone] + chunks[gone + 1:]
+            sim.faults["skip_chunk"] += 1
         arrive = rng.random() * cfg.arrival_span
         faults = cfg.faults
         dst_total = {**total, "kv": dst_kv}
@@ -149,7 +153,7 @@ class World:
         if cfg.faults:
             drawn = drawn.with_liveness(self.sim.rng_live).with_data_path(self.sim.rng_data).with_fabric(
                 self.sim.rng_fabric).with_oneway(self.sim.rng_oneway).with_duplicates(self.sim.rng_dup).with_read_stalls(
-                self.sim.rng_read)
+                self.sim.rng_read).with_chunk_skips(self.sim.rng_skip, self.page_sizes)
         self.swarm = (swarm if swarm is not None else drawn).without(*without)
         self.options = replace(cfg.options, transport_liveness=self.swarm.zmtp)
         self.net = Net(self)

@@ -168,6 +168,12 @@ class Swarm:
     # notice, on the monitor's socket, waits for the next poll). The late reader, past prefill's source hold.
     stall_read: float = 0.0
     stall_read_max: float = 0.0
+    # A prefill engine that skips one chunk of a request (``skip_chunk``: the share of requests sent in more
+    # than one chunk), the last still sent: a chunk of a prefix or a layer's send forgotten by the engine.
+    # Decode's leased pages are then left short, and kvferry must fail the request at its last chunk rather
+    # than report it DONE (``control.core.coverage``, and between page sizes ``page_sizes``). Page-size
+    # seeds only (``with_chunk_skips``), where a chunk's tokens split decode's pages.
+    skip_chunk: float = 0.0
 
     @classmethod
     def draw(cls, rng: random.Random, faults: bool = True) -> Swarm:
@@ -259,6 +265,14 @@ class Swarm:
             return replace(self, stall_read=0.2, stall_read_max=4.0, zmtp=True)
         return replace(self, stall_read=share, stall_read_max=longest)
 
+    def with_chunk_skips(self, rng: random.Random, page_sizes: tuple[int, int] | None) -> Swarm:
+        """Page-size seeds with faults have their prefill engines skip a chunk of a share of their requests
+        (``skip_chunk``, 5% to 25% of those sent in more than one chunk: most still move whole). From a stream
+        of its own (``Sim.rng_skip``, which also draws each request's skip), so that adding it moved no other
+        draw; it changes only the runs of page-size seeds."""
+        share = rng.uniform(0.05, 0.25)
+        return replace(self, skip_chunk=share) if page_sizes is not None else self
+
     def describe(self) -> str:
         return " ".join(f"{f.name}={getattr(self, f.name):.3g}" if isinstance(getattr(self, f.name), float)
                         else f"{f.name}={getattr(self, f.name)}" for f in fields(self)
@@ -282,7 +296,7 @@ PROFILES: dict[str, dict[str, float | str]] = {
 
 FAULT_KINDS = ("spike", "cut_rate", "partition_rate", "stall_rate", "stall_post", "crash_rate", "transfer_fail",
                "slow_transfer", "prefill_abort", "decode_abort", "cancel", "retry", "starve_rate", "data_partition",
-               "fabric_rate", "oneway", "duplicate", "stall_read")
+               "fabric_rate", "oneway", "duplicate", "stall_read", "skip_chunk")
 
 # How long a transfer waits on a partitioned data path before it fails: the transport's own timeout (UCX's
 # RC retries; a few seconds by default, shorter here with the other timers: ``OPTIONS``).

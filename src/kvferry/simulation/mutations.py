@@ -49,6 +49,10 @@ One only different page sizes on the two sides can show (``SimConfig.page_share`
     prefill's page ``k`` of a chunk goes to decode's page ``k`` of the lease, from its first token, as many
     tokens as the smaller page holds (vLLM's NixlConnector at 32 -> 64, issue 50). The digests do not help:
     they describe the rows the same planner made.
+14. ``page_gap_accepted``: prefill's coverage check between page sizes (``control.core.page_sizes``) no
+    longer looks at the last chunk: a request whose engine skipped a chunk (``Swarm.skip_chunk``) reaches
+    DONE with decode's leased pages short of tokens (or buffers) the skipped chunk held. The digests do not
+    help: they describe the chunks that were sent.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from typing import Any
 import numpy as np
 
 from kvferry.control.core import decode as core_decode
-from kvferry.control.core import decode_reader, prefill_writer
+from kvferry.control.core import decode_reader, page_sizes, prefill_writer
 from kvferry.control.core import prefill as core_prefill
 from kvferry.control.core.decode import DecodeCore
 from kvferry.control.core.decode_liveness import Liveness
@@ -173,6 +177,10 @@ def _page_index_paired(orig: Callable[..., Any]) -> Callable[..., Any]:
     return segments
 
 
+def _gap_accepted(layout: Any, planner: Any, rec: Any) -> None:
+    return None   # the bug: the last chunk ends the request whatever decode's pages received
+
+
 def _state_slice(orig: Callable[..., Any]) -> Callable[..., Any]:
     def state_slice_of(sb: Any, db: Any, gid: int, r: int, d: int, ptp: int, dtp: int) -> Any:
         return orig(sb, db, gid, r, (d + 1) % dtp, ptp, dtp)   # the bug: the next decode rank's channels
@@ -217,6 +225,7 @@ MUTATIONS: dict[str, tuple[Any, str, Callable[[Any], Any]]] = {
     "pull_fence_off": (decode_reader, "fenced", lambda orig: _fence_off),
     "pull_fence_link_only": (decode_reader, "fenced", lambda orig: _fence_link_only),
     "page_index_paired": (plan_tokens, "_segments", _page_index_paired),
+    "page_gap_accepted": (page_sizes, "_check_covered", lambda orig: _gap_accepted),
 }
 
 # The invariants each mutation must be caught by (any one of them).
@@ -244,6 +253,8 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "pull_fence_link_only": ("a_source_released_under_read",),
     # Tokens at the wrong place in decode's pages (or never written), or rows past the lease.
     "page_index_paired": ("b_done_bytes", "a_lease"),
+    # Tokens of decode's leased pages never written by the request, which is DONE.
+    "page_gap_accepted": ("b_done_bytes",),
 }
 
 assert core_decode is not None

@@ -77,6 +77,7 @@ class Sim:
         self.rng_oneway = random.Random(seed * 4 + 7 + (1 << 43))  # which partitions hold one direction only
         self.rng_dup = random.Random(seed * 4 + 8 + (1 << 44))     # which messages are copied, and when
         self.rng_read = random.Random(seed * 4 + 9 + (1 << 45))    # which reads' posts stop decode, how long
+        self.rng_skip = random.Random(seed * 4 + 10 + (1 << 46))   # which requests' engines skip a chunk
         self.trace: deque[tuple[float, str, str]] = deque(maxlen=TRACE_LEN)
         self.events = 0
         # Faults injected, by kind (``config.FAULT_KINDS``' names): counted as they happen, no draw of their own
