@@ -11,10 +11,11 @@ import pytest
 
 from kvferry.cli.args import parse_size
 from kvferry.cli.main import build_parser, main
-from kvferry.diagnostics.audit import audit, buffer_role, sizing
+from kvferry.diagnostics.audit import audit, buffer_role, describe_state, sizing
 from kvferry.errors import LayoutError
 from kvferry.layout import Buffer, Layout, Pool
 from kvferry.layout.presets import PRESETS, get_preset
+from kvferry.layout.state import StateGeometry
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -107,10 +108,38 @@ def test_audit_state_pool_has_no_bytes_per_token(capsys: pytest.CaptureFixture[s
     # ... and says what a request holds there instead: one slot of each of its buffers
     [pool] = data["state_pools"]
     per_slot = sum(r["page_bytes"] for r in state)
-    assert pool == {"pool": "mamba", "bytes_per_request": per_slot, "slots": min(r["num_pages"] for r in state)}
+    assert pool == {"pool": "mamba", "bytes_per_request": per_slot, "slots": min(r["num_pages"] for r in state),
+                    "cut": [["*.conv", "[2048 | 2048 | 4096] channels x 6 B, each sharded"],
+                            ["*.ssm", "[32] channels x 65536 B, each sharded"]]}
     code, out, _ = run(capsys, "audit", "--preset", "qwen3_next", "--pages", "64")
     assert code == 0 and f"state pool mamba: {per_slot / 2**20:.2f} MiB per request" in out
 
+
+
+def test_audit_and_sizing_show_a_state_pool_per_request_as_a_user_runs_them() -> None:
+    """``kvferry audit`` and ``kvferry sizing`` on qwen3_next as subprocesses: exit 0, the state pool in bytes per
+    request (one slot of each of its 72 buffers: 36 x (48 KiB conv + 2 MiB recurrent) = 73.69 MiB), never per
+    token, and audit says how each state role is cut across TP ranks (by channel sections, issue 48)."""
+    audit_run = subprocess.run([sys.executable, "-m", "kvferry", "audit", "--preset", "qwen3_next", "--pages", "64"],
+                               capture_output=True, text=True, check=False, timeout=120)
+    assert audit_run.returncode == 0, audit_run.stderr
+    lines = audit_run.stdout.splitlines()
+    assert "state pool mamba: 73.69 MiB per request (one slot of each buffer, whatever the request's length), " \
+           "1 slots" in lines
+    assert "  *.conv: cut across TP ranks by channel: [2048 | 2048 | 4096] channels x 6 B, each sharded" in lines
+    assert "  *.ssm: cut across TP ranks by channel: [32] channels x 65536 B, each sharded" in lines
+    sizing_run = subprocess.run([sys.executable, "-m", "kvferry", "sizing", "--preset", "qwen3_next", "--pages",
+                                 "4096", "--tokens", "5000"], capture_output=True, text=True, check=False, timeout=120)
+    assert sizing_run.returncode == 0, sizing_run.stderr
+    assert ("state pool mamba: 73.69 MiB per request (one slot of each of its 72 buffers, whatever the request's "
+            "length: not per token), 16 slots") in sizing_run.stdout.splitlines()
+
+
+def test_describe_state_names_rows_replicated_sections_and_units() -> None:
+    """A Mamba2-like window-major conv (3 rows of x 16, B 2 and C 2 replicated) then 8 SSM heads."""
+    state = StateGeometry.packed([(3, [(16, 2, True), (2, 2, False), (2, 2, False)]), (1, [(8, 64, True)])])
+    assert describe_state(state) == ("3 rows of [16 | 2= | 2=] channels x 2 B; [8] channels x 64 B, each sharded "
+                                     "but those marked = (replicated)")
 
 # -- sizing ------------------------------------------------------------------------------------------------
 def test_sizing_json(capsys: pytest.CaptureFixture[str]) -> None:

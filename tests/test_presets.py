@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 import pytest
 
 from kvferry.errors import LayoutError
-from kvferry.layout import Layout
+from kvferry.layout import HeadGeometry, KVMemory, Layout
 from kvferry.layout.presets import PRESETS, describe_presets, get_preset, preset_knobs
+from kvferry.plan import plan_decode_rank
+from kvferry.plan.ranks import shard_layout
 
 CAPACITIES = [1, 7, 256, 20_000]
 
@@ -122,6 +127,56 @@ def test_qwen3_next_state_pool() -> None:
     assert bf16.buffer("L0.ssm").page_bytes == 32 * 128 * 128 * 2
     assert {b.num_pages for b in mamba.buffers} == {5}
 
+
+
+def test_qwen3_next_state_is_cut_by_channel_sections_from_the_config() -> None:
+    """Conv ``[q 2048 | k 2048 | v 4096]`` channels of 3 bf16 values, each sharded on its own; the recurrent
+    state 32 value heads of 128 x 128; the sections fill each page (no padding), and at TP 2 each rank
+    holds half of every section (attention: one of the 2 KV heads); at TP 4 the state still divides but 2
+    KV heads do not, refused by name."""
+    layout = get_preset("qwen3_next", num_pages=8, num_slots=2, ssm_dtype="bf16")
+    conv, ssm = layout.buffer("L0.conv"), layout.buffer("L0.ssm")
+    assert conv.state is not None and ssm.state is not None
+    assert [(s.channels, s.channel_bytes, s.sharded) for s in conv.state.sections] == [
+        (2048, 6, True), (2048, 6, True), (4096, 6, True)]
+    assert [(s.channels, s.channel_bytes) for s in ssm.state.sections] == [(32, 128 * 128 * 2)]
+    assert conv.state.extent == conv.page_bytes and ssm.state.extent == ssm.page_bytes
+    assert layout.buffer("L3.k").heads == HeadGeometry(2, 512, 16, "token")
+    half = shard_layout(layout, 2, 1)
+    assert half.buffer("L0.conv").page_bytes == conv.page_bytes // 2
+    assert [s.channels for s in half.buffer("L0.conv").state.sections] == [1024, 1024, 2048]
+    assert half.buffer("L0.ssm").page_bytes == ssm.page_bytes // 2 and half.buffer("L3.v").heads.num_heads == 1
+    assert half.model_fingerprint == layout.model_fingerprint
+    with pytest.raises(LayoutError, match="buffer 'L3.k': 2 KV heads do not divide evenly over tp_size 4"):
+        shard_layout(layout, 4, 0)
+
+
+def test_qwen3_next_state_moves_tp1_to_tp2_each_rank_its_q_k_v_channels_and_heads() -> None:
+    """The TP planner, prefill at TP 1 and decode at TP 2 (one slot, two GDN layers): decode rank ``r`` gets
+    channels ``[r x 1024, (r+1) x 1024)`` of q and of k, ``[r x 2048, (r+1) x 2048)`` of v, and value heads
+    ``[16 r, 16 (r+1))`` of the recurrent state; not the contiguous half a cut blind to the sections makes."""
+    full = get_preset("qwen3_next", num_pages=2, num_slots=2, ssm_dtype="bf16")
+    keep = [b for b in full.pool("mamba").buffers if b.layer in (0, 1)]
+    layout = Layout([full.pool("mamba").with_buffers(keep)])
+    src = KVMemory.allocate(layout)
+    rng = np.random.default_rng(48)
+    for b in layout.buffers:
+        src.array(b.name)[:] = rng.integers(0, 256, src.array(b.name).shape, dtype=np.uint8)
+    pages = {"mamba": (np.array([1]), np.array([0]))}
+    for r in range(2):
+        dst = KVMemory.allocate(shard_layout(layout, 2, r))
+        for plan in plan_decode_rank([src], dst, pages).values():
+            for (s, n, _), (t, _, _) in zip(plan.src_descs.tolist(), plan.dst_descs.tolist()):
+                ctypes.memmove(t, s, n)
+        for layer in (0, 1):
+            conv = src.array(f"L{layer}.conv")[1].reshape(8192, 6)
+            want = np.concatenate([conv[r * 1024:(r + 1) * 1024], conv[2048 + r * 1024:2048 + (r + 1) * 1024],
+                                   conv[4096 + r * 2048:4096 + (r + 1) * 2048]]).reshape(-1)
+            got = dst.array(f"L{layer}.conv")[0]
+            assert np.array_equal(got, want)
+            assert not np.array_equal(got, conv.reshape(-1)[r * got.size:(r + 1) * got.size])
+            heads = src.array(f"L{layer}.ssm")[1].reshape(32, -1)
+            assert np.array_equal(dst.array(f"L{layer}.ssm")[0], heads[16 * r:16 * (r + 1)].reshape(-1))
 
 @pytest.mark.parametrize(("variant", "layers"), [("120b", 36), ("20b", 24)])
 def test_gpt_oss_pools(variant: str, layers: int) -> None:

@@ -76,6 +76,8 @@ def _run_audit(args: argparse.Namespace) -> int:
     for state in report.state_pools:
         console.print(f"state pool {state.pool}: {human_bytes(state.bytes_per_request)} per request (one slot of "
                       f"each buffer, whatever the request's length), {state.slots} slots", soft_wrap=True)
+        for role, cut in state.cut:
+            console.print(f"  {role}: cut across TP ranks by channel: {cut}", soft_wrap=True)
     for warning in report.warnings:
         console.print(f"warning: {warning}", style="yellow", soft_wrap=True)
     return 0
@@ -134,6 +136,11 @@ def _run_sizing(args: argparse.Namespace) -> int:
         return 0
     console = make_console()
     console.print(_sizing_table(report, args.preset))
+    for p in report.pools:
+        if p.tokens_per_page is None:
+            console.print(f"state pool {p.pool}: {human_bytes(p.bytes_per_page)} per request (one slot of each of "
+                          f"its {p.num_buffers} buffers, whatever the request's length: not per token), "
+                          f"{p.capacity_pages} slots", soft_wrap=True)
     console.print(f"one request of {report.tokens} tokens needs {human_bytes(report.bytes_needed)}; "
                   f"the capacity holds {report.requests_that_fit} such requests", soft_wrap=True)
     return 0

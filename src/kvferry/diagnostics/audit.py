@@ -14,8 +14,10 @@ from dataclasses import asdict, dataclass
 
 from kvferry.errors import LayoutError
 from kvferry.layout.spec import Buffer, Layout, Pool
+from kvferry.layout.state import StateGeometry
 
-__all__ = ["AuditReport", "BufferRow", "PoolSizing", "RoleRow", "SizingReport", "audit", "buffer_role", "sizing"]
+__all__ = ["AuditReport", "BufferRow", "PoolSizing", "RoleRow", "SizingReport", "audit", "buffer_role",
+           "describe_state", "sizing"]
 
 # A layer tag as a whole dot-separated component: "L12" in "c4.kv.L12" or "L12.k".
 _LAYER_TAG = re.compile(r"(?<![^.])L\d+(?![^.])")
@@ -65,6 +67,9 @@ class StatePool:
     pool: str
     bytes_per_request: int
     slots: int
+    # per role of its buffers with channel sections (``Buffer.state``): how a page is cut across TP ranks
+    # (``describe_state``), in first-seen order; a role without sections moves whole, between equal TP only
+    cut: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +100,40 @@ def audit(layout: Layout) -> AuditReport:
     """Describe every buffer of ``layout`` and warn where pool buffers differ in page count or size."""
     rows = tuple(_row(pool, buf) for pool in layout.pools for buf in pool.buffers)
     warnings = tuple(w for pool in layout.pools for w in _pool_warnings(pool))
-    states = tuple(StatePool(pool.name, sum(b.page_bytes for b in pool.buffers), pool.min_pages)
+    states = tuple(StatePool(pool.name, sum(b.page_bytes for b in pool.buffers), pool.min_pages, _state_cut(pool))
                    for pool in layout.pools if pool.tokens_per_page is None)
     return AuditReport(rows, _collapse(rows), warnings, layout.nbytes, layout.shape_fingerprint, states)
+
+
+def _state_cut(pool: Pool) -> tuple[tuple[str, str], ...]:
+    cut: dict[str, str] = {}
+    for buf in pool.buffers:
+        if buf.state is not None:
+            cut.setdefault(buffer_role(buf.name), describe_state(buf.state))
+    return tuple(cut.items())
+
+
+def describe_state(state: StateGeometry) -> str:
+    """A state page's channel sections in one line, each part's sections between brackets: ``[2048 | 2048 |
+    4096] channels x 6 B, each sharded`` (a part of several rows: ``3 rows of [...]``; a replicated section
+    marked ``=``, the same on every rank)."""
+    out = []
+    for repeats, secs in _parts(state):
+        units = {b for _, b, _ in secs}
+        inner = " | ".join(f"{c}{'' if sh else '='}" for c, _, sh in secs)
+        unit = f"{units.pop()} B" if len(units) == 1 else "/".join(f"{b} B" for _, b, _ in secs)
+        rows = f"{repeats} rows of " if repeats > 1 else ""
+        out.append(f"{rows}[{inner}] channels x {unit}")
+    if all(s.sharded for s in state.sections):
+        return f"{'; '.join(out)}, each sharded"
+    return f"{'; '.join(out)}, each sharded but those marked = (replicated)"
+
+
+def _parts(state: StateGeometry) -> list[tuple[int, list[tuple[int, int, bool]]]]:
+    try:
+        return state.parts()
+    except LayoutError:   # not packed: each section on its own
+        return [(s.repeats, [(s.channels, s.channel_bytes, s.sharded)]) for s in state.sections]
 
 
 def _row(pool: Pool, buf: Buffer) -> BufferRow:

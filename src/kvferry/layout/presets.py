@@ -20,10 +20,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvferry.errors import LayoutError
-from kvferry.layout.spec import Buffer, Layout, Pool
+from kvferry.layout.spec import Buffer, HeadGeometry, Layout, Pool
+from kvferry.layout.state import StateGeometry
 
 __all__ = ["DEFAULT_PRESET", "PRESETS", "deepseek_v4", "deepseek_v32", "describe_presets", "get_preset", "gpt_oss",
-           "llama3_8b", "preset_knobs", "qwen3_next", "token_salad"]
+           "llama3_8b", "preset_knobs", "qwen3_next", "qwen3_next_state", "token_salad"]
 
 Preset = Callable[..., Layout]
 
@@ -83,9 +84,16 @@ QWEN3_NEXT_LAYERS = 48
 QWEN3_NEXT_FULL_INTERVAL = 4
 QWEN3_NEXT_KV_HEADS = 2
 QWEN3_NEXT_HEAD_DIM = 256
-QWEN3_NEXT_CONV_DIM = 2 * 16 * 128 + 32 * 128  # 8192
-QWEN3_NEXT_CONV_BYTES = (4 - 1) * QWEN3_NEXT_CONV_DIM * BF16  # 49152
-QWEN3_NEXT_SSM_ELEMS = 32 * 128 * 128
+QWEN3_NEXT_LINEAR_KEY_HEADS = 16      # linear_num_key_heads
+QWEN3_NEXT_LINEAR_VALUE_HEADS = 32    # linear_num_value_heads
+QWEN3_NEXT_LINEAR_KEY_DIM = 128       # linear_key_head_dim
+QWEN3_NEXT_LINEAR_VALUE_DIM = 128     # linear_value_head_dim
+QWEN3_NEXT_CONV_KERNEL = 4            # linear_conv_kernel_dim
+QWEN3_NEXT_KEY_DIM = QWEN3_NEXT_LINEAR_KEY_HEADS * QWEN3_NEXT_LINEAR_KEY_DIM        # 2048: q's channels, and k's
+QWEN3_NEXT_VALUE_DIM = QWEN3_NEXT_LINEAR_VALUE_HEADS * QWEN3_NEXT_LINEAR_VALUE_DIM  # 4096: v's
+QWEN3_NEXT_CONV_DIM = 2 * QWEN3_NEXT_KEY_DIM + QWEN3_NEXT_VALUE_DIM  # 8192
+QWEN3_NEXT_CONV_BYTES = (QWEN3_NEXT_CONV_KERNEL - 1) * QWEN3_NEXT_CONV_DIM * BF16  # 49152
+QWEN3_NEXT_SSM_ELEMS = QWEN3_NEXT_LINEAR_VALUE_HEADS * QWEN3_NEXT_LINEAR_KEY_DIM * QWEN3_NEXT_LINEAR_VALUE_DIM
 
 # -- gpt-oss: openai/gpt-oss-120b and gpt-oss-20b config.json --------------------------------------------
 # num_hidden_layers=36 (120b) or 24 (20b); layer_types alternate sliding_attention (even layers) and
@@ -282,24 +290,51 @@ def qwen3_next(num_pages: int | None = None, budget_bytes: int | None = None, *,
     engines size it from max running requests). Each linear layer has a conv-state buffer (48 KiB per
     slot, bf16) and a recurrent-state buffer (2 MiB per slot in fp32, 1 MiB in bf16), held apart as
     SGLang's MambaPool holds them.
+
+    Geometry, as SGLang lays it out (so that ``plan.ranks.shard_layout`` gives each TP rank its part and the
+    TP planner moves each decode rank exactly its heads and channels), from the config's
+    ``linear_num_key_heads`` 16, ``linear_num_value_heads`` 32, ``linear_key_head_dim`` 128,
+    ``linear_value_head_dim`` 128 and ``linear_conv_kernel_dim`` 4:
+
+    * conv state ``[conv_dim, kernel - 1]`` (SGLang's ``Mamba2StateShape``, channel-major): three sections
+      ``[q 2048 | k 2048 | v 4096]`` channels of 3 bf16 values each, every one sharded on its own (SGLang's
+      ``conv_shard_groups`` ``[key_dim, key_dim, value_dim]``, as ``integrations.sglang`` declares a GDN
+      state): rank ``r`` of ``T`` holds channels ``[r x 2048/T, (r+1) x 2048/T)`` of q, the same of k, and
+      its quarter, half... of v, not a contiguous ``8192/T`` cut;
+    * recurrent state ``[value heads, key_head_dim, value_head_dim]``: one section of 32 value heads of
+      128 x 128 values, sharded by heads;
+    * attention K and V: ``HeadGeometry`` of 2 KV heads of 256 bf16 values, token-major (SGLang's
+      ``MHATokenToKVPool`` entries ``[tokens, heads, head_dim]``), so attention shards up to TP 2.
     """
     name = "qwen3_next"
     _check_positive(name, "page_tokens", page_tokens)
-    ssm_bytes = QWEN3_NEXT_SSM_ELEMS * {"fp32": FP32, "bf16": BF16}[_choice(name, "ssm_dtype", ssm_dtype,
-                                                                             ("fp32", "bf16"))]
+    ssm_elem = {"fp32": FP32, "bf16": BF16}[_choice(name, "ssm_dtype", ssm_dtype, ("fp32", "bf16"))]
     fixed_slots = None if num_slots is None else _check_positive(name, "num_slots", num_slots)
     full = [i for i in range(QWEN3_NEXT_LAYERS) if (i + 1) % QWEN3_NEXT_FULL_INTERVAL == 0]
     linear = [i for i in range(QWEN3_NEXT_LAYERS) if i not in full]
-    kv_page_bytes = page_tokens * QWEN3_NEXT_KV_HEADS * QWEN3_NEXT_HEAD_DIM * BF16
+    kv_heads = HeadGeometry(QWEN3_NEXT_KV_HEADS, QWEN3_NEXT_HEAD_DIM * BF16, page_tokens, "token")
+    conv, ssm = qwen3_next_state(ssm_elem)
 
     def build(n: int) -> Layout:
         slots = fixed_slots or max(1, n * page_tokens // 4096)
-        state = [Buffer(f"L{i}.conv", QWEN3_NEXT_CONV_BYTES, slots, "bf16", "state", i) for i in linear]
-        state += [Buffer(f"L{i}.ssm", ssm_bytes, slots, ssm_dtype, "state", i) for i in linear]
-        return Layout([Pool("full", _kv_pair(full, kv_page_bytes, n), page_tokens),
-                       Pool("mamba", state, None)])
+        state = [Buffer(f"L{i}.conv", conv.extent, slots, "bf16", "state", i, None, conv) for i in linear]
+        state += [Buffer(f"L{i}.ssm", ssm.extent, slots, ssm_dtype, "state", i, None, ssm) for i in linear]
+        attention = [Buffer(f"L{layer}.{role}", kv_heads.page_bytes, n, "bf16", role, layer, kv_heads)
+                     for layer in full for role in ("k", "v")]
+        return Layout([Pool("full", attention, page_tokens), Pool("mamba", state, None)])
 
     return _sized(name, build, num_pages, budget_bytes)
+
+
+def qwen3_next_state(ssm_elem: int = FP32) -> tuple[StateGeometry, StateGeometry]:
+    """Qwen3-Next's GDN state at TP 1 as channel sections: (conv, recurrent), ``ssm_elem`` bytes a recurrent
+    value (``qwen3_next``'s docstring says how each is cut)."""
+    window = (QWEN3_NEXT_CONV_KERNEL - 1) * BF16   # one channel's bytes: its kernel - 1 window values
+    conv = StateGeometry.packed([(1, [(QWEN3_NEXT_KEY_DIM, window, True), (QWEN3_NEXT_KEY_DIM, window, True),
+                                      (QWEN3_NEXT_VALUE_DIM, window, True)])])
+    head = QWEN3_NEXT_LINEAR_KEY_DIM * QWEN3_NEXT_LINEAR_VALUE_DIM * ssm_elem
+    ssm = StateGeometry.packed([(1, [(QWEN3_NEXT_LINEAR_VALUE_HEADS, head, True)])])
+    return conv, ssm
 
 
 def gpt_oss(num_pages: int | None = None, budget_bytes: int | None = None, *,
