@@ -273,6 +273,33 @@ def test_every_command_takes_json() -> None:
     assert lacking == []
 
 
+def _simulate(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvferry", "simulate", *argv], capture_output=True, text=True,
+                          check=False, timeout=120)
+
+
+def test_simulate_state_share_as_a_subprocess() -> None:
+    """``--state-share`` as users run it: at 1 every seed at a TP pair other than 1:1 holds the state pool and
+    ``tp_state_slice`` is found, its replay line naming the share; at 0 none does and the same mutation has
+    nothing to break; a share outside 0..1 is a usage error."""
+    every = _simulate("--seeds", "2", "--seed", "3", "--tp", "2:1", "--requests", "16", "--state-share", "1", "--json")
+    assert every.returncode == 0, every.stderr
+    assert json.loads(every.stdout)["seeds_with_state_pool"] == 2
+    text = _simulate("--seeds", "2", "--seed", "3", "--tp", "2:1", "--requests", "16", "--state-share", "1")
+    assert text.returncode == 0 and "seeds with a state pool (channel sections sliced across TP): 2 of 2" in text.stdout
+    none = _simulate("--seeds", "2", "--seed", "3", "--tp", "2:1", "--requests", "16", "--state-share", "0", "--json")
+    assert none.returncode == 0 and json.loads(none.stdout)["seeds_with_state_pool"] == 0, none.stderr
+    found = _simulate("--seed", "0", "--tp", "1:2", "--requests", "16", "--state-share", "1", "--mutate",
+                      "tp_state_slice", "--trace", "0")
+    assert found.returncode == 1, found.stdout + found.stderr
+    assert "seed 0: invariant b_done_bytes broken" in found.stdout
+    assert "replay: kvferry simulate --seed 0 --requests 16 --tp 1:2 --state-share 1 --mutate tp_state_slice" \
+        in found.stdout
+    assert _simulate("--seed", "0", "--tp", "1:2", "--requests", "16", "--state-share", "0", "--mutate",
+                     "tp_state_slice").returncode == 0
+    bad = _simulate("--state-share", "2")
+    assert bad.returncode == 2 and "--state-share: expected a share from 0 to 1, got '2'" in bad.stderr
+
 def test_simulate_json_as_a_subprocess() -> None:
     """``kvferry simulate --json`` as users run it: one JSON object, exit 0 on clean seeds and 1 with the
     violation's invariant and replay line when a mutation is found."""

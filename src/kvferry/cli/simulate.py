@@ -53,6 +53,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help=f"the share of seeds (0 to 1, default {SimConfig().page_share}) whose kv pool differs in "
                         "page size between prefill and decode (TP 1:1; its replay line names the pair); seeds "
                         "given --tp draw none")
+    p.add_argument("--state-share", type=_share, default=SimConfig().state_share, metavar="SHARE",
+                   help=f"the share of seeds (0 to 1, default {SimConfig().state_share}) at a TP pair other than 1:1 "
+                        "whose layouts also hold a state pool (Mamba2- and GDN-like channel sections sliced across "
+                        "TP); 1:1 seeds, page-size seeds included, never do")
     p.add_argument("--mutate", choices=sorted(MUTATIONS), default=None,
                    help="switch on a known bug (docs/simulation.md): the run should find it")
     p.add_argument("--without", action="append", choices=FAULT_KINDS, default=[], metavar="KIND",
@@ -168,6 +172,7 @@ class _Totals:
     partial: int = 0
     on_wire: int = 0
     failures: int = 0
+    state: int = 0   # seeds whose layouts held the state pool
     pairs: Counter[tuple[int, int]] = field(default_factory=Counter)
     # Per pair, the requests run and their seeds' CPU time: a request at TP P:D runs on P + D rank cores
     pair_requests: Counter[tuple[int, int]] = field(default_factory=Counter)
@@ -187,6 +192,7 @@ class _Totals:
         self.partial += r.partial
         self.on_wire += r.on_wire
         self.failures += not r.ok
+        self.state += r.state
         self.pairs[r.tp] += 1
         self.pair_requests[r.tp] += r.requests
         self.pair_cpu[r.tp] += r.cpu_s
@@ -201,7 +207,7 @@ class _Totals:
             "seeds": {"first": seeds.start, "count": len(seeds)}, "seeds_with_violation": self.failures,
             "requests": self.requests, "done": self.done, "failed": self.failed,
             "done_on_decode_failed_on_prefill": self.disagree, "events": self.events,
-            "simulated_seconds": self.sim_time, "cpu_seconds": cpu,
+            "simulated_seconds": self.sim_time, "cpu_seconds": cpu, "seeds_with_state_pool": self.state,
             "requests_per_minute": self.requests / cpu * 60, "seeds_by_pair": by_pair(self.pairs),
             "requests_per_minute_by_pair": {f"{a}:{b}": self.pair_requests[(a, b)] / max(self.pair_cpu[(a, b)], 1e-9)
                                             * 60 for a, b in sorted(self.pairs)},
@@ -223,6 +229,8 @@ class _Totals:
         print("seeds per (prefill TP, decode TP): " + ", ".join(f"{a}:{b} {pairs[(a, b)]}" for a, b in shown)
               + f"; {self.split} decode group attempts DONE on one rank and FAILED on another (counted, not a "
               "violation)")
+        if self.state:
+            print(f"seeds with a state pool (channel sections sliced across TP): {self.state} of {n}")
         ran = [pair for pair in shown if pairs[pair]]
         if len(ran) > 1:
             print("simulated requests per minute by pair (a request runs on P + D rank cores): " + ", ".join(
@@ -238,7 +246,8 @@ class _Totals:
 
 def run_simulate(args: argparse.Namespace) -> int:
     cfg = replace(SimConfig(), requests=args.requests, max_events=max(0, args.steps), faults=not args.no_faults,
-                  tp=args.tp, wide_tp=args.wide_tp, page_sizes=args.page_sizes, page_share=args.page_share)
+                  tp=args.tp, wide_tp=args.wide_tp, page_sizes=args.page_sizes, page_share=args.page_share,
+                  state_share=args.state_share)
     seeds = range(args.seed, args.seed + (args.seeds or 1))
     start = time.process_time()
     totals = _Totals()

@@ -45,6 +45,7 @@ class RunResult:
     partial: int = 0   # held transfers part of which crossed before the path went (``Transport._split``)
     on_wire: int = 0   # messages on the wire when a partition began, held until its heal (``Net._hold``)
     page_sizes: tuple[int, int] | None = None   # a page-size seed's kv (prefill, decode) tokens per page
+    state: bool = False   # the layouts held the state pool (``SimConfig.state_share``, ``tp.draw_state``)
 
     def replay_command(self) -> str:
         """The command line that runs exactly this again."""
@@ -57,6 +58,8 @@ class RunResult:
             parts.append(f"--tp {tp[0]}:{tp[1]}")
         if self.page_sizes is not None:   # a page-size seed replays at its pair, as a wide one does
             parts.append(f"--page-sizes {self.page_sizes[0]}:{self.page_sizes[1]}")
+        if self.config.state_share != SimConfig().state_share:   # the share decides which seeds hold state
+            parts.append(f"--state-share {self.config.state_share:g}")
         parts += [f"--without {kind}" for kind in self.without]
         if self.mutate:
             parts.append(f"--mutate {self.mutate}")
@@ -89,7 +92,7 @@ def run_seed(seed: int, config: SimConfig | None = None, swarm: Swarm | None = N
                      format_trace(world.sim, trace) if violation is not None else (), tuple(without), mutate,
                      world.tp, world.split, world.transport.held, world.transport.timed_out,
                      tuple((kind, world.sim.faults[kind]) for kind in FAULT_KINDS if world.sim.faults[kind]),
-                     world.transport.partial, world.net.on_wire, world.page_sizes)
+                     world.transport.partial, world.net.on_wire, world.page_sizes, world.state)
 
 
 @contextmanager
