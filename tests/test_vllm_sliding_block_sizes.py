@@ -210,3 +210,43 @@ def test_forced_past_the_refusal_the_missing_tokens_fail_the_request_by_name(
     finally:
         decode.worker.close()
         prefill.worker.close()
+
+
+@pytest.mark.parametrize(("ts", "td"), [(64, 32), (32, 128)], ids=["64to32", "32to128"])
+def test_a_model_of_sliding_window_layers_only_moves_one_run(ts: int, td: int) -> None:
+    """One group (every layer a 64-token window, pool ``group0``, two layer tensors): the same run per group,
+    one transfer, the request's own id. Decode's whole caches equal its kernel's."""
+    n = 200   # prefill at 32 keeps tokens from 128, decode at 128 from 128: it moves
+    only = (GroupSpec(LAYERS, ts, sliding_window=WINDOW),), (GroupSpec(LAYERS, td, sliding_window=WINDOW),)
+    tables, caches = [], []
+    for spec, size, seed in ((only[0][0], ts, 5), (only[1][0], td, 6)):
+        need = -(-n // size)
+        table = np.random.default_rng(seed).permutation(np.arange(1, NUM_BLOCKS))[:need]
+        table[:spec.first_kept_block(n)] = 0
+        tables.append(table.tolist())
+        caches.append({layer: np.zeros((NUM_BLOCKS, HEADS, size, 2 * HEAD_SIZE), np.float32) for layer in LAYERS})
+    want = {layer: np.zeros_like(c) for layer, c in caches[1].items()}
+    for (table, size, spec), target in zip(((tables[0], ts, only[0][0]), (tables[1], td, only[1][0])),
+                                           (caches[0], want)):
+        for index, layer in enumerate(LAYERS):
+            kv = kv_tokens(n, index)
+            for t in range(spec.first_kept_block(n) * size, n, size):
+                kernel_write(target[layer], table[t // size], size, kv, t, min(n, t + size))
+    prefill = Instance("producer", caches[0], specs=only[0], kernel=True, digest_mode="full")
+    decode = Instance("consumer", caches[1], specs=only[1], kernel=True)
+    try:
+        _, params = prefill.scheduler.finished("p", {"do_remote_decode": True}, (tables[0],), n, completed=True)
+        assert params["kvferry_first_tokens"] == [only[0][0].first_kept_block(n) * ts]
+        assert decode.scheduler.matched_tokens("d", n, params, 0) == (n, True)
+        decode.scheduler.after_alloc("d", params, (tables[1],), n)
+        plan = decode.scheduler.take_plan()
+        first = only[1][0].first_kept_block(n)
+        assert [(r.transfer_id, dict(r.prefix)) for r in plan.recvs] == [("p", {"group0": first})]
+        decode.worker.start(plan)
+        wait_for(lambda: (prefill.step(), decode.step(), bool(decode.recving))[-1])
+        assert not decode.failed
+        for layer in LAYERS:
+            np.testing.assert_array_equal(caches[1][layer], want[layer], err_msg=layer)
+    finally:
+        decode.worker.close()
+        prefill.worker.close()
