@@ -131,7 +131,14 @@ def test_sliding_window_and_full_attention_blocks_arrive_byte_exact(ts: int, td:
     assert ("short" in outcomes) == (td > ts), outcomes
 
 
-def hand_off(ts: int, td: int, n: int, hit: int, index: int) -> str:
+@pytest.mark.parametrize(("ts", "td"), [(64, 16), (32, 128)], ids=["64to16", "32to128"])
+def test_pull_mode_reads_the_same_runs(ts: int, td: int) -> None:
+    """Decode reading prefill's blocks itself (pull) plans the same token runs: the same bytes arrive."""
+    outcomes = [hand_off(ts, td, n, 0, index, mode="pull") for index, n in enumerate((65, 100, 192, 200))]
+    assert outcomes.count("moved") >= 3, outcomes
+
+
+def hand_off(ts: int, td: int, n: int, hit: int, index: int, **extra: Any) -> str:
     """One request of ``n`` tokens from prefill (``ts``) to decode (``td``, holding ``hit`` tokens): what
     happened, each outcome checked on decode's whole cache."""
     src, dst = Side("prefill", ts, n, seed=index), Side("decode", td, n, seed=100 + index, held=hit)
@@ -140,7 +147,7 @@ def hand_off(ts: int, td: int, n: int, hit: int, index: int) -> str:
     want = Side("decode", td, n, seed=100 + index)
     want.fill(n)
     before = dst.cache.copy()
-    prefill, decode = instances(ts, td, src.cache, dst.cache)
+    prefill, decode = instances(ts, td, src.cache, dst.cache, **extra)
     try:
         delay, params = prefill.scheduler.finished("p", {"do_remote_decode": True}, src.tables, n, completed=True)
         if not all(g.transferable(n) for g in specs(ts)):   # prefill's own window block is gone: not sent
