@@ -220,12 +220,13 @@ class SchedulerSide:
         if not by_group(self.groups):
             return None
         theirs = params.get(FIRST_TOKENS_KEY)
-        if not isinstance(theirs, list) or len(theirs) != len(self.groups):
+        if not (isinstance(theirs, list) and len(theirs) == len(self.groups)
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in theirs)):
             return f"prefill's {FIRST_TOKENS_KEY} {theirs!r} does not name {len(self.groups)} KV cache groups"
         for index, (mine, first) in enumerate(zip(first_held_tokens(self.groups, remote), theirs)):
-            if int(first) > max(mine, held):
+            if first > max(mine, held):
                 return (f"KV cache group {index}: decode's blocks hold tokens from {max(mine, held)} on, prefill "
-                        f"freed those before token {int(first)} ({remote} prompt tokens)")
+                        f"freed those before token {first} ({remote} prompt tokens)")
         return None
 
     def transfer_ids(self, params: Mapping[str, Any]) -> list[str]:
