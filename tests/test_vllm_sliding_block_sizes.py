@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from kvferry.integrations.vllm.layout import GroupSpec, first_held_tokens, recv_parts, send_parts
+from kvferry.integrations.vllm.scheduler import SchedulerSide
 
 from .test_vllm_adapter import LAYERS, Instance, wait_for
 
@@ -257,3 +258,17 @@ def test_a_model_of_sliding_window_layers_only_moves_one_run(ts: int, td: int) -
     finally:
         decode.worker.close()
         prefill.worker.close()
+
+
+@pytest.mark.parametrize("first", [None, [0], ["0", 0], [True, 0]], ids=["absent", "short", "str", "bool"])
+def test_a_hand_off_without_prefills_first_tokens_is_declined_by_name(first: Any) -> None:
+    """``kvferry_first_tokens`` is untrusted input: decode declines a hand-off without a valid one (one int per
+    group) and stages the cancel of both groups' transfers, naming the key."""
+    scheduler = SchedulerSide(specs(32))
+    params = {"do_remote_prefill": True, "kvferry_address": "tcp://prefill", "kvferry_request_id": "p",
+              "remote_num_tokens": 130, **({} if first is None else {"kvferry_first_tokens": first})}
+    assert scheduler.matched_tokens("d", 130, params, 0) == (0, False)
+    cancels = scheduler.take_plan().cancels
+    assert [(tid, ranks) for tid, ranks, _ in cancels] == [("p#g0", ("tcp://prefill",)), ("p#g1", ("tcp://prefill",))]
+    assert all("kvferry_first_tokens" in why for _, _, why in cancels)
+    assert scheduler.matched_tokens("d", 130, params, 0) == (0, False) and not scheduler.take_plan().cancels
