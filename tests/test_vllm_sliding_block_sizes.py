@@ -272,3 +272,27 @@ def test_a_hand_off_without_prefills_first_tokens_is_declined_by_name(first: Any
     assert [(tid, ranks) for tid, ranks, _ in cancels] == [("p#g0", ("tcp://prefill",)), ("p#g1", ("tcp://prefill",))]
     assert all("kvferry_first_tokens" in why for _, _, why in cancels)
     assert scheduler.matched_tokens("d", 130, params, 0) == (0, False) and not scheduler.take_plan().cancels
+
+
+def test_a_part_prefill_refuses_stops_the_others_and_decode_hears_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The full-attention group's send is refused (a block past prefill's cache): the window's part, already
+    handed over, is aborted with it, vLLM may free prefill's blocks, and decode fails the request within
+    seconds, not at prefill's request timeout (60 s); nothing lands in decode's blocks."""
+    n = 130
+    src, dst = Side("prefill", 64, n, seed=7), Side("decode", 32, n, seed=8)
+    src.tables[1][-1] = NUM_BLOCKS + 5
+    prefill, decode = instances(64, 32, src.cache, dst.cache)
+    try:
+        prefill.scheduler.after_alloc("p", {"do_remote_decode": True}, src.tables, 0)   # issued, as vLLM does
+        prefill.step()
+        _, params = prefill.scheduler.finished("p", {"do_remote_decode": True}, src.tables, n, completed=True)
+        assert decode.scheduler.matched_tokens("d", n, params, 0) == (n, True)
+        decode.scheduler.after_alloc("d", params, dst.tables, n)
+        with caplog.at_level(logging.WARNING, logger="kvferry.vllm"):
+            wait_for(lambda: (prefill.step(), decode.step(), bool(decode.recving))[-1], timeout=10)
+        assert "p" in prefill.sending and decode.failed == {"d"}
+        assert "kvferry: prefill request p#g1 not sent" in caplog.text
+        assert not dst.cache[1:].any()
+    finally:
+        decode.worker.close()
+        prefill.worker.close()

@@ -204,17 +204,21 @@ class WorkerSide:
     def _send(self, send: SendSpec) -> None:
         if self.prefill is None:
             raise UsageError('a send staged on an instance without a prefill endpoint')
+        if send.request_id in self._unsent:   # an earlier part of it was refused: decode cannot use this one
+            self.prefill.abort(send.kvferry_id, "another part of the request was not sent")
+            return
         try:
             self.prefill.send(send.kvferry_id, send.pages, offset=send.offset, binding=send.binding)
         except KVFerryError as exc:
             # Nothing posted: vLLM may free the blocks once no other part of the request can be read, so it is
             # reported finished with them (left out, vLLM would hold them for ever: it frees a delayed request's
-            # blocks only then); its other parts stop, decode could not use them alone
+            # blocks only then). Every part stops (decode could not use one alone), this one too: its announce
+            # is then refused at once, not at prefill's request timeout
             log.warning("kvferry: prefill request %s not sent: %s", send.kvferry_id, exc)
             self._unsent.add(send.request_id)
-            for tid, request_id in self._sending.items():
-                if request_id == send.request_id:
-                    self.prefill.abort(tid, f"part {send.kvferry_id} of the request was not sent: {exc}")
+            why = f"part {send.kvferry_id} of the request was not sent: {exc}"
+            for tid in [send.kvferry_id, *(t for t, r in self._sending.items() if r == send.request_id)]:
+                self.prefill.abort(tid, why)
             return
         self._sending[send.kvferry_id] = send.request_id
 
