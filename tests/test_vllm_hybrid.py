@@ -139,8 +139,8 @@ def test_a_sliding_window_model_moves_both_groups_and_decodes_the_same_tokens(
 def test_multi_turn_sessions_keep_decodes_prefix_cache_in_both_groups(
         pair: tuple[Any, Any, Path], sessions: list[list[list[int]]], plain: dict[str, Any]) -> None:
     """Prefix caching on in both instances, 8 sessions x 3 turns: from turn 2 decode's cache holds the earlier
-    turns' blocks of both groups, and kvferry moves the rest (prefill's list is position-major, so the
-    held blocks are a leading part of it); a prompt whose window block prefill freed is prefilled on decode
+    turns' blocks of both groups, and kvferry moves the rest (each group a transfer of its own, announced
+    past decode's hit: ``layout.by_group``); a prompt whose window block prefill freed is prefilled on decode
     past its hit. Every answer equals the plain instance's."""
     prefill, decode, _ = pair
     want = plain["sessions"]

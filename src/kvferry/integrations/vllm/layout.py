@@ -44,8 +44,9 @@ from kvferry.errors import LayoutError
 from kvferry.layout import Buffer, HeadGeometry, KVMemory, Layout, Pool
 from kvferry.layout.spec import MAX_NAME_LEN
 
-__all__ = ["CPU_KERNEL_ISAS", "HYBRID_POOL", "NULL_BLOCK", "GroupSpec", "RankPlace", "cpu_kernel_parts", "decode_pages",
-           "memory_from_kv_caches", "num_blocks_for", "pool_name", "rank_kv_heads", "request_pages", "single_pool",
+__all__ = ["CPU_KERNEL_ISAS", "HYBRID_POOL", "NULL_BLOCK", "GroupPart", "GroupSpec", "RankPlace", "by_group",
+           "cpu_kernel_parts", "decode_pages", "first_held_tokens", "group_transfer_id", "memory_from_kv_caches",
+           "num_blocks_for", "pool_name", "rank_kv_heads", "recv_parts", "request_pages", "send_parts", "single_pool",
            "token_block_size"]
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
@@ -211,6 +212,83 @@ def decode_pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec]
     return pages, {pool_name(0): counts[0]}
 
 
+# -- one transfer per group: sliding windows between block sizes --------------------------------------------
+@dataclass(frozen=True, slots=True)
+class GroupPart:
+    """One KV cache group's part of a request, moved as a transfer of its own (``by_group``): its blocks
+    in token order, ``pages[0]`` at block index ``first`` of the request (prefill: the send's ``offset``;
+    decode: the announce's ``prefix``, the blocks before it neither leased nor written)."""
+
+    group: int
+    pool: str
+    pages: tuple[int, ...]
+    first: int
+
+    def transfer_id(self, request_id: str, num_parts: int) -> str:
+        return group_transfer_id(request_id, self.group, num_parts)
+
+
+def group_transfer_id(request_id: str, group: int, num_groups: int) -> str:
+    """Group ``group``'s kvferry request id of a request moved per group: the request's own when it is the
+    only group. Both sides derive it from the transfer id prefill handed out."""
+    return request_id if num_groups == 1 else f"{request_id}#g{group}"
+
+
+def by_group(groups: Sequence[GroupSpec]) -> bool:
+    """Whether a request moves as one transfer per KV cache group: a sliding-window group and no state group.
+
+    Between block sizes kvferry maps a pool's tokens, and a pool's list must then be one run of the
+    request's tokens from a block boundary of each side. A sliding window's blocks begin where each side's
+    vLLM stopped freeing them (``first_kept_block``, in that side's blocks), and several groups' blocks share
+    one pool: so each group is its own run, sent at its first kept block and announced past decode's own
+    (``send_parts``, ``recv_parts``), at every block size alike (prefill cannot know decode's)."""
+    return any(g.sliding_window is not None for g in groups) and not any(g.state for g in groups)
+
+
+def first_held_tokens(groups: Sequence[GroupSpec], num_tokens: int) -> list[int]:
+    """Per group, the first token this side holds once ``num_tokens`` tokens are computed: the first of its
+    first kept block (vLLM nulls the blocks before it, see ``GroupSpec.first_kept_block``); 0 under full
+    attention."""
+    return [group.first_kept_block(num_tokens) * group.block_size for group in groups]
+
+
+def send_parts(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec], num_tokens: int) -> list[GroupPart]:
+    """Prefill's parts of a finished request (``by_group``): per group, every block it still holds under the
+    first ``num_tokens`` tokens, from its first kept one. ``LayoutError`` for a short table or a null block."""
+    return _group_parts(block_ids, groups, num_tokens, 0)
+
+
+def recv_parts(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec], num_tokens: int,
+               held_tokens: int) -> list[GroupPart]:
+    """Decode's parts (``by_group``): per group, its non-null blocks under ``num_tokens`` tokens past its
+    prefix-cache hit of ``held_tokens`` (whole blocks). vLLM allocates a remote request's sliding-window
+    blocks from ``first_kept_block(num_tokens)`` on (``allocate_external_computed_blocks``), so every token
+    of those blocks must arrive: the window's, and those before it in its first block, which a later
+    request's prefix-cache hit may read."""
+    return _group_parts(block_ids, groups, num_tokens, _held_blocks(groups, num_tokens, held_tokens))
+
+
+def _group_parts(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec], num_tokens: int,
+                 start: int) -> list[GroupPart]:
+    if len(block_ids) != len(groups):
+        raise LayoutError(f"{len(block_ids)} block tables for {len(groups)} KV cache groups")
+    pool = pool_name(0) if single_pool(groups) else HYBRID_POOL
+    parts = []
+    for index, (table, group) in enumerate(zip(block_ids, groups)):
+        need = num_blocks_for(num_tokens, group.block_size)
+        first = min(max(start, group.first_kept_block(num_tokens)), need)
+        blocks = np.asarray(table[first:need], dtype=np.int64)
+        if len(blocks) != need - first:
+            raise LayoutError(f"group {index}: {num_tokens} tokens need {need} blocks of {group.block_size} "
+                              f"tokens, the block table has {len(table)}")
+        nulls = np.flatnonzero(blocks == NULL_BLOCK)
+        if len(nulls):
+            raise LayoutError(f"group {index}: block {first + int(nulls[0])} of {num_tokens} tokens is vLLM's null "
+                              "block (freed), its KV is needed")
+        parts.append(GroupPart(index, pool, tuple(blocks.tolist()), first))
+    return parts
+
+
 def _held_blocks(groups: Sequence[GroupSpec], num_tokens: int, held_tokens: int) -> int:
     size = token_block_size(groups)
     if size is None:
@@ -301,7 +379,7 @@ def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSp
     block size, since their block lists do not start at token 0 on both sides alike (a window's first block).
     """
     if not single_pool(groups):
-        return _hybrid_memory(kv_caches, groups, num_blocks, cache_dtype, kinds or {}, place)
+        return _hybrid_memory(kv_caches, groups, num_blocks, cache_dtype, kinds or {}, place, head_parts or {})
     pools: list[Pool] = []
     arrays: dict[str, Any] = {}
     for index, group in enumerate(groups):
@@ -312,7 +390,7 @@ def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSp
             kind = (kinds or {}).get(layer, "kv")
             for name, view in _block_views(layer, kv_caches[layer], num_blocks):
                 page_bytes = _nbytes(view) // num_blocks
-                parts = (head_parts or {}).get(layer) if group.sliding_window is None else None
+                parts = (head_parts or {}).get(layer)
                 buffers.append(Buffer(name, page_bytes, num_blocks, _dtype(view, cache_dtype), kind,
                                       _layer_index(layer), _heads(view, page_bytes, group.block_size, place, parts)))
                 arrays[name] = view
@@ -332,7 +410,8 @@ class _View:
 
 
 def _hybrid_memory(kv_caches: Mapping[str, Any], groups: Sequence[GroupSpec], num_blocks: int, cache_dtype: str,
-                   kinds: Mapping[str, str], place: RankPlace) -> KVMemory:
+                   kinds: Mapping[str, str], place: RankPlace,
+                   head_parts: Mapping[str, tuple[tuple[int, int], ...] | None]) -> KVMemory:
     """One pool over the distinct tensors of several overlaid groups (see ``memory_from_kv_caches``)."""
     block_size = token_block_size(groups)
     regions: dict[int, list[_View]] = {}   # by address: the layers on those bytes
@@ -351,13 +430,22 @@ def _hybrid_memory(kv_caches: Mapping[str, Any], groups: Sequence[GroupSpec], nu
         array = _dense_view(on_it, num_blocks, page_bytes)
         kind = "+".join(dict.fromkeys(kinds.get(view.layer, "kv") for view in on_it))
         holds_state = any(view.state for view in on_it)
-        heads = None if holds_state or block_size is None else _heads(array, page_bytes, block_size, place)
+        heads = None if holds_state or block_size is None else _heads(array, page_bytes, block_size, place,
+                                                                      _region_parts(on_it, head_parts))
         token_views = [view for view in on_it if not view.state]
         dtype = _dtype(token_views[0].tensor, cache_dtype) if token_views else _dtype(array, "auto")
         buffers.append(Buffer(name, page_bytes, num_blocks, dtype, kind, _layer_index(on_it[0].layer), heads))
         arrays[name] = array
     pool = Pool(HYBRID_POOL, buffers, tokens_per_page=block_size)
     return KVMemory.from_arrays(Layout([pool], place.tp_size, place.tp_rank), arrays)
+
+
+def _region_parts(on_it: Sequence[_View], head_parts: Mapping[str, tuple[tuple[int, int], ...] | None],
+                  ) -> tuple[tuple[int, int], ...] | None:
+    """The kernel order of the attention layers sharing one region (one model, one kernel: alike), or None
+    when any of them declares none or two differ (the region's blocks then move between equal sizes only)."""
+    parts = {head_parts.get(view.layer) for view in on_it}
+    return parts.pop() if len(parts) == 1 else None
 
 
 def _region_page(name: str, on_it: Sequence[_View]) -> int:

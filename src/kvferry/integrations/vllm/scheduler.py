@@ -31,7 +31,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvferry.errors import LayoutError, UsageError
-from kvferry.integrations.vllm.layout import GroupSpec, decode_pages, request_pages
+from kvferry.integrations.vllm.layout import (
+    GroupSpec,
+    by_group,
+    decode_pages,
+    first_held_tokens,
+    group_transfer_id,
+    recv_parts,
+    request_pages,
+    send_parts,
+)
 from kvferry.integrity.binding import Binding, token_binding
 
 __all__ = ["BINDING_TOKENS", "HELD_BACK_KEY", "RecvSpec", "SchedulerSide", "SendSpec", "StepPlan", "missing_handoff",
@@ -43,6 +52,8 @@ ADDRESSES_KEY = "kvferry_addresses"   # prefill's TP ranks' addresses, in rank o
 TRANSFER_ID_KEY = "kvferry_request_id"
 NUM_TOKENS_KEY = "remote_num_tokens"
 SKIPPED_KEY = "kvferry_not_sent"   # why prefill sent nothing (decode then prefills the request itself)
+# Per KV cache group, the first prompt token prefill still holds (a request moved per group: layout.by_group)
+FIRST_TOKENS_KEY = "kvferry_first_tokens"
 # Prefill's own mark on a request whose last prompt token it held back (a model with state groups).
 HELD_BACK_KEY = "kvferry_held_back"
 # Tokens per binding entry (integrity.binding), whatever either side's block size.
@@ -54,11 +65,19 @@ UNBOUND_KEY = "kvferry_unbound_for_tests"
 
 @dataclass(frozen=True, slots=True)
 class SendSpec:
-    """Prefill: write ``pages`` (pool -> block ids, in token order) of ``request_id`` once decode announces."""
+    """Prefill: write ``pages`` (pool -> block ids, in token order) of ``request_id`` once decode announces.
+    A request moved per KV cache group (``layout.by_group``) has a send per group: ``transfer_id`` names
+    the group's transfer, ``offset`` (pool -> block index) where its pages begin in the request."""
 
     request_id: str
     pages: Mapping[str, Sequence[int]]
     binding: Binding | None = None   # the prompt's tokens (integrity.binding): decode must announce the same
+    transfer_id: str = ""            # the kvferry request id; "" for ``request_id``
+    offset: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def kvferry_id(self) -> str:
+        return self.transfer_id or self.request_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +108,8 @@ class StepPlan:
     aborts: tuple[str, ...] = ()   # decode request ids whose transfer must stop (vLLM aborted them)
     failures: tuple[tuple[str, str], ...] = ()   # decode (request id, why): KV promised to vLLM, cannot come
     issues: tuple[str, ...] = ()   # prefill request ids whose transfer params this step's output may hand out
+    # decode: (transfer id, prefill's ranks, why) of hand-offs it declined: prefill frees their blocks now
+    cancels: tuple[tuple[str, tuple[str, ...], str], ...] = ()
 
 
 def transfer_params(address: str, transfer_id: str, num_tokens: int,
@@ -118,6 +139,7 @@ class SchedulerSide:
     _recvs: list[RecvSpec] = field(default_factory=list)
     _aborts: list[str] = field(default_factory=list)
     _failures: list[tuple[str, str]] = field(default_factory=list)
+    _cancels: list[tuple[str, tuple[str, ...], str]] = field(default_factory=list)
     _loading: set[str] = field(default_factory=set)     # decode: announce staged, not yet reported back
     _holding: set[str] = field(default_factory=set)     # blocks vLLM keeps until the worker reports them
     _taken: set[str] = field(default_factory=set)       # decode: KV already asked for, never twice
@@ -178,11 +200,41 @@ class SchedulerSide:
         remote = self.remote_tokens(num_prompt_tokens)
         if int(params.get(NUM_TOKENS_KEY, -1)) != remote or remote < 1:
             return 0, False
-        if not all(group.transferable(remote) for group in self.groups):
-            return 0, False   # prefill freed a sliding-window block decode needs (see GroupSpec.transferable)
         if num_computed_tokens >= remote:
             return 0, False   # vLLM's hit stops short of the last prompt token: not reached
+        why = self._declined(params, remote, num_computed_tokens)
+        if why is not None:   # decode computes the prompt itself, and prefill frees its blocks now
+            self._taken.add(request_id)
+            self._cancels.extend((tid, _prefill_ranks(params), why) for tid in self.transfer_ids(params))
+            return 0, False
         return remote - num_computed_tokens, True
+
+    def _declined(self, params: Mapping[str, Any], remote: int, held: int) -> str | None:
+        """Why decode cannot take prefill's KV of ``remote`` tokens past its hit of ``held``, or None.
+        Decode's recompute of the last token reads a block its own vLLM freed (``GroupSpec.transferable``:
+        one prompt length in a block size); or, per group, decode's first non-null block begins before the
+        first token prefill still holds (a prefill of smaller blocks than decode's frees some of what
+        decode's first window block holds: ``first_held_tokens``)."""
+        if not all(group.transferable(remote) for group in self.groups):
+            return f"decode's sliding window needs a block its vLLM frees at {remote} tokens"
+        if not by_group(self.groups):
+            return None
+        theirs = params.get(FIRST_TOKENS_KEY)
+        if not (isinstance(theirs, list) and len(theirs) == len(self.groups)
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in theirs)):
+            return f"prefill's {FIRST_TOKENS_KEY} {theirs!r} does not name {len(self.groups)} KV cache groups"
+        for index, (mine, first) in enumerate(zip(first_held_tokens(self.groups, remote), theirs)):
+            if first > max(mine, held):
+                return (f"KV cache group {index}: decode's blocks hold tokens from {max(mine, held)} on, prefill "
+                        f"freed those before token {first} ({remote} prompt tokens)")
+        return None
+
+    def transfer_ids(self, params: Mapping[str, Any]) -> list[str]:
+        """The kvferry transfers of a hand-off: one, or one per group (``layout.by_group``)."""
+        tid = str(params[TRANSFER_ID_KEY])
+        if not by_group(self.groups):
+            return [tid]
+        return [group_transfer_id(tid, index, len(self.groups)) for index in range(len(self.groups))]
 
     def after_alloc(self, request_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[Sequence[int]],
                     num_external_tokens: int, prompt_token_ids: Sequence[int] | None = None) -> None:
@@ -195,7 +247,7 @@ class SchedulerSide:
         so the worker's endpoint knows the id before vLLM can return its transfer params; an announce for
         any other id is refused at once (``EndpointOptions.refuse_unissued``)."""
         if params and params.get("do_remote_decode") and self.address is not None:
-            self._issues.append(request_id)
+            self._issues.extend(self.transfer_ids({TRANSFER_ID_KEY: request_id}))
         if num_external_tokens <= 0 or not _wants_remote_prefill(params) or request_id in self._taken:
             return
         if params is None:
@@ -206,15 +258,26 @@ class SchedulerSide:
         ranks = params.get(ADDRESSES_KEY) or ()
         try:
             self._check_state_tp(max(1, len(ranks)))
-            pages, prefix = decode_pages(block_ids, self.groups, num_tokens, num_tokens - num_external_tokens)
+            announces = self._announces(params, block_ids, num_tokens, num_tokens - num_external_tokens)
         except LayoutError as exc:   # vLLM waits for this KV now: the worker reports it failed
             self._failures.append((request_id, str(exc)))
             return
         unbound = self.unbound_for_tests and bool(params.get(UNBOUND_KEY))
         tokens = None if prompt_token_ids is None else prompt_token_ids[:num_tokens]   # prefill's, held back
-        self._recvs.append(RecvSpec(request_id, str(params[TRANSFER_ID_KEY]), str(params[ADDRESS_KEY]), pages,
-                                    prefix, tuple(str(a) for a in ranks),
-                                    None if unbound else self._binding(request_id, tokens)))
+        binding = None if unbound else self._binding(request_id, tokens)
+        self._recvs.extend(RecvSpec(request_id, tid, str(params[ADDRESS_KEY]), pages, prefix,
+                                    tuple(str(a) for a in ranks), binding) for tid, pages, prefix in announces)
+
+    def _announces(self, params: Mapping[str, Any], block_ids: Sequence[Sequence[int]], num_tokens: int,
+                   held: int) -> list[tuple[str, dict[str, list[int]], dict[str, int]]]:
+        """(transfer id, pages, prefix) of each announce of a request: one, or one per group (``by_group``:
+        a group's prefix is the block its part begins at, past the hit and past its freed blocks)."""
+        if not by_group(self.groups):
+            pages, prefix = decode_pages(block_ids, self.groups, num_tokens, held)
+            return [(str(params[TRANSFER_ID_KEY]), pages, prefix)]
+        parts = recv_parts(block_ids, self.groups, num_tokens, held)
+        return [(tid, {part.pool: list(part.pages)}, {part.pool: part.first})
+                for tid, part in zip(self.transfer_ids(params), parts)]
 
     def _check_state_tp(self, prefill_tp: int) -> None:
         """State is sharded by heads or channels over TP ranks, and kvferry does not slice it: a state group
@@ -259,18 +322,32 @@ class SchedulerSide:
                                   "or embeddings): decode could not compute it over the state")
             if not all(group.transferable(num_computed_tokens) for group in self.groups):
                 raise LayoutError(f"a sliding window's first block is freed at {num_computed_tokens} tokens")
-            pages = request_pages(block_ids, self.groups, num_computed_tokens)
+            sends = self._send_specs(request_id, block_ids, num_computed_tokens, prompt_token_ids)
         except LayoutError as exc:   # nothing to send: decode, finding no address, prefills the request
             return False, {"do_remote_prefill": False, "do_remote_decode": False, SKIPPED_KEY: str(exc)}
-        self._sends.append(SendSpec(request_id, pages, self._binding(request_id, prompt_token_ids)))
+        self._sends.extend(sends)
         self._holding.add(request_id)
-        return True, transfer_params(self.address, request_id, num_computed_tokens, self.addresses)
+        out = transfer_params(self.address, request_id, num_computed_tokens, self.addresses)
+        if by_group(self.groups):
+            out[FIRST_TOKENS_KEY] = first_held_tokens(self.groups, num_computed_tokens)
+        return True, out
+
+    def _send_specs(self, request_id: str, block_ids: Sequence[Sequence[int]], num_tokens: int,
+                    prompt_token_ids: Sequence[int] | None) -> list[SendSpec]:
+        """The request's sends: its whole page list, or one per group from its first kept block (``by_group``)."""
+        binding = self._binding(request_id, prompt_token_ids)
+        if not by_group(self.groups):
+            return [SendSpec(request_id, request_pages(block_ids, self.groups, num_tokens), binding)]
+        parts = send_parts(block_ids, self.groups, num_tokens)
+        return [SendSpec(request_id, {part.pool: list(part.pages)}, binding, part.transfer_id(request_id, len(parts)),
+                         {part.pool: part.first}) for part in parts]
 
     def take_plan(self) -> StepPlan:
         """vLLM's ``build_connector_meta``: what was staged since the last step, handed over once."""
         plan = StepPlan(tuple(self._sends), tuple(self._recvs), tuple(self._aborts), tuple(self._failures),
-                        tuple(self._issues))
+                        tuple(self._issues), tuple(self._cancels))
         self._sends, self._recvs, self._aborts, self._failures, self._issues = [], [], [], [], []
+        self._cancels = []
         return plan
 
     def on_worker_output(self, finished_sending: Sequence[str], finished_recving: Sequence[str]) -> None:
@@ -281,7 +358,8 @@ class SchedulerSide:
 
     def has_pending_work(self) -> bool:
         """Whether vLLM must keep stepping: staged work, or blocks held for a transfer still in flight."""
-        return bool(self._sends or self._recvs or self._aborts or self._failures or self._issues or self._holding)
+        return bool(self._sends or self._recvs or self._aborts or self._failures or self._issues or self._cancels
+                    or self._holding)
 
 
 def missing_handoff(params: Mapping[str, Any] | None) -> str | None:
@@ -294,6 +372,11 @@ def missing_handoff(params: Mapping[str, Any] | None) -> str | None:
     if params.get("do_remote_prefill"):
         return f"another connector's kv_transfer_params (keys {sorted(params)}, no {ADDRESS_KEY})"
     return f"kv_transfer_params that ask for no remote prefill (keys {sorted(params)})"
+
+
+def _prefill_ranks(params: Mapping[str, Any]) -> tuple[str, ...]:
+    """Prefill's TP group's addresses, in rank order, from a hand-off's params."""
+    return tuple(str(a) for a in params.get(ADDRESSES_KEY) or (params[ADDRESS_KEY],))
 
 
 def _wants_remote_prefill(params: Mapping[str, Any] | None) -> bool:

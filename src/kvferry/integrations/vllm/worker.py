@@ -139,9 +139,11 @@ class WorkerSide:
         if config.role in ("consumer", "both"):
             self.decode = DecodeEndpoint(memory, config.make_transport("decode"), secret=config.secret,
                                          digest_mode=config.digest_mode, options=options, mode=config.mode)
-        self._sending: set[str] = set()
+        # Prefill: kvferry request id -> vLLM request id (a request moved per KV cache group has one per group;
+        # vLLM hears it finished once every one is)
+        self._sending: dict[str, str] = {}
         self._unsent: set[str] = set()   # sends the endpoint refused: nothing posted, reported finished at once
-        self._recving: dict[str, RecvSpec] = {}         # by vLLM request id
+        self._recving: dict[str, list[RecvSpec]] = {}   # by vLLM request id: its announces (one per group)
         self._failed_now: dict[str, KVFerryError] = {}  # never announced: nothing leased, report at once
         self.num_failed = 0
 
@@ -165,23 +167,27 @@ class WorkerSide:
             self._abort(request_id)
         for request_id, why in plan.failures:   # nothing announced, nothing leased: report at the next results
             self._failed_now[request_id] = LayoutError(why)
+        for transfer_id, ranks, why in plan.cancels:
+            self._cancel(transfer_id, ranks, why)
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished_sending, finished_recving, failed_recving)`` since the last call, as vLLM's
         ``get_transfer_results`` wants them: a failed receive is also a finished one."""
-        sending = {r for r in self._sending if self._sent(r)}
-        self._sending -= sending
-        sending |= self._unsent
+        done = [tid for tid in self._sending if self._sent(tid)]
+        ended = {self._sending.pop(tid) for tid in done} | self._unsent
         self._unsent.clear()
+        sending = ended - set(self._sending.values())   # every part of the request done
         recving: set[str] = set()
         failed: set[str] = set()
-        for request_id, error in self._failed_now.items():
+        for request_id, error in list(self._failed_now.items()):
+            if request_id in self._recving:
+                continue   # a part of it was announced: reported once that part settled (``_received``)
+            del self._failed_now[request_id]
             self._report_failure(request_id, error)
             recving.add(request_id)
             failed.add(request_id)
-        self._failed_now.clear()
-        for request_id, recv in list(self._recving.items()):
-            outcome = self._received(recv)
+        for request_id, parts in list(self._recving.items()):
+            outcome = self._received(parts)
             if outcome is not None:
                 del self._recving[request_id]
                 recving.add(request_id)
@@ -198,15 +204,23 @@ class WorkerSide:
     def _send(self, send: SendSpec) -> None:
         if self.prefill is None:
             raise UsageError('a send staged on an instance without a prefill endpoint')
-        try:
-            self.prefill.send(send.request_id, send.pages, binding=send.binding)
-        except KVFerryError as exc:
-            # Nothing posted: vLLM may free the blocks at once, so the request is reported finished at the next
-            # results (left out, vLLM would hold them for ever: it frees a delayed request's blocks only then)
-            log.warning("kvferry: prefill request %s not sent: %s", send.request_id, exc)
-            self._unsent.add(send.request_id)
+        if send.request_id in self._unsent:   # an earlier part of it was refused: decode cannot use this one
+            self.prefill.abort(send.kvferry_id, "another part of the request was not sent")
             return
-        self._sending.add(send.request_id)
+        try:
+            self.prefill.send(send.kvferry_id, send.pages, offset=send.offset, binding=send.binding)
+        except KVFerryError as exc:
+            # Nothing posted: vLLM may free the blocks once no other part of the request can be read, so it is
+            # reported finished with them (left out, vLLM would hold them for ever: it frees a delayed request's
+            # blocks only then). Every part stops (decode could not use one alone), this one too: its announce
+            # is then refused at once, not at prefill's request timeout
+            log.warning("kvferry: prefill request %s not sent: %s", send.kvferry_id, exc)
+            self._unsent.add(send.request_id)
+            why = f"part {send.kvferry_id} of the request was not sent: {exc}"
+            for tid in [send.kvferry_id, *(t for t, r in self._sending.items() if r == send.request_id)]:
+                self.prefill.abort(tid, why)
+            return
+        self._sending[send.kvferry_id] = send.request_id
 
     def _sent(self, request_id: str) -> bool:
         """Whether vLLM may free the request's blocks: the request ended and nothing can still read them
@@ -229,9 +243,20 @@ class WorkerSide:
             peer = self._connect(recv.prefill_ranks)
             self.decode.announce(recv.transfer_id, recv.pages, peer=peer, prefix=recv.prefix, binding=recv.binding)
         except KVFerryError as exc:
+            # A part not announced: the request fails, its announced parts stop (``_received`` reports it)
             self._failed_now[recv.request_id] = exc
             return
-        self._recving[recv.request_id] = recv
+        self._recving.setdefault(recv.request_id, []).append(recv)
+
+    def _cancel(self, transfer_id: str, ranks: tuple[str, ...], why: str) -> None:
+        """Tell prefill this decode declined ``transfer_id`` (it computes the prompt itself), so prefill frees
+        its blocks now rather than at its ``request_timeout``; best effort: a failure only logs."""
+        if self.decode is None:
+            return
+        try:
+            self.decode.cancel(transfer_id, f"decode declined it: {why}", peer=self._connect(ranks))
+        except KVFerryError as exc:
+            log.warning("kvferry: could not tell prefill that decode declined %s: %s", transfer_id, exc)
 
     def _connect(self, ranks: tuple[str, ...]) -> str | list[str]:
         """Connect to the prefill ranks this decode rank needs, out of prefill's TP group ``ranks`` (rank
@@ -246,18 +271,30 @@ class WorkerSide:
         # The library's policy: which ranks, and a back-off from a prefill that is down (a refusal is final).
         return self.decode.connect_needed(list(ranks), retry_after=RETRY_AFTER)
 
-    def _received(self, recv: RecvSpec) -> bool | None:
-        """True: arrived and verified. False: failed and no write can land any more (its blocks are
-        zeroed). None: not yet."""
+    def _received(self, parts: list[RecvSpec]) -> bool | None:
+        """True: every part arrived and verified. False: a part failed (the others are aborted) and no write
+        can land any more (their blocks are zeroed). None: not yet."""
         if self.decode is None:
             raise UsageError('kvferry connector: this instance has no decode endpoint (see kv_role)')
-        state = self.decode.poll(recv.transfer_id)
-        if state is RequestState.DONE:
+        decode = self.decode
+        states = [decode.poll(recv.transfer_id) for recv in parts]
+        early = self._failed_now.get(parts[0].request_id)   # a sibling part was not announced
+        if early is None and all(state is RequestState.DONE for state in states):
             return True
-        if state is not RequestState.FAILED or self.decode.holds_lease(recv.transfer_id):
+        failed = [recv for recv, state in zip(parts, states) if state is RequestState.FAILED]
+        if early is None and not failed:
             return None
-        self._clear(recv)
-        self._report_failure(recv.request_id, self.decode.failure(recv.transfer_id))
+        for recv, state in zip(parts, states):
+            if state is not RequestState.FAILED:
+                decode.abort(recv.transfer_id, "another part of the request failed")
+        ended = (RequestState.DONE, RequestState.FAILED)
+        if any(decode.poll(r.transfer_id) not in ended or decode.holds_lease(r.transfer_id) for r in parts):
+            return None
+        self._failed_now.pop(parts[0].request_id, None)
+        for recv in parts:
+            self._clear(recv)
+        error = early if early is not None else decode.failure(failed[0].transfer_id)
+        self._report_failure(parts[0].request_id, error)
         return False
 
     def _clear(self, recv: RecvSpec) -> None:
@@ -274,9 +311,9 @@ class WorkerSide:
                 (memory.array(buffer.name) if target is None else target)[list(pages)] = 0
 
     def _abort(self, request_id: str) -> None:
-        recv = self._recving.get(request_id)
-        if recv is not None and self.decode is not None:
-            self.decode.abort(recv.transfer_id, "vLLM finished the request before its KV arrived")
+        for recv in self._recving.get(request_id, ()):
+            if self.decode is not None:
+                self.decode.abort(recv.transfer_id, "vLLM finished the request before its KV arrived")
 
     def _report_failure(self, request_id: str, error: KVFerryError | None) -> None:
         self.num_failed += 1
