@@ -194,7 +194,10 @@ def test_multi_turn_sessions_hit_decode_radix_cache(pd: ss.PD, servers: Servers)
     """4 sessions x 3 turns at once, then each session's last prompt again. Prefill's radix cache is off, so
     the cached tokens decode reports are its own radix hits, whole pages of decode's size; decode announced
     them to prefill as ``decode_prefix_len`` and kvferry's sender started prefill at that prefix cut to whole
-    pages of prefill's size, sending only the tokens decode lacks. Every answer the plain server's."""
+    pages of prefill's size, sending only the tokens decode lacks. The repeated prompt is held whole where
+    decode's page is 1: decode leases nothing, and prefill's page straddling the prefix holds only tokens
+    past the request (this failed every such request until ``plan.tokens.chunk_span`` let it move nothing).
+    Every answer the plain server's."""
     p, d = pd.page_size, pd.decode_page_size
     assert d is not None
     first = 2 * max(p, d)   # a first turn past two decode pages: the second turn hits at least one
@@ -202,7 +205,7 @@ def test_multi_turn_sessions_hit_decode_radix_cache(pd: ss.PD, servers: Servers)
     def session(s: int) -> list[dict[str, Any]]:
         rng, ids, metas = random.Random(p * 1000 + d * 10 + s), [], []
         for turn in range(4):
-            if turn < 3:   # turn 3 repeats turn 2's prompt: decode holds all of it but the last token
+            if turn < 3:   # turn 3 repeats turn 2's prompt
                 ids = ids + prompt(rng, first + rng.randrange(0, max(p, d)) if turn == 0 else rng.randrange(5, 40))
             got = ss.generate(pd.url, ids, NEW_TOKENS, timeout=300)
             want = servers.reference(ids)
@@ -220,9 +223,11 @@ def test_multi_turn_sessions_hit_decode_radix_cache(pd: ss.PD, servers: Servers)
     TIMINGS[f"pages {p} -> {d}: cached tokens per turn"] = str([[t["cached_tokens"] for t in m] for m in metas])
     for s, turns in enumerate(metas):
         assert turns[0]["cached_tokens"] == 0, (s, turns[0])
-        for t in turns[1:]:
+        for t in turns[1:3]:
             assert 0 < t["cached_tokens"] < t["len"], (s, t)
             assert t["cached_tokens"] % d == 0, (s, t)
+        # the repeat: decode holds every whole page of its size of the prompt (at page 1, the whole prompt)
+        assert turns[3]["cached_tokens"] == turns[3]["len"] // d * d, (s, turns[3])
     after = pd.prefill.metrics()
     key = "sglang:realtime_tokens_total.prefill_cache"
     assert after.get(key, 0.0) == prefill_before.get(key, 0.0) == 0.0
