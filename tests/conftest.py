@@ -54,7 +54,8 @@ def salad_layout() -> Layout:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Tables the engine suites collected while they ran (tests/test_sglang.py's backend comparison, the SGLang
     server tests' timings), printed once at the end whatever order the tests ran in."""
-    for module in ("tests.test_sglang", "tests.test_sglang_server", "tests.test_sglang_server_faults"):
+    for module in ("tests.test_sglang", "tests.test_sglang_server", "tests.test_sglang_server_faults",
+                   "tests.test_sglang_server_page_sizes"):
         lines = getattr(sys.modules.get(module), "report_lines", lambda: [])()
         if lines:
             terminalreporter.section(f"{module.rsplit('.', 1)[1]}: report")

@@ -247,6 +247,7 @@ class PD:
     backend: str
     page_size: int
     transport: str = "nixl"   # what kvferry's backend moves pages with (KVFERRY_SGLANG_TRANSPORT)
+    decode_page_size: int | None = None   # decode's --page-size (None: page_size, as set by pd_servers)
 
     @property
     def url(self) -> str:
@@ -269,11 +270,13 @@ def plain_server(model: Path, page_size: int, log_dir: Path, *, patches: Sequenc
 
 def pd_servers(model: Path, page_size: int, backend: str, log_dir: Path, *, decode_radix: bool = True,
                prefill_radix: bool = True, patches: Sequence[str] = (), transport: str = "nixl",
-               mode: str = "push") -> PD:
+               mode: str = "push", decode_page_size: int | None = None) -> PD:
     """Prefill, decode and router (not started). ``backend``: ``kvferry`` or SGLang's ``nixl``. With
     ``prefill_radix`` off, the cached tokens decode reports are decode's own radix hits only. ``transport``:
     what kvferry's backend moves pages with (``KVFERRY_SGLANG_TRANSPORT`` on both servers: ``nixl`` or
-    ``mooncake``). ``mode``: ``pull`` makes kvferry's decode read prefill's pages (``KVFERRY_SGLANG_MODE``)."""
+    ``mooncake``). ``mode``: ``pull`` makes kvferry's decode read prefill's pages (``KVFERRY_SGLANG_MODE``).
+    ``decode_page_size``: decode's ``--page-size`` where it differs from prefill's ``page_size``."""
+    dpage = page_size if decode_page_size is None else decode_page_size
     pport, dport, bport, rport = free_port(), free_port(), free_port(), free_port()
     common = ["--disaggregation-transfer-backend", backend, "--disable-overlap-schedule"]
     patches = list(patches)
@@ -290,7 +293,7 @@ def pd_servers(model: Path, page_size: int, backend: str, log_dir: Path, *, deco
         patches.append("KVFERRY_TEST_NIXL_DRAM")
         env_extra["SGLANG_DISAGGREGATION_NIXL_BACKEND"] = "UCX"
     tag = (f"{model.name}-{backend}{'' if transport == 'nixl' else '-' + transport}"
-           f"{'' if mode == 'push' else '-' + mode}-p{page_size}")
+           f"{'' if mode == 'push' else '-' + mode}-p{page_size}{'' if dpage == page_size else f'-d{dpage}'}")
     prefill_flags = [*common, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bport)]
     if not prefill_radix:
         prefill_flags.append("--disable-radix-cache")
@@ -301,13 +304,13 @@ def pd_servers(model: Path, page_size: int, backend: str, log_dir: Path, *, deco
                     "--disaggregation-decode-retraction-backup", "cpu_tensor"]
     if decode_radix:
         decode_flags.append("--disaggregation-decode-enable-radix-cache")
-    decode = Server("decode", server_args(model, dport, page_size, extra=decode_flags), dport,
+    decode = Server("decode", server_args(model, dport, dpage, extra=decode_flags), dport,
                     log_dir / f"decode-{tag}.log", server_env(env_extra, patches))
     router = Server("router", [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                                "--mini-lb", "--prefill", prefill.url, str(bport), "--decode", decode.url,
                                "--host", HOST, "--port", str(rport)],
                     rport, log_dir / f"router-{tag}.log", server_env(), ready_path="/health")
-    return PD(prefill, decode, router, backend, page_size, transport)
+    return PD(prefill, decode, router, backend, page_size, transport, dpage)
 
 
 def start_all(servers: Sequence[Server], timeout: float = 400.0) -> None:

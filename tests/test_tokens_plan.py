@@ -16,7 +16,7 @@ from kvferry import Buffer, KVMemory, Layout, PlanError, Pool
 from kvferry.errors import LayoutError
 from kvferry.layout import HeadGeometry, shape_difference
 from kvferry.layout.compare import translation_difference
-from kvferry.plan.tokens import TokenPlanner, TokenSpan, plan_token_transfer
+from kvferry.plan.tokens import TokenPlanner, TokenSpan, chunk_span, plan_token_transfer
 from kvferry.transport import LocalTransport, check_rows_in_regions
 
 from .conftest import fill_random, memmove_plan, snapshot
@@ -269,3 +269,17 @@ def test_a_head_blocks_parts_are_declared_carried_and_compared() -> None:
                     "is not declared, head geometry parts None) cannot be translated: local 32, remote 64")
     # equal page sizes move whole pages: undeclared parts are no obstacle
     assert translation_difference(layout(32, parts=None), layout(32, parts=None)) is None
+
+
+def test_a_chunk_straddling_a_prefix_that_holds_the_whole_request_moves_nothing() -> None:
+    """Decode holds every token of a 104-token request (SGLang's decode radix cache matched the whole input,
+    page 1) and leased nothing; prefill (page 16) starts at its page of token 96: that page's tokens past 104
+    are its garbage tail, nothing to move. A second page, beginning past the prefix, is refused by name."""
+    straddling = chunk_span("kv", (16, 1), np.array([6]), 6, None, 104, "r")
+    assert straddling is None
+    assert chunk_span("kv", (16, 1), np.array([6]), 6, np.array([], dtype=np.int64), 104, "r") is None
+    with pytest.raises(PlanError, match=r"request 'r', pool 'kv': decode leased no pages .* prefix of 104"):
+        chunk_span("kv", (16, 1), np.array([6, 7]), 6, None, 104, "r")
+    # one token leased past the prefix: the straddling page moves exactly it
+    span = chunk_span("kv", (16, 1), np.array([6]), 6, np.array([9]), 103, "r")
+    assert span is not None and (span.start, span.stop, span.dst_first) == (103, 104, 103)

@@ -13,6 +13,10 @@ prompt without cached prefix through the MHA method; ``torch_native`` then atten
 buffers (kv_lora_rank + rope dims) with MHA-sized queries and fails. Registering ``torch_native`` to the
 absorbed MLA method, the one SGLang already uses for every decode step and every prompt with a cached
 prefix, lets a DeepSeek-V2-style model run on CPU.
+
+``KVFERRY_TEST_ROLL_DECODE_PAGES=1``: a forced bug, for showing tests/test_sglang_server_page_sizes.py can
+fail. kvferry's ``PageSizePlanner.spans`` (prefill's chunks mapped by token into decode's pages at another
+page size) hands back each span with decode's pages rolled by one: tokens land in the wrong decode pages.
 """
 
 from __future__ import annotations
@@ -68,7 +72,22 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _patch_page_size_planner(module: Any) -> None:
+    import numpy as np
+
+    spans = module.PageSizePlanner.spans
+
+    def rolled(self: Any, *a: Any, **kw: Any) -> Any:
+        out = spans(self, *a, **kw)
+        return {pool: module.TokenSpan(s.src_pages, np.roll(np.asarray(s.dst_pages), 1), s.src_first, s.dst_first,
+                                       s.start, s.stop) for pool, s in out.items()}
+
+    module.PageSizePlanner.spans = rolled
+
+
 if os.environ.get("KVFERRY_TEST_NIXL_DRAM") == "1":
     sys.meta_path.insert(0, _AfterImport("nixl", _patch_nixl))
 if os.environ.get("KVFERRY_TEST_MLA_ABSORBED") == "1":
     sys.meta_path.insert(0, _AfterImport("sglang.srt.models.deepseek_common.attention_backend_handler", _patch_mla))
+if os.environ.get("KVFERRY_TEST_ROLL_DECODE_PAGES") == "1":
+    sys.meta_path.insert(0, _AfterImport("kvferry.plan.tokens", _patch_page_size_planner))

@@ -325,9 +325,10 @@ def chunk_span(pool: str, sizes: tuple[int, int] | None, src_pages: np.ndarray, 
     (position + n) x Ts)``; decode holds the first ``prefix`` pages of its own (tokens ``prefix x Td``) and
     leased ``dst_pages`` for the rest. Source pages wholly inside the prefix leave the span, one straddling
     it moves only its tokens past it; tokens past the lease's end (the garbage tail of prefill's last
-    page) do not move. ``sizes`` (Ts, Td), or None for a state pool: its pages pair by position in decode's
-    list, whole. ``PlanError`` (naming the request, the pool and both ranges) when the chunk reaches past the
-    lease: a source page that begins past decode's last leased token, or a state page past its list.
+    page) do not move, so a page straddling the prefix when decode leased nothing past it gives None.
+    ``sizes`` (Ts, Td), or None for a state pool: its pages pair by position in decode's list, whole.
+    ``PlanError`` (naming the request, the pool and both ranges) when the chunk reaches past the lease: a
+    source page that begins past decode's last leased token, or a state page past its list.
     Prefill (writing) and decode (reading, pull mode) compute the same span from the same numbers."""
     n = len(src_pages)
     what = f"request {request!r}, pool {pool!r}" if request else f"pool {pool!r}"
@@ -346,15 +347,20 @@ def chunk_span(pool: str, sizes: tuple[int, int] | None, src_pages: np.ndarray, 
     src_pages, src_first, n = src_pages[skip:], src_first + skip * ts, n - skip
     if n == 0:
         return None
-    if dst_pages is None:
-        raise PlanError(f"{what}: decode leased no pages for tokens past its prefix of {held}, the chunk has "
-                        f"tokens [{src_first}, {src_first + n * ts})")
-    dst_end = held + len(dst_pages) * td
+    leased = 0 if dst_pages is None else len(dst_pages)
+    dst_end = held + leased * td
     if src_first + (n - 1) * ts >= dst_end:
+        if leased == 0:
+            raise PlanError(f"{what}: decode leased no pages for tokens past its prefix of {held}, the chunk has "
+                            f"tokens [{src_first}, {src_first + n * ts})")
         raise PlanError(f"{what}: chunk covers tokens [{src_first}, {src_first + n * ts}) ({ts} per page) but "
                         f"decode leased pages for tokens [{held}, {dst_end}) ({td} per page)")
-    start = max(src_first, held)
-    return TokenSpan(src_pages, dst_pages, src_first, held, start, min(src_first + n * ts, dst_end))
+    start, stop = max(src_first, held), min(src_first + n * ts, dst_end)
+    if stop <= start:
+        # No lease past the prefix (decode holds the whole request, e.g. SGLang's decode radix cache matched
+        # every input token): the one source page straddling the prefix holds only the garbage tail past it.
+        return None
+    return TokenSpan(src_pages, dst_pages, src_first, held, start, stop)
 
 
 class PageSizePlanner:
