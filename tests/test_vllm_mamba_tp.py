@@ -71,8 +71,9 @@ def record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 def test_hybrid_state_and_attention_move_between_tp_sizes_and_decode_the_same_tokens(
         model: Path, prompts: list[Any], plain: list[list[int]], record: Path, prefill_tp: int,
         decode_tp: int) -> None:
-    """Measured here (2 cores shared with other work): the plain instance and both pairs, 6 to 9 minutes in
-    all (a TP-2 instance starts in about 50 s, a TP-1 in about 30 s, each pair's prompts a few seconds)."""
+    """Measured here (2 cores shared with other work, 2026-12-05): the plain instance and both pairs, 255 s in
+    all (each pair's two instances up in 73-87 s, its prompts a few seconds). Bytes: 1 -> 2 moved 1,462,784
+    for the 7 prompts (state 40,448 per request), 2 -> 1 1,457,408 (state 39,680: exactly the real state)."""
     from .vllm_faults import read_record
     from .vllm_pd import close_llm, greedy, make_llm, metric, tokens
 
