@@ -42,7 +42,8 @@ bench: setup
 # runs all but the tests marked slow (the recompute policy, the no-digest control, the docs' py blocks, the
 # hybrid Gemma3, the hybrid Mamba GraniteMoeHybrid's pair, its killed prefill and NixlConnector beside it
 # (tests/test_vllm_mamba.py: about 4 minutes together here), the same model between TP 1 and 2
-# (tests/test_vllm_mamba_tp.py: 255 s here), the NixlConnector bench, the fault soaks, another
+# (tests/test_vllm_mamba_tp.py, kvferry's pairs
+# and NixlConnector's: about 10 minutes here), the NixlConnector bench, the fault soaks, another
 # block size translated through vLLM, 2P2D behind vllm-router with kvferry and NixlConnector (352-526 s), instances
 # killed, added and restarted behind vllm-router (206 s), pull mode
 # across TP sizes in vLLM engines (164 s), kvferry and NixlConnector between block sizes 32/64/128 (333 s,

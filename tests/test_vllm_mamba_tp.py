@@ -107,3 +107,36 @@ def test_hybrid_state_and_attention_move_between_tp_sizes_and_decode_the_same_to
     print(f"TP {prefill_tp} -> {decode_tp}: {equal}/{len(prompts)} equal; bytes moved {want:,} "
           f"({want / len(LENGTHS):,.0f} per request; state {2 * STATE_BYTES[prefill_tp, decode_tp]:,} B per request "
           f"for 2 x 19,840 B of real state); {time.perf_counter() - started:.0f} s")
+
+
+@pytest.mark.timeout(1500)
+def test_nixlconnector_between_tp_sizes_on_the_same_model_and_prompts(
+        model: Path, prompts: list[Any], plain: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's NixlConnector on the same model and prompts at TP 1 -> 2 and 2 -> 1, one prompt at a time (its
+    ``DS`` conv layout, which vLLM-CPU selects for it; ``kv_both`` on both sides). It has no refusal for a
+    hybrid Mamba model across TP sizes, and its reads take B and C as sharded like x (they are one group,
+    replicated: docs/vllm.md), so its answers differ from the plain instance's, without an error. Measured
+    here (2026-12-05): 0 of 7 equal at 1 -> 2 and 0 of 7 at 2 -> 1, every request finished (``length``), each
+    pair 146-164 s, 411 s with the plain instance. Asserted: not all equal, and the count printed."""
+    from .test_vllm_mamba import one_at_a_time
+    from .vllm_pd import close_llm, free_port, make_llm
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")   # what vLLM-CPU sets for NixlConnector itself
+    nixl_config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+    counts: dict[tuple[int, int], int] = {}
+    for prefill_tp, decode_tp in ((1, 2), (2, 1)):
+        started = time.perf_counter()
+        # Read at start-up: one side channel per instance (its scheduler serves every rank's metadata).
+        monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
+        prefill = make_llm(model, **ENGINE, kv_transfer_config=nixl_config, tensor_parallel_size=prefill_tp)
+        monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
+        decode = make_llm(model, **ENGINE, kv_transfer_config=nixl_config, tensor_parallel_size=decode_tp)
+        try:
+            rows = one_at_a_time(prefill, decode, prompts)
+        finally:
+            close_llm(decode)
+            close_llm(prefill)
+        counts[prefill_tp, decode_tp] = sum(r["tokens"] == w for r, w in zip(rows, plain))
+        print(f"NixlConnector TP {prefill_tp} -> {decode_tp}: {counts[prefill_tp, decode_tp]}/{len(prompts)} "
+              f"answers equal to the plain instance's ({time.perf_counter() - started:.0f} s)")
+    assert all(count < len(prompts) for count in counts.values()), counts
