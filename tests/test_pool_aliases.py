@@ -53,6 +53,11 @@ def test_every_other_overlap_is_still_refused() -> None:
     with pytest.raises(LayoutError, match="overlap"):
         KVMemory.from_arrays(_layout(state_pages=PAGES * 2, state_page=PAGE // 2),
                              {"attn0": shared[0], "attn1": shared[1], "mixer0": half})
+    two = Layout([_layout().pools[0], Pool("state", [Buffer("m0", PAGE, PAGES, "int8", "state", 0, state=STATE),
+                                                     Buffer("m1", PAGE, PAGES, "int8", "state", 2, state=STATE)],
+                                           aliases="blocks")])
+    with pytest.raises(LayoutError, match="'attn0' and 'm1' overlap"):   # two alias buffers on one region
+        KVMemory.from_arrays(two, {"attn0": shared[0], "attn1": shared[1], "m0": shared[0], "m1": shared[0]})
     own = np.zeros((2, PAGES, PAGE), np.uint8)   # attention's two buffers overlapping each other: refused
     with pytest.raises(LayoutError, match="'attn0' and 'attn1' overlap"):
         KVMemory.from_arrays(_layout(), {"attn0": own[0], "attn1": own[0], "mixer0": np.zeros((PAGES, PAGE),

@@ -423,7 +423,8 @@ def test_a_hybrid_mamba_model_moves_attention_and_state_and_decodes_the_same_tok
     """Every prompt's greedy tokens equal the plain instance's. Prefill computes all but each prompt's last
     token (in chunks of 96 past 96 tokens: its state moves once, final) and moves those tokens' attention
     blocks and its state block; decode computes the last token itself. The one-token prompt is not sent
-    (nothing to hold back from): decode computes it. Bytes: whole pages of the two overlaid buffers."""
+    (nothing to hold back from): decode computes it. Bytes: whole pages, the attention layers' in ``blocks``
+    and the state layers' (same TP sizes: padded page and all) in ``state``."""
     from .vllm_faults import read_record
     from .vllm_pd import greedy, metric, tokens
 
@@ -445,11 +446,12 @@ def test_a_hybrid_mamba_model_moves_attention_and_state_and_decodes_the_same_tok
     assert [p.get("remote_num_tokens") for p in params if p.get("kvferry_address")] == [n - 1 for n in moved]
     assert metric(decode, "vllm:prompt_tokens_by_source", "external_kv_transfer") - external == sum(moved) - len(moved)
     assert metric(decode, "vllm:prompt_tokens_by_source", "local_compute") - local == len(moved) + 1
-    # Per moved prompt: its attention blocks under N - 1 tokens and one state block, each a page of both
-    # overlaid buffers (model.layers.0.mixer + layers.1's attention, layers.2.mixer + layers.3's).
+    # Per moved prompt: its attention blocks under N - 1 tokens (``blocks``) and one state block (``state``),
+    # each a page of two layers' buffers (layers 1 and 3's attention, or the mixers of layers 0 and 2).
     writes = read_record(record)
     pages = [-(-(n - 1) // VLLM_BLOCK) + 1 for n in moved]
-    assert sum(w["pages"]["blocks"] for w in writes) == sum(pages)
+    assert sum(w["pages"]["blocks"] + w["pages"]["state"] for w in writes) == sum(pages)
+    assert sum(w["pages"]["state"] for w in writes) == len(moved)
     assert sum(w["nbytes"] for w in writes) == 2 * VLLM_PAGE * sum(pages)
     print("bytes moved per request (prompt tokens: attention pages + state page, x2 buffers of 65,536 B):")
     for n, count in zip(moved, pages):

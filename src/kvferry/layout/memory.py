@@ -344,9 +344,15 @@ def _unaliased(layout: Layout, regions: Sequence[Region]) -> list[Region]:
         return list(regions)
     owned = {(pool_of[b.name], r.address, r.nbytes, r.device, r.device_id, b.page_bytes, b.num_pages)
              for b, r in zip(buffers, regions) if pool_of[b.name] not in aliased}
-    return [r for b, r in zip(buffers, regions)
-            if (aliased.get(pool_of[b.name]), r.address, r.nbytes, r.device, r.device_id, b.page_bytes,
-                b.num_pages) not in owned]
+    left, claimed = [], set()
+    for b, r in zip(buffers, regions):
+        pool = pool_of[b.name]
+        key = (aliased.get(pool), r.address, r.nbytes, r.device, r.device_id, b.page_bytes, b.num_pages)
+        if key in owned and (pool, key) not in claimed:   # one buffer of each aliasing pool per region
+            claimed.add((pool, key))
+            continue
+        left.append(r)
+    return left
 
 
 def distinct_regions(regions: Sequence[Region]) -> list[Region]:
