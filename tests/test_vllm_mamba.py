@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -25,8 +26,10 @@ import pytest
 from kvferry.errors import LayoutError
 from kvferry.integrations.vllm.layout import (
     HYBRID_POOL,
+    STATE_POOL,
     GroupSpec,
     decode_pages,
+    mamba2_state_geometry,
     memory_from_kv_caches,
     request_pages,
 )
@@ -43,10 +46,12 @@ PAGE = int(np.prod(ATTN_SHAPE)) * 4      # 2,048 bytes: every group's page (vLLM
 STATE = 3 * 24 * 4 + 2 * 8 * 4 * 4      # 544 bytes: a conv state (3, 24) and an SSM state (2, 8, 4), fp32
 MIXERS = ("model.layers.0.mixer", "model.layers.2.mixer")
 ATTNS = ("model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn")
-MAMBA = GroupSpec(MIXERS, 1024, state=True)   # vLLM's group 0 (its block size is max_model_len: unused)
+# conv [x 16 | B 4 | C 4] x 3 rows (SD), SSM 2 heads x 8 x 4: one group of d_state 4
+GEOMETRY = mamba2_state_geometry(((3, 24), (2, 8, 4)), (4, 4), "SD", 1, 1)
+MAMBA = GroupSpec(MIXERS, 1024, state=True, geometry=GEOMETRY)   # vLLM's group 0 (block size: unused)
 FULL = GroupSpec(ATTNS, BLOCK)
 GROUPS = (MAMBA, FULL)
-KINDS = {**{m: "state/mamba2/3x24,2x8x4/float32,float32/VLLM_SSM_CONV_STATE_LAYOUT=SD" for m in MIXERS},
+KINDS = {**{m: "state/mamba2/float32,float32/VLLM_SSM_CONV_STATE_LAYOUT=SD" for m in MIXERS},
          **{a: "kv/CPU_ATTN" for a in ATTNS}}
 
 
@@ -116,24 +121,29 @@ def prefill_finishes(prefill: Side, prompt: list[int], tables: tuple[list[int], 
     return out
 
 
-def test_a_state_layer_shares_its_attention_layers_buffer_whole_pages() -> None:
-    """Each Mamba layer's state view lies at an attention layer's address: one buffer of the two, its page
-    the padded page (the state's 544 bytes and the padding), no head geometry (state is not cut by KV heads:
-    equal TP sizes only). A state layer with no attention layer on its bytes is its own buffer, widened to
-    its pages."""
+def test_a_state_layer_is_a_state_pool_buffer_over_its_attention_layers_region() -> None:
+    """Each Mamba layer's state view lies at an attention layer's address: the attention layer is a buffer of
+    ``blocks`` (cut by heads), the state layer one of ``state`` over exactly the same region (its page the
+    padded page, the state's 544 bytes and the padding; its channel sections inside them), the pool an
+    alias of ``blocks``. A state layer with no attention layer on its bytes is widened to its own pages."""
     memory = memory_from_kv_caches(vllm_caches(0), GROUPS, NUM_BLOCKS, kinds=KINDS)
-    (pool,) = memory.layout.pools
-    assert pool.name == HYBRID_POOL and pool.tokens_per_page == BLOCK
-    assert [(b.name, b.page_bytes, b.num_pages, b.dtype, b.heads) for b in pool.buffers] == [
-        (f"{MIXERS[0]}+{ATTNS[0]}", PAGE, NUM_BLOCKS, "float32", None),
-        (f"{MIXERS[1]}+{ATTNS[1]}", PAGE, NUM_BLOCKS, "float32", None)]
-    assert pool.buffers[0].kind == f"{KINDS[MIXERS[0]]}+{KINDS[ATTNS[0]]}"
+    blocks, state = memory.layout.pools
+    assert (blocks.name, blocks.tokens_per_page, blocks.aliases) == (HYBRID_POOL, BLOCK, None)
+    assert (state.name, state.tokens_per_page, state.aliases) == (STATE_POOL, None, HYBRID_POOL)
+    assert [(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind) for b in blocks.buffers] == [
+        (a, PAGE, NUM_BLOCKS, "float32", KINDS[a]) for a in ATTNS]
+    assert [(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.state) for b in state.buffers] == [
+        (m, PAGE, NUM_BLOCKS, "int8", KINDS[m], GEOMETRY) for m in MIXERS]
+    assert GEOMETRY is not None and GEOMETRY.nbytes == GEOMETRY.extent == STATE
+    for mixer, attn in zip(MIXERS, ATTNS):
+        mine, under = memory.region(mixer), memory.region(attn)
+        assert (mine.address, mine.nbytes) == (under.address, under.nbytes)
     three = ("model.layers.0.mixer", "model.layers.1.mixer", "model.layers.2.mixer")
     caches = vllm_caches(0, three, ATTNS[:1])
     memory = memory_from_kv_caches(caches, (GroupSpec(three, 1024, state=True), GroupSpec(ATTNS[:1], BLOCK)),
                                    NUM_BLOCKS)
     assert [(b.name, b.page_bytes, b.dtype) for b in memory.layout.buffers] == [
-        (f"{three[0]}+{ATTNS[0]}", PAGE, "float32"), (three[1], PAGE, "int8"), (three[2], PAGE, "int8")]
+        (ATTNS[0], PAGE, "float32"), (three[0], PAGE, "int8"), (three[1], PAGE, "int8"), (three[2], PAGE, "int8")]
     np.testing.assert_array_equal(memory.array(three[2])[5].view(np.uint8),
                                   np.lib.stride_tricks.as_strided(caches[three[2]], (NUM_BLOCKS, PAGE),
                                                                   (PAGE, 1))[5].view(np.uint8))
@@ -143,14 +153,17 @@ def test_a_state_layer_shares_its_attention_layers_buffer_whole_pages() -> None:
                               (GroupSpec(three[:1], 1024, state=True), GroupSpec(ATTNS[:1], BLOCK)), NUM_BLOCKS)
 
 
-def test_a_requests_pages_are_its_attention_blocks_then_its_state_block() -> None:
-    """Attention blocks under the tokens (position-major, as for any hybrid), then block 0 of the state
-    group's table: a decode prefix (whole attention blocks) is a leading part of the list, the state never."""
+def test_a_requests_pages_are_its_attention_blocks_and_its_state_block() -> None:
+    """Attention blocks under the tokens (position-major, as for any hybrid) in ``blocks``, block 0 of the
+    state group's table in ``state``: a decode prefix (whole attention blocks) is a leading part of the
+    attention list, the state never under it."""
     tables = ([9], [4, 5, 6, 7])
-    assert request_pages(tables, GROUPS, 33) == {HYBRID_POOL: [4, 5, 6, 9]}
-    assert request_pages(tables, GROUPS, 32) == {HYBRID_POOL: [4, 5, 9]}
-    assert decode_pages(tables, GROUPS, 33, 16) == ({HYBRID_POOL: [5, 6, 9]}, {HYBRID_POOL: 1})
-    assert request_pages(([8], [3]), (FULL, MAMBA), 10) == {HYBRID_POOL: [8, 3]}   # whatever the groups' order
+    assert request_pages(tables, GROUPS, 33) == {HYBRID_POOL: [4, 5, 6], STATE_POOL: [9]}
+    assert request_pages(tables, GROUPS, 32) == {HYBRID_POOL: [4, 5], STATE_POOL: [9]}
+    assert decode_pages(tables, GROUPS, 33, 16) == ({HYBRID_POOL: [5, 6], STATE_POOL: [9]}, {HYBRID_POOL: 1})
+    assert request_pages(([8], [3]), (FULL, MAMBA), 10) == {HYBRID_POOL: [8], STATE_POOL: [3]}   # any order
+    two = (MAMBA, FULL, GroupSpec(("model.layers.4.mixer",), 1024, state=True))
+    assert request_pages(([9], [4], [11]), two, 10) == {HYBRID_POOL: [4], "state0": [9], "state1": [11]}
     with pytest.raises(LayoutError, match="group 0 .state.*null block"):
         request_pages(([0], [4, 5, 6]), GROUPS, 33)
     with pytest.raises(LayoutError, match="no state block"):
@@ -237,26 +250,6 @@ def test_another_conv_state_layout_is_refused_naming_the_variable(caplog: pytest
         prefill.worker.close()
 
 
-def test_state_between_different_tp_sizes_is_refused_naming_the_group_and_both_sizes(
-        caplog: pytest.LogCaptureFixture) -> None:
-    """kvferry does not slice state across TP sizes: a decode at TP 2 refuses a prefill at TP 1 (and the
-    other way) for a model with state, before connecting, and reports the request failed."""
-    decode = Side("consumer", None, tp_size=2)
-    try:
-        params = {"do_remote_prefill": True, "kvferry_address": "tcp://127.0.0.1:9", "kvferry_request_id": "p",
-                  "remote_num_tokens": 39}
-        assert decode.scheduler.matched_tokens("d", 40, params, 0) == (39, True)
-        decode.scheduler.after_alloc("d", params, ([20], [7, 8, 9]), 39, list(range(3, 43)))
-        with caplog.at_level(logging.WARNING, logger="kvferry.vllm"):
-            decode.step()
-        assert decode.failed == {"d"} and not decode.scheduler.has_pending_work()
-        (line,) = [r.getMessage() for r in caplog.records if "did not arrive" in r.getMessage()]
-        assert f"KV cache group 0 (Mamba state, layers {list(MIXERS)})" in line
-        assert "from prefill TP 1 to decode TP 2" in line
-    finally:
-        decode.worker.close()
-
-
 def state_flip_local(side: str) -> Any:
     """The local transport, flipping bytes of the state page prefill sends (page 11 of layer slot 0, where
     ``MIXERS[0]``'s conv and SSM state lie; as many bytes as the state has, some of them the state's, some the
@@ -267,11 +260,10 @@ def state_flip_local(side: str) -> Any:
 
     class StateFlip(FaultyTransport):
         def _flip(self, memory: Any, pages: dict[str, tuple[np.ndarray, np.ndarray]]) -> list[tuple[int, int]]:
-            src, _ = pages[HYBRID_POOL]
-            return flip_bytes(memory, f"{MIXERS[0]}+{ATTNS[0]}", [p for p in src.tolist() if p == 11],
-                              num_bytes=STATE)
+            src, _ = pages[STATE_POOL]
+            return flip_bytes(memory, MIXERS[0], [p for p in src.tolist() if p == 11], num_bytes=STATE)
 
-    return StateFlip(make_transport("local"), f"flip:{MIXERS[0]}+{ATTNS[0]}")
+    return StateFlip(make_transport("local"), f"flip:{MIXERS[0]}")
 
 
 def test_a_state_corrupted_in_flight_fails_the_request_and_is_cleared() -> None:
@@ -314,13 +306,25 @@ def test_the_connector_maps_vllms_mamba_spec_and_refuses_what_it_does_not_move()
         attention = FullAttentionSpec(VLLM_BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
         return KVCacheConfig(64, [], [KVCacheGroupSpec(list(MIXERS), spec), KVCacheGroupSpec(list(ATTNS), attention)])
 
-    assert _groups(config()) == (GroupSpec(MIXERS, 1024, state=True), GroupSpec(ATTNS, VLLM_BLOCK))
-    assert set(_state_kinds(config()).values()) == {"state/mamba2/3x288,4x64x16/float32,float32/"
-                                                    "VLLM_SSM_CONV_STATE_LAYOUT=SD"}
+    def vllm(**hf: Any) -> Any:   # what _groups reads of vLLM's config: the model's groups and the TP size
+        return SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(**hf)),
+                               parallel_config=SimpleNamespace(tensor_parallel_size=1))
+
+    geometry = mamba2_state_geometry(((3, 288), (4, 64, 16)), (4, 4), "SD", 1, 1)
+    assert geometry is not None and geometry.nbytes == 19840
+    groups = _groups(config(), vllm(mamba_n_groups=1))
+    assert groups == (GroupSpec(MIXERS, 1024, state=True, geometry=geometry), GroupSpec(ATTNS, VLLM_BLOCK))
+    assert _groups(config(), vllm(n_groups=1))[0].geometry == geometry   # Mamba2's and Nemotron-H's name
+    assert set(_state_kinds(config(), groups).values()) == {"state/mamba2/float32,float32/"
+                                                            "VLLM_SSM_CONV_STATE_LAYOUT=SD"}
+    unknown = _groups(config(), vllm())   # no groups in the config: whole pages, shapes in the kind
+    assert unknown[0].geometry is None
+    assert set(_state_kinds(config(), unknown).values()) == {"state/mamba2/3x288,4x64x16/float32,float32/"
+                                                             "VLLM_SSM_CONV_STATE_LAYOUT=SD"}
     with pytest.raises(UsageError, match=r"group 0 \(MambaSpec.*'align'.*--no-enable-prefix-caching"):
-        _groups(config(mamba_cache_mode="align"))
+        _groups(config(mamba_cache_mode="align"), vllm(mamba_n_groups=1))
     with pytest.raises(UsageError, match="group 0 .*2 speculative state blocks"):
-        _groups(config(num_speculative_blocks=2))
+        _groups(config(num_speculative_blocks=2), vllm(mamba_n_groups=1))
     tokens = list(range(3, 43))
     request = Request("r", tokens, SamplingParams(max_tokens=8), None)
     _shorten_prompt(request, 1)
@@ -419,7 +423,8 @@ def test_a_hybrid_mamba_model_moves_attention_and_state_and_decodes_the_same_tok
     """Every prompt's greedy tokens equal the plain instance's. Prefill computes all but each prompt's last
     token (in chunks of 96 past 96 tokens: its state moves once, final) and moves those tokens' attention
     blocks and its state block; decode computes the last token itself. The one-token prompt is not sent
-    (nothing to hold back from): decode computes it. Bytes: whole pages of the two overlaid buffers."""
+    (nothing to hold back from): decode computes it. Bytes: whole pages, the attention layers' in ``blocks``
+    and the state layers' (same TP sizes: padded page and all) in ``state``."""
     from .vllm_faults import read_record
     from .vllm_pd import greedy, metric, tokens
 
@@ -441,11 +446,12 @@ def test_a_hybrid_mamba_model_moves_attention_and_state_and_decodes_the_same_tok
     assert [p.get("remote_num_tokens") for p in params if p.get("kvferry_address")] == [n - 1 for n in moved]
     assert metric(decode, "vllm:prompt_tokens_by_source", "external_kv_transfer") - external == sum(moved) - len(moved)
     assert metric(decode, "vllm:prompt_tokens_by_source", "local_compute") - local == len(moved) + 1
-    # Per moved prompt: its attention blocks under N - 1 tokens and one state block, each a page of both
-    # overlaid buffers (model.layers.0.mixer + layers.1's attention, layers.2.mixer + layers.3's).
+    # Per moved prompt: its attention blocks under N - 1 tokens (``blocks``) and one state block (``state``),
+    # each a page of two layers' buffers (layers 1 and 3's attention, or the mixers of layers 0 and 2).
     writes = read_record(record)
     pages = [-(-(n - 1) // VLLM_BLOCK) + 1 for n in moved]
-    assert sum(w["pages"]["blocks"] for w in writes) == sum(pages)
+    assert sum(w["pages"]["blocks"] + w["pages"]["state"] for w in writes) == sum(pages)
+    assert sum(w["pages"]["state"] for w in writes) == len(moved)
     assert sum(w["nbytes"] for w in writes) == 2 * VLLM_PAGE * sum(pages)
     print("bytes moved per request (prompt tokens: attention pages + state page, x2 buffers of 65,536 B):")
     for n, count in zip(moved, pages):

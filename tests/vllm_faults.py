@@ -76,7 +76,8 @@ def recording_nixl(side: str) -> Transport:
 
     class RecordingNixl(NixlTransport):
         def write(self, plan: Any, peer: str, notif: bytes, label: str = "") -> Any:
-            line = {"pages": {p.pool: len(p.dst_pages) for p in plan.pools}, "nbytes": int(plan.nbytes)}
+            pools = getattr(plan, "pools", None) or plan.pool_pages   # a TransferPlan's, or a TPPlan's (across TP)
+            line = {"pages": {p.pool: len(p.dst_pages) for p in pools}, "nbytes": int(plan.nbytes)}
             with open(os.environ["KVFERRY_VLLM_RECORD"], "a") as record:
                 record.write(json.dumps(line) + "\n")
             return super().write(plan, peer, notif, label)

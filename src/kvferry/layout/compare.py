@@ -106,6 +106,8 @@ def _first_difference(local: Layout, remote: Layout, attrs: Callable[[Buffer, Bu
         translated = translate is not None and lp.tokens_per_page != rp.tokens_per_page
         for what, lv, rv in translate(lp, rp) if translated else ():   # type: ignore[misc]
             return f"pool {lp.name!r}: {what} cannot be translated: local {lv}, remote {rv}"
+        if lp.aliases != rp.aliases:   # which page space a pool shares decides what its pages may hold
+            return f"pool {lp.name!r}: aliases differs: local {lp.aliases}, remote {rp.aliases}"
         for attr in ("tokens_per_page", "window_tokens")[translated:]:
             if getattr(lp, attr) != getattr(rp, attr):
                 return (f"pool {lp.name!r}: {attr} differs: local {getattr(lp, attr)}, "

@@ -10,14 +10,15 @@ from __future__ import annotations
 import msgspec
 
 __all__ = ["MANIFEST_VERSION", "BufferMsg", "BufferMsgV2", "HeadsMsg", "HeadsMsgV2", "LayoutMsg", "MemoryMsg",
-           "PoolMsg", "PoolMsgV2", "RegionMsg", "StateSectionMsg"]
+           "PoolMsg", "PoolMsgV2", "PoolMsgWindow", "RegionMsg", "StateSectionMsg"]
 
 # Bump when the manifest's fields or their meaning change; decoders refuse other versions.
 # 2: buffers carry optional head geometry; layouts carry tp_size and tp_rank. Pools' optional
 # window_tokens came later without a bump: it is written only when set (see ``_pool_msg``), so manifests
 # without windows are unchanged and older peers read them; a windowed one they refuse as malformed. Head
 # geometries' parts came the same way (``HeadsMsg.parts``, written only when not the default), and buffers'
-# optional state sections (``BufferMsgV2`` when unset, see ``spec._buffer_msg``).
+# optional state sections (``BufferMsgV2`` when unset, see ``spec._buffer_msg``), and pools' optional
+# ``aliases`` (``PoolMsgV2`` or ``PoolMsgWindow`` when unset, see ``spec._pool_msg``).
 MANIFEST_VERSION = 2
 
 
@@ -74,6 +75,16 @@ class BufferMsgV2(msgspec.Struct, array_like=True):
 
 
 class PoolMsg(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    name: str
+    tokens_per_page: int | None
+    buffers: list[BufferMsg]
+    window_tokens: int | None = None
+    aliases: str | None = None   # the pool whose page space this one shares (``spec.Pool.aliases``)
+
+
+class PoolMsgWindow(msgspec.Struct, array_like=True):
+    """A windowed pool without an alias, encoded as before aliases came (decoded as a ``PoolMsg``)."""
+
     name: str
     tokens_per_page: int | None
     buffers: list[BufferMsg]

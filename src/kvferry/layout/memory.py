@@ -30,7 +30,7 @@ from kvferry.errors import LayoutError
 from kvferry.layout.manifest import MANIFEST_VERSION, MemoryMsg, RegionMsg
 from kvferry.layout.spec import Layout
 
-__all__ = ["KVMemory", "PoolArrays", "Region"]
+__all__ = ["KVMemory", "PoolArrays", "Region", "distinct_regions"]
 
 DEVICE_KINDS = ("cpu", "cuda")
 MAX_ADDRESS = (1 << 64) - 1
@@ -311,7 +311,7 @@ class KVMemory:
             raise LayoutError(f"{len(bufs)} buffers but {len(self.regions)} regions")
         for buf, reg in zip(bufs, self.regions):
             _check_region(buf.name, buf.page_bytes, buf.num_pages, reg)
-        _check_disjoint(self.regions)
+        _check_disjoint(_unaliased(self.layout, self.regions))
 
 
 def _check_region(name: str, page_bytes: int, num_pages: int, reg: Region) -> None:
@@ -330,6 +330,38 @@ def _check_region(name: str, page_bytes: int, num_pages: int, reg: Region) -> No
     if slots != num_pages:
         raise LayoutError(f"buffer {name!r}: region holds {slots} pages of {page_bytes} bytes but the layout "
                           f"declares {num_pages} (use Layout.with_capacities to take capacities from regions)")
+
+
+def _unaliased(layout: Layout, regions: Sequence[Region]) -> list[Region]:
+    """The regions left to check for overlaps once declared aliases are set aside: a buffer of a pool that
+    ``aliases`` another whose region is *exactly* one of that pool's buffers' (address, length, device, page
+    size and page count) is the same bytes under another geometry, not an overlap. Any other alias buffer
+    stays in, so an alias that only partly covers a region is refused like any overlap."""
+    pool_of = layout.pool_of
+    buffers = layout.buffers
+    aliased = {p.name: p.aliases for p in layout.pools if p.aliases is not None}
+    if not aliased:
+        return list(regions)
+    owned = {(pool_of[b.name], r.address, r.nbytes, r.device, r.device_id, b.page_bytes, b.num_pages)
+             for b, r in zip(buffers, regions) if pool_of[b.name] not in aliased}
+    left, claimed = [], set()
+    for b, r in zip(buffers, regions):
+        pool = pool_of[b.name]
+        key = (aliased.get(pool), r.address, r.nbytes, r.device, r.device_id, b.page_bytes, b.num_pages)
+        if key in owned and (pool, key) not in claimed:   # one buffer of each aliasing pool per region
+            claimed.add((pool, key))
+            continue
+        left.append(r)
+    return left
+
+
+def distinct_regions(regions: Sequence[Region]) -> list[Region]:
+    """Each region's bytes once: aliased buffers (``Pool.aliases``) share regions, which a transport
+    registers only once."""
+    seen: dict[tuple[int, int, str, int], Region] = {}
+    for r in regions:
+        seen.setdefault((r.address, r.nbytes, r.device, r.device_id), r)
+    return list(seen.values())
 
 
 def _check_disjoint(regions: Sequence[Region]) -> None:

@@ -27,6 +27,7 @@ from kvferry.layout.manifest import (
     LayoutMsg,
     PoolMsg,
     PoolMsgV2,
+    PoolMsgWindow,
     StateSectionMsg,
 )
 from kvferry.layout.state import StateGeometry, StateSection
@@ -243,20 +244,28 @@ class Pool:
     each of them. ``tokens_per_page`` is None for per-request state slots (Mamba state, for example).
     ``window_tokens`` marks a sliding-window pool: a request keeps only the pages under its last
     ``window_tokens`` tokens (``sim.pages_needed`` counts them). Both are part of the shape.
+
+    ``aliases`` names another pool of the layout whose page space this one shares: an engine that overlays
+    two kinds of page on the same bytes (vLLM's Mamba state blocks over its attention blocks, told apart by
+    which group owns the block id) declares the second as an alias of the first. ``KVMemory`` then accepts
+    a buffer of this pool whose region *equals* one of that pool's (and no other overlap), and the lease
+    table treats both as one page space: a page leased in either is taken in both.
     """
 
     name: str
     buffers: tuple[Buffer, ...]
     tokens_per_page: int | None = None
     window_tokens: int | None = None
+    aliases: str | None = None
     _min_pages: int = field(default=0, init=False, repr=False, compare=False)
 
     def __init__(self, name: str, buffers: Sequence[Buffer], tokens_per_page: int | None = None,
-                 window_tokens: int | None = None) -> None:
+                 window_tokens: int | None = None, aliases: str | None = None) -> None:
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "buffers", tuple(buffers))
         object.__setattr__(self, "tokens_per_page", tokens_per_page)
         object.__setattr__(self, "window_tokens", window_tokens)
+        object.__setattr__(self, "aliases", aliases)
         self._validate()
         # Read on every send and announce (the page validator's bound): computed once, not per call.
         object.__setattr__(self, "_min_pages", min(b.num_pages for b in self.buffers))
@@ -274,6 +283,10 @@ class Pool:
             _check_count(f"pool {self.name!r}", "window_tokens", self.window_tokens, 1 << 40)
             if self.tokens_per_page is None:
                 raise LayoutError(f"pool {self.name!r}: a state pool (tokens_per_page None) has no window")
+        if self.aliases is not None:
+            _check_name(f"pool {self.name!r}: aliased pool", self.aliases)
+            if self.aliases == self.name:
+                raise LayoutError(f"pool {self.name!r} cannot alias itself")
 
     @property
     def min_pages(self) -> int:
@@ -287,12 +300,14 @@ class Pool:
     def key(self, buffer_keys: tuple[object, ...]) -> tuple[object, ...]:
         """The pool's part of a fingerprint, around its buffers' keys."""
         base = (self.name, self.tokens_per_page, buffer_keys)
-        # Appended only when set, so layouts without windows keep their fingerprints.
-        return base if self.window_tokens is None else (*base, ("window_tokens", self.window_tokens))
+        # Appended only when set, so layouts without windows or aliases keep their fingerprints.
+        if self.window_tokens is not None:
+            base = (*base, ("window_tokens", self.window_tokens))
+        return base if self.aliases is None else (*base, ("aliases", self.aliases))
 
     def with_buffers(self, buffers: Sequence[Buffer]) -> Pool:
-        """The same pool (name, token granularity, window) holding ``buffers`` instead."""
-        return Pool(self.name, buffers, self.tokens_per_page, self.window_tokens)
+        """The same pool (name, token granularity, window, alias) holding ``buffers`` instead."""
+        return Pool(self.name, buffers, self.tokens_per_page, self.window_tokens, self.aliases)
 
 
 @dataclass(frozen=True)
@@ -340,6 +355,15 @@ class Layout:
                 by_buffer[buf.name] = buf
         if len(by_buffer) > MAX_BUFFERS:
             raise LayoutError(f"layout has {len(by_buffer)} buffers, more than the limit {MAX_BUFFERS}")
+        for pool in self.pools:
+            if pool.aliases is None:
+                continue
+            target = by_pool.get(pool.aliases)
+            if target is None:
+                raise LayoutError(f"pool {pool.name!r} aliases pool {pool.aliases!r}, which the layout does not have")
+            if target.aliases is not None:   # one level: every aliased pool names the page space's owner
+                raise LayoutError(f"pool {pool.name!r} aliases pool {target.name!r}, which itself aliases "
+                                  f"{target.aliases!r}: name the pool that owns the page space")
         object.__setattr__(self, "_by_pool", by_pool)
         object.__setattr__(self, "_by_buffer", by_buffer)
 
@@ -421,7 +445,7 @@ class Layout:
         msg = decode_versioned(data, LayoutMsg, version=MANIFEST_VERSION, what="manifest", error=LayoutError)
         return cls.from_wire(msg.pools, msg.tp_size, msg.tp_rank)
 
-    def to_wire(self) -> list[PoolMsg | PoolMsgV2]:
+    def to_wire(self) -> list[PoolMsg | PoolMsgV2 | PoolMsgWindow]:
         return [
             _pool_msg(p, [_buffer_msg(b) for b in p.buffers])
             for p in self.pools
@@ -441,15 +465,17 @@ class Layout:
             Pool(p.name, [Buffer(b.name, b.page_bytes, b.num_pages, b.dtype, b.kind, b.layer, _heads_of(b.heads),
                                  _state_of(b.state))
                           for b in p.buffers],
-                 p.tokens_per_page, p.window_tokens)
+                 p.tokens_per_page, p.window_tokens, p.aliases)
             for p in pools
         ], tp_size, tp_rank)
 
 
-def _pool_msg(pool: Pool, buffers: list[BufferMsg]) -> PoolMsg | PoolMsgV2:
+def _pool_msg(pool: Pool, buffers: list[BufferMsg]) -> PoolMsg | PoolMsgV2 | PoolMsgWindow:
+    if pool.aliases is not None:
+        return PoolMsg(pool.name, pool.tokens_per_page, buffers, pool.window_tokens, pool.aliases)
     if pool.window_tokens is None:  # the three elements every version-2 decoder expects
         return PoolMsgV2(pool.name, pool.tokens_per_page, buffers)
-    return PoolMsg(pool.name, pool.tokens_per_page, buffers, pool.window_tokens)
+    return PoolMsgWindow(pool.name, pool.tokens_per_page, buffers, pool.window_tokens)
 
 
 def _replace_pages(buf: Buffer, num_pages: int) -> Buffer:

@@ -67,7 +67,7 @@ import numpy as np
 
 from kvferry.codec import decode_versioned, encode
 from kvferry.errors import PeerLost, TransportError, UsageError
-from kvferry.layout.memory import KVMemory
+from kvferry.layout.memory import KVMemory, distinct_regions
 from kvferry.plan.contract import Plan
 from kvferry.transport.base import (
     BackendHandle,
@@ -287,8 +287,11 @@ class NixlTransport(Transport):
             self._agent = api.nixl_agent(self._name, config)
         if "UCX" not in self._agent.backends:
             raise TransportError("NIXL's UCX plugin is not available: cannot move bytes")
-        with _nixl_errors(f"registering {len(memory.regions)} regions", "-"):
-            regs = [(r.address, r.nbytes, r.device_id, "") for r in memory.regions]
+        # Aliased buffers (``Pool.aliases``: vLLM's state blocks over its attention blocks) share a region:
+        # registered once, their pages' descriptors lie inside it all the same.
+        distinct = distinct_regions(memory.regions)
+        with _nixl_errors(f"registering {len(distinct)} regions", "-"):
+            regs = [(r.address, r.nbytes, r.device_id, "") for r in distinct]
             self._reg_descs.append(self._agent.register_memory(regs, self._mem_type))
             meta = self._agent.get_agent_metadata()
         self._memory = memory

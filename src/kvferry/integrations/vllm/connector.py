@@ -34,12 +34,14 @@ from kvferry.integrations.vllm.layout import (
     GroupSpec,
     RankPlace,
     cpu_kernel_parts,
+    mamba2_state_geometry,
     memory_from_kv_caches,
     rank_kv_heads,
 )
 from kvferry.integrations.vllm.scheduler import SchedulerSide, StepPlan
 from kvferry.integrations.vllm.stats import KVFerryConnectorStats, KVFerryPromMetrics, StatsTaker
 from kvferry.integrations.vllm.worker import WorkerConfig, WorkerSide
+from kvferry.layout import StateGeometry
 
 if TYPE_CHECKING:
     import torch
@@ -89,7 +91,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
             raise UsageError(f"kvferry connector: pipeline parallel size {parallel.pipeline_parallel_size}, data "
                              f"parallel size {parallel.data_parallel_size}: only tensor parallelism is supported")
         self._config = WorkerConfig.from_extra(_ROLES[transfer.kv_role], transfer.kv_connector_extra_config)
-        self._groups = _groups(kv_cache_config)
+        self._groups = _groups(kv_cache_config, vllm_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._stats = StatsTaker()
@@ -102,7 +104,7 @@ class KVFerryConnector(KVConnectorBase_V1, SupportsHMA):
         """Called once, after vLLM allocated its KV cache: bind it and start this worker's endpoints."""
         cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
         place = _rank_place(self._vllm_config)
-        kinds = _kinds(self._vllm_config, kv_caches, self._groups) | _state_kinds(self._kv_cache_config)
+        kinds = _kinds(self._vllm_config, kv_caches, self._groups) | _state_kinds(self._kv_cache_config, self._groups)
         memory = memory_from_kv_caches(kv_caches, self._groups, self._kv_cache_config.num_blocks,
                                        cache_dtype=cache_dtype, kinds=kinds, place=place,
                                        head_parts=_head_parts(self._vllm_config, kv_caches, cache_dtype))
@@ -259,11 +261,11 @@ def _shorten_prompt(request: Request, count: int) -> None:
     request.max_tokens = 1
 
 
-def _groups(kv_cache_config: KVCacheConfig) -> tuple[GroupSpec, ...]:
+def _groups(kv_cache_config: KVCacheConfig, vllm_config: VllmConfig) -> tuple[GroupSpec, ...]:
     """One GroupSpec per vLLM KV cache group: full attention (every prompt block moves), sliding window (the
-    window's blocks move) and Mamba state (the request's state block moves, ``layout``). Other kinds
-    (chunked local or middle-gap windows, ...) keep KV of another shape or lifetime, which kvferry does not
-    map yet."""
+    window's blocks move) and Mamba state (the request's state block moves, ``layout``; a Mamba2 state with
+    its channel sections, ``_state_geometry``). Other kinds (chunked local or middle-gap windows, ...) keep
+    KV of another shape or lifetime, which kvferry does not map yet."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     groups = []
@@ -271,7 +273,8 @@ def _groups(kv_cache_config: KVCacheConfig) -> tuple[GroupSpec, ...]:
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
             _check_state(index, group.layer_names, spec)
-            groups.append(GroupSpec(tuple(group.layer_names), int(spec.block_size), state=True))
+            groups.append(GroupSpec(tuple(group.layer_names), int(spec.block_size), state=True,
+                                    geometry=_state_geometry(spec, vllm_config)))
             continue
         window = _window(spec)
         if window == -1:
@@ -294,21 +297,39 @@ def _check_state(index: int, layers: Sequence[str], spec: Any) -> None:
                          "(speculative decoding); kvferry does not move those")
 
 
-def _state_kinds(kv_cache_config: KVCacheConfig) -> dict[str, str]:
-    """Each state layer's buffer kind: ``state/<mamba type>/<shapes>/<dtypes>/VLLM_SSM_CONV_STATE_LAYOUT=<SD|DS>``.
-    The conv state's layout (vLLM's ``VLLM_SSM_CONV_STATE_LAYOUT``: ``SD`` unless set, ``DS`` where vLLM
-    configures NixlConnector) decides what a state page holds, so two instances that differ in it must not
-    exchange state: the handshake compares kinds, and its refusal names the variable."""
+def _state_geometry(spec: Any, vllm_config: VllmConfig) -> StateGeometry | None:
+    """A Mamba2 group's state page as channel sections on this rank (``layout.mamba2_state_geometry``), from
+    its spec, the model's groups (``mamba_n_groups``, or ``n_groups`` as Mamba2 and Nemotron-H name it: the
+    spec does not carry them) and the TP size; None for other Mamba kinds, whose page then moves whole
+    between equal TP sizes only."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    hf_config = vllm_config.model_config.hf_config
+    n_groups = getattr(hf_config, "mamba_n_groups", None) or getattr(hf_config, "n_groups", None)
+    if spec.mamba_type.name.lower() != "mamba2" or not isinstance(n_groups, int):
+        return None
+    return mamba2_state_geometry(spec.shapes, [dtype.itemsize for dtype in spec.dtypes], get_conv_state_layout(),
+                                 n_groups, vllm_config.parallel_config.tensor_parallel_size)
+
+
+def _state_kinds(kv_cache_config: KVCacheConfig, groups: Sequence[GroupSpec]) -> dict[str, str]:
+    """Each state layer's buffer kind: ``state/<mamba type>/<dtypes>/VLLM_SSM_CONV_STATE_LAYOUT=<SD|DS>``,
+    with ``/<shapes>`` after the type when its group has no channel sections (the sections say the shapes,
+    per rank: the kind must not differ between TP sizes). The conv state's layout (vLLM's
+    ``VLLM_SSM_CONV_STATE_LAYOUT``: ``SD`` unless set, ``DS`` where vLLM configures NixlConnector) decides
+    what a state page holds, so two instances that differ in it must not exchange state: the handshake
+    compares kinds, and its refusal names the variable."""
     from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
     from vllm.v1.kv_cache_interface import MambaSpec
 
     kinds: dict[str, str] = {}
-    for group in kv_cache_config.kv_cache_groups:
+    for group, ours in zip(kv_cache_config.kv_cache_groups, groups):
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
-            shapes = ",".join("x".join(str(n) for n in shape) for shape in spec.shapes)
+            shapes = "" if ours.geometry is not None else "/" + ",".join(
+                "x".join(str(n) for n in shape) for shape in spec.shapes)
             dtypes = ",".join(str(dtype).removeprefix("torch.") for dtype in spec.dtypes)
-            kind = (f"state/{spec.mamba_type.name.lower()}/{shapes}/{dtypes}/"
+            kind = (f"state/{spec.mamba_type.name.lower()}{shapes}/{dtypes}/"
                     f"VLLM_SSM_CONV_STATE_LAYOUT={get_conv_state_layout()}")
             kinds.update((layer, kind) for layer in group.layer_names)
     return kinds

@@ -12,8 +12,13 @@ A state group (Mamba: a conv state and an SSM state per layer, fixed size, not p
 same way: a block of a state group holds one request's whole state for each of its layers, in the page an
 attention block of another layer would use. Its block table is not per token: with vLLM's Mamba cache mode
 ``none`` (prefix caching off) the request's state is block 0 of its table, one block, written in place by
-every step and final once the request stops. So a state group adds one page per request to the pool's list,
-after the token-paged groups' pages (see ``request_pages``), and the page moves whole, padding included.
+every step and final once the request stops. The same bytes are then read under two geometries, told apart
+by the group that owns the block id: attention blocks cut by KV heads, state blocks by channel sections
+(``kvferry.layout.state``). So a state group is a pool of its own, ``state_pool_name``, over the same
+regions as ``HYBRID_POOL`` and declared its alias (``Pool.aliases``: ``KVMemory`` accepts exactly equal
+regions, the lease table keeps one page space), and a request's page there is its state block
+(``request_pages``). Across TP sizes ``kvferry.plan.tp`` moves each section's channels to the decode rank
+that holds them (``mamba2_state_geometry``); between equal TP sizes the page moves whole.
 
 Pages are whole blocks. What a block holds inside depends on the attention kernel, so slicing tokens out
 of a block by the tensor's shape would be wrong; copying whole blocks between two instances of the same
@@ -41,13 +46,13 @@ import numpy as np
 import xxhash
 
 from kvferry.errors import LayoutError
-from kvferry.layout import Buffer, HeadGeometry, KVMemory, Layout, Pool
+from kvferry.layout import Buffer, HeadGeometry, KVMemory, Layout, Pool, StateGeometry
 from kvferry.layout.spec import MAX_NAME_LEN
 
-__all__ = ["CPU_KERNEL_ISAS", "HYBRID_POOL", "NULL_BLOCK", "GroupPart", "GroupSpec", "RankPlace", "by_group",
-           "cpu_kernel_parts", "decode_pages", "first_held_tokens", "group_transfer_id", "memory_from_kv_caches",
-           "num_blocks_for", "pool_name", "rank_kv_heads", "recv_parts", "request_pages", "send_parts", "single_pool",
-           "token_block_size"]
+__all__ = ["CPU_KERNEL_ISAS", "HYBRID_POOL", "NULL_BLOCK", "STATE_POOL", "GroupPart", "GroupSpec", "RankPlace",
+           "by_group", "cpu_kernel_parts", "decode_pages", "first_held_tokens", "group_transfer_id",
+           "mamba2_state_geometry", "memory_from_kv_caches", "num_blocks_for", "pool_name", "rank_kv_heads",
+           "recv_parts", "request_pages", "send_parts", "single_pool", "state_pool_name", "token_block_size"]
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
@@ -64,6 +69,9 @@ class GroupSpec:
     block_size: int
     sliding_window: int | None = None
     state: bool = False   # a request-scoped state group (Mamba): its state block, not blocks of tokens
+    # How this rank's state page cuts into channel sections (``mamba2_state_geometry``); None: not known,
+    # the page moves whole between equal TP sizes only.
+    geometry: StateGeometry | None = None
 
     def first_needed_block(self, num_tokens: int) -> int:
         """The first block decode reads: it recomputes the last prompt token (to sample from it), whose
@@ -87,6 +95,48 @@ class GroupSpec:
 
 
 HYBRID_POOL = "blocks"
+STATE_POOL = "state"
+
+
+def state_pool_name(groups: Sequence[GroupSpec], index: int) -> str:
+    """The pool of state group ``index``: ``STATE_POOL`` when the model has one state group, else
+    ``state<k>`` for its ``k``-th (vLLM splits many Mamba layers into several groups of equal size)."""
+    states = [i for i, group in enumerate(groups) if group.state]
+    return STATE_POOL if len(states) == 1 else f"{STATE_POOL}{states.index(index)}"
+
+
+def mamba2_state_geometry(shapes: Sequence[Sequence[int]], itemsizes: Sequence[int], conv_layout: str,
+                          n_groups: int, tp_size: int) -> StateGeometry | None:
+    """This rank's Mamba2 state page as channel sections, from vLLM's ``MambaSpec.shapes`` (conv, SSM) and
+    element sizes, ``VLLM_SSM_CONV_STATE_LAYOUT`` and the model's ``mamba_n_groups``; None when the shapes
+    are not a Mamba2 conv and SSM state or the groups split in a way vLLM does not make.
+
+    The conv state is ``[x | B | C]`` over channels (``mamba_mixer2``'s ``conv1d`` over ``xBC``): x sharded
+    by heads; B and C ``n_groups x d_state`` channels each, sharded when the groups divide over the ranks,
+    else (one group: vLLM's ``extra_groups_for_head_shards``) the same group on every rank, replicated.
+    ``SD`` stores it ``(kernel - 1, channels)``: ``kernel - 1`` rows of one element per channel; ``DS``
+    ``(channels, kernel - 1)``: one row of ``kernel - 1`` elements per channel. The SSM state after it,
+    ``(heads, head_dim, d_state)``, is sharded by heads. Both packed from byte 0, as vLLM views a page."""
+    if len(shapes) != 2 or len(itemsizes) != 2 or len(shapes[0]) != 2 or len(shapes[1]) != 3:
+        return None
+    if n_groups % tp_size == 0:
+        groups, sharded = n_groups // tp_size, True
+    elif n_groups == 1:
+        groups, sharded = 1, False
+    else:
+        return None
+    heads, head_dim, d_state = (int(n) for n in shapes[1])
+    rows, channels = (int(n) for n in shapes[0]) if conv_layout == "SD" else reversed([int(n) for n in shapes[0]])
+    x = channels - 2 * groups * d_state
+    if conv_layout not in ("SD", "DS") or x <= 0:
+        return None
+    conv, ssm = itemsizes
+    if conv_layout == "SD":
+        part = (rows, [(x, conv, True), (groups * d_state, conv, sharded), (groups * d_state, conv, sharded)])
+    else:
+        part = (1, [(x, rows * conv, True), (groups * d_state, rows * conv, sharded),
+                    (groups * d_state, rows * conv, sharded)])
+    return StateGeometry.packed([part, (1, [(heads, head_dim * d_state * ssm, True)])])
 
 
 def single_pool(groups: Sequence[GroupSpec]) -> bool:
@@ -188,7 +238,8 @@ def request_pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec
     Several groups share one pool, and its list is position-major: block position ``j`` of every group
     that needs it, then position ``j + 1``'s. So the blocks under any decode prefix are a leading part of
     the list, whatever the prefix: prefill sends before it learns decode's (see ``decode_pages``). Each
-    state group's state block comes last, after every token-paged block: no prefix holds it, it always moves.
+    state group's state block is its pool's one page (``state_pool_name``): no prefix holds it, it always
+    moves.
     Raises ``LayoutError`` when a group's table is shorter than the tokens need, or holds vLLM's null block
     where KV or state must be (a sliding-window block already freed).
     """
@@ -307,10 +358,10 @@ def _pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec], num_
     if len(block_ids) != len(groups):
         raise LayoutError(f"{len(block_ids)} block tables for {len(groups)} KV cache groups")
     columns: list[tuple[int, list[int]]] = []   # per token-paged group: its first position sent, its blocks
-    states: list[int] = []   # per state group: the request's state block
+    states: dict[str, list[int]] = {}   # per state group's pool: the request's state block
     for index, (table, group) in enumerate(zip(block_ids, groups)):
         if group.state:
-            states.append(_state_block(index, table, group))
+            states[state_pool_name(groups, index)] = [_state_block(index, table, group)]
             continue
         need = num_blocks_for(num_tokens, group.block_size)
         if len(table) < need:
@@ -325,8 +376,9 @@ def _pages(block_ids: Sequence[Sequence[int]], groups: Sequence[GroupSpec], num_
     if single_pool(groups):
         return {pool_name(0): columns[0][1]}
     size = token_block_size(groups)
-    token_pages = _position_major(columns, num_blocks_for(num_tokens, size)) if size is not None else []
-    return {HYBRID_POOL: token_pages + states}
+    if size is None:
+        return states
+    return {HYBRID_POOL: _position_major(columns, num_blocks_for(num_tokens, size)), **states}
 
 
 def _state_block(index: int, table: Sequence[int], group: GroupSpec) -> int:
@@ -363,15 +415,18 @@ def memory_from_kv_caches(kv_caches: Mapping[str, Any], groups: Sequence[GroupSp
 
     Several groups (vLLM's hybrid KV cache manager), or a state group: vLLM overlays them, the i-th layer of
     each group on the same bytes, which is sound because one block pool serves every group and a block id
-    is owned by one group at a time. Overlapping buffers cannot be told apart, so each distinct tensor is
-    one buffer (named after the layers on it) of one pool, ``HYBRID_POOL``, indexed by block id; a
-    request's pages there are its blocks in every group (``request_pages``). A state layer's tensor is
-    ``[num_blocks, ...]`` of its state's real bytes, each block a stride of the page apart (vLLM pads a
-    state's page to the attention page): its buffer's page is the stride, padding included.
+    is owned by one group at a time. Attention layers on the same bytes cannot be told apart, so each
+    distinct attention tensor is one buffer (named after the layers on it) of one pool, ``HYBRID_POOL``,
+    indexed by block id; a request's pages there are its blocks in every token-paged group
+    (``request_pages``). A state layer's tensor is ``[num_blocks, ...]`` of its state's real bytes, each
+    block a stride of the page apart (vLLM pads a state's page to the attention page): it is a buffer of
+    its group's state pool (``state_pool_name``), its page the stride, padding included, its sections the
+    group's ``geometry``, over exactly the attention buffer's region on its bytes (the pool ``aliases``
+    ``HYBRID_POOL``; a state layer with no attention layer under it is widened to its own pages).
 
     ``place``: the worker's TP rank; each buffer then says how its blocks cut into this rank's KV heads
-    (``_heads``), which lets kvferry's TP planner move KV between prefill and decode of different TP sizes.
-    A buffer holding state has none: state moves between equal TP sizes only.
+    (``_heads``), or a state buffer into channel sections, which lets kvferry's TP planner move KV and
+    state between prefill and decode of different TP sizes.
 
     ``head_parts``: per layer, where a token's bytes lie inside a head's block (``cpu_kernel_parts``; a
     token-major layer needs only ``()``: the shape says it). A layer without, a sliding-window group, and
@@ -412,32 +467,58 @@ class _View:
 def _hybrid_memory(kv_caches: Mapping[str, Any], groups: Sequence[GroupSpec], num_blocks: int, cache_dtype: str,
                    kinds: Mapping[str, str], place: RankPlace,
                    head_parts: Mapping[str, tuple[tuple[int, int], ...] | None]) -> KVMemory:
-    """One pool over the distinct tensors of several overlaid groups (see ``memory_from_kv_caches``)."""
+    """``HYBRID_POOL`` over the distinct attention tensors of several overlaid groups, and a state pool per
+    state group over the same regions (see ``memory_from_kv_caches``)."""
     block_size = token_block_size(groups)
-    regions: dict[int, list[_View]] = {}   # by address: the layers on those bytes
+    regions: dict[int, list[_View]] = {}   # by address: the attention layers on those bytes
+    states: dict[str, list[tuple[_View, StateGeometry | None]]] = {}   # per state pool: its layers' views
     for index, group in enumerate(groups):
         for layer in group.layer_names:
             if layer not in kv_caches:
                 raise LayoutError(f"group {index}: layer {layer!r} has no registered KV tensor")
             for name, view in _block_views(layer, kv_caches[layer], num_blocks):
-                page = _block_stride(view) if group.state else _nbytes(view) // num_blocks
-                regions.setdefault(_address(view), []).append(_View(name, layer, view, page, group.state))
-    buffers = []
+                if group.state:
+                    states.setdefault(state_pool_name(groups, index), []).append(
+                        (_View(name, layer, view, _block_stride(view), True), group.geometry))
+                else:
+                    regions.setdefault(_address(view), []).append(
+                        _View(name, layer, view, _nbytes(view) // num_blocks, False))
+    pools: list[Pool] = []
     arrays: dict[str, Any] = {}
-    for on_it in regions.values():
-        name = _joined([view.name for view in on_it])
-        page_bytes = _region_page(name, on_it)
-        array = _dense_view(on_it, num_blocks, page_bytes)
-        kind = "+".join(dict.fromkeys(kinds.get(view.layer, "kv") for view in on_it))
-        holds_state = any(view.state for view in on_it)
-        heads = None if holds_state or block_size is None else _heads(array, page_bytes, block_size, place,
-                                                                      _region_parts(on_it, head_parts))
-        token_views = [view for view in on_it if not view.state]
-        dtype = _dtype(token_views[0].tensor, cache_dtype) if token_views else _dtype(array, "auto")
-        buffers.append(Buffer(name, page_bytes, num_blocks, dtype, kind, _layer_index(on_it[0].layer), heads))
-        arrays[name] = array
-    pool = Pool(HYBRID_POOL, buffers, tokens_per_page=block_size)
-    return KVMemory.from_arrays(Layout([pool], place.tp_size, place.tp_rank), arrays)
+    if regions:
+        buffers = []
+        for on_it in regions.values():
+            name = _joined([view.name for view in on_it])
+            page_bytes = _region_page(name, on_it)
+            array = _dense_view(on_it, num_blocks, page_bytes)
+            kind = "+".join(dict.fromkeys(kinds.get(view.layer, "kv") for view in on_it))
+            heads = None if block_size is None else _heads(array, page_bytes, block_size, place,
+                                                             _region_parts(on_it, head_parts))
+            buffers.append(Buffer(name, page_bytes, num_blocks, _dtype(on_it[0].tensor, cache_dtype), kind,
+                                  _layer_index(on_it[0].layer), heads))
+            arrays[name] = array
+        pools.append(Pool(HYBRID_POOL, buffers, tokens_per_page=block_size))
+    for pool, views in states.items():
+        buffers = [_state_buffer(view, geometry, regions.get(_address(view.tensor), []), num_blocks, kinds, arrays)
+                   for view, geometry in views]
+        pools.append(Pool(pool, buffers, aliases=HYBRID_POOL if regions else None))
+    return KVMemory.from_arrays(Layout(pools, place.tp_size, place.tp_rank), arrays)
+
+
+def _state_buffer(view: _View, geometry: StateGeometry | None, under: Sequence[_View], num_blocks: int,
+                  kinds: Mapping[str, str], arrays: dict[str, Any]) -> Buffer:
+    """A state layer's buffer: its whole padded pages, over exactly the region of the attention layers
+    ``under`` it (their page must be its block stride), cut by ``geometry`` inside the real bytes."""
+    if under:
+        _region_page(_joined([view.name, *(u.name for u in under)]), [view, *under])
+    real = _nbytes(view.tensor) // num_blocks
+    if geometry is not None and geometry.extent > real:
+        raise LayoutError(f"layer {view.layer!r}: its state sections end at byte {geometry.extent}, past the "
+                          f"{real} bytes of state vLLM hands per block")
+    array = _dense_view([view], num_blocks, view.page_bytes)
+    arrays[view.name] = array
+    return Buffer(view.name, view.page_bytes, num_blocks, _dtype(array, "auto"), kinds.get(view.layer, "state"),
+                  _layer_index(view.layer), None, geometry)
 
 
 def _region_parts(on_it: Sequence[_View], head_parts: Mapping[str, tuple[tuple[int, int], ...] | None],

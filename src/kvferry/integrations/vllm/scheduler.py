@@ -133,7 +133,7 @@ class SchedulerSide:
     address: str | None = None
     addresses: tuple[str, ...] = ()   # every TP rank's prefill endpoint, in rank order (TP > 1)
     unbound_for_tests: bool = False   # honour UNBOUND_KEY (WorkerConfig.unbound_for_tests)
-    tp_size: int = 1                  # this instance's TP size (state moves between equal sizes only)
+    tp_size: int = 1                  # this instance's TP size (state moves across TP sizes too)
     _issues: list[str] = field(default_factory=list)
     _sends: list[SendSpec] = field(default_factory=list)
     _recvs: list[RecvSpec] = field(default_factory=list)
@@ -257,7 +257,6 @@ class SchedulerSide:
         num_tokens = int(params.get(NUM_TOKENS_KEY, num_external_tokens))
         ranks = params.get(ADDRESSES_KEY) or ()
         try:
-            self._check_state_tp(max(1, len(ranks)))
             announces = self._announces(params, block_ids, num_tokens, num_tokens - num_external_tokens)
         except LayoutError as exc:   # vLLM waits for this KV now: the worker reports it failed
             self._failures.append((request_id, str(exc)))
@@ -278,17 +277,6 @@ class SchedulerSide:
         parts = recv_parts(block_ids, self.groups, num_tokens, held)
         return [(tid, {part.pool: list(part.pages)}, {part.pool: part.first})
                 for tid, part in zip(self.transfer_ids(params), parts)]
-
-    def _check_state_tp(self, prefill_tp: int) -> None:
-        """State is sharded by heads or channels over TP ranks, and kvferry does not slice it: a state group
-        moves only between equal TP sizes. ``LayoutError`` naming the group and both sizes otherwise."""
-        if prefill_tp == self.tp_size:
-            return
-        for index, group in enumerate(self.groups):
-            if group.state:
-                raise LayoutError(f"KV cache group {index} (Mamba state, layers {list(group.layer_names)}) cannot "
-                                  f"move from prefill TP {prefill_tp} to decode TP {self.tp_size}: state moves "
-                                  "between equal TP sizes only")
 
     def _binding(self, request_id: str, prompt_token_ids: Sequence[int] | None) -> Binding | None:
         """The prompt's binding, in ``BINDING_TOKENS`` (not vLLM's blocks: prefill and decode may run
