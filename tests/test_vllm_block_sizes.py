@@ -104,8 +104,12 @@ def test_translated_blocks_hold_what_the_kernel_writes_at_the_other_block_size(t
         src_table, dst_table = tables(ts, num_tokens, 1), tables(td, num_tokens, 2)
         src_caches, isa = kernel_filled(ts, src_table, kv, dtype)
         expected, dst_isa = kernel_filled(td, dst_table, kv, dtype)
-        assert isa in CPU_KERNEL_ISAS and dst_isa in CPU_KERNEL_ISAS, (isa, dst_isa)
         parts = cpu_kernel_parts(isa, HEAD_SIZE, str(dtype).removeprefix("torch."))
+        if isa not in CPU_KERNEL_ISAS or dst_isa not in CPU_KERNEL_ISAS:
+            # A CPU with AMX gives bf16 the amx kernel, whose order inside a block was not read: kvferry
+            # declares no parts for it (so such pools move between equal block sizes only), nothing to compare.
+            assert parts is None, (isa, parts)
+            pytest.skip(f"vLLM-CPU picked the {isa!r} kernel here, whose block order kvferry does not declare")
         got = {layer: torch.zeros_like(cache) for layer, cache in expected.items()}
         translate(memory(src_caches, ts, parts), memory(got, td, parts), TokenSpan(src_table, dst_table))
         for layer in LAYERS:
