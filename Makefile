@@ -89,11 +89,13 @@ test-vllm-slow: setup-vllm
 # pool kind, the pull-mode server set, 2P2D behind SGLang's gateway: 4 min 15 s at load ~30 on 2026-12-05;
 # pull mode on the hybrid Mamba pools 2 -> 1 added 29 s the same day); `make test-sglang-slow` runs those. The
 # hybrid pools across TP sizes in push mode (1 -> 2, 2 -> 1) stay in make test: 27 s for both.
+# Servers at different --page-size (tests/test_sglang_server_page_sizes.py): 16 -> 64 in make test (85 s), the other
+# three pairs slow.
 test: test-sglang
 
 SGLANG_PYTEST = .venv-sglang/bin/python -m pytest -q
 SGLANG_TESTS = tests/test_sglang.py tests/test_sglang_page_sizes.py tests/test_sglang_prefix.py tests/test_sglang_server.py \
-	tests/test_sglang_gateway.py
+	tests/test_sglang_server_page_sizes.py tests/test_sglang_gateway.py
 
 setup-sglang: setup
 	@[ -n "$(ENGINES_SET_UP)" ] || bash scripts/setup-sglang.sh
