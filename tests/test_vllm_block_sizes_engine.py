@@ -35,10 +35,9 @@ from .vllm_pd import (
     greedy,
     make_llm,
     make_sessions,
+    plain_answers,
     prompt_sources,
-    session_answers,
     session_prompt,
-    tokens,
     write_model,
 )
 
@@ -75,12 +74,7 @@ def cases() -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def plain(model: Path, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The plain instance's answers to every pair's prompts and sessions (closed before the pairs start)."""
-    llm = make_llm(model)
-    try:
-        return [{"prompts": tokens(llm.generate(case["prompts"], greedy(MAX_TOKENS), use_tqdm=False)),
-                 "sessions": session_answers(llm, case["sessions"], MAX_TOKENS)} for case in cases]
-    finally:
-        close_llm(llm)
+    return plain_answers(model, cases, MAX_TOKENS)
 
 
 def one_at_a_time(prefill: Any, decode: Any, prompts: list[Any]) -> list[dict[str, Any]]:

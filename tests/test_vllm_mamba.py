@@ -388,14 +388,9 @@ def sessions() -> list[list[list[int]]]:
 @pytest.fixture(scope="module")
 def plain(model: Path, prompts: list[Any], sessions: list[list[list[int]]]) -> dict[str, Any]:
     """One plain instance's tokens (no disaggregation): the prompts' and the sessions'."""
-    from .vllm_pd import close_llm, greedy, make_llm, session_answers, tokens
+    from .vllm_pd import plain_answers
 
-    llm = make_llm(model, **ENGINE)
-    try:
-        return {"prompts": tokens(llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)),
-                "sessions": session_answers(llm, sessions, MAX_TOKENS)}
-    finally:
-        close_llm(llm)
+    return plain_answers(model, [{"prompts": prompts, "sessions": sessions}], MAX_TOKENS, **ENGINE)[0]
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from kvferry.integrations.vllm.layout import GroupSpec, first_held_tokens
 
 from .test_vllm_block_sizes_engine import run_pairs
 from .test_vllm_hybrid import WINDOW, write_gemma3
-from .vllm_pd import close_llm, free_port, greedy, make_llm, make_sessions, session_answers, tokens
+from .vllm_pd import close_llm, free_port, make_llm, make_sessions, plain_answers
 
 pytestmark = [pytest.mark.vllm]
 
@@ -70,12 +70,7 @@ def cases() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def plain(model: Path, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    llm = make_llm(model)
-    try:
-        return [{"prompts": tokens(llm.generate(case["prompts"], greedy(MAX_TOKENS), use_tqdm=False)),
-                 "sessions": session_answers(llm, case["sessions"], MAX_TOKENS)} for case in cases]
-    finally:
-        close_llm(llm)
+    return plain_answers(model, cases, MAX_TOKENS)
 
 
 @pytest.mark.slow   # five vLLM engines (plain, two kvferry, two NixlConnector): 125 s here, 2026-12-05

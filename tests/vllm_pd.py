@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,18 @@ def session_answers(llm: LLM, sessions: Sequence[Sequence[Sequence[int]]], max_t
         for done, got in zip(answers, tokens(llm.generate(prompts, greedy(max_tokens), use_tqdm=False))):
             done.append(got)
     return answers
+
+
+def plain_answers(model: Path, cases: Sequence[Mapping[str, Any]], max_tokens: int,
+                  **engine: Any) -> list[dict[str, Any]]:
+    """One plain instance's (no disaggregation) greedy tokens for each case's ``prompts`` and ``sessions``
+    (turn by turn), the instance closed before any PD pair starts."""
+    llm = make_llm(model, **engine)
+    try:
+        return [{"prompts": tokens(llm.generate(case["prompts"], greedy(max_tokens), use_tqdm=False)),
+                 "sessions": session_answers(llm, case["sessions"], max_tokens)} for case in cases]
+    finally:
+        close_llm(llm)
 
 
 def make_llm(model: Path, role: str | None = None, extra: dict[str, Any] | None = None, *,
