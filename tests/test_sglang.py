@@ -284,6 +284,20 @@ def test_kvferry_backend_hybrid_state_across_tp_sizes(prefill_tp: int, decode_tp
     _kvferry_ranks_all_exact("gdn", prefill_tp, decode_tp)
 
 
+@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"),
+                         _slow_but([("mamba2", 1, 2), ("mamba2", 2, 1), ("mamba2_g2", 1, 2), ("mamba2_g2", 2, 1)],
+                                   [("mamba2", 1, 2), ("mamba2_g2", 2, 1)]))
+def test_kvferry_backend_mamba2_state_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:
+    """SGLang's own hybrid pools for a Mamba2 model (tests/sglang_peer.py ``build_mamba2_pool``: Granite 4.0-H's
+    layout scaled down, one group or two), whose conv state ``[x | B | C]`` comes with no sub-block sizes in
+    KVArgs: each side's backend reads them from the GraniteMoeHybrid config the test wrote. A process per
+    rank; decode checks each of its conv channels against the prefill rank holding it, at its place there:
+    x by heads, B and C by groups (two groups) or, with one group, the same channels on every rank, from
+    the one prefill rank kvferry writes them from; each SSM head likewise, the KV pages head by head, every
+    other slot untouched."""
+    _kvferry_ranks_all_exact(pool, prefill_tp, decode_tp)
+
+
 @pytest.mark.slow   # as above
 @pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), [("mha", 2, 1), ("mha", 1, 2), ("mha", 4, 2)])
 def test_sglang_nixl_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:
@@ -371,6 +385,23 @@ def test_mha_decode_heads_disagreeing_with_prefill_fail_the_request(decode_cfg: 
     (decode,) = decodes
     reasons = set(decode["outcomes"].values())
     assert len(decode["outcomes"]) == 8 and _ok(decode) == 0 and all(_ok(p) == 0 for p in prefills), reasons
+    assert all(all(w in r for w in wanted) for r in reasons), reasons
+    assert_untouched(decode)
+
+
+def test_mamba2_decode_config_disagreeing_with_its_pool_is_refused_across_tp() -> None:
+    """Decode's Mamba2 sub-blocks are derived from its model config, so they are checked against its pool,
+    not trusted: a decode whose config claims 3 groups while its pool was sized for 1 declares no conv
+    geometry (its conv entries fit neither sub-block split), so it moves between equal TP sizes only: prefill
+    TP 2 -> decode TP 1 is refused at the handshake, naming the state buffer. Every request fails; no byte of
+    decode's memory changes."""
+    prefills, decodes = run_ranks("kvferry", "mamba2", prefill_tp=2, n=8, decode_mamba_groups=3,
+                                  env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "3", "HF_HUB_OFFLINE": "1"})
+    (decode,) = decodes
+    reasons = set(decode["outcomes"].values())
+    assert len(decode["outcomes"]) == 8 and _ok(decode) == 0 and all(_ok(p) == 0 for p in prefills), reasons
+    wanted = [_HANDSHAKE, "buffer 'state0.mamba.0'", "state geometry differs", "remote None",
+              "n_groups=3", "(from the model config)"]
     assert all(all(w in r for w in wanted) for r in reasons), reasons
     assert_untouched(decode)
 
