@@ -37,12 +37,19 @@ DEADLINE = 90.0
 # The MHA model: KV heads over all ranks, K and V head dims (mha_v: V narrower than K, mha_vw: wider), tokens
 # per page.
 MHA_KV_HEADS, MHA_PAGE = 4, 16
-MHA_DIMS = {"mha": (32, 32), "mha_v": (32, 16), "mha_vw": (16, 32), "gdn": (32, 32)}
+MHA_DIMS = {"mha": (32, 32), "mha_v": (32, 16), "mha_vw": (16, 32), "gdn": (32, 32), "mamba2": (32, 32),
+            "mamba2_g2": (32, 32)}
 # The hybrid model (``gdn``): SGLang's HybridLinearKVPool, full attention (an MHA pool of MHA_KV_HEADS heads) on
 # layers 1 and 3, gated delta net state (its MambaPool) on layers 0 and 2, Qwen3-Next's shape scaled down: conv
 # state ``[q | k | v]`` (key heads x head dim twice, value heads x head dim), kernel 4, bf16; recurrent state
 # ``[value heads, head dim, head dim]`` fp32.
 GDN_KEY_HEADS, GDN_VALUE_HEADS, GDN_HEAD_DIM, GDN_KERNEL, GDN_SLOTS = 4, 8, 16, 4, 96
+# The Mamba2 hybrids (``mamba2``: one group, ``mamba2_g2``: two), Granite 4.0-H's layout scaled down: the same
+# HybridLinearKVPool, its MambaPool sized by SGLang's Mamba2StateShape from a GraniteMoeHybrid config the test
+# writes (which the backend reads back): conv state ``[x | B | C]`` (x: heads x head dim, B and C: groups x
+# d_state each), kernel 4, bf16; SSM state ``[heads, head dim, d_state]`` fp32.
+MAMBA2_HEADS, MAMBA2_HEAD_DIM, MAMBA2_D_STATE, MAMBA2_KERNEL = 8, 16, 16, 4
+MAMBA2_GROUPS = {"mamba2": 1, "mamba2_g2": 2}
 # Different page sizes on the two sides (``cfg["pages"]``: [prefill's, decode's]): pools of this many tokens,
 # requests of 1 to MAX_REQUEST_TOKENS tokens.
 PAGED_TOKENS, MAX_REQUEST_TOKENS = 4096, 160
@@ -59,12 +66,30 @@ def model_dir(cfg: dict[str, Any], role: str) -> str:
 
     heads = cfg.get(f"{role}_config_heads", MHA_KV_HEADS)
     path = tempfile.mkdtemp(prefix=f"kvferry-model-{role}-")
+    if cfg.get("pool") in MAMBA2_GROUPS:
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(mamba2_config(cfg, role, heads), f)
+        return path
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
                    "num_attention_heads": 8, "num_key_value_heads": heads, "head_dim": 32,
                    "num_hidden_layers": 2, "intermediate_size": 512, "vocab_size": 1000,
                    "max_position_embeddings": 2048, "torch_dtype": "bfloat16"}, f)
     return path
+
+
+def mamba2_config(cfg: dict[str, Any], role: str, heads: int) -> dict[str, Any]:
+    """A tiny GraniteMoeHybrid config (Mamba2 on layers 0 and 2, attention on 1 and 3) with the pool's sizes;
+    ``{role}_mamba_groups`` makes that side's config claim another group count."""
+    groups = cfg.get(f"{role}_mamba_groups", MAMBA2_GROUPS[cfg["pool"]])
+    hidden = MAMBA2_HEADS * MAMBA2_HEAD_DIM // 2
+    return {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+            "hidden_size": hidden, "num_attention_heads": 8, "num_key_value_heads": heads,
+            "num_hidden_layers": 4, "layer_types": ["mamba", "attention", "mamba", "attention"],
+            "intermediate_size": 256, "shared_intermediate_size": 256, "num_local_experts": 0,
+            "vocab_size": 1000, "max_position_embeddings": 2048, "torch_dtype": "bfloat16",
+            "mamba_d_state": MAMBA2_D_STATE, "mamba_d_conv": MAMBA2_KERNEL, "mamba_expand": 2,
+            "mamba_d_head": MAMBA2_HEAD_DIM, "mamba_n_heads": MAMBA2_HEADS, "mamba_n_groups": groups}
 
 
 def setup_context(cfg: dict[str, Any], tp_size: int = 1, tp_rank: int = 0, role: str = "prefill") -> None:
@@ -107,6 +132,8 @@ def build_pool(kind: str, tp_size: int = 1, page: int | None = None) -> Any:
 
     if kind == "gdn":
         return build_gdn_pool(tp_size)
+    if kind in MAMBA2_GROUPS:
+        return build_mamba2_pool(tp_size, MAMBA2_GROUPS[kind])
     if is_mha(kind):
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
@@ -162,6 +189,38 @@ def build_gdn_pool(tp_size: int) -> Any:
     return HybridLinearKVPool(size=2048, dtype=torch.bfloat16, page_size=MHA_PAGE, head_num=MHA_KV_HEADS // tp_size,
                               head_dim=MHA_DIMS["gdn"][0], full_attention_layer_ids=[1, 3], device="cpu",
                               mamba_pool=mamba)
+
+
+def build_mamba2_pool(tp_size: int, n_groups: int) -> Any:
+    """SGLang's own hybrid pools for a Mamba2 model at ``tp_size``: a MambaPool sized by ``Mamba2StateShape.create``
+    as Granite 4.0-H's config does (no conv sub-block sizes: SGLang 0.5.23 passes none for Mamba2), inside a
+    HybridLinearKVPool whose full-attention layers are an MHA pool."""
+    import torch
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+
+    shape = Mamba2StateShape.create(tp_world_size=tp_size, intermediate_size=MAMBA2_HEADS * MAMBA2_HEAD_DIM,
+                                    n_groups=n_groups, num_heads=MAMBA2_HEADS, head_dim=MAMBA2_HEAD_DIM,
+                                    state_size=MAMBA2_D_STATE, conv_kernel=MAMBA2_KERNEL)
+    params = Mamba2CacheParams(shape=shape, layers=[0, 2],
+                               dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
+    mamba = MambaPool(size=GDN_SLOTS, spec_state_size=0, cache_params=params, mamba_layer_ids=[0, 2], device="cpu")
+    return HybridLinearKVPool(size=2048, dtype=torch.bfloat16, page_size=MHA_PAGE, head_num=MHA_KV_HEADS // tp_size,
+                              head_dim=MHA_DIMS["mamba2"][0], full_attention_layer_ids=[1, 3], device="cpu",
+                              mamba_pool=mamba)
+
+
+def mamba2_conv_subs(kind: str, dim: int, tp_size: int) -> tuple[tuple[int, bool], ...] | None:
+    """A Mamba2 conv entry's sub-blocks as (model-wide channels, sharded): x by heads, B and C by groups, or
+    (one group) the same group on every rank; None for an entry that is not the conv (its ``dim`` differs)."""
+    groups = MAMBA2_GROUPS[kind]
+    x = MAMBA2_HEADS * MAMBA2_HEAD_DIM
+    sharded = groups % tp_size == 0
+    per_rank = groups // tp_size if sharded else 1
+    if dim != x // tp_size + 2 * per_rank * MAMBA2_D_STATE:
+        return None
+    bc = groups * MAMBA2_D_STATE
+    return ((x, True), (bc, groups > 1), (bc, groups > 1))
 
 
 def build_kv_args(pool: Any, aux: Any, rank: int = 0, heads: bool = False) -> Any:
@@ -857,16 +916,23 @@ class Sources:
 
     def state_page(self, bi: int, b: Buf, src_page: int) -> np.ndarray:
         """A mamba slot channel by channel: each of the decode rank's channels of each sub-block (the whole
-        axis when there are none) from the prefill rank holding that model-wide channel, at its place there."""
+        axis when there are none) from the prefill rank holding that model-wide channel, at its place there.
+        A Mamba2 conv's B and C with one group are the same channels on every rank: decode's come from
+        ``src_rank`` (kvferry's ``replica_source``), at their place in its slot."""
         ptp, dtp = tp_of(self.cfg, "prefill"), tp_of(self.cfg, "decode")
         cb = b.item // b.dim
+        kind = self.cfg["pool"]
+        subs = mamba2_conv_subs(kind, b.dim, dtp) if kind in MAMBA2_GROUPS else None
+        if subs is None:
+            subs = tuple((full, True) for full in b.subs or (b.dim * dtp,))
         out, src_base = [], 0
-        for full in b.subs or (b.dim * dtp,):
-            dsub, psub = full // dtp, full // ptp
+        for full, sharded in subs:
+            dsub, psub = (full // dtp, full // ptp) if sharded else (full, full)
             for j in range(dsub):
-                g = self.rank * dsub + j
+                g = self.rank * dsub + j if sharded else j
+                rank = g // psub if sharded else src_rank(self.cfg, self.rank)
                 at = (src_base + g % psub) * cb
-                out.append(self.fills[g // psub][bi][src_page][at:at + cb])
+                out.append(self.fills[rank][bi][src_page][at:at + cb])
             src_base += psub
         return np.concatenate(out)
 

@@ -220,13 +220,14 @@ def test_kvferry_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: 
 # make test keeps the seed's pool at equal TP and MHA's sharded heads across TP; the replicated pools across TP
 # (MLA 2 -> 1, DSA 1 -> 2) run in make test-sglang-slow
 @pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"),
-                         _slow_but([("v4", 1, 1), ("mha", 4, 2), ("mla", 2, 1), ("dsa_bf16", 1, 2), ("gdn", 2, 1)],
+                         _slow_but([("v4", 1, 1), ("mha", 4, 2), ("mla", 2, 1), ("dsa_bf16", 1, 2), ("gdn", 2, 1),
+                                    ("mamba2", 2, 1)],
                                    [("v4", 1, 1), ("mha", 4, 2)]))
 def test_kvferry_backend_in_pull_mode(pool: str, prefill_tp: int, decode_tp: int) -> None:
     """``KVFERRY_SGLANG_MODE=pull``: decode ranks read what they need from the prefill ranks holding it (no
     quarantine on decode; prefill holds its pages until decode's verdict), at equal and different TP sizes:
     every rank concludes every request, every slot exact (MHA: each decode rank's KV heads, token row by token
-    row, from the prefill ranks holding them; gdn: each decode rank's state channels, as in push), and only
+    row, from the prefill ranks holding them; gdn, mamba2: each decode rank's state channels, as in push), and only
     decode posted transfers."""
     prefills, decodes = run_ranks("kvferry", pool, prefill_tp=prefill_tp, decode_tp=decode_tp,
                                   env={"KVFERRY_SGLANG_MODE": "pull"})
@@ -282,6 +283,20 @@ def test_kvferry_backend_hybrid_state_across_tp_sizes(prefill_tp: int, decode_tp
     by sub-block (q, k, v each sharded on its own), and each recurrent-state head from the prefill rank holding
     it, at its place there; the KV pages head by head; every other slot untouched."""
     _kvferry_ranks_all_exact("gdn", prefill_tp, decode_tp)
+
+
+@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"),
+                         _slow_but([("mamba2", 1, 2), ("mamba2", 2, 1), ("mamba2_g2", 1, 2), ("mamba2_g2", 2, 1)],
+                                   [("mamba2", 1, 2), ("mamba2_g2", 2, 1)]))
+def test_kvferry_backend_mamba2_state_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:
+    """SGLang's own hybrid pools for a Mamba2 model (tests/sglang_peer.py ``build_mamba2_pool``: Granite 4.0-H's
+    layout scaled down, one group or two), whose conv state ``[x | B | C]`` comes with no sub-block sizes in
+    KVArgs: each side's backend reads them from the GraniteMoeHybrid config the test wrote. A process per
+    rank; decode checks each of its conv channels against the prefill rank holding it, at its place there:
+    x by heads, B and C by groups (two groups) or, with one group, the same channels on every rank, from
+    the one prefill rank kvferry writes them from; each SSM head likewise, the KV pages head by head, every
+    other slot untouched."""
+    _kvferry_ranks_all_exact(pool, prefill_tp, decode_tp)
 
 
 @pytest.mark.slow   # as above
@@ -371,6 +386,23 @@ def test_mha_decode_heads_disagreeing_with_prefill_fail_the_request(decode_cfg: 
     (decode,) = decodes
     reasons = set(decode["outcomes"].values())
     assert len(decode["outcomes"]) == 8 and _ok(decode) == 0 and all(_ok(p) == 0 for p in prefills), reasons
+    assert all(all(w in r for w in wanted) for r in reasons), reasons
+    assert_untouched(decode)
+
+
+def test_mamba2_decode_config_disagreeing_with_its_pool_is_refused_across_tp() -> None:
+    """Decode's Mamba2 sub-blocks are derived from its model config, so they are checked against its pool,
+    not trusted: a decode whose config claims 3 groups while its pool was sized for 1 declares no conv
+    geometry (its conv entries fit neither sub-block split), so it moves between equal TP sizes only: prefill
+    TP 2 -> decode TP 1 is refused at the handshake, naming the state buffer. Every request fails; no byte of
+    decode's memory changes."""
+    prefills, decodes = run_ranks("kvferry", "mamba2", prefill_tp=2, n=8, decode_mamba_groups=3,
+                                  env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "3", "HF_HUB_OFFLINE": "1"})
+    (decode,) = decodes
+    reasons = set(decode["outcomes"].values())
+    assert len(decode["outcomes"]) == 8 and _ok(decode) == 0 and all(_ok(p) == 0 for p in prefills), reasons
+    wanted = [_HANDSHAKE, "buffer 'state0.mamba.0'", "state geometry differs", "remote None",
+              "n_groups=3", "(from the model config)"]
     assert all(all(w in r for w in wanted) for r in reasons), reasons
     assert_untouched(decode)
 

@@ -249,3 +249,54 @@ def test_mamba_state_is_cut_by_sglangs_own_dims_and_sub_blocks() -> None:
     assert flat.layout.buffer("state0.mamba.0").state is None
     assert "buffer 'state0.mamba.0': tp_size (the buffer has no head geometry" in str(
         model_difference(flat.layout, kvargs_memory(_mamba_args(1, groups=False), replicated=True)[0].layout))
+
+
+def _mamba2_args(tp: int, n_groups: int) -> SimpleNamespace:
+    """A Mamba2 component as SGLang's MambaPool states it at attention TP ``tp`` (``Mamba2StateShape.create``:
+    groups extended to one per rank when they do not divide): conv ``[x | B | C]`` (x 128 channels over all
+    ranks, B and C ``n_groups`` x 16 each, 3 bf16 per channel) with no sub-block sizes, and the SSM state
+    (8 heads of 16 x 16 fp32), one layer."""
+    groups = n_groups if n_groups % tp == 0 else tp
+    channels = (128 + 2 * groups * 16) // tp
+    conv, ssm = np.zeros((5, channels * 6), np.uint8), np.zeros((5, 8 // tp * 1024), np.uint8)
+    arrays = {"kv": [np.zeros((40, 584), np.uint8)], "aux": [np.zeros((8, 64), np.uint8)]}
+    args = _kvargs(arrays, [("mamba", [conv, ssm])])
+    args.state_dim_per_tensor = [[channels, 8 // tp]]
+    args.state_conv_shard_groups = [[None, None]]
+    args.state_slice_outer_counts = [[1, 1]]
+    args._keep = (conv, ssm, arrays)
+    return args
+
+
+def test_mamba2_conv_is_cut_by_the_model_configs_sub_blocks() -> None:
+    """With the model's Mamba2 sizes (what the backend reads from its config), a conv entry with no sub-block
+    sizes becomes x | B | C: x sharded by heads; with one group B and C the same on every rank of TP 2
+    (replicated), with two groups sharded. TP 1 and TP 2 then pair, and the planner gives decode rank 1 its x
+    half and the whole of B and C. Sizes that do not fit the entries (another group count), or groups SGLang
+    spreads over some ranks only (2 over TP 4), declare no geometry: equal TP sizes only."""
+    from kvferry.integrations.sglang.layout import Mamba2Dims
+    from kvferry.layout.compare import model_difference
+    from kvferry.layout.state import mamba2_conv_sections
+    from kvferry.plan.tp import TPPlanner
+
+    def memory(tp: int, n_groups: int, rank: int = 0, dims_groups: int | None = None) -> KVMemory:
+        dims = Mamba2Dims(128, dims_groups or n_groups, 16, 8, 16, 4)
+        return kvargs_memory(_mamba2_args(tp, n_groups), tp_size=tp, tp_rank=rank, replicated=True,
+                             mamba2=dims)[0]
+
+    one, two = memory(1, 1), memory(2, 1, rank=1)
+    conv = two.layout.buffer("state0.mamba.0").state
+    assert [(s.offset, s.channels, s.sharded) for s in conv.sections] == [(0, 64, True), (384, 16, False),
+                                                                          (480, 16, False)]
+    assert two.layout.buffer("state0.mamba.1").state.sections[0].channels == 4
+    assert model_difference(one.layout, two.layout) is None
+    piece = TPPlanner(one, two).slices["state0.mamba.0"]
+    assert [(p.src_offset, p.dst_offset, p.nbytes) for p in piece.pieces] == [
+        (64 * 6, 0, 64 * 6), (128 * 6, 64 * 6, 16 * 6), (144 * 6, 80 * 6, 16 * 6)]
+    g2 = memory(2, 2, rank=1).layout.buffer("state0.mamba.0").state
+    assert [(s.channels, s.sharded) for s in g2.sections] == [(64, True), (16, True), (16, True)]
+    assert model_difference(memory(1, 2).layout, memory(2, 2, rank=1).layout) is None
+    for wrong in (memory(2, 1, dims_groups=3), memory(4, 2)):
+        assert wrong.layout.buffer("state0.mamba.0").state is None
+    assert mamba2_conv_sections(96, 1, 16, 2, 6) == [(64, 6, True), (16, 6, False), (16, 6, False)]
+    assert mamba2_conv_sections(32, 1, 16, 2, 6) is None and mamba2_conv_sections(96, 2, 16, 4, 6) is None

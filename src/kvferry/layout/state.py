@@ -24,7 +24,7 @@ import numpy as np
 
 from kvferry.errors import LayoutError
 
-__all__ = ["StateGeometry", "StateSection"]
+__all__ = ["StateGeometry", "StateSection", "mamba2_conv_sections"]
 
 MAX_SECTIONS = 1 << 12
 MAX_SECTION_ROWS = 1 << 16      # section rows over all sections: what the overlap check expands
@@ -182,3 +182,27 @@ class StateGeometry:
                 i += 1
             parts.append((repeats, out))
         return StateGeometry.packed(parts)
+
+
+def mamba2_conv_sections(channels: int, n_groups: int, d_state: int, tp_size: int,
+                         channel_bytes: int) -> list[tuple[int, int, bool]] | None:
+    """One rank's Mamba2 conv channels ``[x | B | C]`` as ``packed`` sections ``(channels, channel_bytes,
+    sharded)``, from its ``channels`` (x and both group blocks) and the model's ``n_groups`` and ``d_state``.
+
+    x is sharded by heads. B and C are ``n_groups x d_state`` channels each: sharded when the groups divide
+    over the ranks; with one group, the same group on every rank (both engines' ``extra_groups_for_head_shards``
+    extend one group to one per rank), replicated. None for any other split (several groups over more
+    ranks: each group on some ranks only, which a section cannot say) or when no x channel is left."""
+    if n_groups <= 0 or d_state <= 0 or tp_size <= 0:
+        return None
+    if n_groups % tp_size == 0:
+        groups, sharded = n_groups // tp_size, True
+    elif n_groups == 1:
+        groups, sharded = 1, False
+    else:
+        return None
+    x = channels - 2 * groups * d_state
+    if x <= 0:
+        return None
+    return [(x, channel_bytes, True), (groups * d_state, channel_bytes, sharded),
+            (groups * d_state, channel_bytes, sharded)]

@@ -32,7 +32,14 @@ from sglang.srt.runtime_context import get_parallel
 from kvferry.control import DecodeEndpoint, EndpointOptions, PrefillEndpoint, RequestState
 from kvferry.control.pull import DECODE_MODES
 from kvferry.errors import HandshakeError, IncompatiblePeer, KVFerryError, LayoutError, PeerLost, UsageError
-from kvferry.integrations.sglang.layout import PoolNames, chunk_pages, kvargs_memory, rank_kv_heads, request_pages
+from kvferry.integrations.sglang.layout import (
+    Mamba2Dims,
+    PoolNames,
+    chunk_pages,
+    kvargs_memory,
+    rank_kv_heads,
+    request_pages,
+)
 from kvferry.integrity.binding import Binding, token_binding
 from kvferry.transport import Transport, make_transport
 
@@ -133,6 +140,48 @@ def _mha_heads(args: KVArgs, server_args: Any, tp_size: int) -> tuple[int | None
     return heads, f"{heads} KV heads per rank (from {source})" if heads else f"KV heads {source}"
 
 
+def _needs_mamba2_dims(args: KVArgs) -> bool:
+    """Whether ``args`` has a mamba component whose conv comes with no sub-block sizes (a Mamba2 ``[x | B |
+    C]``, or another conv kvferry does not cut): only then is the model config read for its sizes."""
+    groups = getattr(args, "state_conv_shard_groups", None) or []
+    return any(str(getattr(st, "value", st)) == "mamba" and not any(groups[i] if i < len(groups) else [])
+               for i, st in enumerate(getattr(args, "state_types", None) or []))
+
+
+def _mamba2_dims(args: KVArgs, server_args: Any) -> tuple[Mamba2Dims | None, str | None]:
+    """The model's Mamba2 state sizes from its config, read as SGLang reads them to size the ``MambaPool``
+    (``hybrid_arch.mamba2_config``, then its ``mamba2_cache_params``), and a note for logs. None (the conv
+    state then moves between equal TP sizes only) when the model is not such a Mamba2 or its config does
+    not load; the shape SGLang made must agree with the groups read, else nothing is declared. The note is
+    None when there is no such conv state (nothing read)."""
+    if not _needs_mamba2_dims(args):
+        return None, None
+    try:
+        from sglang.srt.configs.hybrid_arch import mamba2_config
+        from sglang.srt.configs.mamba_utils import Mamba2StateShape, extra_groups_for_head_shards
+        from sglang.srt.configs.model_config import ModelConfig
+        from sglang.srt.runtime_context import get_parallel
+
+        config = mamba2_config(ModelConfig.from_server_args(server_args))
+        shape = None if config is None else config.mamba2_cache_params.shape
+        if not isinstance(shape, Mamba2StateShape) or shape.conv_shard_groups:
+            return None, "the model config is not a Mamba2 hybrid (x | B | C conv)"
+        # NemotronH and Mamba2 name the groups n_groups; Granite 4.0-H and Falcon-H1 mamba_n_groups.
+        n_groups = getattr(config, "n_groups", None) or getattr(config, "mamba_n_groups", None)
+        tp_size = int(get_parallel().attn_tp_size)
+    except Exception as exc:  # any failure to read a config means "unknown", never a guess
+        return None, f"unknown (the model config did not load: {type(exc).__name__}: {exc})"
+    if not isinstance(n_groups, int) or n_groups <= 0:
+        return None, f"the model config gives no Mamba2 group count ({n_groups!r})"
+    groups = n_groups + extra_groups_for_head_shards(n_groups, tp_size)
+    if shape.conv_dim != shape.intermediate_size + 2 * groups * shape.state_size:
+        return None, (f"the model config's {n_groups} groups do not give SGLang's conv dim {shape.conv_dim} "
+                      f"at attn TP {tp_size}")
+    dims = Mamba2Dims(int(shape.intermediate_size), n_groups, int(shape.state_size), int(shape.num_heads),
+                      int(shape.head_dim), int(shape.conv_kernel))
+    return dims, f"Mamba2 {dims} (from the model config)"
+
+
 class KVFerryKVManager(CommonKVManager):
     """One per scheduler rank. Prefill: a ``PrefillEndpoint`` whose port is the rank port registered with
     the bootstrap server. Decode: one ``DecodeEndpoint`` connected to every prefill rank it pairs with."""
@@ -155,9 +204,14 @@ class KVFerryKVManager(CommonKVManager):
         if not is_mla_backend:
             logger.info("kvferry SGLang backend, attn TP rank %s of %s: %s", parallel.attn_tp_rank, tp_size,
                         self.kv_heads_note)
+        # A Mamba2 conv state's sub-blocks (x | B | C) are not in KVArgs: read from the model config.
+        self.mamba2, self.mamba2_note = _mamba2_dims(args, server_args)
+        if self.mamba2_note is not None:
+            logger.info("kvferry SGLang backend, attn TP rank %s of %s: %s", parallel.attn_tp_rank, tp_size,
+                        self.mamba2_note)
         self.kvferry_memory, self.pool_names = kvargs_memory(
             args, device=device, device_id=device_id, tp_size=tp_size, tp_rank=int(parallel.attn_tp_rank),
-            replicated=bool(is_mla_backend), kv_heads=self.kv_heads)
+            replicated=bool(is_mla_backend), kv_heads=self.kv_heads, mamba2=self.mamba2)
         self.kvferry_mode = _decode_mode()   # checked on both sides: a typo is refused wherever it is set
         self.kvferry_options = EndpointOptions(
             request_timeout=float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()),
@@ -438,9 +492,11 @@ class KVFerryKVReceiver(CommonKVReceiver):
         except KVFerryError as exc:
             if isinstance(exc, (HandshakeError, PeerLost)) and not isinstance(exc, IncompatiblePeer):
                 self.kv_mgr.prefill_lost(self.bootstrap_addr, f"handshake: {exc}")
-            # An MHA decode's head geometry is what it derived itself: say from where, so an operator can
-            # tell a wrong model config from a wrong prefill.
-            heads = "" if self.kv_mgr.is_mla_backend else f" (decode: {self.kv_mgr.kv_heads_note})"
+            # An MHA decode's head geometry (and a Mamba2 conv's sub-blocks) is what it derived itself: say
+            # from where, so an operator can tell a wrong model config from a wrong prefill.
+            notes = [] if self.kv_mgr.is_mla_backend else [self.kv_mgr.kv_heads_note]
+            notes += [self.kv_mgr.mamba2_note] if self.kv_mgr.mamba2_note is not None else []
+            heads = f" (decode: {'; '.join(notes)})" if notes else ""
             self._fail(f"kvferry handshake with prefill failed: {exc}{heads}")
             return False
         return True

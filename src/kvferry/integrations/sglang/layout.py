@@ -19,9 +19,11 @@ before that axis (``state_slice_outer_counts``: Kimi's ``[K-1, dim]`` conv) and,
 independently sharded sub-blocks, their model-wide sizes (``state_conv_shard_groups``: GDN's
 ``[key_dim, key_dim, value_dim]``). Each entry is then declared a ``StateGeometry`` (``_mamba_geometry``),
 and kvferry's TP planner moves each decode rank exactly its channels. A Mamba2 conv state (``[x | B | C]``,
-each sharded on its own, or B and C the same on every rank when the groups do not divide) comes with no
-sub-block sizes in ``KVArgs``: a contiguous cut would misplace them, so such a component gets no geometry
-and moves between equal TP sizes only.
+x sharded by heads, B and C by groups, or the same group on every rank when there is one group and several
+ranks) comes with no sub-block sizes in ``KVArgs``: the backend reads them from the model config
+(``Mamba2Dims``) and its conv entries are cut by ``layout.state.mamba2_conv_sections``. Without them a
+contiguous cut would misplace B and C, so such a component gets no geometry and moves between equal TP
+sizes only.
 
 Across attention TP sizes (MHA/GQA pools, ``kv_heads`` given): SGLang's ``MHATokenToKVPool`` entries are
 ``[slots * page_size, heads, head_dim]``, token-major, rank ``r`` holding KV heads ``[r * h, (r+1) * h)``.
@@ -42,12 +44,14 @@ import numpy as np
 
 from kvferry.errors import LayoutError, UsageError
 from kvferry.layout import Buffer, HeadGeometry, KVMemory, Layout, Pool, StateGeometry
+from kvferry.layout.state import mamba2_conv_sections
 
 __all__ = [
     "AUX_POOL",
     "HEAD_SHARDED_STATE_TYPES",
     "KV_POOL",
     "SUPPORTED_STATE_TYPES",
+    "Mamba2Dims",
     "PoolNames",
     "chunk_pages",
     "kvargs_memory",
@@ -85,6 +89,27 @@ class PoolNames:
     kv: str
     aux: str | None
     states: tuple[str | None, ...]
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    """A Mamba2 model's state sizes, model-wide, as its config gives them (what SGLang's
+    ``Mamba2StateShape.create`` sizes a rank's ``MambaPool`` from): what ``KVArgs`` does not say about a
+    Mamba2 conv state ``[x | B | C]``."""
+
+    intermediate_size: int
+    n_groups: int
+    state_size: int
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+
+    def conv_channels(self, tp_size: int) -> int | None:
+        """A rank's conv channels at ``tp_size`` (groups extended to one per rank when they do not divide, as
+        SGLang does), or None when SGLang could not shard it so."""
+        groups = self.n_groups if self.n_groups % tp_size == 0 else tp_size
+        total = self.intermediate_size + 2 * groups * self.state_size
+        return None if total % tp_size or self.num_heads % tp_size else total // tp_size
 
 
 def _type_value(state_type: Any) -> str:
@@ -176,13 +201,16 @@ def _kv_dtype(args: Any) -> str:
 
 
 def kvargs_memory(args: Any, *, device: str = "cpu", device_id: int = 0, tp_size: int = 1, tp_rank: int = 0,
-                  replicated: bool = False, kv_heads: int | None = None) -> tuple[KVMemory, PoolNames]:
+                  replicated: bool = False, kv_heads: int | None = None,
+                  mamba2: Mamba2Dims | None = None) -> tuple[KVMemory, PoolNames]:
     """Bind ``args`` (SGLang's ``KVArgs``) as a kvferry ``KVMemory``, and say which pool is which.
 
     ``tp_size``/``tp_rank``: this rank's place in its attention TP group. ``replicated``: every buffer
     holds the same bytes on every rank (an MLA backend), which is what lets kvferry move it across TP
     sizes. ``kv_heads`` (MHA only): this rank's KV heads, which lets kvferry cut the KV entries by head
-    across TP sizes; with neither, buffers carry no head geometry and move between equal TP sizes only."""
+    across TP sizes; with neither, buffers carry no head geometry and move between equal TP sizes only.
+    ``mamba2``: the model's Mamba2 sizes (from its config), which let a Mamba2 conv state be cut across TP
+    sizes when ``KVArgs`` gives no sub-block sizes."""
     kv_entries = _entries(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens, "kv_data")
     if not kv_entries:
         raise LayoutError("KVArgs has no KV entries")
@@ -200,7 +228,7 @@ def kvargs_memory(args: Any, *, device: str = "cpu", device_id: int = 0, tp_size
         entries += aux_entries
     states: list[str | None] = []
     for i, st in enumerate(getattr(args, "state_types", None) or []):
-        pool, comp = _state_pool(args, i, _type_value(st), replicated, tp_size)
+        pool, comp = _state_pool(args, i, _type_value(st), replicated, tp_size, mamba2)
         states.append(pool.name if pool is not None else None)
         if pool is not None:
             pools.append(pool)
@@ -211,8 +239,8 @@ def kvargs_memory(args: Any, *, device: str = "cpu", device_id: int = 0, tp_size
     return memory, PoolNames(KV_POOL, aux, tuple(states))
 
 
-def _state_pool(args: Any, i: int, state_type: str, replicated: bool,
-                tp_size: int = 1) -> tuple[Pool | None, list[tuple[int, int, int]]]:
+def _state_pool(args: Any, i: int, state_type: str, replicated: bool, tp_size: int = 1,
+                mamba2: Mamba2Dims | None = None) -> tuple[Pool | None, list[tuple[int, int, int]]]:
     ptrs = _nth(getattr(args, "state_data_ptrs", None), i)
     if not ptrs:
         return None, []
@@ -224,7 +252,7 @@ def _state_pool(args: Any, i: int, state_type: str, replicated: bool,
     name = state_pool_name(i, state_type)
     layers = _nth(getattr(args, "state_layer_ids", None), i)
     if state_type == "mamba":
-        geometry = _mamba_geometry(args, i, comp, tp_size)
+        geometry = _mamba_geometry(args, i, comp, tp_size, mamba2)
         if geometry is not None:
             heads = [HeadGeometry.whole_page(item) if g is None else None for (_, _, item), g in zip(comp, geometry)]
             return _pool(name, kind, state_type, comp, layers, None, heads, geometry), comp
@@ -232,15 +260,15 @@ def _state_pool(args: Any, i: int, state_type: str, replicated: bool,
                  _whole_pages(comp, replicated and state_type not in HEAD_SHARDED_STATE_TYPES)), comp
 
 
-def _mamba_geometry(args: Any, i: int, entries: list[tuple[int, int, int]],
-                    tp_size: int) -> list[StateGeometry | None] | None:
+def _mamba_geometry(args: Any, i: int, entries: list[tuple[int, int, int]], tp_size: int,
+                    mamba2: Mamba2Dims | None = None) -> list[StateGeometry | None] | None:
     """Each entry of mamba component ``i`` as channel sections (None for an entry replicated over the group:
-    a whole page from one rank), or None for the component when ``KVArgs`` does not say how to cut it
-    (no per-entry dims, or a conv state without its sub-block sizes: a Mamba2 ``[x | B | C]``)."""
+    a whole page from one rank), or None for the component when nothing says how to cut it: no per-entry
+    dims, or a conv state without its sub-block sizes (a Mamba2 ``[x | B | C]``) and no ``mamba2`` sizes."""
     dims = list(_nth(getattr(args, "state_dim_per_tensor", None), i))
     groups = list(_nth(getattr(args, "state_conv_shard_groups", None), i)) or [None] * len(entries)
     outers = list(_nth(getattr(args, "state_slice_outer_counts", None), i)) or [1] * len(entries)
-    if not (len(dims) == len(groups) == len(outers) == len(entries)) or not any(groups):
+    if not (len(dims) == len(groups) == len(outers) == len(entries)) or not (any(groups) or mamba2):
         return None
     out: list[StateGeometry | None] = []
     for (_, _, item), dim, sub, outer in zip(entries, dims, groups, outers):
@@ -255,10 +283,26 @@ def _mamba_geometry(args: Any, i: int, entries: list[tuple[int, int, int]],
             sections = [(int(g) // tp_size, cb, True) for g in sub]
         elif sub:   # sub-blocks that do not add up to this rank's channels: nothing says how to cut it
             return None
+        elif mamba2 is not None:
+            sections = _mamba2_sections(mamba2, dim, outer, cb, tp_size)
+            if sections is None:
+                return None
         else:
             sections = [(dim, cb, True)]
         out.append(StateGeometry.packed([(outer, sections)]))
     return out
+
+
+def _mamba2_sections(dims: Mamba2Dims, dim: int, outer: int, cb: int,
+                     tp_size: int) -> list[tuple[int, int, bool]] | None:
+    """A Mamba2 ``MambaPool`` entry with no sub-block sizes: the conv state (``[channels, kernel - 1]``, this
+    rank's conv channels) as ``[x | B | C]``, the SSM state (``[heads, head_dim, d_state]``) as heads; None
+    for an entry that is neither (then nothing says how to cut the component)."""
+    if outer == 1 and dim == dims.conv_channels(tp_size):
+        return mamba2_conv_sections(dim, dims.n_groups, dims.state_size, tp_size, cb)
+    if outer == 1 and dims.num_heads == dim * tp_size and cb % (dims.head_dim * dims.state_size) == 0:
+        return [(dim, cb, True)]
+    return None
 
 
 def _nth(lists: Sequence[Any] | None, i: int) -> Any:
