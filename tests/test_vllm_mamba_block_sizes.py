@@ -124,12 +124,17 @@ def lengths(ts: int, td: int) -> list[int]:
     return sorted({5, ts, ts + 1, td, td + 1, ts + td + 3, 2 * max(ts, td) + 7})
 
 
-def test_attention_tokens_and_state_sections_arrive_between_block_sizes_both_ways() -> None:
-    for ts, td in PAIRS:
-        hand_offs(ts, td)
+@pytest.mark.parametrize(("ts", "td"), PAIRS, ids=[f"{a}to{b}" for a, b in PAIRS])
+def test_attention_tokens_and_state_sections_arrive_between_block_sizes(ts: int, td: int) -> None:
+    hand_offs(ts, td)
 
 
-def hand_offs(ts: int, td: int, layout: str = "SD") -> None:
+def test_pull_mode_and_the_ds_conv_layout() -> None:
+    """Decode reading prefill's blocks itself plans the same rows; the ``DS`` conv layout's sections too."""
+    hand_offs(32, 16, "DS", mode="pull")
+
+
+def hand_offs(ts: int, td: int, layout: str = "SD", **decode_extra: Any) -> None:
     """Every prompt of ``lengths`` handed off at once from a prefill of ``ts`` tokens a block to a decode of
     ``td``; decode's cache is compared whole with what it must hold."""
     model = Model(ts * 100 + td)
@@ -156,7 +161,7 @@ def hand_offs(ts: int, td: int, layout: str = "SD") -> None:
             want[slot, dst_state, :len(state)] = state   # its padding: decode's own, untouched
         requests.append((rid, n, (src_state, src_table), (dst_state, dst_table)))
     prefill = Side("producer", src_raw, ts, layout, digest_mode="full")
-    decode = Side("consumer", dst_raw, td, layout, digest_mode="full")
+    decode = Side("consumer", dst_raw, td, layout, digest_mode="full", **decode_extra)
     try:
         assert translates(prefill.memory.layout, decode.memory.layout)
         for rid, n, src, dst in requests:
