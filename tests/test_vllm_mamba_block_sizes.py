@@ -61,7 +61,7 @@ def page(block: int, tp: int = 1) -> int:
 
 
 def groups(block: int, layout: str = "SD", tp: int = 1) -> tuple[GroupSpec, GroupSpec]:
-    geometry = mamba2_state_geometry(shapes(tp, layout), (4, 4), layout, 1, tp)
+    geometry = mamba2_state_geometry(shapes(tp, layout), (4, 4), layout, 1, tp) if layout else None
     return GroupSpec(MIXERS, 1024, state=True, geometry=geometry), GroupSpec(ATTNS, block)
 
 
@@ -201,8 +201,9 @@ def test_the_state_moves_section_by_section_one_page_a_request() -> None:
 
 
 def test_different_state_sections_or_tp_sizes_with_block_sizes_are_refused_by_name() -> None:
-    """A conv state laid out ``SD`` on one side and ``DS`` on the other (equal bytes, other sections), and a
-    decode of another TP size and block size: refused at the handshake, naming the pool, buffer and why."""
+    """A conv state laid out ``SD`` on one side and ``DS`` on the other (equal bytes, other sections), a state
+    without sections (nothing says where its bytes end), and a decode of another TP size and block size:
+    refused at the handshake, naming the pool, buffer and why."""
     sd = memory(np.zeros((2, NUM_BLOCKS, page(16)), np.uint8), 16, "SD")
     ds = memory(np.zeros((2, NUM_BLOCKS, page(32)), np.uint8), 32, "DS")
     diff = layout_difference(sd.layout, ds.layout)
@@ -210,6 +211,10 @@ def test_different_state_sections_or_tp_sizes_with_block_sizes_are_refused_by_na
     assert "2048 and 4096 bytes" in diff, diff
     with pytest.raises(PlanError, match="state sections"):
         PageSizePlanner(sd, ds)
+    bare = memory(np.zeros((2, NUM_BLOCKS, page(16)), np.uint8), 16, ""), memory(
+        np.zeros((2, NUM_BLOCKS, page(32)), np.uint8), 32, "")   # no sections: where do its bytes end?
+    diff = layout_difference(bare[0].layout, bare[1].layout)
+    assert diff is not None and f"pool {STATE_POOL!r}, buffer {MIXERS[0]!r}: page_bytes differs" in diff, diff
     tp2 = memory(np.zeros((2, NUM_BLOCKS, page(32, 2)), np.uint8), 32, "SD", tp=2)
     diff = layout_difference(sd.layout, tp2.layout)
     assert diff is not None and f"pool {HYBRID_POOL!r}: tokens_per_page differs (local 16, remote 32)" in diff
