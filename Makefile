@@ -43,7 +43,8 @@ bench: setup
 # hybrid Gemma3, the hybrid Mamba GraniteMoeHybrid's pair, its killed prefill and NixlConnector beside it
 # (tests/test_vllm_mamba.py: about 4 minutes together here), the same model between TP 1 and 2
 # (tests/test_vllm_mamba_tp.py, kvferry's pairs
-# and NixlConnector's: about 10 minutes here), the NixlConnector bench, the fault soaks, another
+# and NixlConnector's: about 10 minutes here), the same model between --block-size 64 and 128 both ways
+# (tests/test_vllm_mamba_block_sizes_engine.py: 66 s), the NixlConnector bench, the fault soaks, another
 # block size translated through vLLM, 2P2D behind vllm-router with kvferry and NixlConnector (352-526 s), instances
 # killed, added and restarted behind vllm-router (206 s), pull mode
 # across TP sizes in vLLM engines (164 s), kvferry and NixlConnector between block sizes 32/64/128 (333 s,
@@ -59,7 +60,8 @@ VLLM_TESTS = tests/test_vllm.py tests/test_vllm_hybrid.py tests/test_vllm_adapte
 	tests/test_vllm_block_sizes.py tests/test_vllm_block_sizes_engine.py tests/test_vllm_sliding_block_sizes.py \
 	tests/test_vllm_sliding_block_sizes_engine.py \
 	tests/test_vllm_tp_engine.py tests/test_vllm_proxy.py tests/test_vllm_faults.py tests/test_vllm_commands.py \
-	tests/test_vllm_mooncake.py tests/test_vllm_mamba.py tests/test_vllm_mamba_tp.py tests/test_vllm_router.py \
+	tests/test_vllm_mooncake.py tests/test_vllm_mamba.py tests/test_vllm_mamba_tp.py \
+	tests/test_vllm_mamba_block_sizes_engine.py tests/test_vllm_router.py \
 	tests/test_vllm_router_faults.py tests/test_dynamo.py tests/test_smg.py
 
 # Under `make test` (ENGINES_SET_UP, a target-specific variable its prerequisites inherit) setup-engines has

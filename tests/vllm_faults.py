@@ -76,8 +76,10 @@ def recording_nixl(side: str) -> Transport:
 
     class RecordingNixl(NixlTransport):
         def write(self, plan: Any, peer: str, notif: bytes, label: str = "") -> Any:
-            pools = getattr(plan, "pools", None) or plan.pool_pages   # a TransferPlan's, or a TPPlan's (across TP)
-            line = {"pages": {p.pool: len(p.dst_pages) for p in pools}, "nbytes": int(plan.nbytes)}
+            pools = getattr(plan, "pools", None) or getattr(plan, "pool_pages", None)   # a TransferPlan's, a TPPlan's
+            pages = ({p.pool: len(p.dst_pages) for p in pools} if pools is not None   # or between page sizes:
+                     else {s.pool: len(set(s.dst_page.tolist())) for s in plan.segments})   # a TokenPlan's
+            line = {"pages": pages, "nbytes": int(plan.nbytes)}
             with open(os.environ["KVFERRY_VLLM_RECORD"], "a") as record:
                 record.write(json.dumps(line) + "\n")
             return super().write(plan, peer, notif, label)

@@ -27,7 +27,7 @@ import xxhash
 from kvferry.arrays import readonly
 from kvferry.errors import LayoutError
 from kvferry.layout.memory import KVMemory
-from kvferry.plan.tokens import entry_pieces
+from kvferry.plan.tokens import entry_pieces, state_pieces
 
 if TYPE_CHECKING:
     from kvferry.plan.tp import PageSlice
@@ -211,7 +211,8 @@ def hash_entries(memory: KVMemory, gids: np.ndarray, pages: np.ndarray, first: n
                  count: np.ndarray) -> np.ndarray:
     """xxh3-64 of entries ``[first[i], first[i] + count[i])`` of page ``pages[i]`` of buffer ``gids[i]``, as
     uint64: the bytes a write between page sizes moved into (or out of) one page for one token range, piece
-    by piece (``entry_shape``) concatenated. ``count[i]`` 0: the whole page (``hash_pages``). Entries must
+    by piece (``entry_shape``) concatenated; a state buffer's one entry is its sections' bytes (``plan.tokens.
+    state_pieces``). ``count[i]`` 0: the whole page (``hash_pages``). Entries must
     be in range (the caller checks what came from the wire)."""
     out = np.zeros(len(gids), dtype=np.uint64)
     fn = xxhash.xxh3_64_intdigest
@@ -223,6 +224,11 @@ def hash_entries(memory: KVMemory, gids: np.ndarray, pages: np.ndarray, first: n
         arr = arr.reshape(len(arr), -1)
         pieces, entries, piece = entry_shape(memory, g)
         heads = bufs[g].heads
+        if bufs[g].state is not None:   # a state page's one entry is its sections (a padded page's real bytes)
+            coef, unit = (a.astype(np.int64) for a in state_pieces(bufs[g].state, name))
+            out[at] = [fn(arr[p], _HASH_SEED) if c == 0 else fn(arr[p, _entry_bytes(coef, unit, 1, 0, 1)], _HASH_SEED)
+                       for p, c in zip(index.tolist(), count[at].tolist())]
+            continue
         if heads is not None and heads.parts:   # a kernel's own order inside a head: gathered piece by piece
             coef, unit = (a.astype(np.int64) for a in entry_pieces(heads, bufs[g].page_bytes, entries))
             out[at] = [fn(arr[p], _HASH_SEED) if c == 0 else fn(arr[p, _entry_bytes(coef, unit, entries, f, c)],

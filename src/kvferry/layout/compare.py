@@ -127,15 +127,29 @@ def translation_difference(local: Layout, remote: Layout) -> str | None:
     difference, naming the pool, the buffer, both values and why.
 
     What must match: pools, buffer names, dtypes, kinds, layers and TP size; for a pool with equal page
-    sizes the whole buffer shape; for a pool whose page sizes differ, each buffer's head geometry but for
-    its tokens per page (heads, bytes per head, token- or head-major, the parts of a head's block, which
-    must be declared) and the tokens each entry of a page stands for (one, or four or 128 for a compressed
-    pool), so that bytes per token are equal and lie alike.
+    sizes the whole buffer shape, but for a state buffer's page bytes where its state sections are equal
+    (a padded state page: only the sections move); for a pool whose page sizes differ, each buffer's head
+    geometry but for its tokens per page (heads, bytes per head, token- or head-major, the parts of a head's
+    block, which must be declared) and the tokens each entry of a page stands for (one, or four or 128 for a
+    compressed pool), so that bytes per token are equal and lie alike.
     """
     if local.tp_size != remote.tp_size:
         return (f"tp_size differs: local {local.tp_size}, remote {remote.tp_size} (page sizes are translated "
                 "between equal TP sizes only)")
-    return _first_difference(local, remote, _shape_attrs, _translatable)
+    return _first_difference(local, remote, _padded_state_attrs, _translatable)
+
+
+def _padded_state_attrs(lb: Buffer, rb: Buffer) -> Iterator[tuple[str, object, object]]:
+    """``_shape_attrs``, but a state buffer's page may differ in padding alone (vLLM pads a Mamba page to
+    its attention page, which the block size sets): its sections, offsets included, must then be equal, and
+    only they move (``plan.tokens``). A state without sections says nothing of where its bytes end."""
+    if lb.page_bytes == rb.page_bytes or lb.state is None or rb.state is None:
+        yield from _shape_attrs(lb, rb)
+        return
+    for attr in ("name", "dtype", "kind", "layer", "heads"):
+        yield attr, getattr(lb, attr), getattr(rb, attr)
+    yield (f"state sections (the state pages differ in padding, {lb.page_bytes} and {rb.page_bytes} bytes: "
+           "only equal sections can move between them)", lb.state, rb.state)
 
 
 def _translatable(lp: Pool, rp: Pool) -> Iterator[tuple[str, object, object]]:

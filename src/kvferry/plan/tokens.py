@@ -32,12 +32,13 @@ from kvferry.errors import PlanError
 from kvferry.layout.compare import translation_difference
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import HeadGeometry, Pool
+from kvferry.layout.state import StateGeometry
 from kvferry.plan.contract import RowsPlan
 from kvferry.plan.pages import as_pages, check_pages
 from kvferry.plan.planner import select_buffers
 
 __all__ = ["PageSizePlanner", "Segments", "TokenPlan", "TokenPlanner", "TokenSpan", "chunk_span", "entry_pieces",
-           "plan_token_transfer"]
+           "plan_token_transfer", "state_pieces"]
 
 _U64 = np.uint64
 
@@ -85,6 +86,23 @@ def entry_pieces(heads: HeadGeometry | None, page_bytes: int, entries: int) -> t
     return coef.astype(_U64), np.tile(units[part], heads.num_heads).astype(_U64)
 
 
+def state_pieces(state: StateGeometry | None, buffer: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """A state page's real bytes as ``entry_pieces`` of one entry: (coef, unit), uint64, one element per row
+    of every section, in address order (a page padded differently on the two sides moves only these)."""
+    if state is None:
+        raise PlanError(f"buffer {buffer!r}: a state page without sections cannot move between pages padded "
+                        "differently (nothing says where its bytes end)")
+    secs = state.sections
+    reps = np.array([s.repeats for s in secs], dtype=np.int64)
+    sec = np.repeat(np.arange(len(secs)), reps)
+    row = np.arange(len(sec)) - np.repeat(np.cumsum(reps) - reps, reps)
+    start = np.array([s.offset for s in secs], dtype=np.int64)[sec] + row * np.array([s.stride for s in secs],
+                                                                                      dtype=np.int64)[sec]
+    unit = np.array([s.row_bytes for s in secs], dtype=np.int64)[sec]
+    order = np.argsort(start, kind="stable")
+    return start[order].astype(_U64), unit[order].astype(_U64)
+
+
 @dataclass(frozen=True, eq=False)
 class _PoolVectors:
     """Per-buffer vectors of one pool, aligned, and per-piece vectors (``entry_pieces``), each buffer's
@@ -105,6 +123,7 @@ class _PoolVectors:
     tokens_per_entry: int
     src_tokens: int          # the pool's tokens per page on each side
     dst_tokens: int
+    padded: bool = False     # a state pool whose pages differ in padding: its buffers move their sections only
 
     @classmethod
     def build(cls, src: KVMemory, dst: KVMemory, src_pool: Pool, dst_pool: Pool, *,
@@ -130,6 +149,9 @@ class _PoolVectors:
             raise PlanError(f"pool {src_pool.name!r}: buffers differ in tokens per entry {sorted(per_entry)}")
         # parts are equal on both sides (translation_difference), so the source's say where pieces lie
         per_buffer = [entry_pieces(g[0], sb[i].page_bytes, e) for g, i, e in zip(geoms, ids, entries_src)]
+        padded = whole and any(sb[i].page_bytes != db[i].page_bytes for i in ids)
+        if padded:   # vLLM pads a state page to its attention page: the padding differs, the sections do not
+            per_buffer = [state_pieces(sb[i].state, sb[i].name) for i in ids]
         pieces = np.array([len(coef) for coef, _ in per_buffer], dtype=np.int64)
 
         def u(values: Iterable[int]) -> np.ndarray:
@@ -141,7 +163,7 @@ class _PoolVectors:
                    u(sb[i].page_bytes for i in ids), u(db[i].page_bytes for i in ids),
                    u(entries_src), u(entries_dst),
                    u(src.regions[i].device_id for i in ids), u(dst.regions[i].device_id for i in ids),
-                   per_entry.pop(), src_tpp, dst_tpp)
+                   per_entry.pop(), src_tpp, dst_tpp, padded)
 
     def select(self, selected: np.ndarray | None) -> _PoolVectors:
         if selected is None:
@@ -226,7 +248,8 @@ class Segments:
     ``[src_entry, src_entry + entries)`` of source page ``src_page`` and ``[dst_entry, ...)`` of destination
     page ``dst_page`` (int64 arrays, one element per segment), in every buffer of ``buffer_ids``. ``whole``:
     the pool's page sizes are equal (or it is a state pool): each segment is one whole page, whatever its
-    buffers' head geometry says."""
+    buffers' head geometry says; a state pool whose pages differ in padding is not whole: each segment is
+    its page's one entry, the state sections (``hashing.hash_entries``)."""
 
     pool: str
     buffer_ids: np.ndarray
@@ -294,7 +317,7 @@ class TokenPlanner:
             seg = _segments(span, vec, pool, src_pages, dst_pages)
             if len(seg[0]) and len(vec.buffer_ids):
                 parts.append(_rows(vec, seg))
-                whole = src_pool.tokens_per_page is None or vec.src_tokens == vec.dst_tokens
+                whole = not vec.padded and (src_pool.tokens_per_page is None or vec.src_tokens == vec.dst_tokens)
                 cells.append(Segments(pool, vec.buffer_ids, *(readonly(np.asarray(a, dtype=np.int64)) for a in seg),
                                       whole))
         return _plan_of(self.src, self.dst, parts, tuple(cells))

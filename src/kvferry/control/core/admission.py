@@ -60,8 +60,11 @@ def layout_difference(local: Layout, other: Layout) -> str | None:
 
 
 def translates(local: Layout, other: Layout) -> bool:
-    """Whether a pool's page size differs between the two (admitted) layouts: plans map token ranges."""
-    return any(lp.tokens_per_page != rp.tokens_per_page for lp, rp in zip(local.pools, other.pools))
+    """Whether a pool's page size differs between the two (admitted) layouts: plans map token ranges (and
+    move a state page whose padding differs section by section)."""
+    return any(lp.tokens_per_page != rp.tokens_per_page
+               or any(lb.page_bytes != rb.page_bytes for lb, rb in zip(lp.buffers, rp.buffers))
+               for lp, rp in zip(local.pools, other.pools))
 
 
 # -- prefill admits decode -------------------------------------------------------------------------------
