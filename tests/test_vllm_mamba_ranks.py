@@ -1,4 +1,4 @@
-"""Hybrid Mamba state between different TP sizes through kvferry's vLLM connector, on numpy memory.
+"""Hybrid Mamba state between TP sizes (different and equal) through kvferry's vLLM connector, on numpy memory.
 
 Each TP rank is one worker-side half (``WorkerSide``, local transport, in this process) over numpy caches laid
 out as vLLM lays a hybrid model's (tests/test_vllm_mamba.py's ``vllm_caches``, per rank): each Mamba layer's
@@ -133,7 +133,8 @@ class Instance:
         addresses = [r.worker.address for r in self.ranks]
         self.scheduler = SchedulerSide(groups(tp, layout), addresses[0], tuple(addresses) if tp > 1 else (),
                                        tp_size=tp)
-        self.done: set[str] = set()
+        self.reported: list[set[str]] = [set() for _ in range(tp)]   # per rank: what it reported finished
+        self.done: set[str] = set()                                    # what every rank reported
         self.failed: set[str] = set()
 
     @staticmethod
@@ -153,14 +154,14 @@ class Instance:
 
     def step(self) -> None:
         plan = self.scheduler.take_plan()
-        outputs = []
         for rank in self.ranks:
             rank.worker.start(plan)
-            outputs.append(rank.worker.results())
-        for sending, recving, failed in outputs:
-            self.done |= sending | recving
+            sending, recving, failed = rank.worker.results()
+            self.reported[rank.rank] |= sending | recving
             self.failed |= failed
-        finished = set.intersection(*[s | r for s, r, _ in outputs])   # vLLM: once every rank reported it
+        # vLLM's output aggregator: finished once every rank reported it, in whichever steps they did
+        finished = set.intersection(*self.reported) - self.done
+        self.done |= finished
         self.scheduler.on_worker_output(tuple(finished), ())
 
     def close(self) -> None:
@@ -196,7 +197,10 @@ def hand_off(prefill: Instance, decode: Instance, requests: list[Request]) -> No
         decode.scheduler.after_alloc(req.rid, out, ([req.dst[0]], req.dst[1]), req.num_tokens - 1, req.prompt)
 
 
-@pytest.fixture(params=[(1, 2, "SD"), (2, 1, "SD"), (1, 2, "DS"), (2, 1, "DS")], ids=lambda p: f"{p[0]}to{p[1]}-{p[2]}")
+# Equal TP sizes too: a padded state page moves its sections only there as well (its padding is prefill's own
+# random bytes, which must not arrive).
+@pytest.fixture(params=[(1, 2, "SD"), (2, 1, "SD"), (1, 2, "DS"), (2, 1, "DS"), (1, 1, "SD"), (2, 2, "DS")],
+                ids=lambda p: f"{p[0]}to{p[1]}-{p[2]}")
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Instance, Instance, str]]:
     ptp, dtp, layout = request.param
     prefill = Instance("producer", ptp, layout, Model(ptp * 10 + dtp), REQUESTS)
@@ -245,6 +249,8 @@ def test_a_state_block_among_attention_blocks_is_refused_by_the_lease_table() ->
         # Every announce made in this one step, before decode's link to prefill is even up (its handshake
         # takes round trips): "live" holds its lease when the others ask.
         decode.step()
+        # A rank's refusal reaches its results from its progress thread: under load a later step brings it
+        wait_for(lambda: (decode.step(), all(len(rank.reasons) == 2 for rank in decode.ranks))[-1], 20)
         assert decode.failed == {"own", "other"}
         for rank in decode.ranks:
             assert (f"pool {STATE_POOL!r} page 10 is also its page in pool {HYBRID_POOL!r}"

@@ -217,6 +217,12 @@ class Buffer:
     def nbytes(self) -> int:
         return self.page_bytes * self.num_pages
 
+    @property
+    def padded_state(self) -> bool:
+        """A state page whose sections leave bytes of it uncovered (vLLM pads a Mamba page to its attention
+        page): only the sections are moved and hashed (``plan.tokens``), never the padding."""
+        return self.state is not None and self.state.nbytes < self.page_bytes
+
     def shape_key(self) -> tuple[object, ...]:
         """Fields that must be equal on both sides of a transfer (capacity excluded)."""
         base = (self.name, self.page_bytes, self.dtype, self.kind, self.layer)

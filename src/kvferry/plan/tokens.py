@@ -123,7 +123,7 @@ class _PoolVectors:
     tokens_per_entry: int
     src_tokens: int          # the pool's tokens per page on each side
     dst_tokens: int
-    padded: bool = False     # a state pool whose pages differ in padding: its buffers move their sections only
+    padded: bool = False     # a state pool whose pages are padded: its buffers move their sections only
 
     @classmethod
     def build(cls, src: KVMemory, dst: KVMemory, src_pool: Pool, dst_pool: Pool, *,
@@ -149,8 +149,9 @@ class _PoolVectors:
             raise PlanError(f"pool {src_pool.name!r}: buffers differ in tokens per entry {sorted(per_entry)}")
         # parts are equal on both sides (translation_difference), so the source's say where pieces lie
         per_buffer = [entry_pieces(g[0], sb[i].page_bytes, e) for g, i, e in zip(geoms, ids, entries_src)]
-        padded = whole and any(sb[i].page_bytes != db[i].page_bytes for i in ids)
-        if padded:   # vLLM pads a state page to its attention page: the padding differs, the sections do not
+        padded = whole and any(sb[i].page_bytes != db[i].page_bytes or sb[i].padded_state or db[i].padded_state
+                               for i in ids)
+        if padded:   # vLLM pads a state page to its attention page: only the sections move, never the padding
             per_buffer = [state_pieces(sb[i].state, sb[i].name) for i in ids]
         pieces = np.array([len(coef) for coef, _ in per_buffer], dtype=np.int64)
 

@@ -60,10 +60,12 @@ def layout_difference(local: Layout, other: Layout) -> str | None:
 
 
 def translates(local: Layout, other: Layout) -> bool:
-    """Whether a pool's page size differs between the two (admitted) layouts: plans map token ranges (and
-    move a state page whose padding differs section by section)."""
+    """Whether plans between the two (admitted) layouts map token ranges rather than whole pages: a pool's
+    page size differs, or a state page is padded (on either side), whose sections alone move: moving its
+    padding too cost 3.3x the real state bytes on vLLM's hybrid Mamba2 pages (bench/RESULTS.md)."""
     return any(lp.tokens_per_page != rp.tokens_per_page
-               or any(lb.page_bytes != rb.page_bytes for lb, rb in zip(lp.buffers, rp.buffers))
+               or any(lb.page_bytes != rb.page_bytes or lb.padded_state or rb.padded_state
+                      for lb, rb in zip(lp.buffers, rp.buffers))
                for lp, rp in zip(local.pools, other.pools))
 
 
@@ -105,8 +107,8 @@ def _check_decode_rank(memory: KVMemory, descriptors: str, session: Session, rem
         session.planner = TPPlanner(memory, remote)  # slices derived once per session
     elif translates(local, other):
         if descriptors == "prepped":
-            return ("writes between page sizes move pieces of pages: the transport must use descriptors='dlist' "
-                    "or 'auto'")
+            return ("writes between page sizes, or of a padded state page's sections, move pieces of pages: the "
+                    "transport must use descriptors='dlist' or 'auto'")
         session.translator = PageSizePlanner(memory, remote)  # per-buffer vectors built once per session
     return None
 
