@@ -44,7 +44,7 @@ bench: setup
 # (tests/test_vllm_mamba.py: about 4 minutes together here), the same model between TP 1 and 2
 # (tests/test_vllm_mamba_tp.py, kvferry's pairs
 # and NixlConnector's: about 10 minutes here), the same model between --block-size 64 and 128 both ways
-# (tests/test_vllm_mamba_block_sizes_engine.py: 66 s), the NixlConnector bench, the fault soaks, another
+# beside NixlConnector (tests/test_vllm_mamba_block_sizes_engine.py: 134 s), the NixlConnector bench, the fault soaks, another
 # block size translated through vLLM, 2P2D behind vllm-router with kvferry and NixlConnector (352-526 s), instances
 # killed, added and restarted behind vllm-router (206 s), pull mode
 # across TP sizes in vLLM engines (164 s), kvferry and NixlConnector between block sizes 32/64/128 (333 s,

@@ -77,13 +77,14 @@ def plain(model: Path, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return plain_answers(model, cases, MAX_TOKENS)
 
 
-def one_at_a_time(prefill: Any, decode: Any, prompts: list[Any]) -> list[dict[str, Any]]:
+def one_at_a_time(prefill: Any, decode: Any, prompts: list[Any], max_tokens: int = MAX_TOKENS,
+                  ) -> list[dict[str, Any]]:
     """Each prompt through prefill then decode alone: its tokens (None when it failed) and TTFT (s)."""
     rows = []
     for prompt in prompts:
         try:
             (first,) = prefill.generate([prompt], greedy(1, {"do_remote_decode": True}), use_tqdm=False)
-            (out,) = decode.generate([prompt], greedy(MAX_TOKENS, first.kv_transfer_params), use_tqdm=False)
+            (out,) = decode.generate([prompt], greedy(max_tokens, first.kv_transfer_params), use_tqdm=False)
         except Exception as exc:   # NixlConnector's engine may die of its assertion: count, go on
             rows.append({"tokens": None, "ttft": np.nan, "error": f"{type(exc).__name__}: {exc}"})
             continue
@@ -113,6 +114,13 @@ def pd_sessions(prefill: Any, decode: Any, sessions: list[list[list[int]]]) -> l
     return answers
 
 
+def tally(got: list[list[int] | None], expected: list[list[int]]) -> dict[str, int]:
+    """Answers equal to the plain instance's, different (served, no error: wrong tokens), failed (None)."""
+    return {"equal": sum(g == w for g, w in zip(got, expected)),
+            "different": sum(g is not None and g != w for g, w in zip(got, expected)),
+            "failed": sum(g is None for g in got), "total": len(expected)}
+
+
 def run_pairs(instances: dict[int, Any], cases: list[dict[str, Any]], plain: list[dict[str, Any]],
               check_transferred: bool) -> list[dict[str, Any]]:
     """Every pair's prompts and sessions; per pair: answers equal to / different from the plain instance's,
@@ -128,10 +136,7 @@ def run_pairs(instances: dict[int, Any], cases: list[dict[str, Any]], plain: lis
         got = [r["tokens"] for r in rows] + [a for s in turns for a in s]
         expected = want["prompts"] + [a for s in want["sessions"] for a in s]
         results.append({
-            "pair": (ts, td),
-            "equal": sum(g == w for g, w in zip(got, expected)),
-            "different": sum(g is not None and g != w for g, w in zip(got, expected)),
-            "failed": sum(g is None for g in got), "total": len(expected),
+            "pair": (ts, td), **tally(got, expected),
             "ttft_ms": float(np.nanmedian([r["ttft"] for r in rows]) * 1e3) if any(
                 np.isfinite(r["ttft"]) for r in rows) else float("nan"),
             "arrived": arrived, "prompt_tokens": sum(len(p["prompt_token_ids"]) for p in case["prompts"]),

