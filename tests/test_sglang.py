@@ -299,6 +299,26 @@ def test_kvferry_backend_mamba2_state_across_tp_sizes(pool: str, prefill_tp: int
     _kvferry_ranks_all_exact(pool, prefill_tp, decode_tp)
 
 
+# Issue 48, state at any TP pair: 2 <-> 4, six rank processes a case (6-14 s each here). GDN (4 key heads, 8
+# value heads: every sub-block divides over 4); Mamba2 with one group (B and C replicated at TP 2 and at TP 4,
+# written from kvferry's replica source) and four (B and C sharded on both sides: two groups a rank at TP 2,
+# one at TP 4). make test keeps GDN 4 -> 2 (the cheapest); make test-sglang-slow runs the rest.
+STATE_TP_WIDE = [("gdn", 2, 4), ("gdn", 4, 2), ("mamba2", 2, 4), ("mamba2", 4, 2), ("mamba2_g4", 2, 4),
+                 ("mamba2_g4", 4, 2)]
+
+
+@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), _slow_but(STATE_TP_WIDE, [("gdn", 4, 2)]))
+def test_kvferry_backend_state_between_tp_2_and_4(pool: str, prefill_tp: int, decode_tp: int) -> None:
+    """The hybrid pools above between attention TP 2 and 4, a process per rank (measured here, 2 cores:
+    GDN 2 -> 4 12 s, 4 -> 2 6 s; Mamba2 one group 13 s each way; four groups 12 s and 13 s). Each decode rank
+    checks every channel of every state slot against the prefill rank holding that model-wide channel, at its
+    place there: GDN's q, k and v each sharded on its own; a Mamba2 conv's x by heads and B and C by groups
+    (four groups: decode rank d's one group from prefill rank d // 2 at TP 2 -> 4; two from two ranks at 4 -> 2)
+    or, one group, the whole of B and C from kvferry's replica source; each recurrent/SSM head likewise; the
+    KV pages head by head (4 KV heads: one a rank at TP 4); every other slot untouched."""
+    _kvferry_ranks_all_exact(pool, prefill_tp, decode_tp)
+
+
 @pytest.mark.slow   # as above
 @pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), [("mha", 2, 1), ("mha", 1, 2), ("mha", 4, 2)])
 def test_sglang_nixl_backend_mha_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: int) -> None:
@@ -405,6 +425,26 @@ def test_mamba2_decode_config_disagreeing_with_its_pool_is_refused_across_tp() -
               "n_groups=3", "(from the model config)"]
     assert all(all(w in r for w in wanted) for r in reasons), reasons
     assert_untouched(decode)
+
+
+@pytest.mark.slow   # a refusal, six processes and SGLang's bootstrap timeout
+def test_mamba2_groups_spread_over_some_ranks_only_are_refused_by_name() -> None:
+    """Two Mamba2 groups at decode attention TP 4: SGLang's MambaMixer2 refuses that TP size (groups must
+    divide over it or be one), though its pool builds (``Mamba2StateShape.create`` extends the groups to one
+    per rank, each real group on two ranks). No section can say that, so decode declares no conv geometry and
+    prefill (TP 2, two groups sharded) is refused at the handshake, naming the pool, the buffer, prefill's
+    sections and, from decode's note, its groups and TP size. Every request fails on every rank; no byte of
+    any decode rank's memory changes."""
+    prefills, decodes = run_ranks("kvferry", "mamba2_g2", prefill_tp=2, decode_tp=4, n=8,
+                                  env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "3", "HF_HUB_OFFLINE": "1"})
+    wanted = [_HANDSHAKE, "pool 'state0.mamba', buffer 'state0.mamba.0'", "state geometry differs", "remote None",
+              "n_groups=2", "its 2 groups neither divide over attn TP 4 nor are one group"]
+    assert all(_ok(p) == 0 for p in prefills), [Counter(p["outcomes"].values()) for p in prefills]
+    for d in decodes:
+        reasons = set(d["outcomes"].values())
+        assert len(d["outcomes"]) == 8 and _ok(d) == 0, reasons
+        assert all(all(w in r for w in wanted) for r in reasons), reasons
+        assert_untouched(d)
 
 
 def _merge(prefills: list[dict[str, Any]], decodes: list[dict[str, Any]]) -> dict[str, Any]:
