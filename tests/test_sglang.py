@@ -218,17 +218,18 @@ def test_kvferry_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: 
 
 
 # make test keeps the seed's pool at equal TP and MHA's sharded heads across TP; the replicated pools across TP
-# (MLA 2 -> 1, DSA 1 -> 2) run in make test-sglang-slow
+# (MLA 2 -> 1, DSA 1 -> 2) and the hybrid state (2 -> 1; 2 -> 4 and 4 -> 2: 10-13 s each here) run in make
+# test-sglang-slow
 @pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"),
                          _slow_but([("v4", 1, 1), ("mha", 4, 2), ("mla", 2, 1), ("dsa_bf16", 1, 2), ("gdn", 2, 1),
-                                    ("mamba2", 2, 1)],
+                                    ("mamba2", 2, 1), ("gdn", 2, 4), ("mamba2", 4, 2), ("mamba2_g4", 4, 2)],
                                    [("v4", 1, 1), ("mha", 4, 2)]))
 def test_kvferry_backend_in_pull_mode(pool: str, prefill_tp: int, decode_tp: int) -> None:
     """``KVFERRY_SGLANG_MODE=pull``: decode ranks read what they need from the prefill ranks holding it (no
     quarantine on decode; prefill holds its pages until decode's verdict), at equal and different TP sizes:
     every rank concludes every request, every slot exact (MHA: each decode rank's KV heads, token row by token
-    row, from the prefill ranks holding them; gdn, mamba2: each decode rank's state channels, as in push), and only
-    decode posted transfers."""
+    row, from the prefill ranks holding them; gdn, mamba2, mamba2_g4: each decode rank's state channels, as in
+    push, a decode rank at TP 2 reading from two prefill ranks at TP 4), and only decode posted transfers."""
     prefills, decodes = run_ranks("kvferry", pool, prefill_tp=prefill_tp, decode_tp=decode_tp,
                                   env={"KVFERRY_SGLANG_MODE": "pull"})
     for p in prefills:
