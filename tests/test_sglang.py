@@ -428,18 +428,24 @@ def test_mamba2_decode_config_disagreeing_with_its_pool_is_refused_across_tp() -
     assert_untouched(decode)
 
 
-@pytest.mark.slow   # a refusal, six processes and SGLang's bootstrap timeout
-def test_mamba2_groups_spread_over_some_ranks_only_are_refused_by_name() -> None:
-    """Two Mamba2 groups at decode attention TP 4: SGLang's MambaMixer2 refuses that TP size (groups must
-    divide over it or be one), though its pool builds (``Mamba2StateShape.create`` extends the groups to one
-    per rank, each real group on two ranks). No section can say that, so decode declares no conv geometry and
-    prefill (TP 2, two groups sharded) is refused at the handshake, naming the pool, the buffer, prefill's
-    sections and, from decode's note, its groups and TP size. Every request fails on every rank; no byte of
-    any decode rank's memory changes."""
-    prefills, decodes = run_ranks("kvferry", "mamba2_g2", prefill_tp=2, decode_tp=4, n=8,
+_SPREAD = [_HANDSHAKE, "pool 'state0.mamba', buffer 'state0.mamba.0'", "state geometry differs", "n_groups=2"]
+
+
+@pytest.mark.slow   # a refusal, six processes and SGLang's bootstrap timeout (8-14 s each here)
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "wanted"), [
+    (2, 4, [*_SPREAD, "remote None", "its 2 groups neither divide over attn TP 4 nor are one group"]),
+    (4, 2, [*_SPREAD, "local None"])], ids=["decode-tp4", "prefill-tp4"])
+def test_mamba2_groups_spread_over_some_ranks_only_are_refused_by_name(prefill_tp: int, decode_tp: int,
+                                                                       wanted: list[str]) -> None:
+    """Two Mamba2 groups at attention TP 4: SGLang's MambaMixer2 refuses that TP size (groups must divide over
+    it or be one), though its pool builds (``Mamba2StateShape.create`` extends the groups to one per rank,
+    each real group on two ranks). No section can say that, so the TP-4 side declares no conv geometry and
+    the handshake with the TP-2 side (two groups sharded) is refused, naming the pool, the buffer, the side
+    with no geometry (decode at TP 4: ``remote None``, and decode's note names its groups and TP size;
+    prefill at TP 4: ``local None``, its note in its own log) and decode's group count. Every request fails
+    on every rank; no byte of any decode rank's memory changes."""
+    prefills, decodes = run_ranks("kvferry", "mamba2_g2", prefill_tp=prefill_tp, decode_tp=decode_tp, n=8,
                                   env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "3", "HF_HUB_OFFLINE": "1"})
-    wanted = [_HANDSHAKE, "pool 'state0.mamba', buffer 'state0.mamba.0'", "state geometry differs", "remote None",
-              "n_groups=2", "its 2 groups neither divide over attn TP 4 nor are one group"]
     assert all(_ok(p) == 0 for p in prefills), [Counter(p["outcomes"].values()) for p in prefills]
     for d in decodes:
         reasons = set(d["outcomes"].values())
