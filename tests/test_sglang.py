@@ -218,7 +218,7 @@ def test_kvferry_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: 
 
 
 # make test keeps the seed's pool at equal TP and MHA's sharded heads across TP; the replicated pools across TP
-# (MLA 2 -> 1, DSA 1 -> 2) and the hybrid state (2 -> 1; 2 -> 4 and 4 -> 2: 10-13 s each here) run in make
+# (MLA 2 -> 1, DSA 1 -> 2) and the hybrid state (2 -> 1; 2 -> 4 and 4 -> 2: 6-13 s each here) run in make
 # test-sglang-slow
 @pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"),
                          _slow_but([("v4", 1, 1), ("mha", 4, 2), ("mla", 2, 1), ("dsa_bf16", 1, 2), ("gdn", 2, 1),
@@ -300,7 +300,7 @@ def test_kvferry_backend_mamba2_state_across_tp_sizes(pool: str, prefill_tp: int
     _kvferry_ranks_all_exact(pool, prefill_tp, decode_tp)
 
 
-# Issue 48, state at any TP pair: 2 <-> 4, six rank processes a case (6-14 s each here). GDN (4 key heads, 8
+# Issue 48, state at any TP pair: 2 <-> 4, six rank processes a case (5-13 s each here). GDN (4 key heads, 8
 # value heads: every sub-block divides over 4); Mamba2 with one group (B and C replicated at TP 2 and at TP 4,
 # written from kvferry's replica source) and four (B and C sharded on both sides: two groups a rank at TP 2,
 # one at TP 4). make test keeps GDN 4 -> 2 (the cheapest); make test-sglang-slow runs the rest.
@@ -310,8 +310,8 @@ STATE_TP_WIDE = [("gdn", 2, 4), ("gdn", 4, 2), ("mamba2", 2, 4), ("mamba2", 4, 2
 
 @pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), _slow_but(STATE_TP_WIDE, [("gdn", 4, 2)]))
 def test_kvferry_backend_state_between_tp_2_and_4(pool: str, prefill_tp: int, decode_tp: int) -> None:
-    """The hybrid pools above between attention TP 2 and 4, a process per rank (measured here, 2 cores:
-    GDN 2 -> 4 12 s, 4 -> 2 6 s; Mamba2 one group 13 s each way; four groups 12 s and 13 s). Each decode rank
+    """The hybrid pools above between attention TP 2 and 4, a process per rank (measured here, 2 shared cores:
+    5-13 s a case in three runs, 43 s once at load average 7-9; GDN 4 -> 2 5-12 s). Each decode rank
     checks every channel of every state slot against the prefill rank holding that model-wide channel, at its
     place there: GDN's q, k and v each sharded on its own; a Mamba2 conv's x by heads and B and C by groups
     (four groups: decode rank d's one group from prefill rank d // 2 at TP 2 -> 4; two from two ranks at 4 -> 2)
