@@ -311,7 +311,7 @@ STATE_TP_WIDE = [("gdn", 2, 4), ("gdn", 4, 2), ("mamba2", 2, 4), ("mamba2", 4, 2
 @pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), _slow_but(STATE_TP_WIDE, [("gdn", 4, 2)]))
 def test_kvferry_backend_state_between_tp_2_and_4(pool: str, prefill_tp: int, decode_tp: int) -> None:
     """The hybrid pools above between attention TP 2 and 4, a process per rank (measured here, 2 shared cores:
-    5-13 s a case in three runs, 43 s once at load average 7-9; GDN 4 -> 2 5-12 s). Each decode rank
+    5-13 s a case in two runs, 6-43 s in one at load average 7-9; GDN 4 -> 2 5-13 s). Each decode rank
     checks every channel of every state slot against the prefill rank holding that model-wide channel, at its
     place there: GDN's q, k and v each sharded on its own; a Mamba2 conv's x by heads and B and C by groups
     (four groups: decode rank d's one group from prefill rank d // 2 at TP 2 -> 4; two from two ranks at 4 -> 2)
