@@ -38,18 +38,18 @@ DEADLINE = 90.0
 # per page.
 MHA_KV_HEADS, MHA_PAGE = 4, 16
 MHA_DIMS = {"mha": (32, 32), "mha_v": (32, 16), "mha_vw": (16, 32), "gdn": (32, 32), "mamba2": (32, 32),
-            "mamba2_g2": (32, 32)}
+            "mamba2_g2": (32, 32), "mamba2_g4": (32, 32)}
 # The hybrid model (``gdn``): SGLang's HybridLinearKVPool, full attention (an MHA pool of MHA_KV_HEADS heads) on
 # layers 1 and 3, gated delta net state (its MambaPool) on layers 0 and 2, Qwen3-Next's shape scaled down: conv
 # state ``[q | k | v]`` (key heads x head dim twice, value heads x head dim), kernel 4, bf16; recurrent state
 # ``[value heads, head dim, head dim]`` fp32.
 GDN_KEY_HEADS, GDN_VALUE_HEADS, GDN_HEAD_DIM, GDN_KERNEL, GDN_SLOTS = 4, 8, 16, 4, 96
-# The Mamba2 hybrids (``mamba2``: one group, ``mamba2_g2``: two), Granite 4.0-H's layout scaled down: the same
-# HybridLinearKVPool, its MambaPool sized by SGLang's Mamba2StateShape from a GraniteMoeHybrid config the test
-# writes (which the backend reads back): conv state ``[x | B | C]`` (x: heads x head dim, B and C: groups x
-# d_state each), kernel 4, bf16; SSM state ``[heads, head dim, d_state]`` fp32.
+# The Mamba2 hybrids (``mamba2``: one group, ``mamba2_g2``: two, ``mamba2_g4``: four), Granite 4.0-H's layout
+# scaled down: the same HybridLinearKVPool, its MambaPool sized by SGLang's Mamba2StateShape from a
+# GraniteMoeHybrid config the test writes (which the backend reads back): conv state ``[x | B | C]`` (x: heads x
+# head dim, B and C: groups x d_state each), kernel 4, bf16; SSM state ``[heads, head dim, d_state]`` fp32.
 MAMBA2_HEADS, MAMBA2_HEAD_DIM, MAMBA2_D_STATE, MAMBA2_KERNEL = 8, 16, 16, 4
-MAMBA2_GROUPS = {"mamba2": 1, "mamba2_g2": 2}
+MAMBA2_GROUPS = {"mamba2": 1, "mamba2_g2": 2, "mamba2_g4": 4}
 # Different page sizes on the two sides (``cfg["pages"]``: [prefill's, decode's]): pools of this many tokens,
 # requests of 1 to MAX_REQUEST_TOKENS tokens.
 PAGED_TOKENS, MAX_REQUEST_TOKENS = 4096, 160

@@ -218,17 +218,18 @@ def test_kvferry_backend_across_tp_sizes(pool: str, prefill_tp: int, decode_tp: 
 
 
 # make test keeps the seed's pool at equal TP and MHA's sharded heads across TP; the replicated pools across TP
-# (MLA 2 -> 1, DSA 1 -> 2) run in make test-sglang-slow
+# (MLA 2 -> 1, DSA 1 -> 2) and the hybrid state (2 -> 1; 2 -> 4 and 4 -> 2: 6-13 s each here) run in make
+# test-sglang-slow
 @pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"),
                          _slow_but([("v4", 1, 1), ("mha", 4, 2), ("mla", 2, 1), ("dsa_bf16", 1, 2), ("gdn", 2, 1),
-                                    ("mamba2", 2, 1)],
+                                    ("mamba2", 2, 1), ("gdn", 2, 4), ("mamba2", 4, 2), ("mamba2_g4", 4, 2)],
                                    [("v4", 1, 1), ("mha", 4, 2)]))
 def test_kvferry_backend_in_pull_mode(pool: str, prefill_tp: int, decode_tp: int) -> None:
     """``KVFERRY_SGLANG_MODE=pull``: decode ranks read what they need from the prefill ranks holding it (no
     quarantine on decode; prefill holds its pages until decode's verdict), at equal and different TP sizes:
     every rank concludes every request, every slot exact (MHA: each decode rank's KV heads, token row by token
-    row, from the prefill ranks holding them; gdn, mamba2: each decode rank's state channels, as in push), and only
-    decode posted transfers."""
+    row, from the prefill ranks holding them; gdn, mamba2, mamba2_g4: each decode rank's state channels, as in
+    push, a decode rank at TP 2 reading from two prefill ranks at TP 4), and only decode posted transfers."""
     prefills, decodes = run_ranks("kvferry", pool, prefill_tp=prefill_tp, decode_tp=decode_tp,
                                   env={"KVFERRY_SGLANG_MODE": "pull"})
     for p in prefills:
@@ -296,6 +297,26 @@ def test_kvferry_backend_mamba2_state_across_tp_sizes(pool: str, prefill_tp: int
     x by heads, B and C by groups (two groups) or, with one group, the same channels on every rank, from
     the one prefill rank kvferry writes them from; each SSM head likewise, the KV pages head by head, every
     other slot untouched."""
+    _kvferry_ranks_all_exact(pool, prefill_tp, decode_tp)
+
+
+# Issue 48, state at any TP pair: 2 <-> 4, six rank processes a case (5-13 s each here). GDN (4 key heads, 8
+# value heads: every sub-block divides over 4); Mamba2 with one group (B and C replicated at TP 2 and at TP 4,
+# written from kvferry's replica source) and four (B and C sharded on both sides: two groups a rank at TP 2,
+# one at TP 4). make test keeps GDN 4 -> 2 (the cheapest); make test-sglang-slow runs the rest.
+STATE_TP_WIDE = [("gdn", 2, 4), ("gdn", 4, 2), ("mamba2", 2, 4), ("mamba2", 4, 2), ("mamba2_g4", 2, 4),
+                 ("mamba2_g4", 4, 2)]
+
+
+@pytest.mark.parametrize(("pool", "prefill_tp", "decode_tp"), _slow_but(STATE_TP_WIDE, [("gdn", 4, 2)]))
+def test_kvferry_backend_state_between_tp_2_and_4(pool: str, prefill_tp: int, decode_tp: int) -> None:
+    """The hybrid pools above between attention TP 2 and 4, a process per rank (measured here, 2 shared cores:
+    5-13 s a case in two runs, 6-43 s in one at load average 7-9; GDN 4 -> 2 5-13 s). Each decode rank
+    checks every channel of every state slot against the prefill rank holding that model-wide channel, at its
+    place there: GDN's q, k and v each sharded on its own; a Mamba2 conv's x by heads and B and C by groups
+    (four groups: decode rank d's one group from prefill rank d // 2 at TP 2 -> 4; two from two ranks at 4 -> 2)
+    or, one group, the whole of B and C from kvferry's replica source; each recurrent/SSM head likewise; the
+    KV pages head by head (4 KV heads: one a rank at TP 4); every other slot untouched."""
     _kvferry_ranks_all_exact(pool, prefill_tp, decode_tp)
 
 
@@ -405,6 +426,32 @@ def test_mamba2_decode_config_disagreeing_with_its_pool_is_refused_across_tp() -
               "n_groups=3", "(from the model config)"]
     assert all(all(w in r for w in wanted) for r in reasons), reasons
     assert_untouched(decode)
+
+
+_SPREAD = [_HANDSHAKE, "pool 'state0.mamba', buffer 'state0.mamba.0'", "state geometry differs", "n_groups=2"]
+
+
+@pytest.mark.slow   # a refusal, six processes and SGLang's bootstrap timeout (8-14 s each here)
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "wanted"), [
+    (2, 4, [*_SPREAD, "remote None", "its 2 groups neither divide over attn TP 4 nor are one group"]),
+    (4, 2, [*_SPREAD, "local None"])], ids=["decode-tp4", "prefill-tp4"])
+def test_mamba2_groups_spread_over_some_ranks_only_are_refused_by_name(prefill_tp: int, decode_tp: int,
+                                                                       wanted: list[str]) -> None:
+    """Two Mamba2 groups at attention TP 4: SGLang's MambaMixer2 refuses that TP size (groups must divide over
+    it or be one), though its pool builds (``Mamba2StateShape.create`` extends the groups to one per rank,
+    each real group on two ranks). No section can say that, so the TP-4 side declares no conv geometry and
+    the handshake with the TP-2 side (two groups sharded) is refused, naming the pool, the buffer, the side
+    with no geometry (decode at TP 4: ``remote None``, and decode's note names its groups and TP size;
+    prefill at TP 4: ``local None``, its note in its own log) and decode's group count. Every request fails
+    on every rank; no byte of any decode rank's memory changes."""
+    prefills, decodes = run_ranks("kvferry", "mamba2_g2", prefill_tp=prefill_tp, decode_tp=decode_tp, n=8,
+                                  env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "3", "HF_HUB_OFFLINE": "1"})
+    assert all(_ok(p) == 0 for p in prefills), [Counter(p["outcomes"].values()) for p in prefills]
+    for d in decodes:
+        reasons = set(d["outcomes"].values())
+        assert len(d["outcomes"]) == 8 and _ok(d) == 0, reasons
+        assert all(all(w in r for w in wanted) for r in reasons), reasons
+        assert_untouched(d)
 
 
 def _merge(prefills: list[dict[str, Any]], decodes: list[dict[str, Any]]) -> dict[str, Any]:

@@ -179,7 +179,13 @@ def _mamba2_dims(args: KVArgs, server_args: Any) -> tuple[Mamba2Dims | None, str
                       f"at attn TP {tp_size}")
     dims = Mamba2Dims(int(shape.intermediate_size), n_groups, int(shape.state_size), int(shape.num_heads),
                       int(shape.head_dim), int(shape.conv_kernel))
-    return dims, f"Mamba2 {dims} (from the model config)"
+    note = f"Mamba2 {dims} (from the model config)"
+    if n_groups % tp_size and n_groups != 1:
+        # Its pool still builds (Mamba2StateShape.create extends the groups), but each group then sits on some
+        # ranks only, which no section can say: the handshake refuses a cross-TP peer, and this says why.
+        note += (f"; its {n_groups} groups neither divide over attn TP {tp_size} nor are one group (SGLang's "
+                 f"MambaMixer2 refuses that TP size): the conv state moves between equal TP sizes only")
+    return dims, note
 
 
 class KVFerryKVManager(CommonKVManager):
