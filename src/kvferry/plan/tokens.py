@@ -31,14 +31,14 @@ from kvferry.arrays import readonly
 from kvferry.errors import PlanError
 from kvferry.layout.compare import translation_difference
 from kvferry.layout.memory import KVMemory
-from kvferry.layout.spec import HeadGeometry, Pool
+from kvferry.layout.spec import Buffer, HeadGeometry, Pool
 from kvferry.layout.state import StateGeometry
 from kvferry.plan.contract import RowsPlan
 from kvferry.plan.pages import as_pages, check_pages
 from kvferry.plan.planner import select_buffers
 
 __all__ = ["PageSizePlanner", "Segments", "TokenPlan", "TokenPlanner", "TokenSpan", "chunk_span", "entry_pieces",
-           "plan_token_transfer", "state_pieces"]
+           "moves_sections", "plan_token_transfer", "state_pieces"]
 
 _U64 = np.uint64
 
@@ -84,6 +84,12 @@ def entry_pieces(heads: HeadGeometry | None, page_bytes: int, entries: int) -> t
     in_head = before[part] + row * units[part]
     coef = (np.arange(heads.num_heads)[:, None] * heads.head_bytes + in_head[None, :]).ravel()
     return coef.astype(_U64), np.tile(units[part], heads.num_heads).astype(_U64)
+
+
+def moves_sections(src: Buffer, dst: Buffer) -> bool:
+    """Whether a page of this buffer pair moves by its state sections rather than whole: the pages differ in
+    size (padding, between admitted layouts), or either side's state leaves bytes of its page uncovered."""
+    return src.page_bytes != dst.page_bytes or src.padded_state or dst.padded_state
 
 
 def state_pieces(state: StateGeometry | None, buffer: str = "") -> tuple[np.ndarray, np.ndarray]:
@@ -149,8 +155,7 @@ class _PoolVectors:
             raise PlanError(f"pool {src_pool.name!r}: buffers differ in tokens per entry {sorted(per_entry)}")
         # parts are equal on both sides (translation_difference), so the source's say where pieces lie
         per_buffer = [entry_pieces(g[0], sb[i].page_bytes, e) for g, i, e in zip(geoms, ids, entries_src)]
-        padded = whole and any(sb[i].page_bytes != db[i].page_bytes or sb[i].padded_state or db[i].padded_state
-                               for i in ids)
+        padded = whole and any(moves_sections(sb[i], db[i]) for i in ids)
         if padded:   # vLLM pads a state page to its attention page: only the sections move, never the padding
             per_buffer = [state_pieces(sb[i].state, sb[i].name) for i in ids]
         pieces = np.array([len(coef) for coef, _ in per_buffer], dtype=np.int64)

@@ -21,7 +21,7 @@ from kvferry.errors import HandshakeError, IncompatiblePeer, KVFerryError, Layou
 from kvferry.layout.compare import model_difference, shape_difference, translation_difference
 from kvferry.layout.memory import KVMemory
 from kvferry.layout.spec import Layout
-from kvferry.plan.tokens import PageSizePlanner
+from kvferry.plan.tokens import PageSizePlanner, moves_sections
 from kvferry.plan.tp import TPPlanner, source_ranks
 
 __all__ = ["as_secret", "auth_mac", "check_auth", "check_hello", "check_welcome", "layout_difference", "translates"]
@@ -64,8 +64,7 @@ def translates(local: Layout, other: Layout) -> bool:
     page size differs, or a state page is padded (on either side), whose sections alone move: moving its
     padding too cost 3.3x the real state bytes on vLLM's hybrid Mamba2 pages (bench/RESULTS.md)."""
     return any(lp.tokens_per_page != rp.tokens_per_page
-               or any(lb.page_bytes != rb.page_bytes or lb.padded_state or rb.padded_state
-                      for lb, rb in zip(lp.buffers, rp.buffers))
+               or any(moves_sections(lb, rb) for lb, rb in zip(lp.buffers, rp.buffers))
                for lp, rp in zip(local.pools, other.pools))
 
 
