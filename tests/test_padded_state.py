@@ -73,6 +73,7 @@ def test_prepared_descriptor_lists_are_refused_by_name_for_a_padded_state() -> N
     dst_mem, _ = _memory(2)
     session = SimpleNamespace(planner=None, translator=None)
     problem = _check_decode_rank(src_mem, "prepped", session, KVMemory.from_manifest(dst_mem.manifest()))
-    assert problem is not None and "padded state page" in problem and "'auto'" in problem
+    assert problem is not None and "pool 'state'" in problem and "padded state page" in problem
+    assert "'auto'" in problem
     assert _check_decode_rank(src_mem, "auto", session, KVMemory.from_manifest(dst_mem.manifest())) is None
     assert session.translator is not None

@@ -63,9 +63,14 @@ def translates(local: Layout, other: Layout) -> bool:
     """Whether plans between the two (admitted) layouts map token ranges rather than whole pages: a pool's
     page size differs, or a state page is padded (on either side), whose sections alone move: moving its
     padding too cost 3.3x the real state bytes on vLLM's hybrid Mamba2 pages (bench/RESULTS.md)."""
-    return any(lp.tokens_per_page != rp.tokens_per_page
-               or any(moves_sections(lb, rb) for lb, rb in zip(lp.buffers, rp.buffers))
-               for lp, rp in zip(local.pools, other.pools))
+    return _first_translated(local, other) is not None
+
+
+def _first_translated(local: Layout, other: Layout) -> str | None:
+    """The first pool ``translates`` finds, named for messages, or None."""
+    return next((lp.name for lp, rp in zip(local.pools, other.pools)
+                 if lp.tokens_per_page != rp.tokens_per_page
+                 or any(moves_sections(lb, rb) for lb, rb in zip(lp.buffers, rp.buffers))), None)
 
 
 # -- prefill admits decode -------------------------------------------------------------------------------
@@ -104,10 +109,10 @@ def _check_decode_rank(memory: KVMemory, descriptors: str, session: Session, rem
         if descriptors == "prepped":  # "auto" posts TP plans as rows
             return "cross-TP writes move slices of pages: the transport must use descriptors='dlist' or 'auto'"
         session.planner = TPPlanner(memory, remote)  # slices derived once per session
-    elif translates(local, other):
+    elif (pool := _first_translated(local, other)) is not None:
         if descriptors == "prepped":
-            return ("writes between page sizes, or of a padded state page's sections, move pieces of pages: the "
-                    "transport must use descriptors='dlist' or 'auto'")
+            return (f"pool {pool!r}: writes between page sizes, or of a padded state page's sections, move pieces "
+                    "of pages: the transport must use descriptors='dlist' or 'auto'")
         session.translator = PageSizePlanner(memory, remote)  # per-buffer vectors built once per session
     return None
 
