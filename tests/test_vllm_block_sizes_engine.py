@@ -19,8 +19,9 @@ pair's blocks. Slow: seven engines (the plain one, three kvferry, three NixlConn
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -42,6 +43,7 @@ from .vllm_pd import (
 )
 
 pytestmark = [pytest.mark.vllm]
+T = TypeVar("T")
 
 PAIRS = [(32, 64), (64, 32), (32, 128), (128, 32)]
 SIZES = (32, 64, 128)
@@ -121,6 +123,32 @@ def tally(got: list[list[int] | None], expected: list[list[int]]) -> dict[str, i
             "failed": sum(g is None for g in got), "total": len(expected)}
 
 
+NIXL_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+               "kv_load_failure_policy": "fail"}
+
+
+def with_nixl_engines(model: Path, sizes: tuple[int, ...], monkeypatch: pytest.MonkeyPatch,
+                      run: Callable[[dict[int, Any]], T], **engine: Any) -> T:
+    """``run`` over vLLM NixlConnector engines of ``model``, one per block size of ``sizes`` (``engine``: more
+    ``make_llm`` settings), each with a side-channel port of its own; the engines closed after, whatever
+    happened (a start-up refusal propagates)."""
+    nixl: dict[int, Any] = {}
+    try:
+        for size in sizes:
+            monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))   # read at start-up
+            nixl[size] = make_llm(model, **{**engine, "block_size": size}, kv_transfer_config=NIXL_CONFIG)
+        return run(nixl)
+    finally:
+        for llm in nixl.values():
+            close_llm(llm)
+
+
+def quoted_errors(logged: Any) -> list[str]:
+    """The distinct assertion and block-size errors in engines' captured output (``capfd.readouterr()``)."""
+    return sorted({m.group(0).strip()[:200] for m in re.finditer(r"(AssertionError|\w*Error: [^\n]*block)[^\n]*",
+                                                                   logged.out + logged.err)})
+
+
 def run_pairs(instances: dict[int, Any], cases: list[dict[str, Any]], plain: list[dict[str, Any]],
               check_transferred: bool) -> list[dict[str, Any]]:
     """Every pair's prompts and sessions; per pair: answers equal to / different from the plain instance's,
@@ -158,20 +186,10 @@ def test_different_block_sizes_kvferry_and_nixlconnector(model: Path, cases: lis
         for llm in kvferry.values():
             close_llm(llm)
     capfd.readouterr()
-    nixl_config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-                   "kv_load_failure_policy": "fail"}
-    nixl: dict[int, Any] = {}
-    try:
-        for size in SIZES:
-            monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))   # read at start-up
-            nixl[size] = make_llm(model, block_size=size, enable_prefix_caching=True, kv_transfer_config=nixl_config)
-        theirs = run_pairs(nixl, cases, plain, check_transferred=False)
-    finally:
-        for llm in nixl.values():
-            close_llm(llm)
-    logged = capfd.readouterr()
-    quoted = sorted({m.group(0).strip()[:200] for m in re.finditer(r"(AssertionError|\w*Error: [^\n]*block)[^\n]*",
-                                                                     logged.out + logged.err)})
+    theirs = with_nixl_engines(
+        model, SIZES, monkeypatch, lambda nixl: run_pairs(nixl, cases, plain, check_transferred=False),
+        enable_prefix_caching=True)
+    quoted = quoted_errors(capfd.readouterr())
     print(f"\n{'pair':>9}  {'connector':13} {'equal':>5} {'different':>9} {'failed':>6} {'of':>3}  TTFT ms p50  "
           f"prompt tokens arrived")
     for name, results in (("kvferry", ours), ("NixlConnector", theirs)):

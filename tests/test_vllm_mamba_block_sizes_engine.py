@@ -26,7 +26,6 @@ size must be a multiple of prefill's). Slow: five engines; times in the markers.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,10 +37,10 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make test-vllm)")
 
 from vllm.inputs import TokensPrompt
 
-from .test_vllm_block_sizes_engine import one_at_a_time, tally
+from .test_vllm_block_sizes_engine import one_at_a_time, quoted_errors, tally, with_nixl_engines
 from .test_vllm_mamba import ENGINE, write_granite_hybrid
 from .vllm_faults import read_record
-from .vllm_pd import close_llm, free_port, greedy, make_llm, prompt_sources, tokens
+from .vllm_pd import close_llm, greedy, make_llm, prompt_sources, tokens
 
 pytestmark = [pytest.mark.vllm]
 
@@ -161,25 +160,19 @@ def test_nixlconnector_between_the_same_block_sizes(model: Path, engines: tuple[
     capfd.readouterr()
     layout = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT")   # what the kvferry engines' start left here
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")   # NixlConnector's Mamba descriptors need it
-    nixl_config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-                   "kv_load_failure_policy": "fail"}
-    nixl: dict[int, Any] = {}
+
+    def run(nixl: dict[int, Any]) -> list[dict[str, Any]]:
+        assert [nixl[s].llm_engine.vllm_config.cache_config.block_size for s in SIZES] == list(SIZES)
+        return pairs_alone(nixl, plain)
+
     theirs: list[dict[str, Any]] = []
     started = "started"
     try:
-        for size in SIZES:
-            monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))   # read at start-up
-            nixl[size] = make_llm(model, **{**ENGINE, "block_size": size}, kv_transfer_config=nixl_config)
-        assert [nixl[s].llm_engine.vllm_config.cache_config.block_size for s in SIZES] == list(SIZES)
-        theirs = pairs_alone(nixl, plain)
+        theirs = with_nixl_engines(model, SIZES, monkeypatch, run, **ENGINE)
     except Exception as exc:   # NixlConnector may refuse this model or these sizes at start-up: say what
         started = f"did not run: {type(exc).__name__}: {str(exc)[:300]}"
-    finally:
-        for llm in nixl.values():
-            close_llm(llm)
     logged = capfd.readouterr()
-    quoted = sorted({m.group(0).strip()[:200] for m in re.finditer(r"(AssertionError|\w*Error: [^\n]*block)[^\n]*",
-                                                                     logged.out + logged.err)})
+    quoted = quoted_errors(logged)
     print(f"\n{'pair':>9}  {'connector':13} {'equal':>5} {'different':>9} {'failed':>6} {'of':>3}  TTFT ms p50  "
           "prompt tokens decode counted as transferred")
     for name, results in (("kvferry", ours), ("NixlConnector", theirs)):

@@ -14,7 +14,6 @@ it does is printed, not asserted (it is vLLM's, not ours).
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +26,9 @@ from vllm.inputs import TokensPrompt
 
 from kvferry.integrations.vllm.layout import GroupSpec, first_held_tokens
 
-from .test_vllm_block_sizes_engine import run_pairs
+from .test_vllm_block_sizes_engine import quoted_errors, run_pairs, with_nixl_engines
 from .test_vllm_hybrid import WINDOW, write_gemma3
-from .vllm_pd import close_llm, free_port, make_llm, make_sessions, plain_answers
+from .vllm_pd import close_llm, make_llm, make_sessions, plain_answers
 
 pytestmark = [pytest.mark.vllm]
 
@@ -90,23 +89,14 @@ def test_sliding_window_between_block_sizes_kvferry_and_nixlconnector(model: Pat
             close_llm(llm)
     capfd.readouterr()
     theirs: list[dict[str, Any]] = []
-    nixl_config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-                   "kv_load_failure_policy": "fail"}
-    nixl: dict[int, Any] = {}
     started = "started"
     try:
-        for size in SIZES:
-            monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))   # read at start-up
-            nixl[size] = make_llm(model, block_size=size, enable_prefix_caching=True, kv_transfer_config=nixl_config)
-        theirs = run_pairs(nixl, cases, plain, check_transferred=False)
+        theirs = with_nixl_engines(
+            model, SIZES, monkeypatch, lambda nixl: run_pairs(nixl, cases, plain, check_transferred=False),
+            enable_prefix_caching=True)
     except Exception as exc:   # NixlConnector may refuse this model or these sizes at start-up: say what
         started = f"did not run: {type(exc).__name__}: {str(exc)[:300]}"
-    finally:
-        for llm in nixl.values():
-            close_llm(llm)
-    logged = capfd.readouterr()
-    quoted = sorted({m.group(0).strip()[:200] for m in re.finditer(r"(AssertionError|\w*Error: [^\n]*block)[^\n]*",
-                                                                     logged.out + logged.err)})
+    quoted = quoted_errors(capfd.readouterr())
     print(f"\n{'pair':>9}  {'connector':13} {'equal':>5} {'different':>9} {'failed':>6} {'of':>3}  TTFT ms p50  "
           f"prompt tokens arrived (of those both sides could serve)")
     for r in ours:
