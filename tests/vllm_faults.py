@@ -17,7 +17,7 @@ from kvferry.diagnostics.faults import FaultSpec, flip_bytes
 from kvferry.integrity import PageDigests
 from kvferry.layout import KVMemory
 from kvferry.transport import Transport, make_transport
-from kvferry.workload.faults import FaultyTransport
+from kvferry.workload.faults import FaultyTransport, plan_pages
 
 LAYER0 = "model.layers.0.self_attn.attn"
 
@@ -76,9 +76,7 @@ def recording_nixl(side: str) -> Transport:
 
     class RecordingNixl(NixlTransport):
         def write(self, plan: Any, peer: str, notif: bytes, label: str = "") -> Any:
-            pools = getattr(plan, "pools", None) or getattr(plan, "pool_pages", None)   # a TransferPlan's, a TPPlan's
-            pages = ({p.pool: len(p.dst_pages) for p in pools} if pools is not None   # or between page sizes:
-                     else {s.pool: len(set(s.dst_page.tolist())) for s in plan.segments})   # a TokenPlan's
+            pages = {pool: len(set(dst.tolist())) for pool, (_, dst) in plan_pages(plan).items()}
             line = {"pages": pages, "nbytes": int(plan.nbytes)}
             with open(os.environ["KVFERRY_VLLM_RECORD"], "a") as record:
                 record.write(json.dumps(line) + "\n")

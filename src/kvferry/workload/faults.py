@@ -51,7 +51,7 @@ class FaultyTransport(Transport):
     def write(self, plan: Plan, peer: str, notif: bytes, label: str = "") -> TransferHandle:
         from kvferry.diagnostics.faults import FaultKind
 
-        pages = _plan_pages(plan)
+        pages = plan_pages(plan)
         if self.fault.kind is FaultKind.BUFFER0_SLOTS:
             plan = self.fault.plan(plan.src_memory, plan.dst_memory, pages, plan.buffer_names)
         if self.fault.kind is not FaultKind.FLIP:
@@ -86,12 +86,15 @@ class FaultyTransport(Transport):
         self.inner.close()
 
 
-def _plan_pages(plan: Plan) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Pool -> (source pages, destination pages) a plan touches: a whole-page plan's pool plans, or a token
-    plan's segments (between page sizes, or a padded state page's sections)."""
-    pools = getattr(plan, "pools", None)
-    if pools is not None:
-        return {pool_plan.pool: (pool_plan.src_pages, pool_plan.dst_pages) for pool_plan in pools}
+def plan_pages(plan: Plan) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Pool -> (source pages, destination pages) a plan touches, aligned: a whole-page plan's pool plans, a
+    TP plan's planned pools, or a token plan's segments (between page sizes, or a padded state page's
+    sections). A pool named by several parts (a joined plan) keeps its last part's pages."""
+    parts = getattr(plan, "pools", None)
+    if parts is None:
+        parts = getattr(plan, "pool_pages", None)
+    if parts is not None:
+        return {part.pool: (part.src_pages, part.dst_pages) for part in parts}
     return {seg.pool: (seg.src_page, seg.dst_page) for seg in getattr(plan, "segments", ())}
 
 
